@@ -1,0 +1,104 @@
+"""All heads of one pattern on one (local or ring) block, on top of the block seam.
+
+``pattern_forward``/``pattern_backward`` are what the ring calls. A kernel that
+can do a whole pattern in one launch (the fused Triton kernel) provides
+``forward_pattern``/``backward_pattern`` with the same signatures; any other
+kernel is driven chunk by chunk through ``forward``/``backward`` on strided views.
+
+Layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
+``M = w // r``, head ``h`` of chunk ``c`` uses offset ``c.offset``):
+
+* ``q``: ``(B, L, H, D)`` local queries.
+* ``k``, ``v``: ``packed=False``: local ``(B, L, Hk, D)``, dilated on the fly;
+  ``packed=True``: a ring buffer half ``(B, L // r, Hp, D)`` from ``views.pack_kv``.
+* forward returns the pattern's partial in *compact* layout: ``out``
+  ``(B, L // r, H, D)`` and ``lse`` ``(B, L // r, H)`` fp32 where row
+  ``s * M + j`` of head ``h`` is local position ``s * w + offset(h) + r * j``.
+  Heads outside the plan's chunks are left unspecified.
+* backward takes the final merged ``out``/``lse``/``dout`` in full layout
+  (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``dq``
+  (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..patterns import PatternPlan
+from ..views import chunk_views, dilated_view, packed_view
+from .base import BlockKernel
+
+
+def compact_view(x: torch.Tensor, plan: PatternPlan, h0: int, h1: int) -> torch.Tensor:
+    """Heads ``[h0, h1)`` of a compact ``(B, L // r, H, ...)`` tensor as ``(B, S, M, h, ...)``."""
+    m = plan.local_segment // plan.dilation
+    return x.unflatten(1, (x.shape[1] // m, m)).narrow(3, h0, h1 - h0)
+
+
+def _kv_views(k, v, plan, chunk, packed):
+    if packed:
+        return packed_view(k, chunk), packed_view(v, chunk)
+    return chunk_views(k, plan, chunk, kv=True), chunk_views(v, plan, chunk, kv=True)
+
+
+def pattern_forward(
+    kernel: BlockKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: PatternPlan,
+    *,
+    packed: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(kernel, "forward_pattern"):
+        return kernel.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
+    bsz, n, heads, dim = q.shape
+    rows = n // plan.dilation
+    out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((bsz, rows, heads), dtype=torch.float32, device=q.device)
+    for c in plan.chunks:
+        kc, vc = _kv_views(k, v, plan, c, packed)
+        o, s = kernel.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale)
+        compact_view(out, plan, c.h0, c.h1).copy_(o)
+        compact_view(lse, plan, c.h0, c.h1).copy_(s)
+    return out, lse
+
+
+def pattern_backward(
+    kernel: BlockKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: PatternPlan,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    packed: bool,
+    causal: bool,
+    scale: float,
+) -> None:
+    if hasattr(kernel, "backward_pattern"):
+        kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=packed, causal=causal, scale=scale)
+        return
+    for c in plan.chunks:
+        kc, vc = _kv_views(k, v, plan, c, packed)
+        gq, gk, gv = kernel.backward(
+            chunk_views(q, plan, c),
+            kc,
+            vc,
+            chunk_views(out, plan, c),
+            dilated_view(lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
+            chunk_views(dout, plan, c),
+            causal=causal,
+            scale=scale,
+        )
+        chunk_views(dq, plan, c).add_(gq)
+        dkc, dvc = _kv_views(dk, dv, plan, c, packed)
+        dkc.add_(gk)
+        dvc.add_(gv)

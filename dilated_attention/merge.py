@@ -1,0 +1,58 @@
+"""fp32 log-sum-exp merge of partial attention results, safe for empty rows.
+
+A partial is ``(out, lse)`` with ``out`` of shape ``(..., D)`` and ``lse`` of
+shape ``(...)`` in natural log. An empty row has ``lse = -inf`` (kernels may mark
+a fully masked row with ``+inf``; it is read as ``-inf``). Merging is the online
+softmax combination; it never produces NaN, and two empty rows stay empty.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def normalize_lse(lse: torch.Tensor) -> torch.Tensor:
+    """fp32 LSE with every non-finite-positive marker (``+inf``, NaN) of an empty row mapped to ``-inf``."""
+    lse = lse.float()
+    return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+
+
+def merge_two(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partials; returns fp32 ``(out, lse)``. Differentiable, NaN-free for empty rows."""
+    lse_a, lse_b = normalize_lse(lse_a), normalize_lse(lse_b)
+    top = torch.maximum(lse_a, lse_b)
+    # A row empty in both has top = -inf: shift by 0 instead so exp() sees -inf, not NaN.
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    wa, wb = torch.exp(lse_a - shift), torch.exp(lse_b - shift)
+    total = wa + wb
+    lse = shift + torch.log(total)
+    inv = torch.where(total > 0, 1.0 / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(total))
+    return _weighted(out_a, wa * inv) + _weighted(out_b, wb * inv), lse
+
+
+def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # A zero weight must silence the row even if an empty row's out holds NaN.
+    w = weight.unsqueeze(-1)
+    return torch.where(w > 0, out.float() * w, torch.zeros((), dtype=torch.float32, device=out.device))
+
+
+def merge_into_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """In place: ``(acc_out, acc_lse) <- merge((acc_out, acc_lse), (out, lse))``.
+
+    ``acc_*`` are fp32 (possibly strided) views of the accumulators.
+    """
+    merged_out, merged_lse = merge_two(acc_out, acc_lse, out, lse)
+    acc_out.copy_(merged_out)
+    acc_lse.copy_(merged_lse)
+
+
+def merge_all(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge any number of partials (softmax over the concatenation of their keys)."""
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"merge_all needs equal, non-zero numbers of outs and lses, got {len(outs)} and {len(lses)}")
+    out, lse = outs[0].float(), normalize_lse(lses[0])
+    for o, s in zip(outs[1:], lses[1:]):
+        out, lse = merge_two(out, lse, o, s)
+    return out, lse

@@ -1,0 +1,198 @@
+"""Pattern validation, head offsets, head groups and ring plans (DESIGN.md 1-2).
+
+A *plan* says, for one (segment, dilation) pattern, which heads read which
+offset, which kv heads they need, and whether the pattern runs locally on each
+rank or as a ring of ``G`` consecutive ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+MODES = ("longnet", "grouped")
+
+
+@dataclass(frozen=True)
+class HeadChunk:
+    """Query heads ``[h0, h1)`` reading dilation offset ``offset`` of kv heads ``[k0, k1)``.
+
+    Either the chunk is aligned to kv groups (``h0 == k0 * g``, ``h1 == k1 * g``)
+    or it lies inside one kv group (``k1 == k0 + 1``); in both cases local query
+    head ``i`` reads local kv head ``i // ((h1 - h0) // (k1 - k0))``.
+    ``packed`` is where the chunk's kv heads start in the ring's packed buffer.
+    """
+
+    offset: int
+    h0: int
+    h1: int
+    k0: int
+    k1: int
+    packed: int
+
+
+@dataclass(frozen=True)
+class PatternPlan:
+    index: int
+    segment: int  # effective global segment w' = min(w, N)
+    dilation: int
+    local_segment: int  # rows of one segment inside a rank's shard: min(w', L)
+    ring_size: int  # G: 1 = computed locally, > 1 = ring of G consecutive ranks
+    chunks: tuple[HeadChunk, ...]
+
+    @property
+    def packed_heads(self) -> int:
+        return sum(c.k1 - c.k0 for c in self.chunks)
+
+
+def _check_int_list(name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    out = []
+    for i, x in enumerate(values):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__} ({x!r})")
+        out.append(int(x))
+    return out
+
+
+def validate_patterns(
+    segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int
+) -> list[tuple[int, int]]:
+    """Return ``[(w', r), ...]`` or raise ``ValueError``/``TypeError`` naming the rule broken."""
+    segs = _check_int_list("segment_lengths", segment_lengths)
+    rates = _check_int_list("dilation_rates", dilation_rates)
+    if len(segs) != len(rates):
+        raise ValueError(
+            f"segment_lengths and dilation_rates must have equal lengths, got {len(segs)} and {len(rates)}"
+        )
+    if not segs:
+        raise ValueError("segment_lengths must hold at least one pattern, got []")
+    for name, vals in (("segment_lengths", segs), ("dilation_rates", rates)):
+        bad = [x for x in vals if x <= 0]
+        if bad:
+            raise ValueError(f"{name} must all be positive, got {vals}")
+    out = []
+    for i, (w, r) in enumerate(zip(segs, rates)):
+        we = min(w, seq_len)
+        if seq_len % we:
+            raise ValueError(
+                f"sequence length {seq_len} must be divisible by segment_lengths[{i}]={we}"
+                + (f" (clamped from {w})" if we != w else "")
+            )
+        if we % r:
+            raise ValueError(
+                f"segment_lengths[{i}]={we} must be divisible by dilation_rates[{i}]={r}"
+            )
+        out.append((we, r))
+    return out
+
+
+def longnet_offsets(num_heads: int, rate: int) -> list[int]:
+    """Offset of each head in a pattern of dilation ``rate``: ``(h * r) // H``."""
+    return [(h * rate) // num_heads for h in range(num_heads)]
+
+
+def head_groups(num_heads: int, num_patterns: int) -> list[tuple[int, int]]:
+    """Contiguous head groups for ``mode="grouped"``, sizes differ by <= 1, larger first."""
+    if num_heads < num_patterns:
+        raise ValueError(
+            f'mode="grouped" needs num_heads >= number of patterns, got {num_heads} heads '
+            f"and {num_patterns} patterns"
+        )
+    base, extra = divmod(num_heads, num_patterns)
+    groups, start = [], 0
+    for i in range(num_patterns):
+        size = base + (1 if i < extra else 0)
+        groups.append((start, start + size))
+        start += size
+    return groups
+
+
+def _split_by_kv_group(h0: int, h1: int, group: int) -> list[tuple[int, int]]:
+    """Cut ``[h0, h1)`` so each piece is kv-group aligned or inside one kv group."""
+    pieces = []
+    first_full = -(-h0 // group) * group
+    last_full = (h1 // group) * group
+    if first_full >= last_full:  # no whole group inside: at most two partial pieces
+        cut = min(first_full, h1)
+        pieces = [(h0, cut), (cut, h1)] if h0 < cut < h1 else [(h0, h1)]
+        return pieces
+    if h0 < first_full:
+        pieces.append((h0, first_full))
+    pieces.append((first_full, last_full))
+    if last_full < h1:
+        pieces.append((last_full, h1))
+    return pieces
+
+
+def _chunks(head_offsets: list[tuple[int, int, int]], group: int) -> tuple[HeadChunk, ...]:
+    chunks, packed = [], 0
+    for offset, a, b in head_offsets:
+        for h0, h1 in _split_by_kv_group(a, b, group):
+            k0, k1 = h0 // group, (h1 - 1) // group + 1
+            chunks.append(HeadChunk(offset, h0, h1, k0, k1, packed))
+            packed += k1 - k0
+    return tuple(chunks)
+
+
+def _offset_runs(offsets: list[int], h_start: int = 0) -> list[tuple[int, int, int]]:
+    """Group consecutive heads with equal offset: ``[(offset, h0, h1), ...]``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, o in enumerate(offsets):
+        h = h_start + i
+        if runs and runs[-1][0] == o:
+            runs[-1] = (o, runs[-1][1], h + 1)
+        else:
+            runs.append((o, h, h + 1))
+    return runs
+
+
+def plan_patterns(
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    seq_len: int,
+    local_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    mode: str = "longnet",
+) -> tuple[PatternPlan, ...]:
+    """Validate the patterns for a global length ``seq_len`` split in shards of ``local_len``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"number of query heads ({num_heads}) must be divisible by number of kv heads ({num_kv_heads})"
+        )
+    pats = validate_patterns(segment_lengths, dilation_rates, seq_len)
+    group = num_heads // num_kv_heads
+    groups = head_groups(num_heads, len(pats)) if mode == "grouped" else None
+    plans = []
+    for i, (w, r) in enumerate(pats):
+        if w <= local_len:
+            if local_len % w:
+                raise ValueError(
+                    f"segment_lengths[{i}]={w} does not tile the local shard of {local_len} rows "
+                    f"(sequence {seq_len} split over {seq_len // local_len} ranks)"
+                )
+            local_segment, ring = w, 1
+        else:
+            if w % local_len:
+                raise ValueError(
+                    f"segment_lengths[{i}]={w} spans ranks but is not a multiple of the local "
+                    f"shard length {local_len}"
+                )
+            if local_len % r:
+                raise ValueError(
+                    f"segment_lengths[{i}]={w} spans ranks, so the local shard length {local_len} "
+                    f"must be divisible by dilation_rates[{i}]={r}"
+                )
+            local_segment, ring = local_len, w // local_len
+        if groups is None:
+            runs = _offset_runs(longnet_offsets(num_heads, r))
+        else:
+            h0, h1 = groups[i]
+            runs = [(i % r, h0, h1)]
+        plans.append(PatternPlan(i, w, r, local_segment, ring, _chunks(runs, group)))
+    return tuple(plans)
