@@ -11,9 +11,14 @@ from __future__ import annotations
 import torch
 
 
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation, except that float64 (the oracle's precision) stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def normalize_lse(lse: torch.Tensor) -> torch.Tensor:
-    """fp32 LSE with every non-finite-positive marker (``+inf``, NaN) of an empty row mapped to ``-inf``."""
-    lse = lse.float()
+    """LSE (fp32, or fp64) with a ``+inf``/NaN empty-row marker mapped to ``-inf``."""
+    lse = lse.to(accum_dtype(lse.dtype))
     return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
 
 
@@ -35,7 +40,7 @@ def merge_two(
 def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # A zero weight must silence the row even if an empty row's out holds NaN.
     w = weight.unsqueeze(-1)
-    return torch.where(w > 0, out.float() * w, torch.zeros((), dtype=torch.float32, device=out.device))
+    return torch.where(w > 0, out.to(w.dtype) * w, torch.zeros((), dtype=w.dtype, device=out.device))
 
 
 def merge_into_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -52,7 +57,7 @@ def merge_all(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch
     """Merge any number of partials (softmax over the concatenation of their keys)."""
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge_all needs equal, non-zero numbers of outs and lses, got {len(outs)} and {len(lses)}")
-    out, lse = outs[0].float(), normalize_lse(lses[0])
+    out, lse = outs[0].to(accum_dtype(outs[0].dtype)), normalize_lse(lses[0])
     for o, s in zip(outs[1:], lses[1:]):
         out, lse = merge_two(out, lse, o, s)
     return out, lse

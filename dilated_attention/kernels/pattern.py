@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..merge import accum_dtype
 from ..patterns import PatternPlan
 from ..views import chunk_views, dilated_view, packed_view
 from .base import BlockKernel
@@ -57,7 +58,7 @@ def pattern_forward(
     bsz, n, heads, dim = q.shape
     rows = n // plan.dilation
     out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((bsz, rows, heads), dtype=torch.float32, device=q.device)
+    lse = torch.empty((bsz, rows, heads), dtype=accum_dtype(q.dtype), device=q.device)
     for c in plan.chunks:
         kc, vc = _kv_views(k, v, plan, c, packed)
         o, s = kernel.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale)

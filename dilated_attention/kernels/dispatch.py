@@ -1,0 +1,76 @@
+"""Choose the block kernel per call and validate it can run before any launch.
+
+``kernel="auto"`` takes the first kernel whose ``supports()`` accepts the
+inputs: fused (CUDA + Triton), then SDPA, then the reference. Falling back from
+fused warns once with the reason (shared memory, alignment, dtype, ...), so a
+configuration that would fail at launch never reaches the GPU. Naming a kernel
+forces it and raises ``ValueError`` with the reason when it cannot run.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .base import BlockKernel
+from .reference import ReferenceKernel
+from .sdpa import SdpaKernel
+
+KERNEL_NAMES = ("auto", "fused", "sdpa", "sdpa-cudnn", "reference")
+_warned: set[str] = set()
+
+
+def _make(name: str) -> BlockKernel:
+    if name == "reference":
+        return ReferenceKernel()
+    if name == "sdpa":
+        return SdpaKernel("flash")
+    if name == "sdpa-cudnn":
+        return SdpaKernel("cudnn")
+    try:
+        from .fused import FusedKernel
+    except ImportError as exc:  # triton missing or broken
+        return _Unavailable("fused", f"the fused kernel needs Triton ({exc})")
+    return FusedKernel()
+
+
+class _Unavailable:
+    def __init__(self, name: str, reason: str) -> None:
+        self.name, self.reason = name, reason
+
+    def supports(self, q, k):
+        return self.reason
+
+
+def select_kernel(kernel: str | BlockKernel, q: torch.Tensor, k: torch.Tensor) -> BlockKernel:
+    if not isinstance(kernel, str):
+        if not all(hasattr(kernel, a) for a in ("supports", "forward", "backward")):
+            raise TypeError(f"kernel must be one of {KERNEL_NAMES} or a BlockKernel object, got {type(kernel).__name__}")
+        chosen = kernel
+    elif kernel not in KERNEL_NAMES:
+        raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")
+    elif kernel == "auto":
+        return _auto(q, k)
+    else:
+        chosen = _make(kernel)
+    reason = chosen.supports(q, k)
+    if reason is not None:
+        raise ValueError(f"kernel={chosen.name!r} cannot run on these inputs: {reason}")
+    return chosen
+
+
+def _auto(q: torch.Tensor, k: torch.Tensor) -> BlockKernel:
+    if q.device.type == "cuda":
+        fused = _make("fused")
+        reason = fused.supports(q, k)
+        if reason is None:
+            return fused
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"dilated_attention: fused kernel not used ({reason}); falling back", stacklevel=3)
+    if q.dtype != torch.float64:
+        sdpa = _make("sdpa")
+        if sdpa.supports(q, k) is None:
+            return sdpa
+    return ReferenceKernel()

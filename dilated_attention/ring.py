@@ -1,0 +1,127 @@
+"""The ring schedule and its autograd.Function: the one place the algorithm lives.
+
+Every pattern is either local (its segments fit a rank's shard) or a ring over
+``G`` consecutive ranks. On a ring each rank packs its dilated K/V once, then
+``G - 1`` steps pass the packed block to the next rank; the receive for step
+``t + 1`` is posted before step ``t`` is computed. All partials are merged in
+fp32 into one ``(out, lse)`` accumulator. Backward reuses the final ``out`` and
+``lse`` (exact gradients without differentiating the merge) and sends fp32
+dK/dV accumulators round the ring with the blocks, so they arrive back home.
+With no backend (single device) every pattern is local: same code, no ring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm.base import CommBackend
+from .kernels.base import BlockKernel
+from .kernels.pattern import compact_view, pattern_backward, pattern_forward
+from .merge import accum_dtype, merge_into_
+from .patterns import PatternPlan
+from .views import chunk_views, dilated_view, pack_kv, unpack_add_
+
+
+def _visibility(causal: bool, src: int, pos: int) -> str | None:
+    """How a query shard at ring position ``pos`` sees the block from ``src``."""
+    if not causal or src < pos:
+        return "full"
+    return "causal" if src == pos else None
+
+
+def _merge_pattern(acc_out, acc_lse, out, lse, plan: PatternPlan) -> None:
+    for c in plan.chunks:
+        merge_into_(
+            chunk_views(acc_out, plan, c),
+            dilated_view(acc_lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
+            compact_view(out, plan, c.h0, c.h1),
+            compact_view(lse, plan, c.h0, c.h1),
+        )
+
+
+def _ring_forward(q, k, v, plan, comm, kernel, causal, scale, acc_out, acc_lse) -> None:
+    size = plan.ring_size
+    pos, nxt, prv = comm.ring_peers(size)
+    block, spare = pack_kv(k, v, plan), None
+    for step in range(size):
+        pending = None
+        if step < size - 1:
+            spare = torch.empty_like(block) if spare is None else spare
+            pending = comm.send_recv(block, nxt, spare, prv)
+        seen = _visibility(causal, (pos - step) % size, pos)
+        if seen is not None:
+            out, lse = pattern_forward(
+                kernel, q, block[0], block[1], plan, packed=True, causal=seen == "causal", scale=scale
+            )
+            _merge_pattern(acc_out, acc_lse, out, lse, plan)
+        if pending is not None:
+            pending.wait()
+            block, spare = spare, block
+
+
+def _ring_backward(q, k, v, out, lse, dout, plan, comm, kernel, causal, scale, dq, dk, dv) -> None:
+    size = plan.ring_size
+    pos, nxt, prv = comm.ring_peers(size)
+    block, spare = pack_kv(k, v, plan), None
+    grads = torch.zeros(block.shape, dtype=accum_dtype(block.dtype), device=block.device)
+    grads_spare = torch.empty_like(grads)
+    grads_pending = None
+    for step in range(size):
+        pending = None
+        if step < size - 1:
+            spare = torch.empty_like(block) if spare is None else spare
+            pending = comm.send_recv(block, nxt, spare, prv)
+        if grads_pending is not None:  # dK/dV of this step's block, accumulated by earlier ranks
+            grads_pending.wait()
+            grads, grads_spare = grads_spare, grads
+        seen = _visibility(causal, (pos - step) % size, pos)
+        if seen is not None:
+            pattern_backward(
+                kernel, q, block[0], block[1], plan, out, lse, dout, dq, grads[0], grads[1],
+                packed=True, causal=seen == "causal", scale=scale,
+            )
+        grads_pending = comm.send_recv(grads, nxt, grads_spare, prv)
+        if pending is not None:
+            pending.wait()
+            block, spare = spare, block
+    grads_pending.wait()  # after size hops the accumulator of our own block is home
+    unpack_add_(dk, dv, grads_spare, plan)
+
+
+class RingDilatedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plans: tuple[PatternPlan, ...], comm: CommBackend | None,
+                kernel: BlockKernel, causal: bool, scale: float):
+        bsz, n, heads, dim = q.shape
+        acc = accum_dtype(q.dtype)
+        acc_out = torch.zeros((bsz, n, heads, dim), dtype=acc, device=q.device)
+        acc_lse = torch.full((bsz, n, heads), float("-inf"), dtype=acc, device=q.device)
+        for plan in plans:
+            if plan.ring_size == 1:
+                out, lse = pattern_forward(kernel, q, k, v, plan, packed=False, causal=causal, scale=scale)
+                _merge_pattern(acc_out, acc_lse, out, lse, plan)
+            else:
+                _ring_forward(q, k, v, plan, comm, kernel, causal, scale, acc_out, acc_lse)
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.plans, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plans, comm, kernel, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        acc = accum_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for plan in ctx.plans:
+            if plan.ring_size == 1:
+                pattern_backward(
+                    ctx.kernel, q, k, v, plan, out, lse, dout, dq, dk, dv,
+                    packed=False, causal=ctx.causal, scale=ctx.scale,
+                )
+            else:
+                _ring_backward(
+                    q, k, v, out, lse, dout, plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale, dq, dk, dv
+                )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -1,0 +1,60 @@
+"""Independent oracle: dense masked attention straight from DESIGN.md section 1.
+
+No views, chunks, kernels or rings: one ``(H, N, N)`` mask per pattern, plain
+softmax per pattern, then the log-sum-exp combination. Use float64 on CPU for
+the oracle; in a low precision it is "plain torch in the same precision".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..patterns import head_groups, longnet_offsets, validate_patterns
+
+
+def pattern_masks(seq_len: int, num_heads: int, segment_lengths, dilation_rates, mode: str, causal: bool):
+    """``[(H, N, N) bool mask of allowed (query, key) pairs]`` per pattern (queries outside: all False)."""
+    pats = validate_patterns(segment_lengths, dilation_rates, seq_len)
+    pos = torch.arange(seq_len)
+    masks = []
+    for i, (w, r) in enumerate(pats):
+        if mode == "longnet":
+            offsets = longnet_offsets(num_heads, r)
+            heads = range(num_heads)
+        else:
+            h0, h1 = head_groups(num_heads, len(pats))[i]
+            offsets = {h: i % r for h in range(h0, h1)}
+            heads = range(h0, h1)
+        mask = torch.zeros(num_heads, seq_len, seq_len, dtype=torch.bool)
+        same_seg = (pos[:, None] // w) == (pos[None, :] // w)
+        if causal:
+            same_seg &= pos[None, :] <= pos[:, None]
+        for h in heads:
+            inset = (pos % r) == offsets[h]
+            mask[h] = same_seg & inset[:, None] & inset[None, :]
+        masks.append(mask)
+    return masks
+
+
+def dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, mode="longnet", causal=False,
+                            softmax_scale=None):
+    """Differentiable dense reference in the inputs' dtype. ``(B, N, H, D)`` in and out."""
+    bsz, n, heads, dim = q.shape
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
+    group = heads // k.shape[2]
+    ke, ve = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bnhd,bmhd->bhnm", q, ke) * scale
+    outs, lses = [], []
+    for mask in pattern_masks(n, heads, segment_lengths, dilation_rates, mode, causal):
+        mask = mask.to(q.device)
+        sm = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(sm, -1)  # (B, H, N), -inf on uncovered rows
+        p = torch.exp(sm - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+        outs.append(torch.einsum("bhnm,bmhd->bnhd", p, ve))
+        lses.append(lse)
+    lse_all = torch.stack(lses)  # (P, B, H, N)
+    total = torch.logsumexp(lse_all, 0)
+    safe_total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    weights = torch.exp(lse_all - safe_total)  # 0 for patterns not covering a row
+    out = sum(o * w.permute(0, 2, 1).unsqueeze(-1) for o, w in zip(outs, weights.unbind(0)))
+    return out.to(q.dtype)
