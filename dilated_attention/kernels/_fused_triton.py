@@ -264,7 +264,8 @@ def dkdv_kernel(
     kvh = tl.load(UT + u).to(tl.int64)
     kvo = tl.load(UT + NU + u).to(tl.int64)
     h0 = tl.load(UT + 2 * NU + u)
-    h1 = tl.load(UT + 3 * NU + u)
+    n_heads = tl.load(UT + 3 * NU + u) - h0
+    h0 = h0.to(tl.int64)
     qo = tl.load(UT + 4 * NU + u).to(tl.int64)
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,8 +285,8 @@ def dkdv_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-    for hh in range(h0, h1):
-        h = hh.to(tl.int64)
+    for hh in range(0, n_heads):
+        h = h0 + hh
         q_base = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_d[None, :]
         g_base = DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_d[None, :]
         l_base = LSE + (b * slb + s * sls + h * slh + qo * slo)

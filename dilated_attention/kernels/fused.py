@@ -1,0 +1,401 @@
+"""Fused dilated block kernel (Triton): strided dilated reads, a whole pattern per launch.
+
+``FusedKernel`` implements the block seam of ``base.py`` (``forward``/``backward``
+on strided ``(B, S, M, H, D)`` views) and the one-launch pattern methods of
+``pattern.py`` (``forward_pattern``/``backward_pattern``). Nothing is copied: the
+kernels read q/k/v/out/lse/dout through their strides, a head's dilation offset
+and kv head come from small int32 tables built from the plan's chunks, and heads
+in no chunk are never launched.
+
+Launches: forward is one kernel; backward is three: ``delta = rowsum(dout*out)``,
+dQ (one program per row block and head, adds into ``dq``), dK/dV (one program per
+key block and (kv head, offset) unit, looping over that unit's query heads, adds
+into ``dk``/``dv``). Every accumulated element is owned by exactly one program:
+no atomics, and the configs are pinned (``FusedConfig``); nothing is autotuned
+here (the benchmark sweeps configs by constructing kernels with other configs).
+
+Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU; there
+``tl.dot`` operands are cast to fp32 (bf16 dots give garbage in the interpreter).
+The kernels are wrapped with ``triton.jit`` at first launch, so the environment
+variable may be set any time before that.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..patterns import PatternPlan
+
+try:
+    import triton
+
+    _TRITON_ERROR = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None
+    _TRITON_ERROR = f"{type(exc).__name__}: {exc}"
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (32, 64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Pinned launch parameters. ``*_m``/``*_n``: query/key block rows of each kernel."""
+
+    fwd_m: int
+    fwd_n: int
+    fwd_warps: int
+    fwd_stages: int
+    dq_m: int
+    dq_n: int
+    dkdv_m: int
+    dkdv_n: int
+    bwd_warps: int
+    bwd_stages: int
+
+    def smem_bytes(self, dim: int, elem: int) -> dict[str, int]:
+        """Estimated shared memory per program of each kernel (pipelined tiles + layout scratch)."""
+        fwd = elem * (self.fwd_m * dim + self.fwd_stages * 2 * self.fwd_n * dim) + 4 * self.fwd_m * self.fwd_n
+        dq = elem * (2 * self.dq_m * dim + self.bwd_stages * 2 * self.dq_n * dim) + 4 * self.dq_m * self.dq_n
+        dkdv = elem * (2 * self.dkdv_n * dim + self.bwd_stages * 2 * self.dkdv_m * dim) + 4 * self.dkdv_m * self.dkdv_n
+        return {"forward": fwd, "dq": dq, "dkdv": dkdv}
+
+
+# Interpreter: tiny tiles (the interpreter's cost is per program and per op, not per element).
+_INTERPRET_CONFIG = FusedConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
+
+
+def default_config(dim: int, dtype: torch.dtype) -> FusedConfig:
+    """The pinned config for a head dim and dtype (GPU)."""
+    if interpreting():
+        return _INTERPRET_CONFIG
+    big = dtype == torch.float32
+    if dim <= 64:
+        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 32, 32, 128, 4, 3)
+    if dim == 128:
+        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 8, 2) if big else FusedConfig(128, 64, 8, 3, 64, 64, 64, 64, 8, 2)
+    # head dim 256
+    return FusedConfig(32, 32, 4, 1, 32, 32, 16, 32, 8, 1) if big else FusedConfig(64, 32, 8, 2, 64, 32, 32, 64, 8, 1)
+
+
+def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: int) -> str | None:
+    """``None`` if every kernel of ``cfg`` fits ``limit`` bytes of shared memory, else why not."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    for kern, need in cfg.smem_bytes(dim, elem).items():
+        if need > limit:
+            return (
+                f"out of resource: shared memory: the {kern} kernel needs about {need} bytes "
+                f"for head dim {dim} {dtype} with {cfg}, the device allows {limit}"
+            )
+    return None
+
+
+_JIT: dict[tuple[bool, str], object] = {}
+
+
+def _kernel(name: str):
+    key = (interpreting(), name)
+    fn = _JIT.get(key)
+    if fn is None:
+        from . import _fused_triton
+
+        fn = triton.jit(_fused_triton.KERNEL_FUNCS[name])
+        _JIT[key] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------
+# Head tables
+
+
+def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), -1).to(device)
+
+
+def _plan_rows(plan: PatternPlan, packed: bool) -> tuple[list[list[int]], list[list[int]]]:
+    heads = [[], [], [], []]  # query head, q offset, kv head, kv offset
+    units = [[], [], [], [], []]  # kv head, kv offset, h0, h1, q offset
+    for c in plan.chunks:
+        nk = c.k1 - c.k0
+        gc = (c.h1 - c.h0) // nk
+        kv_first = c.packed if packed else c.k0
+        kv_off = 0 if packed else c.offset
+        for h in range(c.h0, c.h1):
+            for col, val in zip(heads, (h, c.offset, kv_first + (h - c.h0) // gc, kv_off)):
+                col.append(val)
+        for t in range(nk):
+            for col, val in zip(units, (kv_first + t, kv_off, c.h0 + t * gc, c.h0 + (t + 1) * gc, c.offset)):
+                col.append(val)
+    return heads, units
+
+
+def _dense_rows(hq: int, hk: int) -> tuple[list[list[int]], list[list[int]]]:
+    g = hq // hk
+    heads = [list(range(hq)), [0] * hq, [h // g for h in range(hq)], [0] * hq]
+    units = [list(range(hk)), [0] * hk, [t * g for t in range(hk)], [(t + 1) * g for t in range(hk)], [0] * hk]
+    return heads, units
+
+
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables(key: tuple, rows_fn, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    full_key = key + (str(device),)
+    hit = _TABLES.get(full_key)
+    if hit is None:
+        heads, units = rows_fn()
+        hit = (_table(heads, device), _table(units, device))
+        _TABLES[full_key] = hit
+    return hit
+
+
+# ---------------------------------------------------------------------------
+# Strides: every tensor is read as (b, s, m, h, off) element strides.
+
+
+def _dilated_strides(x: torch.Tensor, plan: PatternPlan) -> tuple[int, ...]:
+    """A full ``(B, L, H, ...)`` tensor read dilated: row j of segment s at offset o."""
+    sl = x.stride(1)
+    return (x.stride(0), plan.local_segment * sl, plan.dilation * sl, x.stride(2), sl)
+
+
+def _compact_strides(x: torch.Tensor, rows: int) -> tuple[int, ...]:
+    """A compact ``(B, S*M, H, ...)`` tensor: row j of segment s is row s*M + j (no offset)."""
+    sl = x.stride(1)
+    return (x.stride(0), rows * sl, sl, x.stride(2), 0)
+
+
+def _view_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """A ``(B, S, M, H, ...)`` view, read as it is."""
+    return (x.stride(0), x.stride(1), x.stride(2), x.stride(3), 0)
+
+
+class FusedKernel:
+    name = "fused"
+
+    def __init__(self, config: FusedConfig | None = None) -> None:
+        self.config = config
+
+    # -- checks ---------------------------------------------------------------
+
+    def _config(self, dim: int, dtype: torch.dtype) -> FusedConfig:
+        return self.config if self.config is not None else default_config(dim, dtype)
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        if triton is None:
+            return f"Triton is not importable ({_TRITON_ERROR})"
+        if q.device.type != "cuda" and not interpreting():
+            return f"needs a CUDA device (or TRITON_INTERPRET=1), got device {q.device.type}"
+        if q.device != k.device:
+            return f"q and k are on different devices ({q.device}, {k.device})"
+        if q.dtype not in DTYPES or k.dtype != q.dtype:
+            return f"dtype must be fp16, bf16 or fp32 (same for q and k), got {q.dtype} and {k.dtype}"
+        if q.dim() not in (4, 5) or k.dim() != q.dim():
+            return f"expects (B, N, H, D) or (B, S, M, H, D) inputs, got shapes {tuple(q.shape)} and {tuple(k.shape)}"
+        dim = q.shape[-1]
+        if dim not in HEAD_DIMS or k.shape[-1] != dim:
+            return f"head dim must be one of {HEAD_DIMS} (equal for q and k), got {dim} and {k.shape[-1]}"
+        if q.shape[-2] % max(k.shape[-2], 1):
+            return f"query heads ({q.shape[-2]}) must be a multiple of kv heads ({k.shape[-2]})"
+        for name, x in (("q", q), ("k", k)):
+            if x.stride(-1) != 1:
+                return f"{name} must have unit stride in its head dim, got strides {tuple(x.stride())}"
+            if x.data_ptr() % x.element_size():
+                return (
+                    f"{name}'s data pointer {x.data_ptr():#x} is not aligned to its element size "
+                    f"{x.element_size()} (misaligned address)"
+                )
+        if q.device.type == "cuda":
+            limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
+            return shared_memory_reason(self._config(dim, q.dtype), dim, q.dtype, limit)
+        return None
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor) -> FusedConfig:
+        reason = self.supports(q, k)
+        if reason is not None:
+            raise ValueError(f"fused kernel cannot run: {reason}")
+        return self._config(q.shape[-1], q.dtype)
+
+    @staticmethod
+    def _common(q: torch.Tensor, cfg: FusedConfig) -> dict:
+        interp = interpreting()
+        return {
+            "DOT_F32": interp,
+            "DOT_PREC": "ieee" if (q.dtype == torch.float32 or interp) else "tf32",
+        }
+
+    @staticmethod
+    def _launch(kernel: str, grid, args, meta, warps: int, stages: int) -> None:
+        fn = _kernel(kernel)
+        try:
+            if interpreting():
+                fn[grid](*args, **meta)
+            else:
+                fn[grid](*args, **meta, num_warps=warps, num_stages=stages)
+        except Exception as exc:  # turn Triton's resource errors into a clear message
+            if triton is not None and isinstance(exc, triton.runtime.errors.OutOfResources):
+                raise RuntimeError(f"fused {kernel} kernel: out of resources ({exc}); choose a smaller config") from exc
+            raise
+
+    # -- generic launchers ------------------------------------------------------
+
+    def _forward(self, q, k, v, out, lse, ht, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg):
+        nh = ht.shape[1]
+        if nh == 0 or M == 0 or S == 0 or q.shape[0] == 0:
+            return
+        bm, bn = cfg.fwd_m, cfg.fwd_n
+        nmb = triton.cdiv(M, bm)
+        meta = dict(
+            D=q.shape[-1], BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+            EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **self._common(q, cfg),
+        )
+        args = (q, k, v, out, lse, ht, *sq, *sk, *sv, *so[:4], *sl[:4], nh, S, M, MK, nmb, scale * LOG2E)
+        self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages)
+
+    def _backward(self, q, k, v, out, lse, dout, dq, dk, dv, ht, ut, strides, S, M, MK, causal, scale, cfg):
+        sq, sk, sv, so, sl, sg, sdq, sdk, sdv = strides
+        nh, nu = ht.shape[1], ut.shape[1]
+        bsz = q.shape[0]
+        if nh == 0 or M == 0 or S == 0 or bsz == 0 or MK == 0:
+            return
+        delta = torch.empty((bsz, S, M, q.shape[-2] if q.dim() == 5 else q.shape[2]), dtype=torch.float32, device=q.device)
+        sd = delta.stride()
+        dim = q.shape[-1]
+        common = self._common(q, cfg)
+        bm = 64 if not interpreting() else 16
+        self._launch(
+            "delta",
+            (bsz * S * triton.cdiv(M, bm), nh),
+            (out, dout, delta, ht, *so, *sg, *sd, nh, S, M, triton.cdiv(M, bm)),
+            dict(D=dim, BLOCK_M=bm),
+            4, 1,
+        )
+        bm, bn = cfg.dq_m, cfg.dq_n
+        nmb = triton.cdiv(M, bm)
+        self._launch(
+            "dq",
+            (bsz * S * nmb, nh),
+            (q, k, v, dout, lse, delta, dq, ht, *sq, *sk, *sv, *sg, *sl, *sd, *sdq, nh, S, M, MK, nmb, scale * LOG2E, scale),
+            dict(D=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **common),
+            cfg.bwd_warps, cfg.bwd_stages,
+        )
+        bm, bn = cfg.dkdv_m, cfg.dkdv_n
+        nnb = triton.cdiv(MK, bn)
+        self._launch(
+            "dkdv",
+            (bsz * S * nnb, nu),
+            (q, k, v, dout, lse, delta, dk, dv, ut, *sq, *sk, *sv, *sg, *sl, *sd, *sdk, *sdv,
+             nu, S, M, MK, nnb, scale * LOG2E, scale),
+            dict(D=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **common),
+            cfg.bwd_warps, cfg.bwd_stages,
+        )
+
+    # -- the block seam -----------------------------------------------------------
+
+    def forward(self, q, k, v, *, causal: bool, scale: float):
+        cfg = self._check(q, k)
+        bsz, S, M, hq, dim = q.shape
+        MK, hk = k.shape[2], k.shape[3]
+        if causal and M != MK:
+            raise ValueError(f"causal block needs equal query and key rows, got {M} and {MK}")
+        _check_view("v", v, k.shape)
+        out = torch.empty((bsz, S, M, hq, dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((bsz, S, M, hq), dtype=torch.float32, device=q.device)
+        if MK == 0:
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return out, lse
+        ht, _ = _tables(("dense", hq, hk), lambda: _dense_rows(hq, hk), q.device)
+        self._forward(
+            q, k, v, out, lse, ht, _view_strides(q), _view_strides(k), _view_strides(v),
+            _view_strides(out), _view_strides(lse), S, M, MK, causal, scale, cfg,
+        )
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float):
+        cfg = self._check(q, k)
+        bsz, S, M, hq, dim = q.shape
+        MK, hk = k.shape[2], k.shape[3]
+        if causal and M != MK:
+            raise ValueError(f"causal block needs equal query and key rows, got {M} and {MK}")
+        _check_view("v", v, k.shape)
+        for name, x, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("lse", lse, q.shape[:4])):
+            _check_view(name, x, shape)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        ht, ut = _tables(("dense", hq, hk), lambda: _dense_rows(hq, hk), q.device)
+        vs = _view_strides
+        strides = (vs(q), vs(k), vs(v), vs(out), vs(lse), vs(dout), vs(dq), vs(dk), vs(dv))
+        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, strides, S, M, MK, causal, scale, cfg)
+        return dq, dk, dv
+
+    # -- whole pattern, one launch ----------------------------------------------------
+
+    def _pattern_geometry(self, q, k, plan: PatternPlan, packed: bool):
+        bsz, n, heads, dim = q.shape
+        w, r = plan.local_segment, plan.dilation
+        if n % w or w % r:
+            raise ValueError(f"plan segment {w} / dilation {r} do not tile {n} local rows")
+        S, M = n // w, w // r
+        if packed:
+            if k.shape[1] != n // r:
+                raise ValueError(f"packed k has {k.shape[1]} rows, expected L // r = {n // r}")
+            if S != 1:
+                raise ValueError(f"packed ring blocks need one local segment, got {S}")
+        return bsz, S, M, heads, dim
+
+    def _kv_strides(self, x, plan, packed, M):
+        return _compact_strides(x, M) if packed else _dilated_strides(x, plan)
+
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
+        cfg = self._check(q, k)
+        bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
+        _check_view("v", v, k.shape)
+        rows = q.shape[1] // plan.dilation
+        out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((bsz, rows, heads), dtype=torch.float32, device=q.device)
+        ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
+        self._forward(
+            q, k, v, out, lse, ht, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
+            self._kv_strides(v, plan, packed, M), _compact_strides(out, M), _compact_strides(lse, M),
+            S, M, M, causal, scale, cfg,
+        )
+        return out, lse
+
+    def backward_pattern(
+        self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool, scale: float
+    ) -> None:
+        cfg = self._check(q, k)
+        bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
+        _check_view("v", v, k.shape)
+        for name, x in (("out", out), ("dout", dout), ("dq", dq)):
+            _check_view(name, x, q.shape)
+        _check_view("lse", lse, q.shape[:3])
+        _check_view("dk", dk, k.shape)
+        _check_view("dv", dv, k.shape)
+        ht, ut = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
+        ds, kvs = _dilated_strides, self._kv_strides
+        strides = (
+            ds(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), ds(out, plan), ds(lse, plan),
+            ds(dout, plan), ds(dq, plan), kvs(dk, plan, packed, M), kvs(dv, plan, packed, M),
+        )
+        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, strides, S, M, M, causal, scale, cfg)
+
+
+def _check_view(name: str, x: torch.Tensor, shape) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+    if name != "lse" and x.numel() and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its head dim, got strides {tuple(x.stride())}")
+
+
+__all__ = ["FusedKernel", "FusedConfig", "default_config", "interpreting", "shared_memory_reason"]
