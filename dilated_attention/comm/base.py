@@ -53,7 +53,7 @@ class CommBackend(ABC):
 
     @abstractmethod
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """``out[i] = inp`` of group rank ``i`` (``out`` is ``(world, *inp.shape)``)."""
+        """1-D ``out`` of ``world * inp.numel()``: group rank ``i``'s flat ``inp`` at block ``i``."""
 
     # -- shared by every backend --------------------------------------------------
     @property
@@ -85,10 +85,10 @@ class CommBackend(ABC):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """``(world, *x.shape)``: every group rank's ``x``."""
-        x = x.contiguous()
-        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
-        self._all_gather(out, x)
-        return out
+        flat = x.contiguous().view(-1)
+        out = torch.empty(self.world_size * flat.numel(), dtype=x.dtype, device=x.device)
+        self._all_gather(out, flat)
+        return out.view(self.world_size, *x.shape)
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
         backend = dist.get_backend(self._group)

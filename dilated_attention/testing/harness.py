@@ -1,0 +1,309 @@
+"""The one multi-rank battery every communication backend passes (DESIGN.md section 5).
+
+Every case builds global inputs from a seed (identical on all ranks), computes
+the float64 dense oracle, shards the sequence, runs the ring on the group's
+ranks through each backend, and compares this rank's rows of the output and of
+the q/k/v gradients. Backends must also agree bit for bit with each other.
+
+Runs inside an initialised process group:
+
+* CPU, under pytest: ``run_spawned(...)`` spawns gloo ranks once for all cases;
+* GPUs: ``torchrun --nproc_per_node=K -m dilated_attention.testing.harness --backend collective``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..comm import get_backend
+from ..functional import dilated_attention
+from .oracle import dense_dilated_attention
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Flash-attention's rule: error vs the fp64 oracle <= FACTOR x plain torch's error in that dtype + FLOOR.
+FACTOR = 2.0
+FLOOR = {"float64": 1e-10, "float32": 1e-6, "bfloat16": 2e-3, "float16": 5e-4}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    world: int
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    mode: str = "longnet"
+    causal: bool = False
+    heads: int = 4
+    kv_heads: int = 4
+    local_len: int = 16
+    batch: int = 2
+    dim: int = 8
+    dtype: str = "float64"
+    layout: str = "contiguous"  # or "transposed" (a (B,H,N,D) tensor seen as (B,N,H,D)) or "head_slice"
+    kernel: str = "auto"
+
+    @property
+    def seq_len(self) -> int:
+        return self.world * self.local_len
+
+
+@dataclass
+class Result:
+    case: str
+    backend: str
+    rank: int
+    world: int
+    ok: bool
+    errors: dict[str, float] = field(default_factory=dict)
+    tolerance: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+
+
+def cases(world: int, device_type: str = "cpu") -> list[Case]:
+    """The battery for one world size (global length ``world * 16``)."""
+    n = 16 * world
+    spanning = ((8, 16, n), (1, 2, 4))  # local, shard-sized, and (world > 1) spanning every rank
+    out = []
+    for mode in ("longnet", "grouped"):
+        for causal in (False, True):
+            tag = f"{mode}-{'causal' if causal else 'full'}"
+            out.append(Case(f"P{world}-{tag}", world, *spanning, mode=mode, causal=causal))
+            out.append(Case(f"P{world}-{tag}-gqa-transposed", world, *spanning, mode=mode, causal=causal,
+                            heads=6, kv_heads=2, layout="transposed"))
+    out.append(Case(f"P{world}-head-slice-mqa", world, *spanning, heads=3, kv_heads=1, layout="head_slice", causal=True))
+    out.append(Case(f"P{world}-dilation-above-heads", world, (16, n), (1, 8), heads=4))
+    if world % 2 == 0 and world > 2:
+        out.append(Case(f"P{world}-disjoint-rings", world, (8, 32, n), (2, 2, 4), causal=True))
+    if n > 16:
+        out.append(Case(f"P{world}-segment-clamped", world, (4, 4 * n), (1, 4), causal=True))
+    low = ["float32", "bfloat16"] + (["float16"] if device_type == "cuda" else [])
+    for dt in low:
+        out.append(Case(f"P{world}-{dt}", world, *spanning, causal=True, heads=4, kv_heads=2, dtype=dt, dim=16))
+    return out
+
+
+def _inputs(case: Case, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shape_q = (case.batch, case.seq_len, case.heads, case.dim)
+    shape_kv = (case.batch, case.seq_len, case.kv_heads, case.dim)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv))
+    return q, k, v, torch.randn(shape_q, generator=g, dtype=torch.float64)
+
+
+def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as ``x`` in a non-contiguous arrangement."""
+    if layout == "transposed":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "head_slice":
+        wide = torch.randn(*x.shape[:2], x.shape[2] + 2, x.shape[3], dtype=x.dtype, device=x.device)
+        wide[:, :, 1:-1] = x
+        return wide[:, :, 1:-1]
+    return x.contiguous()
+
+
+def _oracle(case: Case, q, k, v, dout, dtype):
+    """Dense attention in ``dtype`` on CPU: output and q/k/v gradients (float64 = the oracle)."""
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = dense_dilated_attention(*leaves, case.segment_lengths, case.dilation_rates, mode=case.mode, causal=case.causal)
+    grads = torch.autograd.grad(out, leaves, dout.to(dtype))
+    return [t.double() for t in (out, *grads)]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def run_case(case: Case, backend_name: str, group, device: torch.device, seed: int):
+    """Run one case on this rank; returns ``(Result, tensors)`` (tensors for the bitwise check)."""
+    comm = get_backend(backend_name, group)
+    rank = comm.rank
+    q, k, v, dout = _inputs(case, seed)
+    names = ("out", "dq", "dk", "dv")
+    oracle = _oracle(case, q, k, v, dout, torch.float64)
+    if case.dtype == "float64":
+        tol = {n: FLOOR["float64"] for n in names}
+    else:
+        plain = _oracle(case, q, k, v, dout, DTYPES[case.dtype])
+        tol = {n: FACTOR * _rel_err(p, o) + FLOOR[case.dtype] for n, p, o in zip(names, plain, oracle)}
+    rows = slice(rank * case.local_len, (rank + 1) * case.local_len)
+    dtype = DTYPES[case.dtype]
+    local = [_layout(t[:, rows].to(device=device, dtype=dtype), case.layout).requires_grad_() for t in (q, k, v)]
+    out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode, causal=case.causal,
+                            comm=comm, kernel=case.kernel)
+    grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
+    got = [t.detach().cpu() for t in (out, *grads)]
+    errors = {n: _rel_err(g, o[:, rows]) for n, g, o in zip(names, got, oracle)}
+    ok = all(errors[n] <= tol[n] for n in names) and all(torch.isfinite(g).all().item() for g in got)
+    res = Result(case.name, backend_name, rank, case.world, ok, errors, tol)
+    if not ok:
+        res.message = "error above tolerance: " + ", ".join(
+            f"{n} {errors[n]:.2e} > {tol[n]:.2e}" for n in names if not errors[n] <= tol[n])
+    return res, got
+
+
+def check_disagreement(backend_name: str, group) -> Result:
+    """Ranks that disagree on the call must all raise ValueError, none may hang."""
+    comm = get_backend(backend_name, group)
+    rank = comm.rank
+    n_local = 16
+    q = torch.randn(1, n_local, 2, 8, dtype=torch.float64)
+    segs = (8, n_local * comm.world_size) if rank == 0 else (16, n_local * comm.world_size)
+    try:
+        dilated_attention(q, q, q, segs, (1, 2), comm=comm)
+    except ValueError as exc:
+        ok = "disagree" in str(exc) and "patterns" in str(exc)
+        return Result("disagreeing-ranks", backend_name, rank, comm.world_size, ok, message=str(exc)[:200])
+    return Result("disagreeing-ranks", backend_name, rank, comm.world_size, False, message="no error raised")
+
+
+def check_one_rank_invalid(backend_name: str, group) -> Result:
+    """A rank whose own input is invalid raises its error; the others raise too, instead of waiting."""
+    comm = get_backend(backend_name, group)
+    rank = comm.rank
+    q = torch.randn(1, 16, 2, 8, dtype=torch.float64)
+    rates = (1, 3) if rank == comm.world_size - 1 else (1, 2)  # 3 does not divide the segment
+    try:
+        dilated_attention(q, q, q, (8, 16 * comm.world_size), rates, comm=comm)
+    except ValueError as exc:
+        ok = ("dilation_rates" in str(exc)) if rank == comm.world_size - 1 else ("rejected" in str(exc))
+        return Result("one-rank-invalid", backend_name, rank, comm.world_size, ok, message=str(exc)[:200])
+    return Result("one-rank-invalid", backend_name, rank, comm.world_size, False, message="no error raised")
+
+
+def run_battery(backends: list[str], device: torch.device, world_sizes: list[int] | None = None,
+                progress: bool = False) -> list[Result]:
+    """Every case for every world size that fits, on this rank. Call on all ranks of the world."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    world_sizes = world_sizes or list(range(1, world + 1))
+    results: list[Result] = []
+    for size in world_sizes:
+        group = dist.new_group(list(range(size)))  # collective call: every rank takes part
+        if rank >= size:
+            continue
+        battery = cases(size, device.type)
+        for i, case in enumerate(battery):
+            seed = 1000 * size + i
+            tensors = {}
+            for name in backends:
+                try:
+                    res, got = run_case(case, name, group, device, seed)
+                    tensors[name] = got
+                except Exception as exc:  # report, keep going: one failure must not hide the rest
+                    res = Result(case.name, name, rank, size, False, message=f"{type(exc).__name__}: {exc}")
+                    traceback.print_exc()
+                results.append(res)
+                if progress and rank == 0:
+                    print(f"[harness] {name:10s} {case.name:40s} {'ok' if res.ok else 'FAIL'}", flush=True)
+            if len(tensors) > 1:
+                first, ref = next(iter(tensors.items()))
+                same = all(all(torch.equal(a, b) for a, b in zip(ref, t)) for t in tensors.values())
+                results.append(Result(case.name + "[bitwise]", "+".join(tensors), rank, size, same,
+                                      message="" if same else f"backends differ from {first}"))
+        if size > 1:
+            for name in backends:
+                for check in (check_disagreement, check_one_rank_invalid):
+                    try:
+                        results.append(check(name, group))
+                    except Exception as exc:
+                        results.append(Result(check.__name__, name, rank, size, False, message=repr(exc)))
+    return results
+
+
+# -- spawning gloo ranks on one machine (pytest, demo) ------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_rank(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import datetime
+
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+
+
+def _battery_worker(rank, world_size, port, backends, out_dir):
+    torch.set_num_threads(1)
+    init_local_rank(rank, world_size, port)
+    try:
+        results = run_battery(backends, torch.device("cpu"))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump([asdict(r) for r in results], f)
+
+
+def run_spawned(fn, world_size: int, *args) -> str:
+    """Run ``fn(rank, world_size, port, *args, out_dir)`` on ``world_size`` spawned gloo ranks; returns out_dir."""
+    import torch.multiprocessing as mp
+
+    out_dir = tempfile.mkdtemp(prefix="dilated_attention_")
+    mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size, start_method="spawn")
+    return out_dir
+
+
+def spawn_battery(backends: list[str], world_size: int = 4) -> list[Result]:
+    out_dir = run_spawned(_battery_worker, world_size, backends)
+    results = []
+    for r in range(world_size):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            results += [Result(**x) for x in json.load(f)]
+    return results
+
+
+# -- torchrun entry point ------------------------------------------------------------------------
+
+
+def format_table(results: list[Result]) -> str:
+    lines = [f"{'case':44s} {'backend':28s} {'P':>2s} {'rank':>4s}  {'max rel err (out/dq/dk/dv)':40s} ok"]
+    for r in results:
+        errs = "/".join(f"{r.errors[n]:.1e}" for n in ("out", "dq", "dk", "dv")) if r.errors else r.message[:40]
+        lines.append(f"{r.case:44s} {r.backend:28s} {r.world:2d} {r.rank:4d}  {errs:40s} {'ok' if r.ok else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", action="append", choices=["collective", "fairscale", "deepspeed"],
+                        help="repeat to test several (and check they agree bitwise); default collective")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    args = parser.parse_args(argv)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_cuda else "cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    results = run_battery(args.backend or ["collective"], device, progress=True)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [asdict(r) for r in results])
+    all_results = [Result(**x) for part in everyone for x in part]
+    failed = [r for r in all_results if not r.ok]
+    if dist.get_rank() == 0:
+        print(format_table(all_results))
+        print(f"{len(all_results) - len(failed)} passed, {len(failed)} failed")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""The fused Triton kernel against the fp64 oracle (ReferenceKernel, pattern.py's chunk loop).
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set
+below before any kernel is built) on small shapes; with CUDA the same tests run
+on real shapes. Inputs are fresh random draws (the seed is in every message).
+Low precision is judged by the rule of DESIGN.md 5: error vs the fp64 oracle at
+most 2x the error of ReferenceKernel in the same precision, plus a small floor.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # must precede the first kernel build; fused.py jits lazily at first launch
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from dilated_attention.kernels.fused import (  # noqa: E402
+    FusedConfig,
+    FusedKernel,
+    default_config,
+    interpreting,
+    shared_memory_reason,
+)
+from dilated_attention.kernels.pattern import compact_view, pattern_backward, pattern_forward  # noqa: E402
+from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
+from dilated_attention.merge import merge_into_  # noqa: E402
+from dilated_attention.patterns import plan_patterns  # noqa: E402
+from dilated_attention.views import chunk_views, dilated_view, pack_kv  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+REF = ReferenceKernel()
+FUSED = FusedKernel()
+LOW = [torch.float16, torch.bfloat16] if CUDA else [torch.float16]
+DTYPES = [torch.float32] + LOW
+
+# sizes by device: (block rows M, key rows, head dim) and pattern setups
+BLOCK_SHAPES = [(200, 200, 64), (256, 130, 128), (64, 64, 256)] if CUDA else [(24, 24, 32), (8, 20, 32)]
+PAT_N = 2048 if CUDA else 32
+PAT_SEGS = [256, 512, 1024, 2048] if CUDA else [8, 16, 32]
+PAT_RATES = [1, 2, 4, 8] if CUDA else [1, 2, 4]
+PAT_DIM = 128 if CUDA else 32
+
+
+def _seed() -> int:
+    seed = random.SystemRandom().randrange(2**31)
+    torch.manual_seed(seed)
+    return seed
+
+
+def _rand(shape, dtype, layout="contig", extra_heads=2):
+    """Fresh random (B, N, H, D)-like tensor with a chosen memory layout (always a view)."""
+    if layout == "contig":
+        return torch.randn(shape, device=DEVICE, dtype=dtype)
+    if layout == "transposed":  # from (B, H, N, ..., D)
+        perm = list(range(len(shape)))
+        hdim = len(shape) - 2
+        big = [shape[0], shape[hdim], *shape[1:hdim], shape[-1]]
+        x = torch.randn(big, device=DEVICE, dtype=dtype)
+        return x.movedim(1, hdim)
+    if layout == "head_sliced":
+        hdim = len(shape) - 2
+        big = list(shape)
+        big[hdim] += extra_heads
+        x = torch.randn(big, device=DEVICE, dtype=dtype)
+        return x.narrow(hdim, 1, shape[hdim])
+    raise ValueError(layout)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double().cpu() - b.double().cpu()).abs().max().item()
+
+
+def _judge(what, got, oracle, ref_low, dtype, seed, floor=None):
+    """Assert the tolerance rule; ``ref_low`` is ReferenceKernel's result in ``dtype``."""
+    assert torch.isfinite(got).all(), f"{what}: non-finite values (seed {seed})"
+    err = _err(got, oracle)
+    mag = max(1.0, oracle.abs().max().item())
+    if dtype == torch.float32:
+        tol = 2e-5 * mag
+    else:
+        tol = 2 * _err(ref_low, oracle) + (floor if floor is not None else 1e-3 * mag)
+    assert err <= tol, f"{what}: max error {err:.3e} > tolerance {tol:.3e} ({dtype}, seed {seed})"
+
+
+def _d(x):
+    return x.detach().double().cpu()
+
+
+# ---------------------------------------------------------------------------
+# supports()
+
+
+def test_supports_accepts_good_inputs():
+    q = torch.randn(1, 2, 16, 4, 64, device=DEVICE)
+    assert FUSED.supports(q, q[..., :2, :]) is None
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["dim48", "dim16", "float64", "stride", "kv_heads", "ndim", "kdim"],
+)
+def test_supports_rejects_with_reason(case):
+    q = torch.randn(1, 2, 16, 4, 64, device=DEVICE)
+    k = torch.randn(1, 2, 16, 2, 64, device=DEVICE)
+    if case == "dim48":
+        q, k = q[..., :48], k[..., :48]
+        want = "head dim"
+    elif case == "dim16":
+        q, k = q[..., :16].contiguous(), k[..., :16].contiguous()
+        want = "head dim"
+    elif case == "float64":
+        q, k = q.double(), k.double()
+        want = "dtype"
+    elif case == "stride":
+        q = torch.randn(1, 2, 16, 4, 128, device=DEVICE)[..., ::2]
+        want = "unit stride"
+    elif case == "kv_heads":
+        k = torch.randn(1, 2, 16, 3, 64, device=DEVICE)
+        want = "multiple of kv heads"
+    elif case == "ndim":
+        q, k = q[0, 0], k[0, 0]
+        want = "expects"
+    else:
+        k = torch.randn(1, 2, 16, 2, 32, device=DEVICE)
+        want = "head dim"
+    reason = FUSED.supports(q, k)
+    assert reason is not None and want in reason, reason
+    with pytest.raises(ValueError, match="fused kernel cannot run"):
+        FUSED.forward(q, k, k, causal=False, scale=0.1)
+
+
+def test_supports_rejects_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 1, 16, 2, 64)
+    reason = FUSED.supports(q, q)
+    assert reason is not None and "CUDA" in reason
+
+
+def test_shared_memory_reason():
+    huge = FusedConfig(256, 256, 8, 4, 256, 256, 256, 256, 8, 4)
+    reason = shared_memory_reason(huge, 256, torch.float32, 232448)
+    assert reason is not None and "out of resource: shared memory" in reason and "232448" in reason
+    for dim in (32, 64, 128):
+        for dt in (torch.float16, torch.bfloat16, torch.float32):
+            assert shared_memory_reason(default_config(dim, dt), dim, dt, 232448) is None, (dim, dt)
+    if CUDA:
+        limit = torch.cuda.get_device_properties(DEVICE).shared_memory_per_block_optin
+        bad = FusedKernel(huge)
+        q = torch.randn(1, 1, 64, 2, 256, device=DEVICE)
+        reason = bad.supports(q, q)
+        assert reason is not None and str(limit) in reason
+        with pytest.raises(ValueError, match="shared memory"):
+            bad.forward(q, q, q, causal=False, scale=0.1)
+
+
+def test_interpreter_mode_is_read():
+    assert interpreting() == (not CUDA)
+
+
+# ---------------------------------------------------------------------------
+# the block seam: forward / backward on strided 5D views
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (2, 2)], ids=lambda h: f"H{h[0]}-{h[1]}")
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=lambda s: f"M{s[0]}-N{s[1]}-D{s[2]}")
+@pytest.mark.parametrize("layout", ["contig", "transposed", "head_sliced"])
+def test_block_forward_backward(dtype, causal, heads, shape, layout):
+    m, mk, dim = shape
+    hq, hk = heads
+    if causal and m != mk:
+        pytest.skip("causal blocks are square")
+    if not CUDA and (layout, heads) not in (("contig", (4, 2)), ("transposed", (6, 2)), ("head_sliced", (2, 2))):
+        pytest.skip("interpreter: one layout per head setup")
+    seed = _seed()
+    b, s = 2, 2
+    q = _rand((b, s, m, hq, dim), dtype, layout)
+    k = _rand((b, s, mk, hk, dim), dtype, layout)
+    v = _rand((b, s, mk, hk, dim), dtype, layout)
+    scale = dim**-0.5
+    out, lse = FUSED.forward(q, k, v, causal=causal, scale=scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.shape == q.shape and lse.shape == q.shape[:4]
+    o64, l64 = REF.forward(_d(q), _d(k), _d(v), causal=causal, scale=scale)
+    olo, llo = REF.forward(q, k, v, causal=causal, scale=scale)
+    _judge("out", out, o64, olo, dtype, seed)
+    _judge("lse", lse, l64, llo, dtype, seed, floor=1e-4 * max(1.0, l64.abs().max().item()))
+
+    dout = _rand(q.shape, dtype, layout)
+    grads = FUSED.backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+    g64 = REF.backward(_d(q), _d(k), _d(v), _d(out), _d(lse), _d(dout), causal=causal, scale=scale)
+    glo = REF.backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+    for name, g, want, low, x in zip(("dq", "dk", "dv"), grads, g64, glo, (q, k, v)):
+        assert g.shape == x.shape
+        _judge(name, g, want, low, dtype, seed)
+
+
+def test_block_empty_keys_and_rows():
+    q = torch.randn(1, 2, 8, 2, 32, device=DEVICE)
+    k = torch.randn(1, 2, 0, 2, 32, device=DEVICE)
+    out, lse = FUSED.forward(q, k, k, causal=False, scale=0.2)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    dq, dk, dv = FUSED.backward(q, k, k, out, lse, torch.randn_like(q), causal=False, scale=0.2)
+    assert (dq == 0).all() and dk.numel() == 0
+    q0 = torch.randn(1, 2, 0, 2, 32, device=DEVICE)
+    out, lse = FUSED.forward(q0, q0, q0, causal=True, scale=0.2)
+    assert out.shape == q0.shape and lse.shape == (1, 2, 0, 2)
+
+
+def test_causal_needs_square_block():
+    q = torch.randn(1, 1, 16, 2, 32, device=DEVICE)
+    k = torch.randn(1, 1, 32, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="equal query and key rows"):
+        FUSED.forward(q, k, k, causal=True, scale=0.2)
+
+
+# ---------------------------------------------------------------------------
+# whole patterns in one launch (forward_pattern / backward_pattern)
+
+
+def _plans(mode, heads, kv_heads, local_len, seq_len):
+    return plan_patterns(
+        PAT_SEGS, PAT_RATES, seq_len=seq_len, local_len=local_len, num_heads=heads, num_kv_heads=kv_heads, mode=mode
+    )
+
+
+def _final_out_lse(q, k, v, plans, causal, scale):
+    """Merged (out, lse) of all local plans, the way the ring builds them (fp32 merge), fp64 kernel."""
+    b, n, h, d = q.shape
+    acc_o = torch.zeros(b, n, h, d, dtype=torch.float32)
+    acc_l = torch.full((b, n, h), float("-inf"), dtype=torch.float32)
+    for p in plans:
+        o, s = pattern_forward(REF, _d(q), _d(k), _d(v), p, packed=False, causal=causal, scale=scale)
+        for c in p.chunks:
+            merge_into_(
+                chunk_views(acc_o, p, c),
+                dilated_view(acc_l, p.local_segment, p.dilation, c.offset, c.h0, c.h1),
+                compact_view(o, p, c.h0, c.h1),
+                compact_view(s, p, c.h0, c.h1),
+            )
+    return acc_o, acc_l
+
+
+def _chunk_rows(x, plan):
+    """Compact rows of the heads in the plan's chunks, stacked (heads outside are unspecified)."""
+    return torch.cat([compact_view(x, plan, c.h0, c.h1).flatten(3) for c in plan.chunks], dim=-1)
+
+
+PATTERN_CASES = [
+    # mode, heads, kv heads, layout, causal, dtype
+    ("longnet", 4, 2, "contig", False, torch.float32),
+    ("longnet", 6, 2, "transposed", True, torch.float16),
+    ("grouped", 4, 2, "head_sliced", True, torch.float32),
+    ("grouped", 6, 3, "contig", False, torch.float16),
+    ("longnet", 6, 2, "head_sliced", False, torch.float32),
+    ("longnet", 4, 1, "contig", True, torch.float32),
+]
+if CUDA:
+    PATTERN_CASES += [
+        ("longnet", 8, 2, "transposed", True, torch.bfloat16),
+        ("longnet", 6, 2, "contig", False, torch.bfloat16),
+        ("grouped", 8, 8, "head_sliced", True, torch.bfloat16),
+        ("longnet", 16, 16, "contig", True, torch.float16),
+    ]
+
+
+@pytest.mark.parametrize("case", PATTERN_CASES, ids=lambda c: f"{c[0]}-H{c[1]}-{c[2]}-{c[3]}-{c[4]}-{c[5]}")
+def test_pattern_local(case):
+    """Local plans (packed=False): compact forward, in-place backward accumulation, untouched heads."""
+    mode, heads, kv_heads, layout, causal, dtype = case
+    seed = _seed()
+    b, n, d = 2 if not CUDA else 1, PAT_N, PAT_DIM
+    plans = _plans(mode, heads, kv_heads, n, n)
+    q = _rand((b, n, heads, d), dtype, layout)
+    k = _rand((b, n, kv_heads, d), dtype, layout)
+    v = _rand((b, n, kv_heads, d), dtype, layout)
+    scale = d**-0.5
+    fin_o, fin_l = _final_out_lse(q, k, v, plans, causal, scale)
+    out_low = fin_o.to(DEVICE, dtype)
+    lse_dev = fin_l.to(DEVICE)
+    dout = _rand((b, n, heads, d), dtype, layout)
+    if not CUDA:  # the interpreter is slow: a subset of the plans
+        plans = plans[1:] if mode == "longnet" else plans
+    for p in plans:
+        o, s = FUSED.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)
+        o64, s64 = pattern_forward(REF, _d(q), _d(k), _d(v), p, packed=False, causal=causal, scale=scale)
+        olo, slo = pattern_forward(REF, q, k, v, p, packed=False, causal=causal, scale=scale)
+        what = f"plan {p.index} (w={p.segment}, r={p.dilation})"
+        _judge(f"{what} out", _chunk_rows(o, p), _chunk_rows(o64, p), _chunk_rows(olo, p), dtype, seed)
+        _judge(f"{what} lse", _chunk_rows(s, p), _chunk_rows(s64, p), _chunk_rows(slo, p), dtype, seed, floor=1e-4 * 10)
+
+        # backward adds into fp32 accumulators that already hold random values
+        init = [torch.randn(x.shape, device=DEVICE) for x in (q, k, v)]
+        acc = [x.clone() for x in init]
+        FUSED.backward_pattern(q, k, v, p, out_low, lse_dev, dout, *acc, packed=False, causal=causal, scale=scale)
+        acc64 = [_d(x) for x in init]
+        pattern_backward(
+            REF, _d(q), _d(k), _d(v), p, _d(out_low), _d(lse_dev), _d(dout), *acc64,
+            packed=False, causal=causal, scale=scale,
+        )
+        acclo = [x.clone() for x in init]
+        pattern_backward(REF, q, k, v, p, out_low, lse_dev, dout, *acclo, packed=False, causal=causal, scale=scale)
+        read = [torch.zeros(x.shape, dtype=torch.bool) for x in (q, k, v)]
+        for c in p.chunks:
+            chunk_views(read[0], p, c).fill_(True)
+            chunk_views(read[1], p, c, kv=True).fill_(True)
+            chunk_views(read[2], p, c, kv=True).fill_(True)
+        for name, got, want, low, x0, touched in zip(("dq", "dk", "dv"), acc, acc64, acclo, init, read):
+            _judge(f"{what} {name}", got, want, low, dtype, seed)
+            # rows/heads the plan does not read must be bit-for-bit untouched
+            assert torch.equal(got.cpu()[~touched], x0.cpu()[~touched]), f"{what} {name}: untouched entries changed"
+        if mode == "grouped":
+            covered = {h for c in p.chunks for h in range(c.h0, c.h1)}
+            other = [h for h in range(heads) if h not in covered]
+            assert torch.equal(acc[0][:, :, other], init[0][:, :, other]), f"{what}: dq of heads {other} touched"
+
+
+RING_CASES = [
+    ("longnet", 4, 2, True, torch.float32),
+    ("longnet", 6, 2, False, torch.float16),
+    ("grouped", 4, 2, True, torch.float16),
+]
+if CUDA:
+    RING_CASES += [("longnet", 8, 2, True, torch.bfloat16), ("longnet", 8, 4, False, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("case", RING_CASES, ids=lambda c: f"{c[0]}-H{c[1]}-{c[2]}-causal{c[3]}-{c[4]}")
+def test_pattern_packed_ring_block(case):
+    """Ring steps: k/v are halves of a packed buffer (causal only for the own block)."""
+    mode, heads, kv_heads, causal, dtype = case
+    seed = _seed()
+    b, d = 1, PAT_DIM
+    n = PAT_N
+    local = n // 2
+    plans = [p for p in _plans(mode, heads, kv_heads, local, n) if p.ring_size > 1]
+    assert plans, "no spanning pattern in this setup"
+    q = _rand((b, local, heads, d), dtype, "transposed")
+    k = _rand((b, local, kv_heads, d), dtype)
+    v = _rand((b, local, kv_heads, d), dtype)
+    scale = d**-0.5
+    for p in plans:
+        buf = pack_kv(k, v, p)
+        kp, vp = buf[0], buf[1]
+        o, s = FUSED.forward_pattern(q, kp, vp, p, packed=True, causal=causal, scale=scale)
+        o64, s64 = pattern_forward(REF, _d(q), _d(kp), _d(vp), p, packed=True, causal=causal, scale=scale)
+        olo, slo = pattern_forward(REF, q, kp, vp, p, packed=True, causal=causal, scale=scale)
+        what = f"ring plan {p.index} (w={p.segment}, r={p.dilation})"
+        _judge(f"{what} out", _chunk_rows(o, p), _chunk_rows(o64, p), _chunk_rows(olo, p), dtype, seed)
+        _judge(f"{what} lse", _chunk_rows(s, p), _chunk_rows(s64, p), _chunk_rows(slo, p), dtype, seed, floor=1e-3)
+
+        # final out/lse: this block merged with an arbitrary other partial (lse shifted up)
+        out_full = torch.randn(b, local, heads, d, device=DEVICE, dtype=dtype)
+        lse_full = torch.full((b, local, heads), float("-inf"), device=DEVICE)
+        for c in p.chunks:
+            dilated_view(lse_full, p.local_segment, p.dilation, c.offset, c.h0, c.h1).copy_(
+                compact_view(s, p, c.h0, c.h1) + torch.rand(compact_view(s, p, c.h0, c.h1).shape, device=DEVICE)
+            )
+        dout = torch.randn(b, local, heads, d, device=DEVICE, dtype=dtype)
+        init = [torch.randn(x.shape, device=DEVICE) for x in (q, kp, vp)]
+        acc = [x.clone() for x in init]
+        FUSED.backward_pattern(q, kp, vp, p, out_full, lse_full, dout, *acc, packed=True, causal=causal, scale=scale)
+        acc64 = [_d(x) for x in init]
+        pattern_backward(
+            REF, _d(q), _d(kp), _d(vp), p, _d(out_full), _d(lse_full), _d(dout), *acc64,
+            packed=True, causal=causal, scale=scale,
+        )
+        acclo = [x.clone() for x in init]
+        pattern_backward(REF, q, kp, vp, p, out_full, lse_full, dout, *acclo, packed=True, causal=causal, scale=scale)
+        for name, got, want, low in zip(("dq", "dk", "dv"), acc, acc64, acclo):
+            _judge(f"{what} {name}", got, want, low, dtype, seed)
+
+
+def test_pattern_matches_chunk_loop_exactly_in_structure():
+    """forward_pattern fills exactly the rows/heads of the chunks (a poisoned output shows a gap)."""
+    seed = _seed()
+    heads, kv_heads, n, d = 6, 2, PAT_N, PAT_DIM
+    plans = _plans("grouped", heads, kv_heads, n, n)
+    q = _rand((1, n, heads, d), torch.float32)
+    k = _rand((1, n, kv_heads, d), torch.float32)
+    p = plans[-1]
+    o, s = FUSED.forward_pattern(q, k, k, p, packed=False, causal=False, scale=0.1)
+    rows = _chunk_rows(s, p)
+    assert torch.isfinite(rows).all(), f"unwritten lse rows (seed {seed})"
+    o64, s64 = pattern_forward(REF, _d(q), _d(k), _d(k), p, packed=False, causal=False, scale=0.1)
+    assert _err(rows, _chunk_rows(s64, p)) < 1e-4, f"seed {seed}"
