@@ -7,6 +7,9 @@ import torch.distributed as dist
 
 from .base import CommBackend, Pending, _Works
 
+# torch >= 2.13 renames all_gather_into_tensor (same arguments); older releases only have the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class CollectiveBackend(CommBackend):
     name = "collective"
@@ -19,4 +22,4 @@ class CollectiveBackend(CommBackend):
         return _Works(dist.batch_isend_irecv(ops))
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(out, inp, group=self.group)
+        _all_gather_single(out, inp, group=self.group)
