@@ -32,8 +32,11 @@ def merge_two(
     shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     wa, wb = torch.exp(lse_a - shift), torch.exp(lse_b - shift)
     total = wa + wb
-    lse = shift + torch.log(total)
-    inv = torch.where(total > 0, 1.0 / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(total))
+    # log/reciprocal only of a safe total, so empty rows get no 0/0 in the backward either.
+    nonempty = total > 0
+    safe_total = torch.where(nonempty, total, torch.ones_like(total))
+    lse = torch.where(nonempty, shift + torch.log(safe_total), torch.full_like(total, float("-inf")))
+    inv = torch.where(nonempty, 1.0 / safe_total, torch.zeros_like(total))
     return _weighted(out_a, wa * inv) + _weighted(out_b, wb * inv), lse
 
 

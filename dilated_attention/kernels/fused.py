@@ -203,7 +203,7 @@ class FusedKernel:
         dim = q.shape[-1]
         if dim not in HEAD_DIMS or k.shape[-1] != dim:
             return f"head dim must be one of {HEAD_DIMS} (equal for q and k), got {dim} and {k.shape[-1]}"
-        if q.shape[-2] % max(k.shape[-2], 1):
+        if q.dim() == 5 and q.shape[-2] % max(k.shape[-2], 1):  # (4D k may be a packed ring buffer)
             return f"query heads ({q.shape[-2]}) must be a multiple of kv heads ({k.shape[-2]})"
         for name, x in (("q", q), ("k", k)):
             if x.stride(-1) != 1:

@@ -1,0 +1,55 @@
+import torch
+
+from dilated_attention.patterns import plan_patterns
+from dilated_attention.views import chunk_views, dilated_view, pack_kv, unpack_add_
+
+
+def _layouts(b, n, h, d):
+    base = torch.randn(b, n, h, d, dtype=torch.float64)
+    yield "contiguous", base
+    yield "transposed", base.transpose(1, 2).contiguous().transpose(1, 2)
+    wide = torch.randn(b, n, h + 3, d, dtype=torch.float64)
+    wide[:, :, 2 : 2 + h] = base
+    yield "head_slice", wide[:, :, 2 : 2 + h]
+
+
+def test_dilated_view_is_a_view_with_the_right_rows():
+    for name, x in _layouts(2, 24, 5, 4):
+        v = dilated_view(x, segment=12, dilation=3, offset=2, h0=1, h1=4)
+        assert v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), name  # no copy
+        assert v.shape == (2, 2, 4, 3, 4)
+        for s in range(2):
+            for j in range(4):
+                torch.testing.assert_close(v[:, s, j], x[:, s * 12 + 2 + 3 * j, 1:4], rtol=0, atol=0)
+
+
+def test_dilated_view_writes_through():
+    x = torch.zeros(1, 8, 2, 3)
+    dilated_view(x, 8, 2, 1, 0, 2).add_(1.0)
+    assert x[:, 1::2].eq(1).all() and x[:, 0::2].eq(0).all()
+
+
+def test_pack_kv_is_contiguous_and_holds_each_pair_once():
+    (plan,) = plan_patterns([32], [4], seq_len=64, local_len=16, num_heads=6, num_kv_heads=2)
+    for name, k in _layouts(2, 16, 2, 4):
+        v = k * 2 + 1
+        buf = pack_kv(k, v, plan)
+        assert buf.is_contiguous() and buf.shape == (2, 2, 4, plan.packed_heads, 4), name
+        for c in plan.chunks:
+            got = buf[0, :, :, c.packed : c.packed + c.k1 - c.k0]
+            torch.testing.assert_close(got, k[:, c.offset :: 4, c.k0 : c.k1], rtol=0, atol=0)
+            torch.testing.assert_close(buf[1, :, :, c.packed : c.packed + c.k1 - c.k0], v[:, c.offset :: 4, c.k0 : c.k1])
+
+
+def test_unpack_add_inverts_pack_positions():
+    (plan,) = plan_patterns([32], [4], seq_len=64, local_len=16, num_heads=6, num_kv_heads=2)
+    k = torch.randn(2, 16, 2, 4, dtype=torch.float64)
+    buf = pack_kv(k, -k, plan)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(k)
+    unpack_add_(dk, dv, buf, plan)
+    covered = torch.zeros_like(k, dtype=torch.bool)
+    for c in plan.chunks:
+        chunk_views(covered, plan, c, kv=True).fill_(True)
+    torch.testing.assert_close(dk[covered], k[covered])
+    torch.testing.assert_close(dv[covered], -k[covered])
+    assert dk[~covered].eq(0).all()
