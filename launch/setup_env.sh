@@ -1,0 +1,16 @@
+# Sourced by demo.sh and test.sh: create .venv and install the package with every
+# backend. Idempotent: re-installs only when pyproject.toml changed.
+set -euo pipefail
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# shellcheck disable=SC1091
+source .venv/bin/activate
+stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  echo "[setup] installing into .venv (first run takes a minute or two)..."
+  # torch first, or deepspeed/fairscale pull in a multi-GB CUDA build on CPU machines.
+  python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+  python -m pip install -q -e ".[all]"
+  touch "$stamp"
+fi
+export DS_ACCELERATOR=${DS_ACCELERATOR:-$(python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
