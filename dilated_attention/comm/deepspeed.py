@@ -1,0 +1,107 @@
+"""DeepSpeed backend: bytes move through ``deepspeed.comm``.
+
+Group, first match wins:
+
+1. an explicit ``group=``;
+2. DeepSpeed's sequence-parallel group when one is configured:
+   ``deepspeed.utils.groups._get_sequence_parallel_group()`` (the ``mpu`` given
+   to ``deepspeed.initialize`` exposing ``get_sequence_parallel_group``, or the
+   ``(data_parallel, sequence_parallel)`` device mesh from the config), or
+   ``deepspeed.runtime.sequence_parallel.parallel_state_sp`` once
+   ``initialize_sequence_parallel(k)`` has run (before ``deepspeed.initialize``);
+3. the world group.
+
+``deepspeed.init_distributed`` is called when ``deepspeed.comm`` is not yet set
+up; with torch.distributed already initialised it only wraps the existing
+process group, so ``comm="deepspeed"`` works right after ``init_process_group``.
+P2P goes through ``deepspeed.comm.P2POp`` + ``batch_isend_irecv`` (global peer
+ranks); releases without them fall back to ``isend``/``irecv`` posted in an
+order that cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .base import CommBackend, Pending, _Works
+
+
+def _ds_comm():
+    try:
+        import deepspeed.comm as ds_comm
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("comm='deepspeed' needs deepspeed (pip install deepspeed)") from exc
+    return ds_comm
+
+
+def ensure_initialized() -> None:
+    """Make ``deepspeed.comm`` usable on top of an initialised torch.distributed (no-op if it is)."""
+    ds_comm = _ds_comm()
+    if ds_comm.is_initialized():
+        return
+    # init_distributed only checks these to decide whether to run MPI discovery; torch is already
+    # initialised, so fill them from the process group (torchrun sets them anyway).
+    defaults = {"RANK": dist.get_rank(), "WORLD_SIZE": dist.get_world_size(), "LOCAL_RANK": 0,
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, str(value))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+
+
+def deepspeed_sequence_parallel_group() -> dist.ProcessGroup | None:
+    """DeepSpeed's configured sequence-parallel group, or None when there is none."""
+    from deepspeed.utils import groups
+
+    try:
+        return groups._get_sequence_parallel_group()
+    except (KeyError, AssertionError):  # no mpu/mesh with a sequence-parallel group
+        pass
+    try:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    except ImportError:  # older releases
+        return None
+    return getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
+
+
+class DeepSpeedBackend(CommBackend):
+    """Sequence parallel through ``deepspeed.comm`` on DeepSpeed's sequence-parallel group."""
+
+    name = "deepspeed"
+
+    def _resolve_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+        ensure_initialized()
+        self._ds = _ds_comm()
+        self._batched = hasattr(self._ds, "P2POp") and hasattr(self._ds, "batch_isend_irecv")
+        if group is not None:
+            return group
+        sp = deepspeed_sequence_parallel_group()
+        return sp if sp is not None else dist.group.WORLD
+
+    def _batch_send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> Pending:
+        ds = self._ds
+        if self._batched:
+            ops = [ds.P2POp(ds.isend, send, dst, self.group), ds.P2POp(ds.irecv, recv, src, self.group)]
+            return _Works(ds.batch_isend_irecv(ops))
+        # Unbatched: if every rank posted its send first, blocking transports (NCCL send kernels,
+        # rendezvous sends) would wait on each other round the ring. Rings are consecutive group
+        # ranks, so parity alternates along every ring: even ranks send first, odd ranks receive
+        # first, and each ring has both kinds, which breaks the cycle.
+        if self.rank % 2 == 0:
+            works = [ds.isend(send, dst, group=self.group), ds.irecv(recv, src, group=self.group)]
+        else:
+            works = [ds.irecv(recv, src, group=self.group), ds.isend(send, dst, group=self.group)]
+        return _Works(works)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        ds = self._ds
+        if hasattr(ds, "all_gather_into_tensor"):
+            work = ds.all_gather_into_tensor(out, inp, group=self.group)
+        else:  # older releases
+            work = ds.all_gather(list(out.chunk(self.world_size)), inp, group=self.group)
+        if work is not None and hasattr(work, "wait"):
+            work.wait()

@@ -1,0 +1,72 @@
+"""FairScale backend: the ring runs over fairscale's model-parallel group.
+
+FairScale (``fairscale.nn.model_parallel``) organises ranks into model-, data-
+and pipeline-parallel groups but has no point-to-point layer of its own: its
+tensor-parallel layers use ``torch.distributed`` collectives on those groups.
+So this adapter takes its *group* from fairscale (the model-parallel group is
+used as the sequence-parallel group) and moves bytes with ``torch.distributed``
+primitives on that group. P2P peers are global ranks.
+
+If fairscale's model parallel is not initialised yet, it is initialised over the
+whole world (``initialize_model_parallel(world_size)``), which is a collective
+call: every rank must build the backend. An explicit ``group=`` overrides all of
+this (no fairscale state is touched then).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .base import CommBackend, Pending, _Works
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_announced = False  # say once per process that we initialised fairscale ourselves
+
+
+def _fairscale_mp():
+    try:
+        from fairscale.nn.model_parallel import initialize as mp
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("comm='fairscale' needs fairscale (pip install fairscale)") from exc
+    return mp
+
+
+def sequence_parallel_group() -> dist.ProcessGroup:
+    """fairscale's model-parallel group, initialising model parallel over the world if needed."""
+    global _announced
+    mp = _fairscale_mp()
+    if not mp.model_parallel_is_initialized():
+        world = dist.get_world_size()
+        mp.initialize_model_parallel(world)
+        if not _announced:
+            _announced = True
+            warnings.warn(
+                f"comm='fairscale': fairscale model parallel was not initialised; initialised it with "
+                f"initialize_model_parallel({world}) (sequence parallel over all {world} ranks). "
+                "Call fairscale.nn.model_parallel.initialize.initialize_model_parallel(k) first to choose k.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return mp.get_model_parallel_group()
+
+
+class FairscaleBackend(CommBackend):
+    """Sequence parallel over fairscale's model-parallel group (or an explicit ``group``)."""
+
+    name = "fairscale"
+
+    def _resolve_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+        return group if group is not None else sequence_parallel_group()
+
+    def _batch_send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> Pending:
+        ops = [
+            dist.P2POp(dist.isend, send, dst, self.group),
+            dist.P2POp(dist.irecv, recv, src, self.group),
+        ]
+        return _Works(dist.batch_isend_irecv(ops))
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        _all_gather_single(out, inp, group=self.group)

@@ -1,0 +1,69 @@
+"""The common battery for all three backends (collective, fairscale, deepspeed) on 1-4 gloo ranks.
+
+One spawn of 4 ranks runs every case with every backend; each test asserts one
+case (per backend, then bitwise identity across backends), so a failure names it.
+DeepSpeed's first use JIT-builds its shm op (~1 min, cached in ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fairscale")
+pytest.importorskip("deepspeed")
+
+from dilated_attention.comm import BACKEND_NAMES, get_backend  # noqa: E402
+from dilated_attention.testing.harness import cases, spawn_battery  # noqa: E402
+
+WORLD = 4
+CASES = [c.name for p in range(1, WORLD + 1) for c in cases(p)]
+CHECKS = [f"{check}@P{p}" for p in range(2, WORLD + 1) for check in ("disagreeing-ranks", "one-rank-invalid")]
+
+
+def _world(name: str) -> int:
+    return int(name.split("P")[-1].split("-")[0])
+
+
+@pytest.fixture(scope="module")
+def results():
+    by_key: dict[tuple[str, str], list] = {}
+    for r in spawn_battery(list(BACKEND_NAMES), WORLD):
+        case = r.case if r.case.startswith("P") else f"{r.case}@P{r.world}"
+        by_key.setdefault((case, r.backend), []).append(r)
+    return by_key
+
+
+def _assert_all_ranks_ok(got, name, world):
+    assert sorted(r.rank for r in got) == list(range(world)), f"missing ranks for {name}: {[r.rank for r in got]}"
+    bad = [f"rank {r.rank}: {r.message or r.errors}" for r in got if not r.ok]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("name", CASES)
+def test_case(results, name, backend):
+    _assert_all_ranks_ok(results.get((name, backend), []), f"{name} [{backend}]", _world(name))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bitwise_identical_across_backends(results, name):
+    """Outputs and q/k/v grads of the three backends are torch.equal on every rank."""
+    got = results.get((name + "[bitwise]", "+".join(BACKEND_NAMES)), [])
+    _assert_all_ranks_ok(got, name + "[bitwise]", _world(name))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("name", CHECKS)
+def test_error_checks(results, name, backend):
+    """Disagreeing ranks / one invalid rank: every rank raises ValueError, none hangs."""
+    _assert_all_ranks_ok(results.get((name, backend), []), f"{name} [{backend}]", _world(name))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_backend_needs_initialised_process_group(backend):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        get_backend(backend)
