@@ -1,0 +1,431 @@
+"""A small LongNet-style causal LM and sequence-parallel training helpers.
+
+Used by ``tests/test_training.py`` (spawned gloo ranks) and ``launch/train_lm.py``
+(torchrun). Sequence parallelism (DESIGN.md section 2): the ranks of a
+sequence-parallel (SP) group each hold a contiguous shard of every sequence's
+tokens and targets. Positions are *global* (``offset = sp_rank * local_len``),
+the loss is the mean over the SP group's global tokens (each rank contributes
+``sum(local CE) / global token count``; the ring's backward returns K/V grads to
+their owner, so summing parameter grads over the SP group gives the exact
+gradient of that mean).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.base import CommBackend
+from ..modules import MultiheadDilatedAttention
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    vocab_size: int = 64
+    seq_len: int = 64  # global sequence length N
+    embed_dim: int = 32
+    num_heads: int = 4
+    num_layers: int = 2
+    mlp_ratio: int = 4
+    # one local pattern (fits a shard of 2 ranks) and one spanning the whole sequence
+    segment_lengths: tuple[int, ...] = (16, 64)
+    dilation_rates: tuple[int, ...] = (1, 2)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "embed_dim", "num_heads", "num_layers", "mlp_ratio"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"LMConfig.{name} must be a positive int, got {val!r}")
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal dilated attention, then an MLP."""
+
+    def __init__(self, cfg: LMConfig, comm: CommBackend | str | None, kernel: str) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.embed_dim)
+        self.attn = MultiheadDilatedAttention(
+            cfg.embed_dim, cfg.num_heads, cfg.segment_lengths, cfg.dilation_rates,
+            causal=True, comm=comm, kernel=kernel,
+        )
+        self.ln2 = nn.LayerNorm(cfg.embed_dim)
+        hidden = cfg.mlp_ratio * cfg.embed_dim
+        self.mlp = nn.Sequential(nn.Linear(cfg.embed_dim, hidden), nn.GELU(), nn.Linear(hidden, cfg.embed_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class DilatedLM(nn.Module):
+    """Embedding (+ learned positions) -> blocks -> LN -> LM head.
+
+    ``forward(tokens, position_offset)``: ``tokens`` is ``(B, n)``, this rank's
+    shard when ``comm`` is set; ``position_offset`` is the global position of
+    its first token (0 on one device).
+    """
+
+    def __init__(self, cfg: LMConfig, comm: CommBackend | str | None = None, kernel: str = "auto") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.embed_dim)
+        self.blocks = nn.ModuleList(Block(cfg, comm, kernel) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.embed_dim)
+        self.head = nn.Linear(cfg.embed_dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape (B, n), got {tuple(tokens.shape)}")
+        n = tokens.shape[1]
+        if position_offset < 0 or position_offset + n > self.cfg.seq_len:
+            raise ValueError(
+                f"position_offset ({position_offset}) + shard length ({n}) must lie in [0, seq_len={self.cfg.seq_len}]")
+        # global positions: a shard's rows are positions [offset, offset + n) of the full sequence
+        pos = torch.arange(position_offset, position_offset + n, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# -- data and sequence-parallel step helpers --------------------------------------------------------
+
+
+def make_batch(cfg: LMConfig, batch: int, seed: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ``(inputs, targets)`` of shape ``(batch, seq_len)``, identical on every rank."""
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    seq = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def shard(x: torch.Tensor, sp_rank: int, sp_size: int) -> torch.Tensor:
+    """Contiguous shard ``sp_rank`` of ``x`` along the sequence dim (dim 1)."""
+    if x.shape[1] % sp_size:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by sp_size {sp_size}")
+    return x.chunk(sp_size, dim=1)[sp_rank].contiguous()
+
+
+def local_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, position_offset: int,
+               global_tokens: int) -> torch.Tensor:
+    """This rank's share of the SP group's mean loss: ``sum(local CE) / global_tokens``."""
+    logits = model(inputs, position_offset)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / global_tokens
+
+
+def allreduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Sum parameter grads over ``group`` (one flat buffer: one collective per step)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or (group is not None and dist.get_world_size(group) == 1):
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    i = 0
+    for g in grads:
+        g.copy_(flat[i:i + g.numel()].view_as(g))
+        i += g.numel()
+
+
+def reported_loss(loss: torch.Tensor, sp_group: dist.ProcessGroup | None,
+                  dp_group: dist.ProcessGroup | None = None) -> float:
+    """Mean loss over the global batch: sum the shares over SP, average over DP."""
+    x = loss.detach().float().reshape(1).clone()
+    if sp_group is not None:
+        dist.all_reduce(x, group=sp_group)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(x, group=dp_group)
+        x /= dist.get_world_size(dp_group)
+    return x.item()
+
+
+def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, foreach=False)
+    raise ValueError(f"optimizer must be 'sgd' or 'adam', got {name!r}")
+
+
+def reference_losses(cfg: LMConfig, steps: int, batch: int, seed: int, optimizer: str = "adam",
+                     lr: float = 1e-2, state: dict | None = None) -> list[float]:
+    """Single-process training on the full sequences: the losses SP training must reproduce."""
+    model = build_model(cfg, None, seed, state=state)
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    losses = []
+    for step in range(steps):
+        inputs, targets = make_batch(cfg, batch, seed, step)
+        loss = local_loss(model, inputs, targets, 0, inputs.numel())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def build_model(cfg: LMConfig, comm: CommBackend | str | None, seed: int, kernel: str = "auto",
+                state: dict | None = None) -> DilatedLM:
+    """Same initial weights for every ``comm`` (weights drawn from ``seed`` before any comm work)."""
+    torch.manual_seed(seed)
+    model = DilatedLM(cfg, comm=comm, kernel=kernel)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def sp_train(cfg: LMConfig, comm: CommBackend, steps: int, batch: int, seed: int, optimizer: str = "adam",
+             lr: float = 1e-2, kernel: str = "auto") -> list[float]:
+    """Plain sequence-parallel training over ``comm``'s group (no data parallel); per-step global losses."""
+    sp_rank, sp_size = comm.rank, comm.world_size
+    model = build_model(cfg, comm, seed, kernel)
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    local_len = cfg.seq_len // sp_size
+    losses = []
+    for step in range(steps):
+        inputs, targets = make_batch(cfg, batch, seed, step)
+        loss = local_loss(model, shard(inputs, sp_rank, sp_size), shard(targets, sp_rank, sp_size),
+                          sp_rank * local_len, inputs.numel())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        allreduce_grads(list(model.parameters()), comm.group)  # each rank holds its tokens' part of the grad
+        opt.step()
+        losses.append(reported_loss(loss, comm.group))
+    return losses
+
+
+# -- DeepSpeed: ZeRO with our ring on DeepSpeed's sequence-parallel group -------------------------
+
+
+def deepspeed_config(zero_stage: int, micro_batch: int, bf16: bool = False) -> dict:
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,  # a plain torch optimizer (no DeepSpeed op build)
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def deepspeed_setup(cfg: LMConfig, sp_size: int, zero_stage: int, micro_batch: int, seed: int,
+                    optimizer: str = "adam", lr: float = 1e-2, kernel: str = "auto", bf16: bool = False):
+    """``(engine, comm, dp_rank, dp_size)`` with our ring on DeepSpeed's SP group.
+
+    DeepSpeed's documented Ulysses protocol: ``parallel_state_sp`` is the ``mpu``
+    (``get_sequence_parallel_group`` / ``get_sequence_data_parallel_group`` ...).
+    Given it, the engine (and ZeRO 1/2) reduces grads over the sequence x data
+    group and divides by ``dp = world / sp``: sum over SP, mean over DP -- what
+    our per-rank loss shares need. SP groups are consecutive ranks.
+    """
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    from ..comm.deepspeed import DeepSpeedBackend, ensure_initialized
+
+    ensure_initialized()
+    if sp_size > 1 and getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is None:
+        parallel_state_sp.initialize_sequence_parallel(sp_size)
+    comm = DeepSpeedBackend()  # picks DeepSpeed's SP group
+    if comm.world_size != sp_size:
+        raise RuntimeError(f"DeepSpeed's sequence-parallel group has {comm.world_size} ranks, expected {sp_size}")
+    model = build_model(cfg, comm, seed, kernel)
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=opt, config=deepspeed_config(zero_stage, micro_batch, bf16),
+        mpu=parallel_state_sp if sp_size > 1 else None,
+    )
+    dp_size = dist.get_world_size() // sp_size
+    dp_rank = dist.get_rank() // sp_size
+    return engine, comm, dp_rank, dp_size
+
+
+def deepspeed_train(cfg: LMConfig, sp_size: int, zero_stage: int, steps: int, batch: int, seed: int,
+                    optimizer: str = "adam", lr: float = 1e-2, kernel: str = "auto") -> list[float]:
+    """SP x DP training through a DeepSpeed engine; global batch ``batch`` split over DP."""
+    dp_size = dist.get_world_size() // sp_size
+    if batch % dp_size:
+        raise ValueError(f"batch ({batch}) must be divisible by the data-parallel size ({dp_size})")
+    micro = batch // dp_size
+    engine, comm, dp_rank, dp_size = deepspeed_setup(cfg, sp_size, zero_stage, micro, seed, optimizer, lr, kernel)
+    sp_rank = comm.rank
+    local_len = cfg.seq_len // sp_size
+    dp_group = _dp_group(sp_size)
+    losses = []
+    for step in range(steps):
+        inputs, targets = make_batch(cfg, batch, seed, step)
+        rows = slice(dp_rank * micro, (dp_rank + 1) * micro)
+        inputs, targets = inputs[rows], targets[rows]
+        loss = local_loss(engine, shard(inputs, sp_rank, sp_size), shard(targets, sp_rank, sp_size),
+                          sp_rank * local_len, inputs.numel())
+        engine.backward(loss)
+        engine.step()
+        losses.append(reported_loss(loss, comm.group, dp_group))
+    return losses
+
+
+_DP_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def _dp_group(sp_size: int) -> dist.ProcessGroup:
+    """Ranks with the same SP position (collective the first time: call on every rank)."""
+    if sp_size not in _DP_GROUPS:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mine = None
+        for pos in range(sp_size):
+            g = dist.new_group(list(range(pos, world, sp_size)))
+            if rank % sp_size == pos:
+                mine = g
+        _DP_GROUPS[sp_size] = mine
+    return _DP_GROUPS[sp_size]
+
+
+# -- spawned workers for tests -----------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    name: str
+    rank: int
+    losses: list[float] = field(default_factory=list)
+    reference: list[float] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def _guard(name: str, rank: int, fn: Callable[[], TrainResult]) -> TrainResult:
+    try:
+        return fn()
+    except Exception as exc:  # report per check; the others still run
+        traceback.print_exc()
+        return TrainResult(name, rank, error=f"{type(exc).__name__}: {exc}")
+
+
+def _sp_worker(rank: int, world_size: int, port: int, backends: list[str], steps: int, out_dir: str) -> None:
+    """2-rank plain SP training for each backend, plus fairscale's implicit initialisation."""
+    import warnings
+
+    from ..comm import get_backend
+    from .harness import init_local_rank
+
+    torch.set_num_threads(1)
+    init_local_rank(rank, world_size, port)
+    cfg, batch, seed = LMConfig(), 2, 1234
+    reference = reference_losses(cfg, steps, batch, seed)
+    results = []
+    try:
+        for name in backends:
+            if name == "fairscale":
+                from fairscale.nn.model_parallel import initialize as mp
+
+                def implicit() -> TrainResult:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        first = get_backend("fairscale")  # not initialised: initialises over the world
+                        second = get_backend("fairscale")
+                    said = [str(w.message) for w in caught if "initialize_model_parallel" in str(w.message)]
+                    info = {"warnings": len(said), "world": first.world_size, "same_group": first.group is second.group,
+                            "mp_size": mp.get_model_parallel_world_size()}
+                    mp.destroy_model_parallel()
+                    return TrainResult("fairscale-implicit-init", rank, info=info)
+
+                results.append(_guard("fairscale-implicit-init", rank, implicit))
+
+                def explicit() -> TrainResult:
+                    mp.initialize_model_parallel(world_size)  # sequence parallel over fairscale's MP group
+                    comm = get_backend("fairscale")
+                    info = {"group_is_mp": comm.group is mp.get_model_parallel_group(), "world": comm.world_size}
+                    return TrainResult("train-fairscale", rank, sp_train(cfg, comm, steps, batch, seed), reference, info)
+
+                results.append(_guard("train-fairscale", rank, explicit))
+            else:
+                results.append(_guard(f"train-{name}", rank, lambda: TrainResult(
+                    f"train-{name}", rank, sp_train(cfg, get_backend(name), steps, batch, seed), reference)))
+        if "deepspeed" in backends:
+            results.append(_guard("deepspeed-unbatched-fallback", rank, lambda: _fallback_check(rank)))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    _dump(results, out_dir, rank)
+
+
+def _fallback_check(rank: int) -> TrainResult:
+    """DeepSpeed's isend/irecv fallback (releases without batch_isend_irecv) == collective, bitwise."""
+    from ..comm import get_backend
+    from ..functional import dilated_attention
+
+    g = torch.Generator().manual_seed(7)
+    world = dist.get_world_size()
+    q, k, v, dout = (torch.randn(2, 16 * world, 4, 8, generator=g) for _ in range(4))
+    rows = slice(rank * 16, (rank + 1) * 16)
+    got = {}
+    for label in ("collective", "deepspeed-unbatched"):
+        comm = get_backend(label.split("-")[0])
+        if label == "deepspeed-unbatched":
+            comm._batched = False
+        leaves = [t[:, rows].clone().requires_grad_() for t in (q, k, v)]
+        out = dilated_attention(*leaves, (8, 16 * world), (1, 2), causal=True, comm=comm)
+        got[label] = [out.detach(), *torch.autograd.grad(out, leaves, dout[:, rows])]
+    equal = all(torch.equal(a, b) for a, b in zip(got["collective"], got["deepspeed-unbatched"]))
+    return TrainResult("deepspeed-unbatched-fallback", rank, info={"equal": equal})
+
+
+def _deepspeed_worker(rank: int, world_size: int, port: int, sp_size: int, zero_stage: int, steps: int,
+                      out_dir: str) -> None:
+    """DeepSpeed engine, ZeRO ``zero_stage``, SP ``sp_size`` x DP ``world/sp``."""
+    from .harness import init_local_rank
+
+    torch.set_num_threads(1)
+    init_local_rank(rank, world_size, port)
+    cfg, batch, seed = LMConfig(), 2, 4321
+    reference = reference_losses(cfg, steps, batch, seed)
+    name = f"deepspeed-zero{zero_stage}-sp{sp_size}xdp{world_size // sp_size}"
+    try:
+        res = _guard(name, rank, lambda: TrainResult(
+            name, rank, deepspeed_train(cfg, sp_size, zero_stage, steps, batch, seed), reference))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    _dump([res], out_dir, rank)
+
+
+def _dump(results: list[TrainResult], out_dir: str, rank: int) -> None:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump([asdict(r) for r in results], f)
+
+
+def _load(out_dir: str, world_size: int) -> list[TrainResult]:
+    out = []
+    for r in range(world_size):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            out += [TrainResult(**x) for x in json.load(f)]
+    return out
+
+
+def spawn_sp_training(backends: Sequence[str], steps: int = 5, world_size: int = 2) -> list[TrainResult]:
+    from .harness import run_spawned
+
+    return _load(run_spawned(_sp_worker, world_size, list(backends), steps), world_size)
+
+
+def spawn_deepspeed_training(sp_size: int = 2, zero_stage: int = 2, steps: int = 5,
+                             world_size: int = 4) -> list[TrainResult]:
+    from .harness import run_spawned
+
+    return _load(run_spawned(_deepspeed_worker, world_size, sp_size, zero_stage, steps), world_size)
+
+
+def losses_match(got: Sequence[float], want: Sequence[float], rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    return len(got) == len(want) and all(
+        math.isfinite(a) and abs(a - b) <= atol + rtol * abs(b) for a, b in zip(got, want))
