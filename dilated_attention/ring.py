@@ -17,7 +17,7 @@ import torch
 from .comm.base import CommBackend
 from .kernels.base import BlockKernel
 from .kernels.pattern import compact_view, pattern_backward, pattern_forward
-from .merge import accum_dtype, merge_into_
+from .merge import accum_dtype, merge_into_, merge_two
 from .patterns import PatternPlan
 from .views import chunk_views, dilated_view, pack_kv, unpack_add_
 
@@ -43,6 +43,7 @@ def _ring_forward(q, k, v, plan, comm, kernel, causal, scale, acc_out, acc_lse) 
     size = plan.ring_size
     pos, nxt, prv = comm.ring_peers(size)
     block, spare = pack_kv(k, v, plan), None
+    merged = None  # the pattern's partial in compact layout: steps merge there in one op each
     for step in range(size):
         pending = None
         if step < size - 1:
@@ -50,13 +51,13 @@ def _ring_forward(q, k, v, plan, comm, kernel, causal, scale, acc_out, acc_lse) 
             pending = comm.send_recv(block, nxt, spare, prv)
         seen = _visibility(causal, (pos - step) % size, pos)
         if seen is not None:
-            out, lse = pattern_forward(
-                kernel, q, block[0], block[1], plan, packed=True, causal=seen == "causal", scale=scale
-            )
-            _merge_pattern(acc_out, acc_lse, out, lse, plan)
+            part = pattern_forward(kernel, q, block[0], block[1], plan, packed=True, causal=seen == "causal", scale=scale)
+            merged = part if merged is None else merge_two(*merged, *part)
         if pending is not None:
             pending.wait()
             block, spare = spare, block
+    if merged is not None:  # every rank sees at least its own block, so this always holds
+        _merge_pattern(acc_out, acc_lse, *merged, plan)
 
 
 def _ring_backward(q, k, v, out, lse, dout, plan, comm, kernel, causal, scale, dq, dk, dv) -> None:

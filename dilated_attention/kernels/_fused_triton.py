@@ -52,7 +52,7 @@ def fwd_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m[:, None] * sqm + offs_d[None, :]
+    q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :]
     k_base = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_d[None, :]
     v_base = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_d[None, :]
     if EVEN_M:
@@ -81,11 +81,11 @@ def fwd_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + offs_n
             if EVEN_N:
-                k = tl.load(k_base + cols[:, None] * skm)
-                v = tl.load(v_base + cols[:, None] * svm)
+                k = tl.load(k_base + cols.to(tl.int64)[:, None] * skm)
+                v = tl.load(v_base + cols.to(tl.int64)[:, None] * svm)
             else:
-                k = tl.load(k_base + cols[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
-                v = tl.load(v_base + cols[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
+                k = tl.load(k_base + cols.to(tl.int64)[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
+                v = tl.load(v_base + cols.to(tl.int64)[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
             if DOT_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -107,8 +107,8 @@ def fwd_kernel(
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     acc = acc * inv[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = O + (b * sob + s * sos + h * soh) + offs_m[:, None] * som + offs_d[None, :]
-    l_ptrs = LSE + (b * slb + s * sls + h * slh) + offs_m * slm
+    o_ptrs = O + (b * sob + s * sos + h * soh) + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :]
+    l_ptrs = LSE + (b * slb + s * sls + h * slh) + offs_m.to(tl.int64) * slm
     if EVEN_M:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty))
         tl.store(l_ptrs, lse)
@@ -137,10 +137,10 @@ def delta_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     mask = offs_m[:, None] < M
-    o = tl.load(O + (b * sob + s * sos + h * soh + qo * soo) + offs_m[:, None] * som + offs_d[None, :], mask=mask, other=0.0)
-    g = tl.load(DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m[:, None] * sgm + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(O + (b * sob + s * sos + h * soh + qo * soo) + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :], mask=mask, other=0.0)
+    g = tl.load(DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m.to(tl.int64)[:, None] * sgm + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * g.to(tl.float32), 1)
-    tl.store(DELTA + (b * sdb + s * sds + h * sdh) + offs_m * sdm, delta, mask=offs_m < M)
+    tl.store(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(tl.int64) * sdm, delta, mask=offs_m < M)
 
 
 def dq_kernel(
@@ -176,18 +176,18 @@ def dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     row_ok = offs_m < M
-    q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m[:, None] * sqm + offs_d[None, :]
-    g_ptrs = DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m[:, None] * sgm + offs_d[None, :]
+    q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :]
+    g_ptrs = DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m.to(tl.int64)[:, None] * sgm + offs_d[None, :]
     if EVEN_M:
         q = tl.load(q_ptrs)
         do = tl.load(g_ptrs)
-        lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m * slm)
-        delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m * sdm)
+        lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(tl.int64) * slm)
+        delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(tl.int64) * sdm)
     else:
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         do = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m * slm, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m * sdm, mask=row_ok, other=0.0)
+        lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(tl.int64) * slm, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(tl.int64) * sdm, mask=row_ok, other=0.0)
     do = do.to(q.dtype)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -211,11 +211,11 @@ def dq_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + offs_n
             if EVEN_N:
-                k = tl.load(k_base + cols[:, None] * skm)
-                v = tl.load(v_base + cols[:, None] * svm)
+                k = tl.load(k_base + cols.to(tl.int64)[:, None] * skm)
+                v = tl.load(v_base + cols.to(tl.int64)[:, None] * svm)
             else:
-                k = tl.load(k_base + cols[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
-                v = tl.load(v_base + cols[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
+                k = tl.load(k_base + cols.to(tl.int64)[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
+                v = tl.load(v_base + cols.to(tl.int64)[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
             if DOT_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -229,7 +229,7 @@ def dq_kernel(
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     dq = dq * scale
-    a_ptrs = DQ + (b * sab + s * sas + h * sah + qo * sao) + offs_m[:, None] * sam + offs_d[None, :]
+    a_ptrs = DQ + (b * sab + s * sas + h * sah + qo * sao) + offs_m.to(tl.int64)[:, None] * sam + offs_d[None, :]
     if EVEN_M:
         prev = tl.load(a_ptrs).to(tl.float32)
         tl.store(a_ptrs, (prev + dq).to(DQ.dtype.element_ty))
@@ -272,8 +272,8 @@ def dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     col_ok = offs_n < MK
-    k_ptrs = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_n[:, None] * skm + offs_d[None, :]
-    v_ptrs = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_n[:, None] * svm + offs_d[None, :]
+    k_ptrs = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_n.to(tl.int64)[:, None] * skm + offs_d[None, :]
+    v_ptrs = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_n.to(tl.int64)[:, None] * svm + offs_d[None, :]
     if EVEN_N:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
@@ -307,15 +307,15 @@ def dkdv_kernel(
             for start_m in range(lo, hi, BLOCK_M):
                 rows = start_m + offs_m
                 if EVEN_M:
-                    q = tl.load(q_base + rows[:, None] * sqm)
-                    do = tl.load(g_base + rows[:, None] * sgm)
-                    lse = tl.load(l_base + rows * slm)
-                    delta = tl.load(d_base + rows * sdm)
+                    q = tl.load(q_base + rows.to(tl.int64)[:, None] * sqm)
+                    do = tl.load(g_base + rows.to(tl.int64)[:, None] * sgm)
+                    lse = tl.load(l_base + rows.to(tl.int64) * slm)
+                    delta = tl.load(d_base + rows.to(tl.int64) * sdm)
                 else:
-                    q = tl.load(q_base + rows[:, None] * sqm, mask=rows[:, None] < M, other=0.0)
-                    do = tl.load(g_base + rows[:, None] * sgm, mask=rows[:, None] < M, other=0.0)
-                    lse = tl.load(l_base + rows * slm, mask=rows < M, other=float("-inf"))
-                    delta = tl.load(d_base + rows * sdm, mask=rows < M, other=0.0)
+                    q = tl.load(q_base + rows.to(tl.int64)[:, None] * sqm, mask=rows[:, None] < M, other=0.0)
+                    do = tl.load(g_base + rows.to(tl.int64)[:, None] * sgm, mask=rows[:, None] < M, other=0.0)
+                    lse = tl.load(l_base + rows.to(tl.int64) * slm, mask=rows < M, other=float("-inf"))
+                    delta = tl.load(d_base + rows.to(tl.int64) * sdm, mask=rows < M, other=0.0)
                 do = do.to(k.dtype)
                 if DOT_F32:
                     q = q.to(tl.float32)
@@ -332,8 +332,8 @@ def dkdv_kernel(
                 dsT = pT * (dpT - delta[None, :])
                 dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
     dk = dk * scale
-    ka_ptrs = DK + (b * skab + s * skas + kvh * skah + kvo * skao) + offs_n[:, None] * skam + offs_d[None, :]
-    va_ptrs = DV + (b * svab + s * svas + kvh * svah + kvo * svao) + offs_n[:, None] * svam + offs_d[None, :]
+    ka_ptrs = DK + (b * skab + s * skas + kvh * skah + kvo * skao) + offs_n.to(tl.int64)[:, None] * skam + offs_d[None, :]
+    va_ptrs = DV + (b * svab + s * svas + kvh * svah + kvo * svao) + offs_n.to(tl.int64)[:, None] * svam + offs_d[None, :]
     if EVEN_N:
         pk = tl.load(ka_ptrs).to(tl.float32)
         pv = tl.load(va_ptrs).to(tl.float32)

@@ -61,6 +61,15 @@ class FusedConfig:
     bwd_warps: int
     bwd_stages: int
 
+    def __post_init__(self) -> None:
+        for name in ("fwd_m", "fwd_n", "dq_m", "dq_n", "dkdv_m", "dkdv_n"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"FusedConfig.{name} must be a power of two >= 16, got {val}")
+        for big, small in (("fwd_m", "fwd_n"), ("dq_m", "dq_n"), ("dkdv_n", "dkdv_m")):
+            if getattr(self, big) % getattr(self, small):
+                raise ValueError(f"FusedConfig.{big} must be a multiple of {small} (causal diagonal blocks)")
+
     def smem_bytes(self, dim: int, elem: int) -> dict[str, int]:
         """Estimated shared memory per program of each kernel (pipelined tiles + layout scratch)."""
         fwd = elem * (self.fwd_m * dim + self.fwd_stages * 2 * self.fwd_n * dim) + 4 * self.fwd_m * self.fwd_n

@@ -101,10 +101,22 @@ class DilatedLM(nn.Module):
 # -- data and sequence-parallel step helpers --------------------------------------------------------
 
 
-def make_batch(cfg: LMConfig, batch: int, seed: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global ``(inputs, targets)`` of shape ``(batch, seq_len)``, identical on every rank."""
+def make_batch(cfg: LMConfig, batch: int, seed: int, step: int = 0,
+               kind: str = "random") -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ``(inputs, targets)`` of shape ``(batch, seq_len)``, identical on every rank.
+
+    ``kind="random"``: uniform tokens. ``kind="arith"``: ``(start + t * stride) % vocab``
+    with a random start and stride per sequence (learnable in context: the loss falls).
+    """
     g = torch.Generator().manual_seed(seed * 100003 + step)
-    seq = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+    if kind == "random":
+        seq = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+    elif kind == "arith":
+        start = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
+        stride = torch.randint(1, 8, (batch, 1), generator=g)
+        seq = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
+    else:
+        raise ValueError(f"kind must be 'random' or 'arith', got {kind!r}")
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
