@@ -233,7 +233,7 @@ def deepspeed_config(zero_stage: int, micro_batch: int, bf16: bool = False) -> d
 
 def deepspeed_setup(cfg: LMConfig, sp_size: int, zero_stage: int, micro_batch: int, seed: int,
                     optimizer: str = "adam", lr: float = 1e-2, kernel: str = "auto", bf16: bool = False):
-    """``(engine, comm, dp_rank, dp_size)`` with our ring on DeepSpeed's SP group.
+    """``(engine, comm, dp_rank, dp_size)`` with our ring on DeepSpeed's SP group (``comm`` None if sp_size 1).
 
     DeepSpeed's documented Ulysses protocol: ``parallel_state_sp`` is the ``mpu``
     (``get_sequence_parallel_group`` / ``get_sequence_data_parallel_group`` ...).
@@ -247,11 +247,15 @@ def deepspeed_setup(cfg: LMConfig, sp_size: int, zero_stage: int, micro_batch: i
     from ..comm.deepspeed import DeepSpeedBackend, ensure_initialized
 
     ensure_initialized()
-    if sp_size > 1 and getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is None:
-        parallel_state_sp.initialize_sequence_parallel(sp_size)
-    comm = DeepSpeedBackend()  # picks DeepSpeed's SP group
-    if comm.world_size != sp_size:
-        raise RuntimeError(f"DeepSpeed's sequence-parallel group has {comm.world_size} ranks, expected {sp_size}")
+    if sp_size < 1 or dist.get_world_size() % sp_size:
+        raise ValueError(f"sp_size must divide the world size {dist.get_world_size()}, got {sp_size}")
+    comm = None  # sp_size 1: plain data parallel, no ring
+    if sp_size > 1:
+        if getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is None:
+            parallel_state_sp.initialize_sequence_parallel(sp_size)
+        comm = DeepSpeedBackend()  # picks DeepSpeed's SP group
+        if comm.world_size != sp_size:
+            raise RuntimeError(f"DeepSpeed's sequence-parallel group has {comm.world_size} ranks, expected {sp_size}")
     model = build_model(cfg, comm, seed, kernel)
     opt = make_optimizer(model.parameters(), optimizer, lr)
     engine, *_ = deepspeed.initialize(
@@ -271,7 +275,7 @@ def deepspeed_train(cfg: LMConfig, sp_size: int, zero_stage: int, steps: int, ba
         raise ValueError(f"batch ({batch}) must be divisible by the data-parallel size ({dp_size})")
     micro = batch // dp_size
     engine, comm, dp_rank, dp_size = deepspeed_setup(cfg, sp_size, zero_stage, micro, seed, optimizer, lr, kernel)
-    sp_rank = comm.rank
+    sp_rank = comm.rank if comm is not None else 0
     local_len = cfg.seq_len // sp_size
     dp_group = _dp_group(sp_size)
     losses = []
@@ -283,7 +287,7 @@ def deepspeed_train(cfg: LMConfig, sp_size: int, zero_stage: int, steps: int, ba
                           sp_rank * local_len, inputs.numel())
         engine.backward(loss)
         engine.step()
-        losses.append(reported_loss(loss, comm.group, dp_group))
+        losses.append(reported_loss(loss, comm.group if comm is not None else None, dp_group))
     return losses
 
 
