@@ -91,8 +91,14 @@ class CommBackend(ABC):
         return out.view(self.world_size, *x.shape)
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
-        backend = dist.get_backend(self._group)
-        return like.device if like.is_cuda and "gloo" not in str(backend) else torch.device("cpu")
+        backend = str(dist.get_backend(self._group))
+        if "gloo" in backend:
+            return torch.device("cpu")
+        if like.is_cuda:
+            return like.device
+        # NCCL-only group but CPU inputs (e.g. a rank's invalid call): the consistency check must
+        # still reach every rank, so gather on this rank's current GPU
+        return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
     def check_consistent(self, fields: dict[str, int], error: BaseException | None, like: torch.Tensor) -> None:
         """Gather every rank's call signature; raise the same verdict on every rank.

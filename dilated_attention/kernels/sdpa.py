@@ -82,13 +82,15 @@ class SdpaKernel:
         elif self.backend == "flash":
             m, n = qb.shape[2], kb.shape[2]
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                gb, qb, kb, vb, ob, lb, _empty(dev), _empty(dev), m, n, 0.0, causal, _empty(dev), _empty(dev), scale=scale
+                # cum_seq_q/k None (undefined, as autograd passes for dense inputs): a defined tensor
+                # selects the varlen kernel, which torch 2.11 rejects unless it is int32
+                gb, qb, kb, vb, ob, lb, None, None, m, n, 0.0, causal, _empty(dev), _empty(dev), scale=scale
             )
         else:
             m, n = qb.shape[2], kb.shape[2]
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
                 gb, qb, kb, vb, ob, lb.unsqueeze(-1), _empty(dev), _empty(dev), _empty(dev),
-                _empty(dev), _empty(dev), m, n, 0.0, causal, scale=scale,
+                None, None, m, n, 0.0, causal, scale=scale,  # cum_seq undefined: dense, not nested
             )
         return (
             _from_bhmd(dq, bsz),
