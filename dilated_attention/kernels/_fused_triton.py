@@ -13,6 +13,10 @@ head dim has unit stride). A strided 5D view has ``soff = 0``; a full
 ``soff = sL``. Per-head tables (int32) say which heads exist and where they
 read, so a whole pattern (all its head chunks and offsets) is one launch.
 
+In-tile row offsets (``row * stride``) are int32 unless ``IDX`` is ``tl.int64``
+(chosen by the host when a segment's extent does not fit in int32); per-program
+bases are always int64.
+
 Head table ``HT`` (4, NH): query head, query offset, kv head, kv offset.
 Unit table ``UT`` (5, NU): kv head, kv offset, first and end query head of the
 (contiguous) query heads reading it, their query offset. Each (kv head, kv
@@ -34,7 +38,7 @@ def fwd_kernel(
     qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i = tl.program_id(1)
@@ -52,7 +56,7 @@ def fwd_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :]
+    q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(IDX)[:, None] * sqm + offs_d[None, :]
     k_base = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_d[None, :]
     v_base = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_d[None, :]
     if EVEN_M:
@@ -81,11 +85,11 @@ def fwd_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + offs_n
             if EVEN_N:
-                k = tl.load(k_base + cols.to(tl.int64)[:, None] * skm)
-                v = tl.load(v_base + cols.to(tl.int64)[:, None] * svm)
+                k = tl.load(k_base + cols.to(IDX)[:, None] * skm)
+                v = tl.load(v_base + cols.to(IDX)[:, None] * svm)
             else:
-                k = tl.load(k_base + cols.to(tl.int64)[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
-                v = tl.load(v_base + cols.to(tl.int64)[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
+                k = tl.load(k_base + cols.to(IDX)[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
+                v = tl.load(v_base + cols.to(IDX)[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
             if DOT_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -107,8 +111,8 @@ def fwd_kernel(
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     acc = acc * inv[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = O + (b * sob + s * sos + h * soh) + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :]
-    l_ptrs = LSE + (b * slb + s * sls + h * slh) + offs_m.to(tl.int64) * slm
+    o_ptrs = O + (b * sob + s * sos + h * soh) + offs_m.to(IDX)[:, None] * som + offs_d[None, :]
+    l_ptrs = LSE + (b * slb + s * sls + h * slh) + offs_m.to(IDX) * slm
     if EVEN_M:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty))
         tl.store(l_ptrs, lse)
@@ -123,7 +127,7 @@ def delta_kernel(
     sgb, sgs, sgm, sgh, sgo,
     sdb, sds, sdm, sdh,
     NH, S, M, n_mblocks,
-    D: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, IDX: tl.constexpr,
 ):
     """delta = rowsum(dout * out) of the rows a head reads, into a compact fp32 buffer."""
     pid = tl.program_id(0)
@@ -137,10 +141,10 @@ def delta_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     mask = offs_m[:, None] < M
-    o = tl.load(O + (b * sob + s * sos + h * soh + qo * soo) + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :], mask=mask, other=0.0)
-    g = tl.load(DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m.to(tl.int64)[:, None] * sgm + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(O + (b * sob + s * sos + h * soh + qo * soo) + offs_m.to(IDX)[:, None] * som + offs_d[None, :], mask=mask, other=0.0)
+    g = tl.load(DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m.to(IDX)[:, None] * sgm + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * g.to(tl.float32), 1)
-    tl.store(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(tl.int64) * sdm, delta, mask=offs_m < M)
+    tl.store(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(IDX) * sdm, delta, mask=offs_m < M)
 
 
 def dq_kernel(
@@ -156,7 +160,7 @@ def dq_kernel(
     qk_scale, scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
 ):
     """dQ of one row block of one head; adds into DQ (each element owned by one program)."""
     pid = tl.program_id(0)
@@ -176,18 +180,18 @@ def dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     row_ok = offs_m < M
-    q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :]
-    g_ptrs = DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m.to(tl.int64)[:, None] * sgm + offs_d[None, :]
+    q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(IDX)[:, None] * sqm + offs_d[None, :]
+    g_ptrs = DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m.to(IDX)[:, None] * sgm + offs_d[None, :]
     if EVEN_M:
         q = tl.load(q_ptrs)
         do = tl.load(g_ptrs)
-        lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(tl.int64) * slm)
-        delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(tl.int64) * sdm)
+        lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(IDX) * slm)
+        delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(IDX) * sdm)
     else:
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         do = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(tl.int64) * slm, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(tl.int64) * sdm, mask=row_ok, other=0.0)
+        lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(IDX) * slm, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(IDX) * sdm, mask=row_ok, other=0.0)
     do = do.to(q.dtype)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -211,11 +215,11 @@ def dq_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + offs_n
             if EVEN_N:
-                k = tl.load(k_base + cols.to(tl.int64)[:, None] * skm)
-                v = tl.load(v_base + cols.to(tl.int64)[:, None] * svm)
+                k = tl.load(k_base + cols.to(IDX)[:, None] * skm)
+                v = tl.load(v_base + cols.to(IDX)[:, None] * svm)
             else:
-                k = tl.load(k_base + cols.to(tl.int64)[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
-                v = tl.load(v_base + cols.to(tl.int64)[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
+                k = tl.load(k_base + cols.to(IDX)[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
+                v = tl.load(v_base + cols.to(IDX)[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
             if DOT_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -229,7 +233,7 @@ def dq_kernel(
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     dq = dq * scale
-    a_ptrs = DQ + (b * sab + s * sas + h * sah + qo * sao) + offs_m.to(tl.int64)[:, None] * sam + offs_d[None, :]
+    a_ptrs = DQ + (b * sab + s * sas + h * sah + qo * sao) + offs_m.to(IDX)[:, None] * sam + offs_d[None, :]
     if EVEN_M:
         prev = tl.load(a_ptrs).to(tl.float32)
         tl.store(a_ptrs, (prev + dq).to(DQ.dtype.element_ty))
@@ -252,7 +256,7 @@ def dkdv_kernel(
     qk_scale, scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
 ):
     """dK, dV of one key block of one (kv head, offset) unit, summed over its query heads."""
     pid = tl.program_id(0)
@@ -272,8 +276,8 @@ def dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     col_ok = offs_n < MK
-    k_ptrs = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_n.to(tl.int64)[:, None] * skm + offs_d[None, :]
-    v_ptrs = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_n.to(tl.int64)[:, None] * svm + offs_d[None, :]
+    k_ptrs = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_n.to(IDX)[:, None] * skm + offs_d[None, :]
+    v_ptrs = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_n.to(IDX)[:, None] * svm + offs_d[None, :]
     if EVEN_N:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
@@ -307,15 +311,15 @@ def dkdv_kernel(
             for start_m in range(lo, hi, BLOCK_M):
                 rows = start_m + offs_m
                 if EVEN_M:
-                    q = tl.load(q_base + rows.to(tl.int64)[:, None] * sqm)
-                    do = tl.load(g_base + rows.to(tl.int64)[:, None] * sgm)
-                    lse = tl.load(l_base + rows.to(tl.int64) * slm)
-                    delta = tl.load(d_base + rows.to(tl.int64) * sdm)
+                    q = tl.load(q_base + rows.to(IDX)[:, None] * sqm)
+                    do = tl.load(g_base + rows.to(IDX)[:, None] * sgm)
+                    lse = tl.load(l_base + rows.to(IDX) * slm)
+                    delta = tl.load(d_base + rows.to(IDX) * sdm)
                 else:
-                    q = tl.load(q_base + rows.to(tl.int64)[:, None] * sqm, mask=rows[:, None] < M, other=0.0)
-                    do = tl.load(g_base + rows.to(tl.int64)[:, None] * sgm, mask=rows[:, None] < M, other=0.0)
-                    lse = tl.load(l_base + rows.to(tl.int64) * slm, mask=rows < M, other=float("-inf"))
-                    delta = tl.load(d_base + rows.to(tl.int64) * sdm, mask=rows < M, other=0.0)
+                    q = tl.load(q_base + rows.to(IDX)[:, None] * sqm, mask=rows[:, None] < M, other=0.0)
+                    do = tl.load(g_base + rows.to(IDX)[:, None] * sgm, mask=rows[:, None] < M, other=0.0)
+                    lse = tl.load(l_base + rows.to(IDX) * slm, mask=rows < M, other=float("-inf"))
+                    delta = tl.load(d_base + rows.to(IDX) * sdm, mask=rows < M, other=0.0)
                 do = do.to(k.dtype)
                 if DOT_F32:
                     q = q.to(tl.float32)
@@ -332,8 +336,8 @@ def dkdv_kernel(
                 dsT = pT * (dpT - delta[None, :])
                 dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
     dk = dk * scale
-    ka_ptrs = DK + (b * skab + s * skas + kvh * skah + kvo * skao) + offs_n.to(tl.int64)[:, None] * skam + offs_d[None, :]
-    va_ptrs = DV + (b * svab + s * svas + kvh * svah + kvo * svao) + offs_n.to(tl.int64)[:, None] * svam + offs_d[None, :]
+    ka_ptrs = DK + (b * skab + s * skas + kvh * skah + kvo * skao) + offs_n.to(IDX)[:, None] * skam + offs_d[None, :]
+    va_ptrs = DV + (b * svab + s * svas + kvh * svah + kvo * svao) + offs_n.to(IDX)[:, None] * svam + offs_d[None, :]
     if EVEN_N:
         pk = tl.load(ka_ptrs).to(tl.float32)
         pv = tl.load(va_ptrs).to(tl.float32)

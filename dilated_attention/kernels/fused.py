@@ -87,12 +87,14 @@ def default_config(dim: int, dtype: torch.dtype) -> FusedConfig:
     if interpreting():
         return _INTERPRET_CONFIG
     big = dtype == torch.float32
+    # Picked from ptxas reports of sm_90 builds (no spills, or a few bytes) and the H200 sweep
+    # in benchmarks/bench_kernel.py; see benchmarks/results/kernel_*.md.
     if dim <= 64:
-        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 32, 32, 128, 4, 3)
+        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 64, 64, 128, 8, 2)
     if dim == 128:
-        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 8, 2) if big else FusedConfig(128, 64, 8, 3, 64, 64, 64, 64, 8, 2)
+        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 8, 2) if big else FusedConfig(128, 64, 8, 3, 64, 64, 32, 64, 8, 2)
     # head dim 256
-    return FusedConfig(32, 32, 4, 1, 32, 32, 16, 32, 8, 1) if big else FusedConfig(64, 32, 8, 2, 64, 32, 32, 64, 8, 1)
+    return FusedConfig(32, 32, 4, 1, 32, 32, 16, 32, 8, 1) if big else FusedConfig(64, 64, 8, 2, 64, 32, 16, 32, 8, 1)
 
 
 def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: int) -> str | None:
@@ -119,6 +121,12 @@ def _kernel(name: str):
         fn = triton.jit(_fused_triton.KERNEL_FUNCS[name])
         _JIT[key] = fn
     return fn
+
+
+def _idx_type(rows: int, *strides):
+    """int32 in-tile row offsets unless ``rows`` (+ a block of padding) times a row stride may overflow."""
+    worst = (rows + 512) * max([abs(st[2]) for st in strides] + [1]) + 4096
+    return triton.language.int64 if worst >= 2**31 - 1 else triton.language.int32
 
 
 # ---------------------------------------------------------------------------
@@ -265,12 +273,14 @@ class FusedKernel:
         meta = dict(
             D=q.shape[-1], BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
             EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **self._common(q, cfg),
+            IDX=_idx_type(max(M, MK), sq, sk, sv, so, sl),
         )
         args = (q, k, v, out, lse, ht, *sq, *sk, *sv, *so[:4], *sl[:4], nh, S, M, MK, nmb, scale * LOG2E)
         self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages)
 
     def _backward(self, q, k, v, out, lse, dout, dq, dk, dv, ht, ut, strides, S, M, MK, causal, scale, cfg):
         sq, sk, sv, so, sl, sg, sdq, sdk, sdv = strides
+        idx = _idx_type(max(M, MK), *strides)
         nh, nu = ht.shape[1], ut.shape[1]
         bsz = q.shape[0]
         if nh == 0 or M == 0 or S == 0 or bsz == 0 or MK == 0:
@@ -284,7 +294,7 @@ class FusedKernel:
             "delta",
             (bsz * S * triton.cdiv(M, bm), nh),
             (out, dout, delta, ht, *so, *sg, *sd, nh, S, M, triton.cdiv(M, bm)),
-            dict(D=dim, BLOCK_M=bm),
+            dict(D=dim, BLOCK_M=bm, IDX=idx),
             4, 1,
         )
         bm, bn = cfg.dq_m, cfg.dq_n
@@ -293,7 +303,7 @@ class FusedKernel:
             "dq",
             (bsz * S * nmb, nh),
             (q, k, v, dout, lse, delta, dq, ht, *sq, *sk, *sv, *sg, *sl, *sd, *sdq, nh, S, M, MK, nmb, scale * LOG2E, scale),
-            dict(D=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **common),
+            dict(D=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, IDX=idx, **common),
             cfg.bwd_warps, cfg.bwd_stages,
         )
         bm, bn = cfg.dkdv_m, cfg.dkdv_n
@@ -303,7 +313,7 @@ class FusedKernel:
             (bsz * S * nnb, nu),
             (q, k, v, dout, lse, delta, dk, dv, ut, *sq, *sk, *sv, *sg, *sl, *sd, *sdk, *sdv,
              nu, S, M, MK, nnb, scale * LOG2E, scale),
-            dict(D=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **common),
+            dict(D=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, IDX=idx, **common),
             cfg.bwd_warps, cfg.bwd_stages,
         )
 
