@@ -91,3 +91,27 @@ def test_lm_rejects_bad_input():
         model(torch.zeros(64, dtype=torch.long))
     with pytest.raises(ValueError, match="position_offset"):
         model(torch.zeros(1, 32, dtype=torch.long), position_offset=48)
+
+
+def _torchrun(args: list[str], timeout: int = 240) -> str:
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_train_lm_script_under_torchrun():
+    """launch/train_lm.py end to end (DeepSpeed ZeRO-2, SP over 2 gloo ranks): a loss per step, then tokens/s."""
+    import re
+
+    out = _torchrun(["launch/train_lm.py", "--backend", "deepspeed", "--steps", "3", "--seq-len", "64",
+                     "--segments", "16,64", "--rates", "1,2"])
+    losses = [float(x) for x in re.findall(r"step\s+\d+\s+loss (\S+)", out)]
+    assert len(losses) == 3 and all(0 < x < 10 for x in losses), out
+    assert "tokens/s" in out and "sp=2" in out, out
