@@ -13,6 +13,7 @@ pytest.importorskip("fairscale")
 pytest.importorskip("deepspeed")
 
 from dilated_attention.comm import BACKEND_NAMES, get_backend  # noqa: E402
+from dilated_attention.comm.deepspeed import prebuild_ops  # noqa: E402
 from dilated_attention.testing.harness import cases, spawn_battery  # noqa: E402
 
 WORLD = 4
@@ -26,6 +27,7 @@ def _world(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def results():
+    prebuild_ops()  # compile DeepSpeed's CPU op here, not in rank 0 while the others wait in new_group
     by_key: dict[tuple[str, str], list] = {}
     for r in spawn_battery(list(BACKEND_NAMES), WORLD):
         case = r.case if r.case.startswith("P") else f"{r.case}@P{r.world}"

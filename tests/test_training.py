@@ -15,6 +15,7 @@ pytest.importorskip("fairscale")
 pytest.importorskip("deepspeed")
 
 from dilated_attention.comm import BACKEND_NAMES  # noqa: E402
+from dilated_attention.comm.deepspeed import prebuild_ops  # noqa: E402
 from dilated_attention.testing.lm import (  # noqa: E402
     DilatedLM,
     LMConfig,
@@ -29,6 +30,7 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def sp_results():
+    prebuild_ops()  # compile DeepSpeed's CPU op once here, not in every spawned rank
     by_name: dict[str, list] = {}
     for r in spawn_sp_training(BACKEND_NAMES, STEPS, world_size=2):
         by_name.setdefault(r.name, []).append(r)
@@ -37,6 +39,7 @@ def sp_results():
 
 @pytest.fixture(scope="module")
 def zero_results():
+    prebuild_ops()
     return spawn_deepspeed_training(sp_size=2, zero_stage=2, steps=STEPS, world_size=4)
 
 

@@ -53,6 +53,19 @@ def ensure_initialized() -> None:
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
 
 
+def prebuild_ops() -> None:
+    """JIT-build (or load from ~/.cache/torch_extensions) the op ``init_distributed`` compiles on CPU.
+
+    On the CPU accelerator DeepSpeed's first ``init_distributed`` compiles a shared-memory op
+    (about a minute). Call this once in the launching process before spawning ranks, so no rank
+    compiles while the others wait in a collective with a timeout.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
 def deepspeed_sequence_parallel_group() -> dist.ProcessGroup | None:
     """DeepSpeed's configured sequence-parallel group, or None when there is none."""
     from deepspeed.utils import groups
