@@ -83,16 +83,22 @@ _INTERPRET_CONFIG = FusedConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
 
 
 def default_config(dim: int, dtype: torch.dtype) -> FusedConfig:
-    """The pinned config for a head dim and dtype (GPU)."""
-    if interpreting():
-        return _INTERPRET_CONFIG
+    """The pinned config for a head dim and dtype: ``gpu_config`` on a GPU, tiny tiles when interpreting."""
+    return _INTERPRET_CONFIG if interpreting() else gpu_config(dim, dtype)
+
+
+def gpu_config(dim: int, dtype: torch.dtype) -> FusedConfig:
+    """The pinned GPU config (sm_90 ptxas reports + the H200 sweep of benchmarks/bench_kernel.py).
+
+    Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a dot's M dim, so a
+    tile whose dots have 64 rows runs with 4 warps (8 warps measured 2x slower
+    for the backward at D=128; see benchmarks/results/kernel_nvidia_h200.md).
+    """
     big = dtype == torch.float32
-    # Picked from ptxas reports of sm_90 builds (no spills, or a few bytes) and the H200 sweep
-    # in benchmarks/bench_kernel.py; see benchmarks/results/kernel_*.md.
     if dim <= 64:
         return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 64, 64, 128, 8, 2)
     if dim == 128:
-        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 8, 2) if big else FusedConfig(128, 64, 8, 3, 64, 64, 32, 64, 8, 2)
+        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 8, 2) if big else FusedConfig(64, 64, 4, 3, 64, 32, 32, 64, 4, 2)
     # head dim 256
     return FusedConfig(32, 32, 4, 1, 32, 32, 16, 32, 8, 1) if big else FusedConfig(64, 64, 8, 2, 64, 32, 16, 32, 8, 1)
 
@@ -417,4 +423,4 @@ def _check_view(name: str, x: torch.Tensor, shape) -> None:
         raise ValueError(f"{name} must have unit stride in its head dim, got strides {tuple(x.stride())}")
 
 
-__all__ = ["FusedKernel", "FusedConfig", "default_config", "interpreting", "shared_memory_reason"]
+__all__ = ["FusedKernel", "FusedConfig", "default_config", "gpu_config", "interpreting", "shared_memory_reason"]
