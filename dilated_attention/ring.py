@@ -17,7 +17,7 @@ import torch
 from .comm.base import CommBackend
 from .kernels.base import BlockKernel
 from .kernels.pattern import compact_view, pattern_backward, pattern_forward
-from .merge import accum_dtype, merge_into_, merge_two
+from .merge import accum_dtype, merge_two, normalize_lse
 from .patterns import PatternPlan
 from .views import chunk_views, dilated_view, pack_kv, unpack_add_
 
@@ -29,17 +29,34 @@ def _visibility(causal: bool, src: int, pos: int) -> str | None:
     return "causal" if src == pos else None
 
 
-def _merge_pattern(acc_out, acc_lse, out, lse, plan: PatternPlan) -> None:
-    for c in plan.chunks:
-        merge_into_(
-            chunk_views(acc_out, plan, c),
-            dilated_view(acc_lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
-            compact_view(out, plan, c.h0, c.h1),
-            compact_view(lse, plan, c.h0, c.h1),
-        )
+def combine_patterns(partials, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over every pattern's keys: the total LSE first, then one weighted add per chunk.
+
+    ``partials`` holds ``(plan, out, lse)`` in compact layout. Two passes of a few
+    ops per chunk beat merging pattern by pattern (a dozen ops over the whole fp32
+    accumulator each time). Rows no pattern covers keep ``lse = -inf``, ``out = 0``.
+    """
+    bsz, n, heads, dim = like.shape
+    acc = accum_dtype(like.dtype)
+    total = torch.full((bsz, n, heads), float("-inf"), dtype=acc, device=like.device)
+
+    def lse_pairs():
+        for plan, out, lse in partials:
+            for c in plan.chunks:
+                rows = dilated_view(total, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1)
+                yield plan, c, out, rows, compact_view(lse, plan, c.h0, c.h1)
+
+    for _, _, _, rows, lse in lse_pairs():
+        rows.copy_(torch.logaddexp(rows, lse))
+    safe = torch.where(torch.isfinite(total), total, torch.zeros((), dtype=acc, device=like.device))
+    out = torch.zeros((bsz, n, heads, dim), dtype=acc, device=like.device)
+    for plan, c, part, _, lse in lse_pairs():
+        weight = torch.exp(lse - dilated_view(safe, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1))
+        chunk_views(out, plan, c).addcmul_(compact_view(part, plan, c.h0, c.h1), weight.unsqueeze(-1))
+    return out.to(like.dtype), total
 
 
-def _ring_forward(q, k, v, plan, comm, kernel, causal, scale, acc_out, acc_lse) -> None:
+def _ring_forward(q, k, v, plan, comm, kernel, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
     size = plan.ring_size
     pos, nxt, prv = comm.ring_peers(size)
     block, spare = pack_kv(k, v, plan), None
@@ -56,8 +73,7 @@ def _ring_forward(q, k, v, plan, comm, kernel, causal, scale, acc_out, acc_lse) 
         if pending is not None:
             pending.wait()
             block, spare = spare, block
-    if merged is not None:  # every rank sees at least its own block, so this always holds
-        _merge_pattern(acc_out, acc_lse, *merged, plan)
+    return merged  # never None: every rank sees at least its own block
 
 
 def _ring_backward(q, k, v, out, lse, dout, plan, comm, kernel, causal, scale, dq, dk, dv) -> None:
@@ -93,18 +109,16 @@ class RingDilatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plans: tuple[PatternPlan, ...], comm: CommBackend | None,
                 kernel: BlockKernel, causal: bool, scale: float):
-        bsz, n, heads, dim = q.shape
-        acc = accum_dtype(q.dtype)
-        acc_out = torch.zeros((bsz, n, heads, dim), dtype=acc, device=q.device)
-        acc_lse = torch.full((bsz, n, heads), float("-inf"), dtype=acc, device=q.device)
+        partials = []
         for plan in plans:
             if plan.ring_size == 1:
                 out, lse = pattern_forward(kernel, q, k, v, plan, packed=False, causal=causal, scale=scale)
-                _merge_pattern(acc_out, acc_lse, out, lse, plan)
             else:
-                _ring_forward(q, k, v, plan, comm, kernel, causal, scale, acc_out, acc_lse)
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
+                out, lse = _ring_forward(q, k, v, plan, comm, kernel, causal, scale)
+            partials.append((plan, out, normalize_lse(lse)))
+        out, lse = combine_patterns(partials, q)
+        del partials
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.plans, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plans, comm, kernel, causal, scale
         return out
 
