@@ -25,7 +25,7 @@ BENCH_PID=$!
 
 # tests: 4 shards on the other GPU
 for shard in "forward_backward and float32" "forward_backward and float16 and not bfloat16" "forward_backward and bfloat16" "not forward_backward"; do
-  ( CUDA_VISIBLE_DEVICES=$T_GPU timeout $T_TESTS python3 -m pytest tests/test_fused.py -q -p no:cacheprovider -k "$shard" > "/tmp/shard_${shard// /_}.log" 2>&1; echo "shard '$shard' exit $?" >> "/tmp/shard_${shard// /_}.log" ) &
+  ( OMP_NUM_THREADS=6 CUDA_VISIBLE_DEVICES=$T_GPU timeout $T_TESTS python3 -m pytest tests/test_fused.py -q -p no:cacheprovider -k "$shard" > "/tmp/shard_${shard// /_}.log" 2>&1; echo "shard '$shard' exit $?" >> "/tmp/shard_${shard// /_}.log" ) &
 done
 wait $(jobs -p | grep -v "^$BENCH_PID$") 2>/dev/null
 for f in /tmp/shard_*.log; do echo "=== $f"; cat "$f"; done >> "$OUT/tests.log"
