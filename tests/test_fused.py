@@ -475,3 +475,26 @@ def test_pattern_matches_chunk_loop_exactly_in_structure():
     assert torch.isfinite(rows).all(), f"unwritten lse rows (seed {seed})"
     o64, s64 = pattern_forward(REF, _d(q), _d(k), _d(k), p, packed=False, causal=False, scale=0.1)
     assert _err(rows, _chunk_rows(s64, p)) < 1e-4, f"seed {seed}"
+
+
+# ---------------------------------------------------------------------------
+# through the library: ring of 2 gloo ranks, fused vs reference kernel
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
+def test_library_ring_fused_matches_reference():
+    import json as _json
+
+    from dilated_attention.kernels._fused_selfcheck import ring_worker
+    from dilated_attention.testing.harness import run_spawned
+
+    out_dir = run_spawned(ring_worker, 2)
+    results = []
+    for r in range(2):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            results += _json.load(f)
+    assert len(results) == 6, results
+    for res in results:
+        tol = 1e-5 if res["case"].endswith("float32") else 5e-3
+        assert res["finite"], res
+        assert max(res["errors"]) <= tol, res

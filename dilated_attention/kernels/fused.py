@@ -332,6 +332,7 @@ class FusedKernel:
         if causal and M != MK:
             raise ValueError(f"causal block needs equal query and key rows, got {M} and {MK}")
         _check_view("v", v, k.shape)
+        v = _unit_last(v)
         out = torch.empty((bsz, S, M, hq, dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((bsz, S, M, hq), dtype=torch.float32, device=q.device)
         if MK == 0:
@@ -354,6 +355,7 @@ class FusedKernel:
         _check_view("v", v, k.shape)
         for name, x, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("lse", lse, q.shape[:4])):
             _check_view(name, x, shape)
+        v, out, dout = _unit_last(v), _unit_last(out), _unit_last(dout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
@@ -385,6 +387,7 @@ class FusedKernel:
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
+        v = _unit_last(v)
         rows = q.shape[1] // plan.dilation
         out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((bsz, rows, heads), dtype=torch.float32, device=q.device)
@@ -402,11 +405,13 @@ class FusedKernel:
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
-        for name, x in (("out", out), ("dout", dout), ("dq", dq)):
+        for name, x in (("out", out), ("dout", dout)):
             _check_view(name, x, q.shape)
         _check_view("lse", lse, q.shape[:3])
-        _check_view("dk", dk, k.shape)
-        _check_view("dv", dv, k.shape)
+        _check_acc("dq", dq, q.shape)
+        _check_acc("dk", dk, k.shape)
+        _check_acc("dv", dv, k.shape)
+        v, out, dout = _unit_last(v), _unit_last(out), _unit_last(dout)
         ht, ut = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
         ds, kvs = _dilated_strides, self._kv_strides
         strides = (
@@ -419,8 +424,20 @@ class FusedKernel:
 def _check_view(name: str, x: torch.Tensor, shape) -> None:
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
-    if name != "lse" and x.numel() and x.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride in its head dim, got strides {tuple(x.stride())}")
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """The kernels read the head dim with unit stride. ``supports`` vets q and k; v, out and
+    dout are not shown to it and can arrive otherwise (autograd hands ``out.sum()``'s
+    gradient over as an expanded all-zero-stride tensor): those rare cases are copied."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _check_acc(name: str, x: torch.Tensor, shape) -> None:
+    _check_view(name, x, shape)
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} (an accumulator the kernel writes) must have unit stride in its head dim, "
+                         f"got strides {tuple(x.stride())}")
 
 
 __all__ = ["FusedKernel", "FusedConfig", "default_config", "gpu_config", "interpreting", "shared_memory_reason"]
