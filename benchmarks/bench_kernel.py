@@ -1,8 +1,8 @@
 """Single-GPU kernel benchmark: fused Triton kernel vs the composed (chunk-loop + SDPA) path.
 
 Drives the patterns itself, as the ring does with world size 1: for each plan
-``pattern_forward`` then an fp32 LSE merge (``merge_into_`` on chunk views) into
-full-layout accumulators; backward: ``pattern_backward`` of every plan with the
+``pattern_forward`` then the library's pattern combination (``ring.combine_patterns``)
+into full-layout fp32 accumulators; backward: ``pattern_backward`` of every plan with the
 final merged ``out``/``lse`` into fp32 ``dq``/``dk``/``dv``.
 
 Methods: ``fused`` (one launch per pattern), ``sdpa-flash`` / ``sdpa-cudnn``
@@ -35,11 +35,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dilated_attention.kernels.fused import FusedConfig, FusedKernel, default_config  # noqa: E402
-from dilated_attention.kernels.pattern import compact_view, pattern_backward, pattern_forward  # noqa: E402
+from dilated_attention.kernels.pattern import pattern_backward, pattern_forward  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
-from dilated_attention.merge import merge_into_  # noqa: E402
+from dilated_attention.merge import normalize_lse  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
-from dilated_attention.views import chunk_views, dilated_view  # noqa: E402
+from dilated_attention.ring import combine_patterns  # noqa: E402
 
 try:
     from dilated_attention.kernels.sdpa import SdpaKernel  # noqa: E402
@@ -79,18 +79,9 @@ def fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=True):
     bsz, n, heads, dim = q.shape
     if not merge:
         return [pattern_forward(kernel, q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
-    acc_o = torch.zeros((bsz, n, heads, dim), dtype=torch.float32, device=q.device)
-    acc_l = torch.full((bsz, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    for p in plans:
-        o, s = pattern_forward(kernel, q, k, v, p, packed=False, causal=causal, scale=scale)
-        for c in p.chunks:
-            merge_into_(
-                chunk_views(acc_o, p, c),
-                dilated_view(acc_l, p.local_segment, p.dilation, c.offset, c.h0, c.h1),
-                compact_view(o, p, c.h0, c.h1),
-                compact_view(s, p, c.h0, c.h1),
-            )
-    return acc_o.to(q.dtype), acc_l
+    # exactly what the library's forward does around the kernels (ring.combine_patterns)
+    parts = [(p, *pattern_forward(kernel, q, k, v, p, packed=False, causal=causal, scale=scale)) for p in plans]
+    return combine_patterns([(p, o, normalize_lse(s)) for p, o, s in parts], q)
 
 
 def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):

@@ -89,7 +89,7 @@ class SdpaKernel:
         else:
             m, n = qb.shape[2], kb.shape[2]
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                gb, qb, kb, vb, ob, lb.unsqueeze(-1), _empty(dev), _empty(dev), _empty(dev),
+                gb, qb, kb, vb, ob, lb.unsqueeze(-1), _empty(dev), _empty(dev), None,  # no attn_bias
                 None, None, m, n, 0.0, causal, scale=scale,  # cum_seq undefined: dense, not nested
             )
         return (
