@@ -16,10 +16,10 @@ import torch
 
 from .comm.base import CommBackend
 from .kernels.base import BlockKernel
-from .kernels.pattern import compact_view, pattern_backward, pattern_forward
+from .kernels.pattern import pattern_backward, pattern_forward
 from .merge import accum_dtype, merge_two, normalize_lse
 from .patterns import PatternPlan
-from .views import chunk_views, dilated_view, pack_kv, unpack_add_
+from .views import pack_kv, region_views, unpack_add_
 
 
 def _visibility(causal: bool, src: int, pos: int) -> str | None:
@@ -30,29 +30,25 @@ def _visibility(causal: bool, src: int, pos: int) -> str | None:
 
 
 def combine_patterns(partials, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over every pattern's keys: the total LSE first, then one weighted add per chunk.
+    """Softmax over every pattern's keys: the total LSE first, then one weighted add per region.
 
-    ``partials`` holds ``(plan, out, lse)`` in compact layout. Two passes of a few
-    ops per chunk beat merging pattern by pattern (a dozen ops over the whole fp32
-    accumulator each time). Rows no pattern covers keep ``lse = -inf``, ``out = 0``.
+    ``partials`` holds ``(plan, out, lse)`` in compact layout. Two passes of a few ops
+    per pattern (``views.region_views``) beat merging pattern by pattern (a dozen ops
+    over the whole fp32 accumulator each time). Rows no pattern covers keep
+    ``lse = -inf`` and ``out = 0``.
     """
     bsz, n, heads, dim = like.shape
     acc = accum_dtype(like.dtype)
     total = torch.full((bsz, n, heads), float("-inf"), dtype=acc, device=like.device)
-
-    def lse_pairs():
-        for plan, out, lse in partials:
-            for c in plan.chunks:
-                rows = dilated_view(total, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1)
-                yield plan, c, out, rows, compact_view(lse, plan, c.h0, c.h1)
-
-    for _, _, _, rows, lse in lse_pairs():
-        rows.copy_(torch.logaddexp(rows, lse))
+    for plan, _, lse in partials:
+        for rows, part in region_views(total, lse, plan):
+            rows.copy_(torch.logaddexp(rows, part))
     safe = torch.where(torch.isfinite(total), total, torch.zeros((), dtype=acc, device=like.device))
     out = torch.zeros((bsz, n, heads, dim), dtype=acc, device=like.device)
-    for plan, c, part, _, lse in lse_pairs():
-        weight = torch.exp(lse - dilated_view(safe, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1))
-        chunk_views(out, plan, c).addcmul_(compact_view(part, plan, c.h0, c.h1), weight.unsqueeze(-1))
+    for plan, part_out, lse in partials:
+        weights = [torch.exp(part - rows) for rows, part in region_views(safe, lse, plan)]
+        for (rows, part), weight in zip(region_views(out, part_out, plan), weights):
+            rows.addcmul_(part, weight.unsqueeze(-1))
     return out.to(like.dtype), total
 
 

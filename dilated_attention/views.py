@@ -34,6 +34,57 @@ def chunk_views(x: torch.Tensor, plan: PatternPlan, chunk: HeadChunk, kv: bool =
     return dilated_view(x, plan.local_segment, plan.dilation, chunk.offset, a, b)
 
 
+def compact_view(x: torch.Tensor, plan: PatternPlan, h0: int, h1: int) -> torch.Tensor:
+    """Heads ``[h0, h1)`` of a compact ``(B, L // r, H, ...)`` tensor as ``(B, S, M, h, ...)``."""
+    m = plan.local_segment // plan.dilation
+    return x.unflatten(1, (x.shape[1] // m, m)).narrow(3, h0, h1 - h0)
+
+
+def _affine_heads(plan: PatternPlan) -> tuple[int, int, int, int, int] | None:
+    """``(h_start, runs, run_len, first_offset, step)`` if the plan's heads form equal runs of
+    consecutive heads whose offset grows by a constant step (every LongNet plan with ``r | H``
+    or ``H | r``, and every grouped plan), else ``None``."""
+    runs: list[list[int]] = []
+    for c in plan.chunks:
+        if runs and runs[-1][0] == c.offset and runs[-1][2] == c.h0:
+            runs[-1][2] = c.h1
+        else:
+            runs.append([c.offset, c.h0, c.h1])
+    lengths = {b - a for _, a, b in runs}
+    steps = {runs[i + 1][0] - runs[i][0] for i in range(len(runs) - 1)}
+    contiguous = all(runs[i][2] == runs[i + 1][1] for i in range(len(runs) - 1))
+    if len(lengths) != 1 or len(steps) > 1 or not contiguous:
+        return None
+    return runs[0][1], len(runs), lengths.pop(), runs[0][0], steps.pop() if steps else 0
+
+
+def region_views(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Matching ``(full-layout rows, compact rows)`` view pairs that together cover a pattern.
+
+    One pair for the whole pattern when its head offsets are affine and ``full`` is
+    contiguous (``as_strided`` on a tensor we allocated: one op per pattern instead of
+    one per chunk), else one pair per chunk. Shapes ``(B, S, M, A, h, *rest)``.
+    """
+    affine = _affine_heads(plan)
+    if affine is None or not full.is_contiguous():
+        return [
+            (dilated_view(full, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1).unsqueeze(3),
+             compact_view(compact, plan, c.h0, c.h1).unsqueeze(3))
+            for c in plan.chunks
+        ]
+    h_start, runs, run_len, offset, step = affine
+    bsz, n, heads, *rest = full.shape
+    s_b, s_n, s_h, *s_rest = full.stride()
+    w, r = plan.local_segment, plan.dilation
+    view = full.as_strided(
+        (bsz, n // w, w // r, runs, run_len, *rest),
+        (s_b, w * s_n, r * s_n, run_len * s_h + step * s_n, s_h, *s_rest),
+        full.storage_offset() + h_start * s_h + offset * s_n,
+    )
+    part = compact_view(compact, plan, h_start, h_start + runs * run_len).unflatten(3, (runs, run_len))
+    return [(view, part)]
+
+
 def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
     """Copy the dilated K and V rows every chunk needs into one contiguous send buffer.
 

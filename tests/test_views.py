@@ -53,3 +53,27 @@ def test_unpack_add_inverts_pack_positions():
     torch.testing.assert_close(dk[covered], k[covered])
     torch.testing.assert_close(dv[covered], -k[covered])
     assert dk[~covered].eq(0).all()
+
+
+import pytest  # noqa: E402
+
+from dilated_attention.views import compact_view, region_views  # noqa: E402
+
+
+@pytest.mark.parametrize("heads, kv_heads, rate, mode, whole", [
+    (8, 8, 2, "longnet", True), (8, 2, 4, "longnet", True), (4, 4, 8, "longnet", True),
+    (6, 2, 4, "longnet", False), (5, 5, 4, "longnet", False), (7, 7, 2, "grouped", True),
+])
+def test_region_views_cover_a_pattern_like_its_chunks(heads, kv_heads, rate, mode, whole):
+    segs, rates = ([32], [rate]) if mode == "longnet" else ([16, 32], [1, rate])
+    plan = plan_patterns(segs, rates, seq_len=64, local_len=64, num_heads=heads, num_kv_heads=kv_heads, mode=mode)[-1]
+    compact = torch.randn(2, 64 // rate, heads, 3, dtype=torch.float64)
+    via_regions = torch.zeros(2, 64, heads, 3, dtype=torch.float64)
+    pairs = region_views(via_regions, compact, plan)
+    assert (len(pairs) == 1) == whole
+    for rows, part in pairs:
+        rows.copy_(part)
+    via_chunks = torch.zeros_like(via_regions)
+    for c in plan.chunks:
+        chunk_views(via_chunks, plan, c).copy_(compact_view(compact, plan, c.h0, c.h1))
+    torch.testing.assert_close(via_regions, via_chunks, rtol=0, atol=0)

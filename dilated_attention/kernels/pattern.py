@@ -26,14 +26,8 @@ import torch
 
 from ..merge import accum_dtype
 from ..patterns import PatternPlan
-from ..views import chunk_views, dilated_view, packed_view
+from ..views import chunk_views, compact_view, dilated_view, packed_view  # noqa: F401 (compact_view re-exported)
 from .base import BlockKernel
-
-
-def compact_view(x: torch.Tensor, plan: PatternPlan, h0: int, h1: int) -> torch.Tensor:
-    """Heads ``[h0, h1)`` of a compact ``(B, L // r, H, ...)`` tensor as ``(B, S, M, h, ...)``."""
-    m = plan.local_segment // plan.dilation
-    return x.unflatten(1, (x.shape[1] // m, m)).narrow(3, h0, h1 - h0)
 
 
 def _kv_views(k, v, plan, chunk, packed):
