@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 import torch.distributed as dist
 
-from .base import CommBackend, Pending, _Works
+from .collective import CollectiveBackend
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _announced = False  # say once per process that we initialised fairscale ourselves
 
 
@@ -53,20 +51,14 @@ def sequence_parallel_group() -> dist.ProcessGroup:
     return mp.get_model_parallel_group()
 
 
-class FairscaleBackend(CommBackend):
-    """Sequence parallel over fairscale's model-parallel group (or an explicit ``group``)."""
+class FairscaleBackend(CollectiveBackend):
+    """Sequence parallel over fairscale's model-parallel group (or an explicit ``group``).
+
+    Only the group differs from ``CollectiveBackend``: bytes move with the same
+    ``torch.distributed`` calls, since fairscale has no P2P layer of its own.
+    """
 
     name = "fairscale"
 
     def _resolve_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         return group if group is not None else sequence_parallel_group()
-
-    def _batch_send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> Pending:
-        ops = [
-            dist.P2POp(dist.isend, send, dst, self.group),
-            dist.P2POp(dist.irecv, recv, src, self.group),
-        ]
-        return _Works(dist.batch_isend_irecv(ops))
-
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        _all_gather_single(out, inp, group=self.group)

@@ -25,7 +25,6 @@ import sys
 import torch
 
 from ..kernels.dispatch import select_kernel
-from ..kernels.pattern import pattern_backward, pattern_forward
 from ..patterns import plan_patterns
 from ..testing.oracle import dense_dilated_attention
 from ..views import chunk_views, pack_kv
@@ -105,7 +104,6 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, kerne
         return [t.double() for t in (out, *torch.autograd.grad(out, leaves, dout.to(dt)))]
 
     oracle, plain = run_dense(torch.float64), run_dense(dtype)
-    plans = plan_patterns(segs, rates, seq_len=seq_len, local_len=seq_len, num_heads=heads, num_kv_heads=kv_heads)
     report = []
     for name in kernels:
         row = {"kernel": getattr(name, "name", name)}
