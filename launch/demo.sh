@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
+case " $* " in *" --help "*|*" -h "*) exec python launch/demo.py --help ;; esac
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 nproc=${NPROC:-$([ "$gpus" -gt 1 ] && echo "$gpus" || echo 4)}
 exec torchrun --standalone --nproc_per_node="$nproc" launch/demo.py "$@"

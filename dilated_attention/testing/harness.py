@@ -89,6 +89,9 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
     low = ["float32", "bfloat16"] + (["float16"] if device_type == "cuda" else [])
     for dt in low:
         out.append(Case(f"P{world}-{dt}", world, *spanning, causal=True, heads=4, kv_heads=2, dtype=dt, dim=16))
+    # grouped mode in low precision too: on GPUs this is the fused kernel inside the ring
+    out.append(Case(f"P{world}-grouped-bfloat16", world, *spanning, mode="grouped", heads=6, kv_heads=3,
+                    dtype="bfloat16", dim=32, layout="transposed"))
     return out
 
 
