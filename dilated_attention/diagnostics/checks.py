@@ -3,7 +3,7 @@
 * ``env_report``: versions, devices, shared memory limits, NCCL settings.
 * ``check_views``: strided dilated views and packed ring buffers equal an
   explicit strided slice of a contiguous copy, for contiguous, transposed and
-  head-sliced inputs, on the device in question (the ``index_select`` on a
+  head-sliced inputs, on the device in question (the index gather on a
   non-contiguous view that crashed multi-GPU runs).
 * ``check_kernels``: the debugging method that works: the fp64 plain-torch
   oracle first, then one kernel at a time, forward and backward, each error
