@@ -2,7 +2,7 @@
 
 Dilation and head slicing are pure views of ``(B, N, H, ...)`` tensors of any
 strides: splitting the sequence dim with ``unflatten`` is always a view, and
-``select``/``narrow`` keep the strides explicit. Nothing here calls
+``select``/``narrow`` keep the strides explicit. Nothing here uses
 index gathers; data that must travel is copied with ``copy_`` into a buffer
 that is contiguous by construction.
 """
