@@ -325,13 +325,18 @@ class FusedKernel:
 
     # -- the block seam -----------------------------------------------------------
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
+    def _check_block(self, q, k, v, causal: bool):
+        """Config for these inputs, after the seam's shape rules (a causal block is square)."""
         cfg = self._check(q, k)
+        if causal and q.shape[2] != k.shape[2]:
+            raise ValueError(f"causal block needs equal query and key rows, got {q.shape[2]} and {k.shape[2]}")
+        _check_view("v", v, k.shape)
+        return cfg
+
+    def forward(self, q, k, v, *, causal: bool, scale: float):
+        cfg = self._check_block(q, k, v, causal)
         bsz, S, M, hq, dim = q.shape
         MK, hk = k.shape[2], k.shape[3]
-        if causal and M != MK:
-            raise ValueError(f"causal block needs equal query and key rows, got {M} and {MK}")
-        _check_view("v", v, k.shape)
         v = _unit_last(v)
         out = torch.empty((bsz, S, M, hq, dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((bsz, S, M, hq), dtype=torch.float32, device=q.device)
@@ -347,12 +352,9 @@ class FusedKernel:
         return out, lse
 
     def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float):
-        cfg = self._check(q, k)
+        cfg = self._check_block(q, k, v, causal)
         bsz, S, M, hq, dim = q.shape
         MK, hk = k.shape[2], k.shape[3]
-        if causal and M != MK:
-            raise ValueError(f"causal block needs equal query and key rows, got {M} and {MK}")
-        _check_view("v", v, k.shape)
         for name, x, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("lse", lse, q.shape[:4])):
             _check_view(name, x, shape)
         v, out, dout = _unit_last(v), _unit_last(out), _unit_last(dout)
