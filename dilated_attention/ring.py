@@ -3,8 +3,9 @@
 Every pattern is either local (its segments fit a rank's shard) or a ring over
 ``G`` consecutive ranks. On a ring each rank packs its dilated K/V once, then
 ``G - 1`` steps pass the packed block to the next rank; the receive for step
-``t + 1`` is posted before step ``t`` is computed. All partials are merged in
-fp32 into one ``(out, lse)`` accumulator. Backward reuses the final ``out`` and
+``t + 1`` is posted before step ``t`` is computed. Ring steps merge in the
+pattern's compact layout; patterns are then combined in fp32 in two passes
+(``combine_patterns``). Backward reuses the final ``out`` and
 ``lse`` (exact gradients without differentiating the merge) and sends fp32
 dK/dV accumulators round the ring with the blocks, so they arrive back home.
 With no backend (single device) every pattern is local: same code, no ring.
