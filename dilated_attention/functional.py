@@ -11,7 +11,7 @@ from .comm import CommBackend, resolve_comm
 from .comm.base import float_bits, stable_hash
 from .kernels.base import BlockKernel
 from .kernels.dispatch import select_kernel
-from .patterns import PatternPlan, plan_patterns
+from .patterns import plan_patterns
 from .ring import RingDilatedAttention
 
 
@@ -110,18 +110,12 @@ def dilated_attention(
         if backend is None:
             raise
         error = exc
-    if backend is not None:
+    if backend is not None and backend.check_calls:
         like = q if isinstance(q, torch.Tensor) else torch.empty(0)
         backend.check_consistent(
             _signature(q, k, segment_lengths, dilation_rates, mode, causal, softmax_scale), error, like
         )
+    elif error is not None:
+        raise error
     return RingDilatedAttention.apply(q, k, v, plans, backend, chosen, causal, scale)
 
-
-def plans_for(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, mode="longnet",
-              world_size: int = 1) -> tuple[PatternPlan, ...]:
-    """The pattern plans a call would use (for diagnostics)."""
-    return plan_patterns(
-        segment_lengths, dilation_rates, seq_len=q.shape[1] * world_size, local_len=q.shape[1],
-        num_heads=q.shape[2], num_kv_heads=k.shape[2], mode=mode,
-    )

@@ -18,7 +18,11 @@ from dilated_attention.testing.harness import cases, spawn_battery  # noqa: E402
 
 WORLD = 4
 CASES = [c.name for p in range(1, WORLD + 1) for c in cases(p)]
-CHECKS = [f"{check}@P{p}" for p in range(2, WORLD + 1) for check in ("disagreeing-ranks", "one-rank-invalid")]
+CHECKS = [
+    f"{check}@P{p}"
+    for p in range(2, WORLD + 1)
+    for check in ("disagreeing-ranks", "one-rank-invalid", "unchecked-calls")
+]
 
 
 def _world(name: str) -> int:

@@ -6,7 +6,7 @@ from dilated_attention.testing.harness import cases, spawn_battery
 
 WORLD = 4
 NAMES = [c.name for p in range(1, WORLD + 1) for c in cases(p)] + [
-    f"{check}@P{p}" for p in range(2, WORLD + 1) for check in ("disagreeing-ranks", "one-rank-invalid")
+    f"{check}@P{p}" for p in range(2, WORLD + 1) for check in ("disagreeing-ranks", "one-rank-invalid", "unchecked-calls")
 ]
 
 

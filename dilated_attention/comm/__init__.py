@@ -9,20 +9,20 @@ from .base import CommBackend
 BACKEND_NAMES = ("collective", "fairscale", "deepspeed")
 
 
-def get_backend(name: str, group: dist.ProcessGroup | None = None) -> CommBackend:
+def get_backend(name: str, group: dist.ProcessGroup | None = None, *, check_calls: bool = True) -> CommBackend:
     """Build a backend by name on ``group`` (each backend has its own default group)."""
     if name == "collective":
         from .collective import CollectiveBackend
 
-        return CollectiveBackend(group)
+        return CollectiveBackend(group, check_calls=check_calls)
     if name == "fairscale":
         from .fairscale import FairscaleBackend
 
-        return FairscaleBackend(group)
+        return FairscaleBackend(group, check_calls=check_calls)
     if name == "deepspeed":
         from .deepspeed import DeepSpeedBackend
 
-        return DeepSpeedBackend(group)
+        return DeepSpeedBackend(group, check_calls=check_calls)
     raise ValueError(f"comm must be one of {BACKEND_NAMES}, a CommBackend or None, got {name!r}")
 
 

@@ -35,7 +35,11 @@ class CommBackend(ABC):
 
     name = "base"
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, check_calls: bool = True) -> None:
+        """``check_calls``: gather a small signature of every call first, so ranks that disagree
+        raise together instead of hanging. It costs one tiny all-gather and a host sync per
+        call; turn it off only for a model whose calls are known to agree."""
+        self.check_calls = check_calls
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"comm={self.name!r} needs torch.distributed to be initialised "

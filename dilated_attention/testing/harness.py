@@ -183,6 +183,19 @@ def check_one_rank_invalid(backend_name: str, group) -> Result:
     return Result("one-rank-invalid", backend_name, rank, comm.world_size, False, message="no error raised")
 
 
+def check_unchecked_calls(backend_name: str, group) -> Result:
+    """``check_calls=False`` skips only the signature gather: results are bitwise the same."""
+    checked, unchecked = get_backend(backend_name, group), get_backend(backend_name, group, check_calls=False)
+    rank, size = checked.rank, checked.world_size
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(1, 16 * size, 4, 8, generator=g, dtype=torch.float64)
+    mine = full[:, rank * 16 : (rank + 1) * 16]
+    a = dilated_attention(mine, mine, mine, (8, 16 * size), (1, 4), causal=True, comm=checked)
+    b = dilated_attention(mine, mine, mine, (8, 16 * size), (1, 4), causal=True, comm=unchecked)
+    same = torch.equal(a, b)
+    return Result("unchecked-calls", backend_name, rank, size, same, message="" if same else "results differ")
+
+
 def run_battery(backends: list[str], device: torch.device, world_sizes: list[int] | None = None,
                 progress: bool = False) -> list[Result]:
     """Every case for every world size that fits, on this rank. Call on all ranks of the world."""
@@ -215,7 +228,7 @@ def run_battery(backends: list[str], device: torch.device, world_sizes: list[int
                                       message="" if same else f"backends differ from {first}"))
         if size > 1:
             for name in backends:
-                for check in (check_disagreement, check_one_rank_invalid):
+                for check in (check_disagreement, check_one_rank_invalid, check_unchecked_calls):
                     try:
                         results.append(check(name, group))
                     except Exception as exc:
