@@ -36,7 +36,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dilated_attention.kernels.fused import FusedConfig, FusedKernel, default_config  # noqa: E402
 from dilated_attention.kernels.pattern import pattern_backward, pattern_forward  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
-from dilated_attention.merge import normalize_lse  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.ring import combine_patterns  # noqa: E402
 
@@ -80,7 +79,7 @@ def fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=True):
         return [pattern_forward(kernel, q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
     # exactly what the library's forward does around the kernels (ring.combine_patterns)
     parts = [(p, *pattern_forward(kernel, q, k, v, p, packed=False, causal=causal, scale=scale)) for p in plans]
-    return combine_patterns([(p, o, normalize_lse(s)) for p, o, s in parts], q)
+    return combine_patterns(parts, q)
 
 
 def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):

@@ -46,16 +46,6 @@ def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(w > 0, out.to(w.dtype) * w, torch.zeros((), dtype=w.dtype, device=out.device))
 
 
-def merge_into_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: ``(acc_out, acc_lse) <- merge((acc_out, acc_lse), (out, lse))``.
-
-    ``acc_*`` are fp32 (possibly strided) views of the accumulators.
-    """
-    merged_out, merged_lse = merge_two(acc_out, acc_lse, out, lse)
-    acc_out.copy_(merged_out)
-    acc_lse.copy_(merged_lse)
-
-
 def merge_all(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge any number of partials (softmax over the concatenation of their keys)."""
     if not outs or len(outs) != len(lses):

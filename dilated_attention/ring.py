@@ -33,7 +33,7 @@ def _visibility(causal: bool, src: int, pos: int) -> str | None:
 def combine_patterns(partials, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over every pattern's keys: the total LSE first, then one weighted add per region.
 
-    ``partials`` holds ``(plan, out, lse)`` in compact layout. Two passes of a few ops
+    ``partials`` holds ``(plan, out, lse)`` in compact layout (``lse`` as a kernel gave it). Two passes of a few ops
     per pattern (``views.region_views``) beat merging pattern by pattern (a dozen ops
     over the whole fp32 accumulator each time). Rows no pattern covers keep
     ``lse = -inf`` and ``out = 0``.
@@ -41,6 +41,7 @@ def combine_patterns(partials, like: torch.Tensor) -> tuple[torch.Tensor, torch.
     bsz, n, heads, dim = like.shape
     acc = accum_dtype(like.dtype)
     total = torch.full((bsz, n, heads), float("-inf"), dtype=acc, device=like.device)
+    partials = [(plan, out, normalize_lse(lse)) for plan, out, lse in partials]
     for plan, _, lse in partials:
         for rows, part in region_views(total, lse, plan):
             rows.copy_(torch.logaddexp(rows, part))
@@ -112,7 +113,7 @@ class RingDilatedAttention(torch.autograd.Function):
                 out, lse = pattern_forward(kernel, q, k, v, plan, packed=False, causal=causal, scale=scale)
             else:
                 out, lse = _ring_forward(q, k, v, plan, comm, kernel, causal, scale)
-            partials.append((plan, out, normalize_lse(lse)))
+            partials.append((plan, out, lse))
         out, lse = combine_patterns(partials, q)
         del partials
         ctx.save_for_backward(q, k, v, out, lse)

@@ -110,8 +110,3 @@ def unpack_add_(dk: torch.Tensor, dv: torch.Tensor, buf: torch.Tensor, plan: Pat
         chunk_views(dk, plan, c, kv=True).add_(packed_view(buf[0], c))
         chunk_views(dv, plan, c, kv=True).add_(packed_view(buf[1], c))
 
-
-def require_unit_last_stride(name: str, x: torch.Tensor) -> None:
-    """Kernels that read through strides need the head dim packed."""
-    if x.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride in its last dim, got strides {tuple(x.stride())}")

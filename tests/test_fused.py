@@ -37,7 +37,7 @@ from dilated_attention.kernels.fused import (  # noqa: E402
 )
 from dilated_attention.kernels.pattern import compact_view, pattern_backward, pattern_forward  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel, _expand_kv  # noqa: E402
-from dilated_attention.merge import merge_into_  # noqa: E402
+from dilated_attention.ring import combine_patterns  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.views import chunk_views, dilated_view, pack_kv  # noqa: E402
 
@@ -106,7 +106,6 @@ def _rand(shape, dtype, layout="contig", extra_heads=2):
     if layout == "contig":
         return torch.randn(shape, device=DEVICE, dtype=dtype)
     if layout == "transposed":  # from (B, H, N, ..., D)
-        perm = list(range(len(shape)))
         hdim = len(shape) - 2
         big = [shape[0], shape[hdim], *shape[1:hdim], shape[-1]]
         x = torch.randn(big, device=DEVICE, dtype=dtype)
@@ -309,20 +308,27 @@ def _plans(mode, heads, kv_heads, local_len, seq_len):
 
 
 def _final_out_lse(q, k, v, plans, causal, scale):
-    """Merged (out, lse) of all local plans, the way the ring builds them (fp32 merge), fp64 kernel."""
-    b, n, h, d = q.shape
-    acc_o = torch.zeros(b, n, h, d, dtype=torch.float32)
-    acc_l = torch.full((b, n, h), float("-inf"), dtype=torch.float32)
-    for p in plans:
-        o, s = pattern_forward(REF, _d(q), _d(k), _d(v), p, packed=False, causal=causal, scale=scale)
-        for c in p.chunks:
-            merge_into_(
-                chunk_views(acc_o, p, c),
-                dilated_view(acc_l, p.local_segment, p.dilation, c.offset, c.h0, c.h1),
-                compact_view(o, p, c.h0, c.h1),
-                compact_view(s, p, c.h0, c.h1),
-            )
-    return acc_o, acc_l
+    """Merged (out, lse) of all local plans, the way the library combines them, fp64 kernel."""
+    parts = [(p, *pattern_forward(REF, _d(q), _d(k), _d(v), p, packed=False, causal=causal, scale=scale)) for p in plans]
+    out, lse = combine_patterns(parts, _d(q))
+    return out, lse.float()
+
+
+def _backward_pattern_all(q, k, v, p, out, lse, dout, packed, causal, scale):
+    """backward_pattern of the fused kernel, the fp64 oracle and the two low-precision
+    baselines, each adding into copies of the same random fp32 accumulators ``init``."""
+    init = [torch.randn(x.shape, device=DEVICE) for x in (q, k, v)]
+    kw = dict(packed=packed, causal=causal, scale=scale)
+    acc = [x.clone() for x in init]
+    FUSED.backward_pattern(q, k, v, p, out, lse, dout, *acc, **kw)
+    acc64 = [_d(x) for x in init]
+    pattern_backward(REF, _d(q), _d(k), _d(v), p, _d(out), _d(lse), _d(dout), *acc64, **kw)
+    acclo = []
+    for kern in (REF, LOWP):
+        acc_k = [x.clone() for x in init]
+        pattern_backward(kern, q, k, v, p, out, lse, dout, *acc_k, **kw)
+        acclo.append(acc_k)
+    return init, acc, acc64, list(zip(*acclo))
 
 
 def _chunk_rows(x, plan):
@@ -376,20 +382,7 @@ def test_pattern_local(case):
         _judge(f"{what} lse", _chunk_rows(s, p), _chunk_rows(s64, p), slo, dtype, seed, floor=1e-4 * 10)
 
         # backward adds into fp32 accumulators that already hold random values
-        init = [torch.randn(x.shape, device=DEVICE) for x in (q, k, v)]
-        acc = [x.clone() for x in init]
-        FUSED.backward_pattern(q, k, v, p, out_low, lse_dev, dout, *acc, packed=False, causal=causal, scale=scale)
-        acc64 = [_d(x) for x in init]
-        pattern_backward(
-            REF, _d(q), _d(k), _d(v), p, _d(out_low), _d(lse_dev), _d(dout), *acc64,
-            packed=False, causal=causal, scale=scale,
-        )
-        acclo = []
-        for kern in (REF, LOWP):
-            acc_k = [x.clone() for x in init]
-            pattern_backward(kern, q, k, v, p, out_low, lse_dev, dout, *acc_k, packed=False, causal=causal, scale=scale)
-            acclo.append(acc_k)
-        acclo = list(zip(*acclo))
+        init, acc, acc64, acclo = _backward_pattern_all(q, k, v, p, out_low, lse_dev, dout, False, causal, scale)
         read = [torch.zeros(x.shape, dtype=torch.bool) for x in (q, k, v)]
         for c in p.chunks:
             chunk_views(read[0], p, c).fill_(True)
@@ -448,20 +441,7 @@ def test_pattern_packed_ring_block(case):
                 compact_view(s, p, c.h0, c.h1) + torch.rand(compact_view(s, p, c.h0, c.h1).shape, device=DEVICE)
             )
         dout = torch.randn(b, local, heads, d, device=DEVICE, dtype=dtype)
-        init = [torch.randn(x.shape, device=DEVICE) for x in (q, kp, vp)]
-        acc = [x.clone() for x in init]
-        FUSED.backward_pattern(q, kp, vp, p, out_full, lse_full, dout, *acc, packed=True, causal=causal, scale=scale)
-        acc64 = [_d(x) for x in init]
-        pattern_backward(
-            REF, _d(q), _d(kp), _d(vp), p, _d(out_full), _d(lse_full), _d(dout), *acc64,
-            packed=True, causal=causal, scale=scale,
-        )
-        acclo = []
-        for kern in (REF, LOWP):
-            acc_k = [x.clone() for x in init]
-            pattern_backward(kern, q, kp, vp, p, out_full, lse_full, dout, *acc_k, packed=True, causal=causal, scale=scale)
-            acclo.append(acc_k)
-        acclo = list(zip(*acclo))
+        init, acc, acc64, acclo = _backward_pattern_all(q, kp, vp, p, out_full, lse_full, dout, True, causal, scale)
         for name, got, want, low in zip(("dq", "dk", "dv"), acc, acc64, acclo):
             _judge(f"{what} {name}", got, want, low, dtype, seed)
 

@@ -23,7 +23,6 @@ Unit table ``UT`` (5, NU): kv head, kv offset, first and end query head of the
 offset) pair is one unit, so dK/dV rows are owned by exactly one program.
 """
 
-import triton
 import triton.language as tl
 
 
