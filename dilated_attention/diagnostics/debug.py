@@ -1,0 +1,467 @@
+"""Debug mode: validate what reaches kernels and sends, name the call that faulted, write a repro.
+
+Off by default and free when off: call sites test ``enabled()`` (one module
+global) before doing anything else. Turn it on with ``DILATED_ATTENTION_DEBUG=1``
+(read once, at import) or for a block of code::
+
+    with dilated_attention.debug(shadow=0.25):
+        out = dilated_attention(q, k, v, [64, 128], [1, 2])
+
+While on:
+
+* every tensor reaching a kernel's ``forward_pattern``/``backward_pattern``
+  (``wrap_kernel``) or a ring send (``check_send``) is checked: shape against the
+  plan, dtype, device, element alignment, no view reaching outside its storage,
+  no self-overlapping accumulator, no NaN/inf in inputs or results;
+* on CUDA each kernel call is followed by a synchronize, so an asynchronous fault
+  (illegal memory access, misaligned address) is raised under the name of the
+  kernel, pattern, ring step and rank that launched it, not at some later op;
+* a sampled fraction (``shadow``) of kernel calls is recomputed by the float64
+  reference kernel and compared (gross errors: a wrong row, a wrong head);
+* the metadata of the last few calls is kept (``record_call``/``last_calls``),
+  and on an exception ``on_exception`` writes a repro JSON (``scripts/repro.py``)
+  and appends "repro written to <path>" to the error.
+
+Environment: ``DILATED_ATTENTION_DEBUG=1`` (on), ``DILATED_ATTENTION_DEBUG_SHADOW``
+(fraction, default 0), ``DILATED_ATTENTION_DEBUG_DIR`` (where repros go, default
+``./dilated_attention_repro``), ``DILATED_ATTENTION_DEBUG_TENSORS=1`` (also save
+the real tensors of the last call as ``.pt``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+ENV = "DILATED_ATTENTION_DEBUG"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def _env_fraction(name: str) -> float:
+    try:
+        return min(max(float(os.environ.get(name, "0")), 0.0), 1.0)
+    except ValueError:
+        return 0.0
+
+
+# The one global that call sites read. Everything else is only touched when it is True.
+_ENABLED: bool = _env_flag(ENV)
+_settings: dict[str, Any] = {
+    "shadow": _env_fraction(ENV + "_SHADOW"),
+    "sync": True,
+    "repro_dir": os.environ.get(ENV + "_DIR") or "dilated_attention_repro",
+    "save_tensors": _env_flag(ENV + "_TENSORS"),
+}
+_history: collections.deque = collections.deque(maxlen=8)
+_last_tensors: dict[str, torch.Tensor] = {}
+_shadow_count = 0
+
+
+class DebugCheckError(ValueError):
+    """A tensor reaching a kernel or a send broke an assumption (debug mode names which and where)."""
+
+
+class KernelFault(RuntimeError):
+    """A kernel call raised (or faulted asynchronously); the message names kernel, pattern, step and rank."""
+
+
+class ShadowMismatch(AssertionError):
+    """A kernel's result differs from the float64 reference kernel on the same inputs."""
+
+
+def enabled() -> bool:
+    """Is debug mode on? (One global read: call sites may test it on every call.)"""
+    return _ENABLED
+
+
+@contextlib.contextmanager
+def debug(enabled: bool = True, *, shadow: float | None = None, sync: bool = True, history: int | None = None,
+          repro_dir: str | os.PathLike | None = None, save_tensors: bool | None = None) -> Iterator[None]:
+    """Turn debug mode on (or off) inside a ``with`` block; settings are restored on exit.
+
+    ``shadow``: fraction in [0, 1] of kernel calls re-checked against the reference
+    kernel. ``sync``: synchronise after each kernel call on CUDA. ``history``: how
+    many calls' metadata to keep. ``repro_dir``: where repro files go.
+    ``save_tensors``: also save the last call's real tensors next to the repro.
+    """
+    global _ENABLED, _history
+    if shadow is not None and not (isinstance(shadow, (int, float)) and 0.0 <= shadow <= 1.0):
+        raise ValueError(f"shadow must be a fraction in [0, 1], got {shadow!r}")
+    if history is not None and (not isinstance(history, int) or history < 1):
+        raise ValueError(f"history must be a positive int, got {history!r}")
+    saved = (_ENABLED, dict(_settings), _history)
+    _ENABLED = bool(enabled)
+    if shadow is not None:
+        _settings["shadow"] = float(shadow)
+    if repro_dir is not None:
+        _settings["repro_dir"] = os.fspath(repro_dir)
+    if save_tensors is not None:
+        _settings["save_tensors"] = bool(save_tensors)
+    _settings["sync"] = bool(sync)
+    if history is not None:
+        _history = collections.deque(_history, maxlen=history)
+    try:
+        yield
+    finally:
+        _ENABLED, old, _history = saved
+        _settings.clear()
+        _settings.update(old)
+
+
+# -- call metadata -------------------------------------------------------------------------------
+
+
+def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """What a repro needs to rebuild a tensor's exact layout (values come from a seed)."""
+    return {
+        "shape": list(t.shape), "stride": list(t.stride()), "storage_offset": int(t.storage_offset()),
+        "dtype": str(t.dtype).replace("torch.", ""), "device": str(t.device),
+        "requires_grad": bool(t.requires_grad), "data_ptr_mod_16": int(t.data_ptr() % 16),
+    }
+
+
+def call_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, dilation_rates, *,
+              mode: str = "longnet", causal: bool = False, softmax_scale: float | None = None,
+              kernel: Any = "auto", comm: Any = None, **extra: Any) -> dict[str, Any]:
+    """The metadata of one ``dilated_attention`` call, in the repro file's vocabulary.
+
+    ``kernel``/``comm`` may be names or objects; ``extra`` (e.g. ``strategy``,
+    ``head_offsets``) is stored under ``kwargs`` and passed back on replay.
+    """
+    meta: dict[str, Any] = {
+        "segment_lengths": [int(x) for x in segment_lengths] if _int_list(segment_lengths) else repr(segment_lengths),
+        "dilation_rates": [int(x) for x in dilation_rates] if _int_list(dilation_rates) else repr(dilation_rates),
+        "mode": mode, "causal": causal, "softmax_scale": softmax_scale,
+        "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__name__),
+        "backend": None, "world_size": 1, "rank": 0,
+        "kwargs": {key: val for key, val in extra.items() if isinstance(val, (str, int, float, bool, type(None)))},
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        meta[name] = describe_tensor(t) if isinstance(t, torch.Tensor) else {"type": type(t).__name__}
+    if comm is not None:
+        meta["backend"] = comm if isinstance(comm, str) else getattr(comm, "name", type(comm).__name__)
+        if not isinstance(comm, str):
+            try:
+                meta["world_size"], meta["rank"] = int(comm.world_size), int(comm.rank)
+            except Exception:  # the backend may be the thing that is broken
+                pass
+    return meta
+
+
+def _int_list(x) -> bool:
+    try:
+        return all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+    except TypeError:
+        return False
+
+
+def record_call(meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Keep ``meta`` in the ring buffer of recent calls (and the real tensors, if asked to save them)."""
+    if not _ENABLED:
+        return
+    _history.append(dict(meta))
+    if tensors is not None and _settings["save_tensors"]:
+        _last_tensors.clear()
+        _last_tensors.update({n: t.detach() for n, t in tensors.items()})
+
+
+def last_calls() -> list[dict[str, Any]]:
+    """Metadata of the most recent calls, oldest first."""
+    return [dict(m) for m in _history]
+
+
+def clear_history() -> None:
+    _history.clear()
+    _last_tensors.clear()
+
+
+# -- tensor checks ---------------------------------------------------------------------------------
+
+
+def _where(meta: dict[str, Any] | None) -> str:
+    if not meta:
+        return ""
+    parts = []
+    for key in ("kernel", "op", "pattern", "step", "rank", "world_size", "backend"):
+        if meta.get(key) is not None:
+            parts.append(f"{key}={meta[key]}")
+    return " [" + ", ".join(parts) + "]" if parts else ""
+
+
+def layout_problems(name: str, t: torch.Tensor, *, accumulator: bool = False) -> list[str]:
+    """Everything wrong with how ``t`` lies in memory (empty list: nothing)."""
+    problems = []
+    if any(s < 0 for s in t.stride()):
+        problems.append(f"{name} has a negative stride {tuple(t.stride())}")
+    if t.numel() and t.data_ptr() % t.element_size():
+        problems.append(f"{name}'s data pointer {t.data_ptr():#x} is not aligned to its element size "
+                        f"{t.element_size()} (misaligned address)")
+    if t.numel():
+        extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) + 1
+        capacity = t.untyped_storage().nbytes() // t.element_size()
+        if extent > capacity:
+            problems.append(f"{name} (shape {tuple(t.shape)}, stride {tuple(t.stride())}, storage offset "
+                            f"{t.storage_offset()}) reaches element {extent - 1} of a storage of {capacity}")
+    if accumulator and self_overlapping(t):
+        problems.append(f"{name} is written to but its elements overlap in memory (stride {tuple(t.stride())})")
+    return problems
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Could two indices of ``t`` address one element? (conservative: False means certainly not)"""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1)
+    reach = 0  # largest offset reachable by the dims seen so far
+    for s, n in dims:
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+def check_tensor(name: str, t: Any, meta: dict[str, Any] | None = None, *, shape=None, dtype=None,
+                 device=None, finite: bool = True, allow_inf: bool = False, accumulator: bool = False) -> None:
+    """Raise ``DebugCheckError`` naming ``t`` and the call if it breaks an assumption."""
+    where = _where(meta)
+    if not isinstance(t, torch.Tensor):
+        raise DebugCheckError(f"{name} must be a tensor, got {type(t).__name__}{where}")
+    problems = []
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        problems.append(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if dtype is not None and t.dtype != dtype:
+        problems.append(f"{name} has dtype {t.dtype}, expected {dtype}")
+    if device is not None and t.device != device:
+        problems.append(f"{name} is on {t.device}, expected {device}")
+    problems += layout_problems(name, t, accumulator=accumulator)
+    if finite and t.numel() and t.is_floating_point():
+        bad = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
+        if bool(bad.any()):
+            first = [int(i) for i in bad.nonzero()[0]]
+            kind = "NaN" if allow_inf else "NaN/inf"
+            problems.append(f"{name} holds {int(bad.sum())} {kind} value(s), first at index {first}")
+    if problems:
+        raise DebugCheckError("; ".join(problems) + where)
+
+
+def check_send(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> None:
+    """A tensor about to be sent must be contiguous, aligned, inside its storage and finite."""
+    if not _ENABLED:
+        return
+    check_tensor("send buffer", tensor, meta)
+    if not tensor.is_contiguous():
+        raise DebugCheckError(
+            f"send buffer (shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}) is not contiguous: "
+            f"a P2P send of a strided view sends the wrong bytes or faults (pack it first){_where(meta)}")
+
+
+# -- kernel wrapper ---------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _plan_shapes(q, k, plan, packed: bool):
+    """(expected k shape, compact out shape, compact lse shape) for a pattern call."""
+    bsz, n, heads, dim = q.shape
+    rows = n // plan.dilation
+    kshape = (bsz, rows, plan.packed_heads, dim) if packed else None
+    return kshape, (bsz, rows, heads, dim), (bsz, rows, heads)
+
+
+def _covered_heads(plan) -> list[int]:
+    return sorted({h for c in plan.chunks for h in range(c.h0, c.h1)})
+
+
+def _shadow_due() -> bool:
+    """Deterministic sampling: calls i where floor((i+1)f) > floor(i f) (exactly fraction f of calls)."""
+    global _shadow_count
+    f = _settings["shadow"]
+    i = _shadow_count
+    _shadow_count += 1
+    return f > 0 and math.floor((i + 1) * f) > math.floor(i * f)
+
+
+SHADOW_TOL = {torch.float64: 1e-8, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+
+class DebugKernel:
+    """A ``PatternKernel`` that checks what goes in and out of another one (see module doc)."""
+
+    def __init__(self, kernel, meta: dict[str, Any] | None = None) -> None:
+        self.kernel = kernel
+        self.meta = meta if meta is not None else {}
+        self.name = kernel.name
+
+    def supports(self, q, k):
+        return self.kernel.supports(q, k)
+
+    def _meta(self, op: str, plan) -> dict[str, Any]:
+        # read at call time: the caller may update meta["step"] / meta["rank"] between calls
+        return {**self.meta, "kernel": self.name, "op": op, "pattern": plan.index}
+
+    def _inputs(self, meta, q, k, v, plan, packed):
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise DebugCheckError(f"q must be a (B, L, H, D) tensor, got {getattr(q, 'shape', type(q))}{_where(meta)}")
+        bsz, n, heads, dim = q.shape
+        if n % plan.local_segment or plan.local_segment % plan.dilation:
+            raise DebugCheckError(f"q has {n} rows, not tiled by the plan's segment {plan.local_segment} "
+                                  f"and dilation {plan.dilation}{_where(meta)}")
+        kshape, _, _ = _plan_shapes(q, k, plan, packed)
+        check_tensor("q", q, meta)
+        check_tensor("k", k, meta, shape=kshape, dtype=q.dtype, device=q.device)
+        check_tensor("v", v, meta, shape=tuple(k.shape), dtype=q.dtype, device=q.device)
+        if not packed and (k.shape[0], k.shape[1], k.shape[3]) != (bsz, n, dim):
+            raise DebugCheckError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}{_where(meta)}")
+        hk = k.shape[2]
+        needed = max((c.k1 for c in plan.chunks), default=0) if not packed else plan.packed_heads
+        if hk < needed:
+            raise DebugCheckError(f"k has {hk} heads, the plan reads up to head {needed - 1}{_where(meta)}")
+
+    def _call(self, meta, q, fn, *args, **kwargs):
+        try:
+            result = fn(*args, **kwargs)
+            if _settings["sync"]:
+                _sync(q.device)
+            return result
+        except (DebugCheckError, ShadowMismatch):
+            raise
+        except Exception as exc:
+            fault = KernelFault(f"{type(exc).__name__} in {meta['kernel']}.{meta['op']}{_where(meta)}: {exc}\n"
+                                f"  q {_layout(q)}")
+            on_exception(fault, meta)
+            raise fault from exc
+
+    def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float):
+        meta = self._meta("forward_pattern", plan)
+        self._inputs(meta, q, k, v, plan, packed)
+        out, lse = self._call(meta, q, self.kernel.forward_pattern, q, k, v, plan,
+                              packed=packed, causal=causal, scale=scale)
+        _, oshape, lshape = _plan_shapes(q, k, plan, packed)
+        heads = _covered_heads(plan)
+        check_tensor("out", out, meta, shape=oshape, dtype=q.dtype, device=q.device, finite=False)
+        check_tensor("lse", lse, meta, shape=lshape, device=q.device, finite=False)
+        # heads outside the plan's chunks are unspecified: only covered heads must be finite
+        check_tensor("out (covered heads)", out[:, :, heads], meta)
+        check_tensor("lse (covered heads)", lse[:, :, heads], meta, allow_inf=True)
+        if _shadow_due():
+            self._shadow_forward(meta, q, k, v, plan, packed, causal, scale, out, lse, heads)
+        return out, lse
+
+    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
+                         scale: float) -> None:
+        meta = self._meta("backward_pattern", plan)
+        self._inputs(meta, q, k, v, plan, packed)
+        check_tensor("out", out, meta, shape=q.shape, device=q.device)
+        check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
+        check_tensor("dout", dout, meta, shape=q.shape, device=q.device)
+        for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            check_tensor(name, acc, meta, shape=like.shape, device=q.device, accumulator=True)
+        shadow = _shadow_due()
+        before = [a.detach().clone() for a in (dq, dk, dv)] if shadow else None
+        self._call(meta, q, self.kernel.backward_pattern, q, k, v, plan, out, lse, dout, dq, dk, dv,
+                   packed=packed, causal=causal, scale=scale)
+        for name, acc in (("dq", dq), ("dk", dk), ("dv", dv)):
+            check_tensor(name + " (after)", acc, meta)
+        if shadow:
+            self._shadow_backward(meta, q, k, v, plan, out, lse, dout, (dq, dk, dv), before, packed, causal, scale)
+
+    # -- shadow checks against the float64 reference kernel ---------------------------------------
+
+    @staticmethod
+    def _reference():
+        from ..kernels.pattern import ChunkLoop
+        from ..kernels.reference import ReferenceKernel
+
+        return ChunkLoop(ReferenceKernel())
+
+    def _shadow_forward(self, meta, q, k, v, plan, packed, causal, scale, out, lse, heads):
+        d = [t.detach().double() for t in (q, k, v)]
+        ref_out, ref_lse = self._reference().forward_pattern(*d, plan, packed=packed, causal=causal, scale=scale)
+        _compare(meta, "out", out[:, :, heads], ref_out[:, :, heads], q.dtype)
+        # lse is checked in absolute terms: it is a log, its relative error means little
+        got, want = lse[:, :, heads].double(), ref_lse[:, :, heads]
+        fin = torch.isfinite(want)
+        err = (got[fin] - want[fin]).abs().max().item() if bool(fin.any()) else 0.0
+        if not err <= 20 * SHADOW_TOL[q.dtype]:
+            raise ShadowMismatch(f"lse differs from the reference kernel by {err:.3e}{_where(meta)}")
+
+    def _shadow_backward(self, meta, q, k, v, plan, out, lse, dout, accs, before, packed, causal, scale):
+        d = [t.detach().double() for t in (q, k, v, out, lse, dout)]
+        ref = [torch.zeros(a.shape, dtype=torch.float64, device=a.device) for a in accs]
+        self._reference().backward_pattern(*d[:3], plan, *d[3:], *ref, packed=packed, causal=causal, scale=scale)
+        for name, acc, b, r in zip(("dq", "dk", "dv"), accs, before, ref):
+            _compare(meta, name, acc.detach().double() - b.double(), r, q.dtype)
+
+
+def _compare(meta, name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    from ..testing.compare import rel_err
+
+    err = rel_err(got, want)
+    if not err <= SHADOW_TOL[dtype]:
+        diff = (got.double() - want).abs()
+        worst = [int(i) for i in torch.nonzero(diff == diff.max())[0]]
+        raise ShadowMismatch(f"{name} differs from the reference kernel: relative error {err:.3e} > "
+                             f"{SHADOW_TOL[dtype]:.0e}, worst at index {worst} (batch, row, head, dim) of "
+                             f"shape {tuple(got.shape)}{_where(meta)}")
+
+
+def _layout(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} stride {tuple(t.stride())} offset {t.storage_offset()} {t.dtype} {t.device}"
+
+
+def wrap_kernel(kernel, meta: dict[str, Any] | None = None):
+    """``kernel`` (a PatternKernel) with debug checks around every call; ``kernel`` itself when off."""
+    if not _ENABLED or isinstance(kernel, DebugKernel):
+        return kernel
+    return DebugKernel(kernel, meta)
+
+
+# -- exceptions -> repro files -----------------------------------------------------------------------
+
+
+def on_exception(exc: BaseException, meta: dict[str, Any] | None = None) -> str | None:
+    """Write a repro for the failing call (once per exception) and say where; returns the path.
+
+    ``meta`` is the failing call's ``call_meta`` (the last recorded call if None).
+    """
+    if not _ENABLED or getattr(exc, "_dilated_attention_repro", None):
+        return getattr(exc, "_dilated_attention_repro", None)
+    from . import repro
+
+    spec = dict(meta) if meta else (dict(_history[-1]) if _history else None)
+    if spec is None or "q" not in spec:
+        return None
+    spec["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    spec["recent_calls"] = len(_history)
+    try:
+        path = repro.write(spec, directory=_settings["repro_dir"],
+                           tensors=dict(_last_tensors) if _settings["save_tensors"] else None)
+    except Exception as write_error:  # never hide the user's error behind ours
+        warnings.warn(f"dilated_attention debug: could not write a repro ({write_error})", stacklevel=2)
+        return None
+    try:
+        exc._dilated_attention_repro = path  # type: ignore[attr-defined]
+        exc.add_note(f"dilated_attention debug: repro written to {path} "
+                     f"(replay: python scripts/repro.py replay {path})")
+    except AttributeError:  # exceptions with __slots__
+        pass
+    warnings.warn(f"dilated_attention debug: repro written to {path}", stacklevel=2)
+    return path
+
+
+__all__ = [
+    "DebugCheckError", "DebugKernel", "KernelFault", "ShadowMismatch", "call_meta", "check_send", "check_tensor",
+    "clear_history", "debug", "describe_tensor", "enabled", "last_calls", "layout_problems", "on_exception",
+    "record_call", "self_overlapping", "wrap_kernel",
+]
