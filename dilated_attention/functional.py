@@ -1,18 +1,29 @@
-"""``dilated_attention(...)``: validation, plan, then the ring (or local) function."""
+"""``dilated_attention(...)``: validation, cross-rank agreement, strategy, then the computation.
+
+Strategies (``comm`` given, ``P`` ranks, DESIGN.md section 2) are one code path with a team
+size ``A``: an all-to-all inside teams of ``A`` consecutive ranks swaps sequence for heads
+(``head_parallel.py``), then every pattern runs locally or as a ring across teams
+(``ring.py``), then a second all-to-all swaps back. ``"ring"`` is ``A = 1``, ``"head"``
+is ``A = P`` (no ring at all), ``"hybrid"`` is in between.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import torch
 
 from .comm import CommBackend, resolve_comm
-from .comm.base import float_bits, stable_hash
-from .kernels.base import BlockKernel
+from .consistency import agree, call_signature
+from .head_parallel import HeadSplit, HeadsToSequence, SequenceToHeads
+from .kernels.base import BlockKernel, PatternKernel
 from .kernels.dispatch import select_kernel
 from .patterns import plan_patterns
-from .ring import RingDilatedAttention
+from .ring import RingDilatedAttention, RingLayout
+
+STRATEGIES = ("auto", "ring", "head", "hybrid")
 
 
 def _check_tensors(q, k, v) -> None:
@@ -39,45 +50,51 @@ def _check_tensors(q, k, v) -> None:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
 
 
-def _check_scale(softmax_scale, dim: int) -> float:
+def _check_scale(softmax_scale, dim: int, dtype: torch.dtype) -> float:
     if softmax_scale is None:
         return dim**-0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
+    # Scores are computed in fp32 below float64: a scale that is inf or 0 there would give NaN or
+    # uniform attention silently.
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    info = torch.finfo(compute)
+    if not info.tiny <= softmax_scale <= info.max:
+        raise ValueError(f"softmax_scale={softmax_scale} is outside the range of the {compute} scores the kernels "
+                         f"compute for {dtype} inputs ([{info.tiny:.3g}, {info.max:.3g}])")
     return float(softmax_scale)
 
 
-def _prepare(q, k, v, segment_lengths, dilation_rates, mode, causal, softmax_scale, world_size):
-    _check_tensors(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    scale = _check_scale(softmax_scale, q.shape[-1])
-    local = q.shape[1]
-    plans = plan_patterns(
-        segment_lengths, dilation_rates, seq_len=local * world_size, local_len=local,
-        num_heads=q.shape[2], num_kv_heads=k.shape[2], mode=mode,
-    )
-    return plans, scale
+def _unit_head_dim(x: torch.Tensor) -> torch.Tensor:
+    """Kernels and private SDPA ops read the head dim with unit stride: copy the rare input that has not."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
-def _signature(q, k, segment_lengths, dilation_rates, mode, causal, softmax_scale) -> dict[str, int]:
-    """What every rank must agree on; unreadable parts become -1 (that rank failed anyway)."""
-    def safe(f):
-        try:
-            return int(f())
-        except Exception:
-            return -1
-    return {
-        "batch": safe(lambda: q.shape[0]), "local_seq_len": safe(lambda: q.shape[1]),
-        "heads": safe(lambda: q.shape[2]), "kv_heads": safe(lambda: k.shape[2]),
-        "head_dim": safe(lambda: q.shape[3]), "dtype": safe(lambda: stable_hash(q.dtype)),
-        "patterns": safe(lambda: stable_hash((list(segment_lengths), list(dilation_rates)))),
-        "mode": stable_hash(mode), "causal": safe(lambda: bool(causal)),
-        "softmax_scale": safe(lambda: float_bits(softmax_scale) if softmax_scale is not None else 0),
-        "needs_grad": int(torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k))),
-    }
+def _team_size(strategy: str, world: int, heads: int) -> int:
+    """Ranks that swap sequence for heads (``A``); the documented choice for ``"auto"``/``"hybrid"``.
+
+    ``auto``: head-parallel whenever the heads split evenly over the ranks (perfect balance,
+    causal included, traffic independent of the patterns: 4 all-to-alls of ``(P-1)/P`` of
+    q, k, v, out per direction), else hybrid, else the ring. ``hybrid``: a2a inside a node
+    (``LOCAL_WORLD_SIZE`` ranks) and the ring across nodes when that divides the heads,
+    else the largest proper divisor of the world that divides the heads.
+    """
+    if strategy == "ring" or world == 1:
+        return 1
+    if strategy == "head" or (strategy == "auto" and heads % world == 0):
+        return world
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if 1 < local < world and world % local == 0 and heads % local == 0:
+        return local
+    divisors = [a for a in range(world - 1, 1, -1) if world % a == 0 and heads % a == 0]
+    if divisors:
+        return divisors[0]
+    if strategy == "hybrid":
+        raise ValueError(f'strategy="hybrid" needs a team size that divides both the world size ({world}) and the '
+                         f"number of query heads ({heads}); none exists")
+    return 1
 
 
 def dilated_attention(
@@ -90,32 +107,71 @@ def dilated_attention(
     mode: str = "longnet",
     causal: bool = False,
     softmax_scale: float | None = None,
+    head_offsets: str = "spread",
     comm: str | CommBackend | None = None,
-    kernel: str | BlockKernel = "auto",
+    strategy: str = "auto",
+    kernel: str | BlockKernel | PatternKernel = "auto",
 ) -> torch.Tensor:
     """Dilated attention over ``(B, N, H, D)`` inputs (DESIGN.md sections 1-2).
 
     With ``comm`` (a backend name or object), ``q, k, v`` are this rank's shard
     of the sequence (rank ``j`` holds rows ``[jL, (j+1)L)``) and the result is
-    this rank's rows of the single-device result; every rank must call it.
-    ``k``/``v`` may have fewer heads than ``q`` (GQA). Returns ``(B, N, H, D)``.
+    this rank's rows of the single-device result; every rank must make the same
+    calls, forward and backward, in the same order. ``strategy`` picks how the
+    ranks share the work (``"ring"``, ``"head"``, ``"hybrid"`` or ``"auto"``);
+    all give the same rows. ``k``/``v`` may have fewer heads than ``q`` (GQA).
+    ``head_offsets="torchscale"`` selects torchscale's head-offset rule.
+    Returns ``(B, N, H, D)``; differentiable once (double backward raises).
     """
     backend = resolve_comm(comm)
     world = backend.world_size if backend is not None else 1
     error: BaseException | None = None
     try:
-        plans, scale = _prepare(q, k, v, segment_lengths, dilation_rates, mode, causal, softmax_scale, world)
+        _check_tensors(q, k, v)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        scale = _check_scale(softmax_scale, q.shape[-1], q.dtype)
+        bsz, local, heads, _ = q.shape
+        team = _team_size(strategy, world, heads)
+        split = HeadSplit(heads, k.shape[2], team)
+        reason = split.check()
+        if reason is not None:
+            raise ValueError(f"strategy={strategy!r}: {reason}")
+        lane = backend.rank % team if backend is not None else 0
+        plans = plan_patterns(
+            segment_lengths, dilation_rates, seq_len=local * world, local_len=local * team,
+            num_heads=split.local_heads, num_kv_heads=split.local_kv_heads, mode=mode, head_offsets=head_offsets,
+            head_start=lane * split.local_heads, total_heads=heads,
+        )
+        if backend is not None:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                reason = backend.check_device(name, t)
+                if reason is not None:
+                    raise ValueError(reason)
         chosen = select_kernel(kernel, q, k)
     except (ValueError, TypeError) as exc:
         if backend is None:
             raise
         error = exc
-    if backend is not None and backend.check_calls:
-        like = q if isinstance(q, torch.Tensor) else torch.empty(0)
-        backend.check_consistent(
-            _signature(q, k, segment_lengths, dilation_rates, mode, causal, softmax_scale), error, like
-        )
+    if backend is None:
+        q, k, v = _unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)
+        return RingDilatedAttention.apply(q, k, v, plans, None, RingLayout(), 0, chosen, causal, scale)
+    backend.calls += 1
+    call = backend.calls
+    if backend.check_calls:
+        sig = call_signature(q, k, v, segment_lengths, dilation_rates, mode=mode, causal=causal,
+                             softmax_scale=softmax_scale, head_offsets=head_offsets, strategy=strategy,
+                             kernel=kernel if isinstance(kernel, str) else type(kernel).__name__)
+        agree(backend, sig, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
     elif error is not None:
         raise error
-    return RingDilatedAttention.apply(q, k, v, plans, backend, chosen, causal, scale)
-
+    q, k, v = _unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)
+    if team == 1:
+        return RingDilatedAttention.apply(q, k, v, plans, backend, RingLayout(), call, chosen, causal, scale)
+    members = tuple(range(backend.rank - lane, backend.rank - lane + team))
+    what = f"call {call}, strategy {strategy!r} (team of {team})"
+    qh, kh, vh = SequenceToHeads.apply(q, k, v, backend, members, split, what)
+    out = RingDilatedAttention.apply(qh, kh, vh, plans, backend, RingLayout(team), call, chosen, causal, scale)
+    return HeadsToSequence.apply(out, backend, members, what)

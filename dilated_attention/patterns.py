@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 MODES = ("longnet", "grouped")
+HEAD_OFFSET_RULES = ("spread", "torchscale")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class HeadChunk:
     Either the chunk is aligned to kv groups (``h0 == k0 * g``, ``h1 == k1 * g``)
     or it lies inside one kv group (``k1 == k0 + 1``); in both cases local query
     head ``i`` reads local kv head ``i // ((h1 - h0) // (k1 - k0))``.
-    ``packed`` is where the chunk's kv heads start in the ring's packed buffer.
+    ``buffer_head`` is where the chunk's kv heads start in the ring's packed buffer.
     """
 
     offset: int
@@ -28,7 +29,7 @@ class HeadChunk:
     h1: int
     k0: int
     k1: int
-    packed: int
+    buffer_head: int
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,18 @@ def validate_patterns(
     return out
 
 
-def longnet_offsets(num_heads: int, rate: int) -> list[int]:
-    """Offset of each head in a pattern of dilation ``rate``: ``(h * r) // H``."""
-    return [(h * rate) // num_heads for h in range(num_heads)]
+def longnet_offsets(num_heads: int, rate: int, rule: str = "spread") -> list[int]:
+    """Offset of each head in a pattern of dilation ``rate``.
+
+    ``"spread"``: ``(h * r) // H`` (this library's default); ``"torchscale"``: ``h // ceil(H / r)``
+    (Microsoft's torchscale, for LongNet checkpoints trained there). They agree when ``r`` divides ``H``.
+    """
+    if rule == "spread":
+        return [(h * rate) // num_heads for h in range(num_heads)]
+    if rule == "torchscale":
+        per_offset = -(-num_heads // rate)
+        return [h // per_offset for h in range(num_heads)]
+    raise ValueError(f"head_offsets must be one of {HEAD_OFFSET_RULES}, got {rule!r}")
 
 
 def head_groups(num_heads: int, num_patterns: int) -> list[tuple[int, int]]:
@@ -127,12 +137,12 @@ def _split_by_kv_group(h0: int, h1: int, group: int) -> list[tuple[int, int]]:
 
 
 def _chunks(head_offsets: list[tuple[int, int, int]], group: int) -> tuple[HeadChunk, ...]:
-    chunks, packed = [], 0
+    chunks, buffer_head = [], 0
     for offset, a, b in head_offsets:
         for h0, h1 in _split_by_kv_group(a, b, group):
             k0, k1 = h0 // group, (h1 - 1) // group + 1
-            chunks.append(HeadChunk(offset, h0, h1, k0, k1, packed))
-            packed += k1 - k0
+            chunks.append(HeadChunk(offset, h0, h1, k0, k1, buffer_head))
+            buffer_head += k1 - k0
     return tuple(chunks)
 
 
@@ -157,17 +167,29 @@ def plan_patterns(
     num_heads: int,
     num_kv_heads: int,
     mode: str = "longnet",
+    head_offsets: str = "spread",
+    head_start: int = 0,
+    total_heads: int | None = None,
 ) -> tuple[PatternPlan, ...]:
-    """Validate the patterns for a global length ``seq_len`` split in shards of ``local_len``."""
+    """Validate the patterns for a global length ``seq_len`` split in shards of ``local_len``.
+
+    ``num_heads``/``num_kv_heads`` are the heads present locally; with a head-parallel
+    strategy they are heads ``[head_start, head_start + num_heads)`` of ``total_heads``,
+    and offsets and head groups follow the global head index.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if head_offsets not in HEAD_OFFSET_RULES:
+        raise ValueError(f"head_offsets must be one of {HEAD_OFFSET_RULES}, got {head_offsets!r}")
+    total_heads = num_heads if total_heads is None else total_heads
     if num_heads % num_kv_heads:
         raise ValueError(
             f"number of query heads ({num_heads}) must be divisible by number of kv heads ({num_kv_heads})"
         )
     pats = validate_patterns(segment_lengths, dilation_rates, seq_len)
     group = num_heads // num_kv_heads
-    groups = head_groups(num_heads, len(pats)) if mode == "grouped" else None
+    groups = head_groups(total_heads, len(pats)) if mode == "grouped" else None
+    local_end = head_start + num_heads
     plans = []
     for i, (w, r) in enumerate(pats):
         if w <= local_len:
@@ -190,9 +212,10 @@ def plan_patterns(
                 )
             local_segment, ring = local_len, w // local_len
         if groups is None:
-            runs = _offset_runs(longnet_offsets(num_heads, r))
+            offsets = longnet_offsets(total_heads, r, head_offsets)[head_start:local_end]
+            runs = _offset_runs(offsets)
         else:
-            h0, h1 = groups[i]
-            runs = [(i % r, h0, h1)]
+            h0, h1 = max(groups[i][0], head_start), min(groups[i][1], local_end)
+            runs = [(i % r, h0 - head_start, h1 - head_start)] if h0 < h1 else []
         plans.append(PatternPlan(i, w, r, local_segment, ring, _chunks(runs, group)))
     return tuple(plans)

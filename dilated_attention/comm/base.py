@@ -1,33 +1,105 @@
-"""The interface the ring uses. A backend only moves bytes and names its group.
+"""The interface the strategies use. A backend only moves bytes and names its group.
 
-Subclasses provide three things: ``_resolve_group`` (which process group),
-``_batch_send_recv`` (post one send and one receive, asynchronously, with
-*global* peer ranks) and ``_all_gather`` (into a preallocated tensor). Ring
-topology, rank bookkeeping and the cross-rank consistency check live here once.
+Subclasses provide ``_resolve_group`` (which process group) and two
+asynchronous primitives returning work handles: ``_batch_p2p`` (a batch of
+sends and receives with *global* peer ranks: one pair for a ring step, one per
+peer for an all-to-all) and ``_all_gather`` (into a preallocated tensor).
+Everything else lives here once: ring topology, all-to-all over any set of
+ranks, rank bookkeeping, and the timeout on every wait.
+
+Every wait honours ``timeout`` (seconds): ``get_backend(..., timeout=s)``, else
+the ``DILATED_ATTENTION_TIMEOUT`` environment variable, else the process
+group's own timeout. On expiry the waiting rank raises ``PeerTimeoutError``
+naming the peer it waited for and what it was doing (call number, direction,
+pattern, step), so a rank that skipped a call or a backward turns into an error
+on every rank that waits for it instead of a hang.
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
+import math
+import os
 from abc import ABC, abstractmethod
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+TIMEOUT_ENV = "DILATED_ATTENTION_TIMEOUT"
+
 
 class Pending(Protocol):
-    def wait(self) -> Any: ...
+    def wait(self) -> None: ...
 
 
-class _Works:
-    def __init__(self, works: list) -> None:
-        self.works = works
+class PeerTimeoutError(TimeoutError):
+    """A wait on a peer rank did not complete within the backend's timeout."""
+
+
+def _as_seconds(timeout: float | timedelta | None, source: str) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout ({source}) must be seconds (a number) or a timedelta, got {type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout ({source}) must be a positive, finite number of seconds, got {timeout}")
+    return float(timeout)
+
+
+def group_timeout(group: dist.ProcessGroup) -> float:
+    """The timeout the process group was created with (30 min if it cannot be read)."""
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # this group has no backend for that device, or an older torch
+            continue
+    return 1800.0
+
+
+def resolve_timeout(timeout: float | timedelta | None, group: dist.ProcessGroup) -> float:
+    """Explicit argument, else ``DILATED_ATTENTION_TIMEOUT``, else the group's own timeout."""
+    explicit = _as_seconds(timeout, "argument")
+    if explicit is not None:
+        return explicit
+    env = os.environ.get(TIMEOUT_ENV)
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {env!r}") from None
+        return _as_seconds(value, TIMEOUT_ENV)
+    return group_timeout(group)
+
+
+class _Waiting:
+    """Work handles plus what a timeout message needs: who we wait for and why."""
+
+    def __init__(self, works: list, timeout: float, rank: int, peers: str, what: str) -> None:
+        self.works, self.timeout, self.rank, self.peers, self.what = works, timeout, rank, peers, what
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+        limit = timedelta(seconds=self.timeout)
+        for work in self.works:
+            try:
+                done = work.wait(limit)
+            except Exception as exc:  # gloo raises on expiry; NCCL raises DistBackendError
+                text = str(exc)
+                if "imed out" in text or "imeout" in text or "timed out" in text.lower():
+                    raise self._timeout_error() from exc
+                raise RuntimeError(f"rank {self.rank}: {self.what} failed waiting for {self.peers}: {text}") from exc
+            if done is False:
+                raise self._timeout_error()
+
+    def _timeout_error(self) -> PeerTimeoutError:
+        return PeerTimeoutError(
+            f"rank {self.rank}: {self.peers} did not complete within {self.timeout:g} s ({self.what}). "
+            "Every rank of the group must make the same dilated_attention calls (forward and backward) in the "
+            f"same order; a peer that skipped or failed one leaves the others waiting. Set the limit with "
+            f"get_backend(..., timeout=seconds) or {TIMEOUT_ENV}."
+        )
 
 
 class CommBackend(ABC):
@@ -35,10 +107,13 @@ class CommBackend(ABC):
 
     name = "base"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, check_calls: bool = True) -> None:
-        """``check_calls``: gather a small signature of every call first, so ranks that disagree
-        raise together instead of hanging. It costs one tiny all-gather and a host sync per
-        call; turn it off only for a model whose calls are known to agree."""
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float | timedelta | None = None,
+                 check_calls: bool | str = True) -> None:
+        """``check_calls``: agree on a small signature of each new call configuration first
+        (``True``, cached per configuration: the steady state pays nothing), of every call
+        (``"always"``), or never (``False``). ``timeout``: seconds for every wait on a peer."""
+        if check_calls not in (True, False, "always"):
+            raise ValueError(f'check_calls must be True, False or "always", got {check_calls!r}')
         self.check_calls = check_calls
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -46,18 +121,21 @@ class CommBackend(ABC):
                 "(torchrun + dist.init_process_group, or launch/demo.sh)"
             )
         self._group = self._resolve_group(group)
+        self.timeout = resolve_timeout(timeout, self._group)
+        self.calls = 0  # calls made through this backend: names the call in timeout messages
+        self.agreed: set = set()  # call signatures every rank has agreed on (consistency.py)
 
     # -- what an adapter provides -------------------------------------------------
     def _resolve_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         return group if group is not None else dist.group.WORLD
 
     @abstractmethod
-    def _batch_send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> Pending:
-        """Post ``send -> dst`` and ``recv <- src`` (global ranks) as one batch."""
+    def _batch_p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
+        """Post every ``(tensor, global dst)`` send and ``(tensor, global src)`` receive as one batch."""
 
     @abstractmethod
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """1-D ``out`` of ``world * inp.numel()``: group rank ``i``'s flat ``inp`` at block ``i``."""
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        """Start: 1-D ``out`` of ``world * inp.numel()`` gets group rank ``i``'s flat ``inp`` at block ``i``."""
 
     # -- shared by every backend --------------------------------------------------
     @property
@@ -75,67 +153,65 @@ class CommBackend(ABC):
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self._group, group_rank)
 
-    def ring_peers(self, ring_size: int) -> tuple[int, int, int]:
-        """``(position in ring, next group rank, previous group rank)`` for rings of consecutive ranks."""
-        start = (self.rank // ring_size) * ring_size
-        pos = self.rank - start
-        return pos, start + (pos + 1) % ring_size, start + (pos - 1) % ring_size
+    def ring_peers(self, ranks: tuple[int, ...]) -> tuple[int, int, int]:
+        """``(position in ring, next group rank, previous group rank)`` on the ring ``ranks`` (group ranks)."""
+        pos = ranks.index(self.rank)
+        return pos, ranks[(pos + 1) % len(ranks)], ranks[(pos - 1) % len(ranks)]
 
-    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> Pending:
+    def _handles(self, work: Any) -> list:
+        return [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
+
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, what: str = "") -> Pending:
         """Post ``send -> dst`` and ``recv <- src`` (group ranks) together; call ``.wait()`` before use."""
         if not send.is_contiguous() or not recv.is_contiguous():
             raise ValueError("ring buffers must be contiguous (pack them with views.pack_kv)")
-        return self._batch_send_recv(send, self.global_rank(dst), recv, self.global_rank(src))
+        works = self._batch_p2p([(send, self.global_rank(dst))], [(recv, self.global_rank(src))])
+        peers = f"the exchange with rank {src} (receive) and rank {dst} (send)"
+        return _Waiting(self._handles(works), self.timeout, self.rank, peers, what or "ring exchange")
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, what: str = "all-gather") -> torch.Tensor:
         """``(world, *x.shape)``: every group rank's ``x``."""
         flat = x.contiguous().view(-1)
         out = torch.empty(self.world_size * flat.numel(), dtype=x.dtype, device=x.device)
-        self._all_gather(out, flat)
+        _Waiting(self._handles(self._all_gather(out, flat)), self.timeout, self.rank, "an all-gather over the group",
+                 what).wait()
         return out.view(self.world_size, *x.shape)
 
+    def all_to_all(self, x: torch.Tensor, ranks: tuple[int, ...], what: str = "all-to-all"
+                   ) -> tuple[torch.Tensor, Pending]:
+        """Start an all-to-all among group ranks ``ranks`` (this rank among them).
+
+        ``x``: contiguous, dim 0 indexed by position in ``ranks`` (block ``m`` goes to ``ranks[m]``).
+        Returns ``(received, pending)``: block ``m`` of ``received`` comes from ``ranks[m]`` once
+        ``pending.wait()`` returns.
+        """
+        if x.shape[0] != len(ranks) or not x.is_contiguous():
+            raise ValueError(f"all_to_all needs a contiguous tensor with dim 0 = {len(ranks)} ranks, "
+                             f"got shape {tuple(x.shape)}")
+        out = torch.empty_like(x)
+        me = ranks.index(self.rank)
+        out[me].copy_(x[me])
+        peers = [(m, self.global_rank(r)) for m, r in enumerate(ranks) if m != me]
+        works = self._batch_p2p([(x[m], g) for m, g in peers], [(out[m], g) for m, g in peers]) if peers else []
+        return out, _Waiting(self._handles(works), self.timeout, self.rank,
+                             f"the all-to-all with ranks {list(ranks)}", what)
+
     def collective_device(self, like: torch.Tensor) -> torch.device:
+        """Where small control tensors must live for this group's collectives."""
         backend = str(dist.get_backend(self._group))
         if "gloo" in backend:
             return torch.device("cpu")
         if like.is_cuda:
             return like.device
-        # NCCL-only group but CPU inputs (e.g. a rank's invalid call): the consistency check must
-        # still reach every rank, so gather on this rank's current GPU
         return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
-    def check_consistent(self, fields: dict[str, int], error: BaseException | None, like: torch.Tensor) -> None:
-        """Gather every rank's call signature; raise the same verdict on every rank.
-
-        A rank whose own inputs failed validation re-raises its error; the others
-        raise ``ValueError`` naming it. Ranks that disagree (shapes, patterns, ...)
-        all raise ``ValueError`` listing each rank's value. No rank is left waiting.
-        """
-        names = list(fields)
-        local = torch.tensor([int(error is None)] + [int(fields[n]) for n in names], dtype=torch.int64)
-        local = local.to(self.collective_device(like))
-        table = self.all_gather(local).cpu().tolist()
-        failed = [r for r, row in enumerate(table) if row[0] == 0]
-        if error is not None:
-            raise error
-        if failed:
-            raise ValueError(f"dilated_attention: rank(s) {failed} rejected their inputs (see the error on those ranks)")
-        diffs = []
-        for i, name in enumerate(names, start=1):
-            values = [row[i] for row in table]
-            if len(set(values)) > 1:
-                diffs.append(f"{name}: " + ", ".join(f"rank {r}={x}" for r, x in enumerate(values)))
-        if diffs:
-            raise ValueError("dilated_attention: ranks disagree on the call: " + "; ".join(diffs))
+    def check_device(self, name: str, x: torch.Tensor) -> str | None:
+        """Why ``x`` cannot travel over this group (e.g. CPU tensors on an NCCL-only group), else None."""
+        backend = str(dist.get_backend(self._group))
+        if x.device.type == "cpu" and "nccl" in backend and "gloo" not in backend and "cpu" not in backend:
+            return (f"{name} is on the CPU but comm={self.name!r} runs on an NCCL process group, which only moves "
+                    "CUDA tensors: move the inputs to this rank's GPU")
+        return None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
-
-
-def stable_hash(obj: object) -> int:
-    """Same integer on every rank for equal ``repr``s (Python's ``hash`` is salted per process)."""
-    return zlib.crc32(repr(obj).encode())
-
-
-def float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g}s)"

@@ -15,8 +15,7 @@ Group, first match wins:
 up; with torch.distributed already initialised it only wraps the existing
 process group, so ``comm="deepspeed"`` works right after ``init_process_group``.
 P2P goes through ``deepspeed.comm.P2POp`` + ``batch_isend_irecv`` (global peer
-ranks); releases without them fall back to ``isend``/``irecv`` posted in an
-order that cannot deadlock.
+ranks; DeepSpeed >= 0.14 has both).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .base import CommBackend, Pending, _Works
+from .base import CommBackend
 
 
 def _ds_comm():
@@ -89,32 +88,16 @@ class DeepSpeedBackend(CommBackend):
     def _resolve_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         ensure_initialized()
         self._ds = _ds_comm()
-        self._batched = hasattr(self._ds, "P2POp") and hasattr(self._ds, "batch_isend_irecv")
         if group is not None:
             return group
         sp = deepspeed_sequence_parallel_group()
         return sp if sp is not None else dist.group.WORLD
 
-    def _batch_send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> Pending:
+    def _batch_p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
         ds = self._ds
-        if self._batched:
-            ops = [ds.P2POp(ds.isend, send, dst, self.group), ds.P2POp(ds.irecv, recv, src, self.group)]
-            return _Works(ds.batch_isend_irecv(ops))
-        # Unbatched: if every rank posted its send first, blocking transports (NCCL send kernels,
-        # rendezvous sends) would wait on each other round the ring. Rings are consecutive group
-        # ranks, so parity alternates along every ring: even ranks send first, odd ranks receive
-        # first, and each ring has both kinds, which breaks the cycle.
-        if self.rank % 2 == 0:
-            works = [ds.isend(send, dst, group=self.group), ds.irecv(recv, src, group=self.group)]
-        else:
-            works = [ds.irecv(recv, src, group=self.group), ds.isend(send, dst, group=self.group)]
-        return _Works(works)
+        ops = [ds.P2POp(ds.isend, t, dst, self.group) for t, dst in sends]
+        ops += [ds.P2POp(ds.irecv, t, src, self.group) for t, src in recvs]
+        return ds.batch_isend_irecv(ops)
 
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        ds = self._ds
-        if hasattr(ds, "all_gather_into_tensor"):
-            work = ds.all_gather_into_tensor(out, inp, group=self.group)
-        else:  # older releases
-            work = ds.all_gather(list(out.chunk(self.world_size)), inp, group=self.group)
-        if work is not None and hasattr(work, "wait"):
-            work.wait()
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        return self._ds.all_gather_into_tensor(out, inp, group=self.group, async_op=True)

@@ -73,7 +73,7 @@ def check_views(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list
             for c in plan.chunks:
                 want = safe[:, c.offset :: 4, c.k0 : c.k1]
                 ok &= torch.equal(chunk_views(x, plan, c, kv=True).squeeze(1), want)
-                ok &= torch.equal(buf[0, :, :, c.packed : c.packed + c.k1 - c.k0], want)
+                ok &= torch.equal(buf[0, :, :, c.buffer_head : c.buffer_head + c.k1 - c.k0], want)
             if device != "cpu":
                 torch.cuda.synchronize()
             results.append((name, bool(ok), f"strides {tuple(x.stride())}"))

@@ -1,6 +1,12 @@
-"""The one seam between the ring and the local-block kernels.
+"""The two declared kernel interfaces: the block seam and the pattern interface.
 
-A kernel computes softmax attention of one block: ``(q, k, v) -> (out, lse)``.
+``PatternKernel`` is what strategies (ring, head-parallel) call: all heads of
+one pattern on one block, in one go. ``dispatch.select_kernel`` always returns
+one: the fused kernel implements it natively (one launch per pattern), and any
+``BlockKernel`` is wrapped in ``pattern.ChunkLoop``, which drives it chunk by
+chunk on strided views.
+
+``BlockKernel``: a kernel computes softmax attention of one block: ``(q, k, v) -> (out, lse)``.
 
 * ``q``: ``(B, S, M, Hq, D)``; ``k``, ``v``: ``(B, S, Mk, Hk, D)`` with ``Hq % Hk == 0``
   (query head ``i`` reads kv head ``i // (Hq // Hk)``). They are usually strided
@@ -17,11 +23,14 @@ A kernel computes softmax attention of one block: ``(q, k, v) -> (out, lse)``.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..patterns import PatternPlan
 
+
+@runtime_checkable
 class BlockKernel(Protocol):
     name: str
 
@@ -44,3 +53,25 @@ class BlockKernel(Protocol):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class PatternKernel(Protocol):
+    """All heads of one pattern on one (local or ring) block; layouts in ``kernels/pattern.py``."""
+
+    name: str
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        """``None`` if this kernel can run on these inputs, else the reason it cannot."""
+
+    def forward_pattern(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, *,
+        packed: bool, causal: bool, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward_pattern(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+        out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+        packed: bool, causal: bool, scale: float,
+    ) -> None: ...

@@ -13,7 +13,8 @@ import warnings
 
 import torch
 
-from .base import BlockKernel
+from .base import BlockKernel, PatternKernel
+from .pattern import ChunkLoop
 from .reference import ReferenceKernel
 from .sdpa import SdpaKernel
 
@@ -21,13 +22,13 @@ KERNEL_NAMES = ("auto", "fused", "sdpa", "sdpa-cudnn", "reference")
 _warned: set[str] = set()
 
 
-def _make(name: str) -> BlockKernel:
+def _make(name: str) -> PatternKernel:
     if name == "reference":
-        return ReferenceKernel()
+        return ChunkLoop(ReferenceKernel())
     if name == "sdpa":
-        return SdpaKernel("flash")
+        return ChunkLoop(SdpaKernel("flash"))
     if name == "sdpa-cudnn":
-        return SdpaKernel("cudnn")
+        return ChunkLoop(SdpaKernel("cudnn"))
     try:
         from .fused import FusedKernel
     except ImportError as exc:  # triton missing or broken
@@ -43,11 +44,16 @@ class _Unavailable:
         return self.reason
 
 
-def select_kernel(kernel: str | BlockKernel, q: torch.Tensor, k: torch.Tensor) -> BlockKernel:
-    if not isinstance(kernel, str):
-        if not all(hasattr(kernel, a) for a in ("supports", "forward", "backward")):
-            raise TypeError(f"kernel must be one of {KERNEL_NAMES} or a BlockKernel object, got {type(kernel).__name__}")
+def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k: torch.Tensor) -> PatternKernel:
+    """The pattern-level kernel to run (a ``BlockKernel`` object is wrapped in ``ChunkLoop``)."""
+    if isinstance(kernel, PatternKernel):
         chosen = kernel
+    elif isinstance(kernel, BlockKernel):
+        chosen = ChunkLoop(kernel)
+    elif not isinstance(kernel, str):
+        raise TypeError(
+            f"kernel must be one of {KERNEL_NAMES}, a BlockKernel or a PatternKernel, got {type(kernel).__name__}"
+        )
     elif kernel not in KERNEL_NAMES:
         raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")
     elif kernel == "auto":
@@ -60,7 +66,7 @@ def select_kernel(kernel: str | BlockKernel, q: torch.Tensor, k: torch.Tensor) -
     return chosen
 
 
-def _auto(q: torch.Tensor, k: torch.Tensor) -> BlockKernel:
+def _auto(q: torch.Tensor, k: torch.Tensor) -> PatternKernel:
     if q.device.type == "cuda":
         fused = _make("fused")
         reason = fused.supports(q, k)
@@ -73,4 +79,4 @@ def _auto(q: torch.Tensor, k: torch.Tensor) -> BlockKernel:
         sdpa = _make("sdpa")
         if sdpa.supports(q, k) is None:
             return sdpa
-    return ReferenceKernel()
+    return _make("reference")

@@ -1,9 +1,9 @@
 """All heads of one pattern on one (local or ring) block, on top of the block seam.
 
-``pattern_forward``/``pattern_backward`` are what the ring calls. A kernel that
-can do a whole pattern in one launch (the fused Triton kernel) provides
-``forward_pattern``/``backward_pattern`` with the same signatures; any other
-kernel is driven chunk by chunk through ``forward``/``backward`` on strided views.
+``PatternKernel.forward_pattern``/``backward_pattern`` (``base.py``) are what the
+strategies call. The fused Triton kernel implements them in one launch; any
+``BlockKernel`` becomes one through ``ChunkLoop``, which drives it chunk by
+chunk through ``forward``/``backward`` on strided views.
 
 Layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
 ``M = w // r``, head ``h`` of chunk ``c`` uses offset ``c.offset``):
@@ -26,7 +26,7 @@ import torch
 
 from ..merge import accum_dtype
 from ..patterns import PatternPlan
-from ..views import chunk_views, compact_view, dilated_view, packed_view  # noqa: F401 (compact_view re-exported)
+from ..views import chunk_views, compact_view, dilated_view, packed_view
 from .base import BlockKernel
 
 
@@ -36,64 +36,38 @@ def _kv_views(k, v, plan, chunk, packed):
     return chunk_views(k, plan, chunk, kv=True), chunk_views(v, plan, chunk, kv=True)
 
 
-def pattern_forward(
-    kernel: BlockKernel,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: PatternPlan,
-    *,
-    packed: bool,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if hasattr(kernel, "forward_pattern"):
-        return kernel.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
-    bsz, n, heads, dim = q.shape
-    rows = n // plan.dilation
-    out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((bsz, rows, heads), dtype=accum_dtype(q.dtype), device=q.device)
-    for c in plan.chunks:
-        kc, vc = _kv_views(k, v, plan, c, packed)
-        o, s = kernel.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale)
-        compact_view(out, plan, c.h0, c.h1).copy_(o)
-        compact_view(lse, plan, c.h0, c.h1).copy_(s)
-    return out, lse
+class ChunkLoop:
+    """A ``PatternKernel`` made from a ``BlockKernel``: one block call per head chunk, on strided views."""
 
+    def __init__(self, block: BlockKernel) -> None:
+        self.block = block
+        self.name = block.name
 
-def pattern_backward(
-    kernel: BlockKernel,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: PatternPlan,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    *,
-    packed: bool,
-    causal: bool,
-    scale: float,
-) -> None:
-    if hasattr(kernel, "backward_pattern"):
-        kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=packed, causal=causal, scale=scale)
-        return
-    for c in plan.chunks:
-        kc, vc = _kv_views(k, v, plan, c, packed)
-        gq, gk, gv = kernel.backward(
-            chunk_views(q, plan, c),
-            kc,
-            vc,
-            chunk_views(out, plan, c),
-            dilated_view(lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
-            chunk_views(dout, plan, c),
-            causal=causal,
-            scale=scale,
-        )
-        chunk_views(dq, plan, c).add_(gq)
-        dkc, dvc = _kv_views(dk, dv, plan, c, packed)
-        dkc.add_(gk)
-        dvc.add_(gv)
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        return self.block.supports(q, k)
+
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
+        bsz, n, heads, dim = q.shape
+        rows = n // plan.dilation
+        out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((bsz, rows, heads), dtype=accum_dtype(q.dtype), device=q.device)
+        for c in plan.chunks:
+            kc, vc = _kv_views(k, v, plan, c, packed)
+            o, s = self.block.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale)
+            compact_view(out, plan, c.h0, c.h1).copy_(o)
+            compact_view(lse, plan, c.h0, c.h1).copy_(s)
+        return out, lse
+
+    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
+                         packed: bool, causal: bool, scale: float) -> None:
+        for c in plan.chunks:
+            kc, vc = _kv_views(k, v, plan, c, packed)
+            gq, gk, gv = self.block.backward(
+                chunk_views(q, plan, c), kc, vc, chunk_views(out, plan, c),
+                dilated_view(lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
+                chunk_views(dout, plan, c), causal=causal, scale=scale,
+            )
+            chunk_views(dq, plan, c).add_(gq)
+            dkc, dvc = _kv_views(dk, dv, plan, c, packed)
+            dkc.add_(gk)
+            dvc.add_(gv)

@@ -1,0 +1,91 @@
+"""Cross-rank agreement on a call before its first exchange (DESIGN.md section 2).
+
+Ranks that disagree on a call (shapes, patterns, dtype, whether a backward
+follows, ...) would otherwise pair up wrong messages and hang or compute
+garbage. Before its first exchange a call gathers a small signature from every
+rank; every rank then raises the same verdict, naming the differing values.
+
+Agreed signatures are cached on the backend (``check_calls=True``): a steady
+training loop repeats one configuration and pays nothing after the first call.
+A rank whose own inputs are invalid always joins the gather (and raises its
+own error); if the others skip it because their configuration is cached, the
+wait ends at the backend's timeout on every rank instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import torch
+
+from .comm.base import CommBackend, PeerTimeoutError
+
+
+def call_signature(q, k, v, segment_lengths, dilation_rates, **options) -> dict:
+    """What every rank must agree on, as plain JSON-able values (unreadable parts become None)."""
+    def safe(fn):
+        try:
+            return fn()
+        except Exception:  # this rank failed validation anyway; its error is reported separately
+            return None
+
+    tensors = {"q": q, "k": k, "v": v}
+    sig = {
+        name: safe(lambda t=t: {"shape": list(t.shape), "dtype": str(t.dtype), "device": t.device.type})
+        for name, t in tensors.items()
+    }
+    grad = torch.is_grad_enabled()
+    sig["requires_grad"] = {name: safe(lambda t=t: bool(grad and t.requires_grad)) for name, t in tensors.items()}
+    sig["segment_lengths"] = safe(lambda: [int(x) for x in segment_lengths])
+    sig["dilation_rates"] = safe(lambda: [int(x) for x in dilation_rates])
+    for key, value in options.items():
+        sig[key] = safe(lambda value=value: value if value is None or isinstance(value, (bool, int, float, str))
+                        else repr(value))
+    return sig
+
+
+def _flat(sig: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in sig.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def agree(comm: CommBackend, sig: dict, error: BaseException | None, like: torch.Tensor) -> None:
+    """Raise the same verdict on every rank: this rank's own error, a peer's failure, or a disagreement."""
+    text = json.dumps(sig, sort_keys=True)
+    if error is None and comm.check_calls is True and text in comm.agreed:
+        return
+    device = comm.collective_device(like)
+    what = f"call {comm.calls}: cross-rank check of the call signature"
+    mine = torch.tensor([int(error is None), zlib.crc32(text.encode()), len(text)], dtype=torch.int64)
+    try:
+        table = comm.all_gather(mine.to(device), what).cpu().tolist()
+    except PeerTimeoutError as exc:
+        if error is not None:  # the others took a cached path: our own error is the news
+            raise error from exc
+        raise
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(table) if row[0] == 0]
+    if failed:
+        raise ValueError(f"dilated_attention: rank(s) {failed} rejected their inputs (see the error on those ranks)")
+    if len({row[1] for row in table}) == 1:
+        comm.agreed.add(text)
+        return
+    # They differ: gather the signatures themselves so the message shows the values.
+    width = max(row[2] for row in table)
+    raw = torch.zeros(width, dtype=torch.uint8)
+    raw[: len(text)] = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    rows = comm.all_gather(raw.to(device), what).cpu()
+    sigs = [_flat(json.loads(bytes(row[: table[r][2]].tolist()).decode())) for r, row in enumerate(rows)]
+    diffs = []
+    for key in sigs[0]:
+        values = [s.get(key) for s in sigs]
+        if any(v != values[0] for v in values):
+            diffs.append(f"{key}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
+    raise ValueError("dilated_attention: ranks disagree on the call: " + "; ".join(diffs))

@@ -1,0 +1,131 @@
+"""Head-parallel (Ulysses-style) exchange: swap sequence shards for head shards and back.
+
+Inside a team of ``A`` ranks holding consecutive sequence shards, an all-to-all
+gives each rank the team's whole block of ``A * L`` rows for ``H / A`` of the
+query heads (and the kv heads those need), the attention runs on that block
+(locally, or as a ring across teams: the hybrid strategy), and a second
+all-to-all brings the output rows home. Both swaps are autograd Functions whose
+backward is the reverse swap, so gradients are exact.
+
+K/V heads travel no more than needed: with ``A | Hkv`` each rank gets its
+``Hkv / A`` kv heads; with ``Hkv | A`` each rank gets the one kv head its query
+heads read; otherwise kv heads are expanded to one per query head first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm.base import CommBackend
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How ``heads`` query heads and ``kv_heads`` kv heads are dealt over a team of ``team`` ranks."""
+
+    heads: int
+    kv_heads: int
+    team: int
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.team
+
+    @property
+    def local_kv_heads(self) -> int:
+        if self.kv_heads % self.team == 0:
+            return self.kv_heads // self.team
+        return 1 if self.team % self.kv_heads == 0 else self.local_heads
+
+    def kv_sources(self, member: int) -> list[int]:
+        """Global kv heads member ``member`` receives, in its local order (``expand``: one per query head)."""
+        group = self.heads // self.kv_heads
+        if self.kv_heads % self.team == 0:
+            n = self.kv_heads // self.team
+            return list(range(member * n, (member + 1) * n))
+        first = member * self.local_heads
+        if self.team % self.kv_heads == 0:
+            return [first // group]
+        return [h // group for h in range(first, first + self.local_heads)]
+
+    def check(self) -> str | None:
+        if self.heads % self.team:
+            return (f"head-parallel needs the query heads ({self.heads}) to be divisible by the ranks "
+                    f"that split them ({self.team})")
+        return None
+
+
+def _send_buffer(q, k, v, split: HeadSplit) -> torch.Tensor:
+    """``(A, B, L, h + 2 hk, D)``: block ``m`` holds member ``m``'s query heads and kv heads of our rows."""
+    bsz, n, _, dim = q.shape
+    hl, hk = split.local_heads, split.local_kv_heads
+    buf = torch.empty((split.team, bsz, n, hl + 2 * hk, dim), dtype=q.dtype, device=q.device)
+    buf[:, :, :, :hl].copy_(q.unflatten(2, (split.team, hl)).permute(2, 0, 1, 3, 4))
+    for m in range(split.team):
+        for i, src in enumerate(split.kv_sources(m)):
+            buf[m, :, :, hl + i].copy_(k[:, :, src])
+            buf[m, :, :, hl + hk + i].copy_(v[:, :, src])
+    return buf
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """``(B, L, H, D)`` q/k/v shards of ``A`` team ranks -> ``(B, A L, H/A, D)`` q and the kv heads it reads."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm: CommBackend, team: tuple[int, ...], split: HeadSplit, what: str):
+        recv, pending = comm.all_to_all(_send_buffer(q, k, v, split), team, what + ", sequence-to-heads all-to-all")
+        pending.wait()
+        a, bsz, n, _, dim = recv.shape
+        rows = recv.permute(1, 0, 2, 3, 4).reshape(bsz, a * n, -1, dim)  # member m's rows are block m
+        hl, hk = split.local_heads, split.local_kv_heads
+        ctx.args = comm, team, split, what, k.shape
+        return rows[:, :, :hl].contiguous(), rows[:, :, hl:hl + hk].contiguous(), rows[:, :, hl + hk:].contiguous()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        comm, team, split, what, kv_shape = ctx.args
+        a = len(team)
+        bsz, rows, _, dim = dq.shape
+        grads = torch.cat([dq, dk, dv], dim=2).to(dq.dtype)
+        send = grads.unflatten(1, (a, rows // a)).transpose(0, 1).contiguous()  # block m: member m's rows
+        recv, pending = comm.all_to_all(send, team, what + ", backward of sequence-to-heads all-to-all")
+        pending.wait()
+        hl, hk = split.local_heads, split.local_kv_heads
+        gq = recv[:, :, :, :hl].permute(1, 2, 0, 3, 4).reshape(bsz, rows // a, split.heads, dim)
+        gk = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
+        gv = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
+        for m in range(a):  # several members may have read one kv head: their gradients add
+            for i, src in enumerate(split.kv_sources(m)):
+                gk[:, :, src].add_(recv[m, :, :, hl + i])
+                gv[:, :, src].add_(recv[m, :, :, hl + hk + i])
+        return gq, gk, gv, None, None, None, None
+
+
+class HeadsToSequence(torch.autograd.Function):
+    """``(B, A L, H/A, D)`` output of a team rank -> this rank's ``(B, L, H, D)`` rows, all heads."""
+
+    @staticmethod
+    def forward(ctx, out, comm: CommBackend, team: tuple[int, ...], what: str):
+        ctx.args = comm, team, what
+        return _heads_to_sequence(out, comm, team, what + ", heads-to-sequence all-to-all")
+
+    @staticmethod
+    def backward(ctx, dout):
+        comm, team, what = ctx.args
+        a = len(team)
+        bsz, n, heads, dim = dout.shape
+        send = dout.unflatten(2, (a, heads // a)).permute(2, 0, 1, 3, 4).contiguous()  # block m: member m's heads
+        recv, pending = comm.all_to_all(send, team, what + ", backward of heads-to-sequence all-to-all")
+        pending.wait()
+        return recv.permute(1, 0, 2, 3, 4).reshape(bsz, a * n, heads // a, dim), None, None, None
+
+
+def _heads_to_sequence(out: torch.Tensor, comm: CommBackend, team: tuple[int, ...], what: str) -> torch.Tensor:
+    a = len(team)
+    bsz, rows, hl, dim = out.shape
+    send = out.unflatten(1, (a, rows // a)).transpose(0, 1).contiguous()  # block m: member m's rows
+    recv, pending = comm.all_to_all(send, team, what)
+    pending.wait()
+    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, rows // a, a * hl, dim)  # member m's heads are slice m
