@@ -1,8 +1,16 @@
-"""Drop-in attention layers."""
+"""Drop-in attention layers.
+
+``MultiheadDilatedAttention`` follows ``nn.MultiheadAttention``'s calling
+convention where that costs nothing: ``forward(query, key, value,
+key_padding_mask=None, need_weights=None, attn_mask=None, ...)``. Attention
+weights are never materialised, so ``need_weights=False`` returns ``(out, None)``
+and ``need_weights=True`` raises; arbitrary ``attn_mask`` tensors and attention-weight
+dropout are not supported and raise ``ValueError`` saying what to use instead.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from einops import rearrange
@@ -12,8 +20,16 @@ from .comm import CommBackend
 from .functional import dilated_attention
 
 
+def _mask_kwargs(key_padding_mask: torch.Tensor | None) -> dict[str, Any]:
+    # passed only when given: dilated_attention gains key_padding_mask in the masks work (issue 12)
+    return {} if key_padding_mask is None else {"key_padding_mask": key_padding_mask}
+
+
 class DilatedAttention(nn.Module):
-    """Holds a pattern; ``forward(q, k, v)`` on ``(B, N, H, D)`` tensors (local shards with ``comm``)."""
+    """Holds a pattern; ``forward(q, k, v)`` on ``(B, N, H, D)`` tensors (local shards with ``comm``).
+
+    Every argument is ``dilated_attention``'s (see its docstring and DESIGN.md).
+    """
 
     def __init__(
         self,
@@ -23,24 +39,30 @@ class DilatedAttention(nn.Module):
         mode: str = "longnet",
         causal: bool = False,
         softmax_scale: float | None = None,
+        head_offsets: str = "spread",
         comm: str | CommBackend | None = None,
+        strategy: str = "auto",
         kernel: str = "auto",
     ) -> None:
         super().__init__()
         self.segment_lengths = list(segment_lengths)
         self.dilation_rates = list(dilation_rates)
         self.mode, self.causal, self.softmax_scale = mode, causal, softmax_scale
-        self.comm, self.kernel = comm, kernel
+        self.head_offsets, self.comm, self.strategy, self.kernel = head_offsets, comm, strategy, kernel
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``key_padding_mask`` ``(B, N)`` (this rank's shard with ``comm``): ``True`` marks padding keys."""
         return dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates, mode=self.mode, causal=self.causal,
-            softmax_scale=self.softmax_scale, comm=self.comm, kernel=self.kernel,
+            softmax_scale=self.softmax_scale, head_offsets=self.head_offsets, comm=self.comm,
+            strategy=self.strategy, kernel=self.kernel, **_mask_kwargs(key_padding_mask),
         )
 
     def extra_repr(self) -> str:
         return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
-                f"mode={self.mode!r}, causal={self.causal}, comm={self.comm!r}, kernel={self.kernel!r}")
+                f"mode={self.mode!r}, causal={self.causal}, head_offsets={self.head_offsets!r}, "
+                f"comm={self.comm!r}, strategy={self.strategy!r}, kernel={self.kernel!r}")
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -49,6 +71,10 @@ class MultiheadDilatedAttention(nn.Module):
     Input ``(B, N, embed_dim)`` (or ``(N, B, embed_dim)`` with ``batch_first=False``);
     with ``comm`` each rank passes its sequence shard. ``num_kv_heads`` < ``num_heads``
     gives grouped-query attention.
+
+    ``dropout`` exists for ``nn.MultiheadAttention`` compatibility and must be 0:
+    the kernels never materialise attention weights, so there is nothing to drop
+    (regularise with ``nn.Dropout`` on the layer's output instead).
     """
 
     def __init__(
@@ -59,11 +85,14 @@ class MultiheadDilatedAttention(nn.Module):
         dilation_rates: Sequence[int],
         *,
         num_kv_heads: int | None = None,
+        dropout: float = 0.0,
         bias: bool = True,
         batch_first: bool = True,
         mode: str = "longnet",
         causal: bool = False,
+        head_offsets: str = "spread",
         comm: str | CommBackend | None = None,
+        strategy: str = "auto",
         kernel: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -77,9 +106,16 @@ class MultiheadDilatedAttention(nn.Module):
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+            raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")
+        if dropout != 0:
+            raise ValueError(
+                f"dropout={dropout}: attention-weight dropout is not supported (dilated attention never "
+                "materialises the attention weights); use dropout=0.0 and nn.Dropout on the output instead")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.batch_first = batch_first
+        self.dropout = 0.0
         kv_dim = self.head_dim * num_kv_heads
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -87,12 +123,37 @@ class MultiheadDilatedAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.attention = DilatedAttention(
-            segment_lengths, dilation_rates, mode=mode, causal=causal, comm=comm, kernel=kernel
+            segment_lengths, dilation_rates, mode=mode, causal=causal, head_offsets=head_offsets, comm=comm,
+            strategy=strategy, kernel=kernel,
         )
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool | None = None,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, None]:
+        """``nn.MultiheadAttention``'s signature; returns ``out``, or ``(out, None)`` with ``need_weights=False``.
+
+        ``key``/``value`` default to ``query`` (self-attention). ``key_padding_mask``
+        ``(B, N)``: ``True`` marks padding. ``need_weights=True`` raises (weights are
+        never computed); ``average_attn_weights`` is accepted and has no effect.
+        ``attn_mask`` must be ``None`` (the dilated pattern and ``causal`` are the
+        mask); ``is_causal=True`` requires a layer built with ``causal=True``.
+        """
+        if need_weights:
+            raise ValueError("need_weights=True: dilated attention never materialises attention weights; "
+                             "pass need_weights=False (returns (out, None)) or leave it None (returns out)")
+        if attn_mask is not None:
+            raise ValueError("attn_mask is not supported: the dilated pattern (and causal=True at construction) "
+                             "is the mask; padding goes in key_padding_mask")
+        if is_causal and not self.attention.causal:
+            raise ValueError("is_causal=True, but this layer was built with causal=False: build it with causal=True")
         key = query if key is None else key
         value = key if value is None else value
         if query.dim() != 3 or query.shape[-1] != self.embed_dim:
@@ -102,5 +163,6 @@ class MultiheadDilatedAttention(nn.Module):
         q = rearrange(self.q_proj(query), "b n (h d) -> b n h d", d=self.head_dim)
         k = rearrange(self.k_proj(key), "b n (h d) -> b n h d", d=self.head_dim)
         v = rearrange(self.v_proj(value), "b n (h d) -> b n h d", d=self.head_dim)
-        out = self.out_proj(rearrange(self.attention(q, k, v), "b n h d -> b n (h d)"))
-        return out if self.batch_first else out.transpose(0, 1)
+        out = self.out_proj(rearrange(self.attention(q, k, v, key_padding_mask), "b n h d -> b n (h d)"))
+        out = out if self.batch_first else out.transpose(0, 1)
+        return out if need_weights is None else (out, None)

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from dilated_attention.comm import get_backend
-    from dilated_attention.testing import lm
+    from dilated_attention.distributed import all_reduce_gradients, shard_sequence
+    from dilated_attention.models import lm
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 groups = [dist.new_group(list(range(i * sp, (i + 1) * sp))) for i in range(dp)]
                 comm = get_backend("collective", groups[dp_rank])
+        world_comm = get_backend("collective")  # gradient sums over the world (SP x DP)
         model = lm.build_model(cfg, comm, args.seed, args.kernel).to(device)
         opt = lm.make_optimizer(model.parameters(), args.optimizer, args.lr)
         step_model = model
@@ -132,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         inputs, targets = lm.make_batch(cfg, batch, args.seed, step, args.data)
         rows = slice(dp_rank * micro, (dp_rank + 1) * micro)
-        inputs = lm.shard(inputs[rows], sp_rank, sp).to(device)
-        targets = lm.shard(targets[rows], sp_rank, sp).to(device)
+        inputs, targets = inputs[rows], targets[rows]
+        if comm is not None:
+            inputs, targets = shard_sequence(inputs, comm), shard_sequence(targets, comm)
+        inputs, targets = inputs.to(device), targets.to(device)
         if use_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -145,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            params = [p for p in model.parameters() if p.grad is not None]
-            lm.allreduce_grads(params, None)  # world sum = SP sum of DP sums ...
-            for p in params:
-                p.grad.div_(dp)  # ... / dp = mean over data-parallel replicas
+            all_reduce_gradients(model, world_comm)  # world sum = SP sum of DP sums ...
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(dp)  # ... / dp = mean over data-parallel replicas
             opt.step()
         total = loss.detach().float().reshape(1).clone()
         dist.all_reduce(total)  # also the end of this step for every rank

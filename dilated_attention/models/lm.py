@@ -1,10 +1,10 @@
 """A small LongNet-style causal LM and sequence-parallel training helpers.
 
-Used by ``tests/test_training.py`` (spawned gloo ranks) and ``launch/train_lm.py``
-(torchrun). Sequence parallelism (DESIGN.md section 2): the ranks of a
-sequence-parallel (SP) group each hold a contiguous shard of every sequence's
-tokens and targets. Positions are *global* (``offset = sp_rank * local_len``),
-the loss is the mean over the SP group's global tokens (each rank contributes
+An example model, not library API: used by ``launch/train_lm.py`` (torchrun) and
+``tests/test_training.py`` (spawned gloo ranks). Sequence parallelism (DESIGN.md
+section 2): the ranks of a sequence-parallel (SP) group each hold a contiguous
+shard of every sequence's tokens and targets. Positions are *global*
+(``offset = sp_rank * local_len``), the loss is the mean over the SP group's global tokens (each rank contributes
 ``sum(local CE) / global token count``; the ring's backward returns K/V grads to
 their owner, so summing parameter grads over the SP group gives the exact
 gradient of that mean).
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import CommBackend
+from ..distributed import all_reduce_gradients, shard_sequence
 from ..modules import MultiheadDilatedAttention
 
 
@@ -120,31 +121,11 @@ def make_batch(cfg: LMConfig, batch: int, seed: int, step: int = 0,
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def shard(x: torch.Tensor, sp_rank: int, sp_size: int) -> torch.Tensor:
-    """Contiguous shard ``sp_rank`` of ``x`` along the sequence dim (dim 1)."""
-    if x.shape[1] % sp_size:
-        raise ValueError(f"sequence length {x.shape[1]} is not divisible by sp_size {sp_size}")
-    return x.chunk(sp_size, dim=1)[sp_rank].contiguous()
-
-
 def local_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, position_offset: int,
                global_tokens: int) -> torch.Tensor:
     """This rank's share of the SP group's mean loss: ``sum(local CE) / global_tokens``."""
     logits = model(inputs, position_offset)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / global_tokens
-
-
-def allreduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Sum parameter grads over ``group`` (one flat buffer: one collective per step)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or (group is not None and dist.get_world_size(group) == 1):
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    i = 0
-    for g in grads:
-        g.copy_(flat[i:i + g.numel()].view_as(g))
-        i += g.numel()
 
 
 def reported_loss(loss: torch.Tensor, sp_group: dist.ProcessGroup | None,
@@ -196,18 +177,17 @@ def build_model(cfg: LMConfig, comm: CommBackend | str | None, seed: int, kernel
 def sp_train(cfg: LMConfig, comm: CommBackend, steps: int, batch: int, seed: int, optimizer: str = "adam",
              lr: float = 1e-2, kernel: str = "auto") -> list[float]:
     """Plain sequence-parallel training over ``comm``'s group (no data parallel); per-step global losses."""
-    sp_rank, sp_size = comm.rank, comm.world_size
     model = build_model(cfg, comm, seed, kernel)
     opt = make_optimizer(model.parameters(), optimizer, lr)
-    local_len = cfg.seq_len // sp_size
+    local_len = cfg.seq_len // comm.world_size
     losses = []
     for step in range(steps):
         inputs, targets = make_batch(cfg, batch, seed, step)
-        loss = local_loss(model, shard(inputs, sp_rank, sp_size), shard(targets, sp_rank, sp_size),
-                          sp_rank * local_len, inputs.numel())
+        loss = local_loss(model, shard_sequence(inputs, comm), shard_sequence(targets, comm),
+                          comm.rank * local_len, inputs.numel())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        allreduce_grads(list(model.parameters()), comm.group)  # each rank holds its tokens' part of the grad
+        all_reduce_gradients(model, comm)  # each rank holds its tokens' part of the grad
         opt.step()
         losses.append(reported_loss(loss, comm.group))
     return losses
@@ -277,13 +257,14 @@ def deepspeed_train(cfg: LMConfig, sp_size: int, zero_stage: int, steps: int, ba
     engine, comm, dp_rank, dp_size = deepspeed_setup(cfg, sp_size, zero_stage, micro, seed, optimizer, lr, kernel)
     sp_rank = comm.rank if comm is not None else 0
     local_len = cfg.seq_len // sp_size
+    shard = (lambda x: x) if comm is None else (lambda x: shard_sequence(x, comm))
     dp_group = _dp_group(sp_size)
     losses = []
     for step in range(steps):
         inputs, targets = make_batch(cfg, batch, seed, step)
         rows = slice(dp_rank * micro, (dp_rank + 1) * micro)
         inputs, targets = inputs[rows], targets[rows]
-        loss = local_loss(engine, shard(inputs, sp_rank, sp_size), shard(targets, sp_rank, sp_size),
+        loss = local_loss(engine, shard(inputs), shard(targets),
                           sp_rank * local_len, inputs.numel())
         engine.backward(loss)
         engine.step()
@@ -333,7 +314,7 @@ def _sp_worker(rank: int, world_size: int, port: int, backends: list[str], steps
     import warnings
 
     from ..comm import get_backend
-    from .harness import init_local_rank
+    from ..testing.harness import init_local_rank
 
     torch.set_num_threads(1)
     init_local_rank(rank, world_size, port)
@@ -368,39 +349,16 @@ def _sp_worker(rank: int, world_size: int, port: int, backends: list[str], steps
             else:
                 results.append(_guard(f"train-{name}", rank, lambda: TrainResult(
                     f"train-{name}", rank, sp_train(cfg, get_backend(name), steps, batch, seed), reference)))
-        if "deepspeed" in backends:
-            results.append(_guard("deepspeed-unbatched-fallback", rank, lambda: _fallback_check(rank)))
     finally:
         dist.barrier()
         dist.destroy_process_group()
     _dump(results, out_dir, rank)
 
 
-def _fallback_check(rank: int) -> TrainResult:
-    """DeepSpeed's isend/irecv fallback (releases without batch_isend_irecv) == collective, bitwise."""
-    from ..comm import get_backend
-    from ..functional import dilated_attention
-
-    g = torch.Generator().manual_seed(7)
-    world = dist.get_world_size()
-    q, k, v, dout = (torch.randn(2, 16 * world, 4, 8, generator=g) for _ in range(4))
-    rows = slice(rank * 16, (rank + 1) * 16)
-    got = {}
-    for label in ("collective", "deepspeed-unbatched"):
-        comm = get_backend(label.split("-")[0])
-        if label == "deepspeed-unbatched":
-            comm._batched = False
-        leaves = [t[:, rows].clone().requires_grad_() for t in (q, k, v)]
-        out = dilated_attention(*leaves, (8, 16 * world), (1, 2), causal=True, comm=comm)
-        got[label] = [out.detach(), *torch.autograd.grad(out, leaves, dout[:, rows])]
-    equal = all(torch.equal(a, b) for a, b in zip(got["collective"], got["deepspeed-unbatched"]))
-    return TrainResult("deepspeed-unbatched-fallback", rank, info={"equal": equal})
-
-
 def _deepspeed_worker(rank: int, world_size: int, port: int, sp_size: int, zero_stage: int, steps: int,
                       out_dir: str) -> None:
     """DeepSpeed engine, ZeRO ``zero_stage``, SP ``sp_size`` x DP ``world/sp``."""
-    from .harness import init_local_rank
+    from ..testing.harness import init_local_rank
 
     torch.set_num_threads(1)
     init_local_rank(rank, world_size, port)
@@ -430,14 +388,14 @@ def _load(out_dir: str, world_size: int) -> list[TrainResult]:
 
 
 def spawn_sp_training(backends: Sequence[str], steps: int = 5, world_size: int = 2) -> list[TrainResult]:
-    from .harness import run_spawned
+    from ..testing.harness import run_spawned
 
     return _load(run_spawned(_sp_worker, world_size, list(backends), steps), world_size)
 
 
 def spawn_deepspeed_training(sp_size: int = 2, zero_stage: int = 2, steps: int = 5,
                              world_size: int = 4) -> list[TrainResult]:
-    from .harness import run_spawned
+    from ..testing.harness import run_spawned
 
     return _load(run_spawned(_deepspeed_worker, world_size, sp_size, zero_stage, steps), world_size)
 

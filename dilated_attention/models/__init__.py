@@ -1,0 +1,1 @@
+"""Example models built on the library (a small LongNet-style causal LM)."""
