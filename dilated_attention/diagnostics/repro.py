@@ -172,7 +172,7 @@ def _oracle(spec, q, k, v, dout, dtype, segs, rates):
     out = dense_dilated_attention(*leaves, segs, rates, mode=spec.get("mode", "longnet"),
                                   causal=bool(spec.get("causal", False)), softmax_scale=spec.get("softmax_scale"))
     grads = torch.autograd.grad(out, leaves, dout.to(dtype))
-    return [t.double() for t in (out, *grads)]
+    return [t.detach().double() for t in (out, *grads)]
 
 
 def _covering(spec, heads: int, seq_len: int, pos: int, head: int) -> list[int]:
@@ -205,14 +205,32 @@ def _run_once(spec, comm, device, kernel, segs, rates, inputs):
     return [t.detach().cpu() for t in (out, *grads)]
 
 
+# Inputs are standard normal by construction, so the terms summed into any output or gradient are
+# O(1) or larger. Errors are relative to max(|oracle|, 1): a result the oracle gives as (near) zero,
+# e.g. dq when every row sees one key, is judged in absolute terms instead of dividing rounding
+# residue (1e-7 in fp32) by zero.
+SCALE_FLOOR = 1.0
+ZERO_RESIDUE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.detach().double()
+    diff = (got.detach().double().to(want.device) - want).abs().max()
+    return (diff / want.abs().max().clamp_min(SCALE_FLOOR)).item()
+
+
 def _judge(spec, comm, rank, got, oracle, plain, dtype, local_len):
-    from ..testing.compare import rel_err, tolerance
+    from ..testing.compare import tolerance
 
     rows = slice(rank * local_len, (rank + 1) * local_len)
     errors, tols, bad = {}, {}, []
     for name, g, o, p in zip(NAMES, got, oracle, plain):
         errors[name] = rel_err(g, o[:, rows]) if bool(torch.isfinite(g).all()) else float("inf")
         tols[name] = tolerance(dtype, None if dtype == torch.float64 else rel_err(p[:, rows], o[:, rows]))
+        if float(o.abs().max()) < 1e-8:
+            # analytically zero (every row sees one key, so the softmax gradient cancels): plain torch may
+            # hit exact zeros by luck, so "2x plain" means nothing; allow rounding residue instead
+            tols[name] = max(tols[name], ZERO_RESIDUE[dtype])
         if not errors[name] <= tols[name]:
             bad.append(name)
     return errors, tols, bad

@@ -1,0 +1,353 @@
+"""Fuzzing against the fp64 oracle: random valid calls must match it, random invalid ones must raise.
+
+A valid case is a repro spec (``repro.py``): random batch, shards, heads, GQA,
+head dim, 1-3 patterns (local, shard-sized, spanning ranks, clamped), both modes,
+causal or not, a scale, a dtype, a kernel, a world size, and for each of q/k/v a
+layout from ``testing/compare.LAYOUTS`` (transposed, head-sliced, storage
+offsets, zero strides, strided head dim, ...). It is run through
+``repro.run_spec``, so the first mismatch is already a repro file: replaying it
+runs the very same tensors (same strides, offsets and seeded values).
+
+An invalid case breaks exactly one rule of DESIGN.md (a segment that does not
+divide the sequence, a dilation that does not divide a segment, mixed dtypes,
+a bool where an int belongs, ...) and must raise ``ValueError``/``TypeError``.
+
+Multi-rank cases run on gloo ranks spawned on this machine (``fuzz_spawned``),
+each case on the first ``world`` ranks; rank 0 decides when to stop and every
+rank follows, so nothing waits for a peer that has left.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..testing.compare import LAYOUTS, as_layout
+from .debug import describe_tensor
+from . import repro
+
+CPU_KERNELS = ("auto", "reference", "sdpa")
+CPU_DTYPES = ("float64", "float32", "bfloat16")
+
+
+@dataclass
+class FuzzResult:
+    cases: int = 0
+    valid: int = 0
+    invalid: int = 0
+    seconds: float = 0.0
+    failure: str | None = None  # plain-language finding of the first failing case
+    repro_path: str | None = None
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layout_desc(shape, layout: str, dtype: torch.dtype, rng: random.Random) -> dict[str, Any]:
+    """Strides and storage offset of ``as_layout`` on a tensor of ``shape`` (values come later from the seed)."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    t = as_layout(torch.zeros(shape, dtype=dtype), layout, generator=gen)
+    return describe_tensor(t)
+
+
+def random_spec(rng: random.Random, *, world: int = 1, kernels=CPU_KERNELS, dtypes=CPU_DTYPES,
+                device: str = "cpu", backend: str | None = None, max_local: int = 32) -> dict[str, Any]:
+    """A random valid call for ``world`` ranks, as a repro spec."""
+    kernel = rng.choice(list(kernels))
+    dtype = rng.choice(list(dtypes))
+    if kernel == "fused" and dtype == "float64":
+        dtype = "float32"  # the fused kernel has no fp64 path (auto would pick another kernel)
+    heads = rng.choice([1, 2, 3, 4, 6, 8])
+    kv_heads = rng.choice(_divisors(heads))
+    dim = rng.choice([32, 64] if kernel == "fused" else [4, 8, 16, 32])
+    batch = rng.choice([1, 2])
+    local = rng.choice([x for x in (4, 6, 8, 12, 16, 24, 32) if x <= max_local])
+    n = world * local
+    mode = rng.choice(["longnet", "longnet", "grouped"])
+    m = rng.randint(1, min(3, heads) if mode == "grouped" else 3)
+    # effective segments: tiles of the shard (w' | L) or whole-shard multiples spanning ranks (L | w', w' | N)
+    choices = [w for w in _divisors(local)] + [local * g for g in _divisors(world) if g > 1]
+    segs, rates = [], []
+    for _ in range(m):
+        w = rng.choice(choices)
+        spans = w > local
+        rate_choices = [r for r in _divisors(w) if r <= 8 and (not spans or local % r == 0)]
+        r = rng.choice(rate_choices)
+        if w == n and rng.random() < 0.3:
+            w = n * rng.choice([2, 3])  # longer than the sequence: clamped to N
+        segs.append(w)
+        rates.append(r)
+    torch_dtype = repro._DTYPES[dtype]
+    spec: dict[str, Any] = {
+        "version": repro.VERSION, "seed": rng.randrange(10**6),
+        "segment_lengths": segs, "dilation_rates": rates, "mode": mode, "causal": rng.random() < 0.5,
+        "softmax_scale": None if rng.random() < 0.6 else round(rng.uniform(0.05, 1.0), 4),
+        "kernel": kernel, "backend": backend if world > 1 else None, "world_size": world, "rank": 0, "kwargs": {},
+    }
+    for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+        desc = _layout_desc((batch, local, h, dim), rng.choice(LAYOUTS), torch_dtype, rng)
+        desc.update(device=device, requires_grad=True)
+        spec[name] = desc
+    if kernel == "fused":  # its documented input rule: unit stride in the head dim for q and k
+        for name in ("q", "k"):
+            if spec[name]["stride"][-1] != 1:
+                spec[name] = {**_layout_desc((batch, local, spec[name]["shape"][2], dim), "transposed", torch_dtype,
+                                             rng), "device": device, "requires_grad": True}
+    return spec
+
+
+# -- invalid calls --------------------------------------------------------------------------------
+
+
+def random_invalid(rng: random.Random) -> tuple[str, Callable[[], Any]]:
+    """``(what is wrong, a call that must raise ValueError/TypeError)``."""
+    from ..functional import dilated_attention
+
+    b, n, h, d = rng.choice([1, 2]), rng.choice([8, 16, 24]), rng.choice([2, 4]), rng.choice([4, 8])
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k = t(b, n, h, d), t(b, n, h, d)
+    segs, rates = [n // 2, n], [1, 2]
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        (f"segment {n // 2 + 1} does not divide sequence {n}", lambda: dilated_attention(q, k, k, [n // 2 + 1], [1])),
+        (f"dilation {n // 2 + 1} does not divide segment {n // 2}",
+         lambda: dilated_attention(q, k, k, [n // 2], [n // 2 + 1])),
+        ("unequal pattern lists", lambda: dilated_attention(q, k, k, segs, [1])),
+        ("no pattern", lambda: dilated_attention(q, k, k, [], [])),
+        ("zero dilation", lambda: dilated_attention(q, k, k, [n], [0])),
+        ("negative segment", lambda: dilated_attention(q, k, k, [-n], [1])),
+        ("float segment", lambda: dilated_attention(q, k, k, [float(n)], [1])),
+        ("bool dilation", lambda: dilated_attention(q, k, k, [n], [True])),
+        ("string patterns", lambda: dilated_attention(q, k, k, "16", "1")),
+        ("kv heads do not divide query heads", lambda: dilated_attention(t(b, n, 3, d), k, k, segs, rates)),
+        ("mixed dtypes", lambda: dilated_attention(q, k.double(), k.double(), segs, rates)),
+        ("3-D query", lambda: dilated_attention(q[0], k, k, segs, rates)),
+        ("integer tensors", lambda: dilated_attention(q.long(), k.long(), k.long(), segs, rates)),
+        ("unknown mode", lambda: dilated_attention(q, k, k, segs, rates, mode="dilated")),
+        ("non-bool causal", lambda: dilated_attention(q, k, k, segs, rates, causal="yes")),
+        ("negative scale", lambda: dilated_attention(q, k, k, segs, rates, softmax_scale=-0.5)),
+        ("NaN scale", lambda: dilated_attention(q, k, k, segs, rates, softmax_scale=math.nan)),
+        ("string scale", lambda: dilated_attention(q, k, k, segs, rates, softmax_scale="0.1")),
+        ("unknown kernel", lambda: dilated_attention(q, k, k, segs, rates, kernel="cutlass")),
+        ("kernel of the wrong type", lambda: dilated_attention(q, k, k, segs, rates, kernel=3)),
+        ("k and v shapes differ", lambda: dilated_attention(q, k, t(b, n, h, d + 1), segs, rates)),
+        ("sequence lengths differ", lambda: dilated_attention(q, t(b, n + 8, h, d), t(b, n + 8, h, d), segs, rates)),
+        ("grouped mode with fewer heads than patterns",
+         lambda: dilated_attention(t(b, n, 1, d), t(b, n, 1, d), t(b, n, 1, d), segs, rates, mode="grouped")),
+        ("empty batch", lambda: dilated_attention(t(0, n, h, d), t(0, n, h, d), t(0, n, h, d), segs, rates)),
+        ("q is not a tensor", lambda: dilated_attention(q.tolist(), k, k, segs, rates)),
+        ("unknown backend name", lambda: dilated_attention(q, k, k, segs, rates, comm="mpi")),
+    ]
+    return rng.choice(cases)
+
+
+def check_invalid(what: str, call: Callable[[], Any]) -> str | None:
+    """``None`` if ``call`` raised ValueError/TypeError with a message, else the finding."""
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        return None if str(exc).strip() else f"invalid call ({what}) raised {type(exc).__name__} with no message"
+    except Exception as exc:
+        return f"invalid call ({what}) raised {type(exc).__name__} instead of ValueError/TypeError: {exc}"
+    return f"invalid call ({what}) was accepted: it must raise ValueError or TypeError"
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+
+
+def _finding(spec, rep) -> str:
+    summary = rep.raised or ", ".join(
+        f"{n} rel err {rep.errors[n]:.1e} > {rep.tolerance[n]:.1e}" for n in rep.errors
+        if not rep.errors[n] <= rep.tolerance[n])
+    return (f"kernel {spec['kernel']!r}, {spec['q']['dtype']}, world {spec['world_size']}, {spec['mode']} "
+            f"causal={spec['causal']} patterns {spec['segment_lengths']} x {spec['dilation_rates']}: {summary}")
+
+
+def _progress(total: int | None, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="case", dynamic_ncols=True, mininterval=1.0)
+
+
+def fuzz(cases: int | None = 100, seconds: float | None = None, *, seed: int = 0, kernels=CPU_KERNELS,
+         dtypes=CPU_DTYPES, device: str = "cpu", invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
+         progress: bool = False, kernel_override: Any = None) -> FuzzResult:
+    """Single process: ``cases`` cases or ``seconds`` of them (whichever ends first), stop at the first failure.
+
+    ``kernel_override``: run every valid case with this kernel object instead (used
+    to show that the fuzzer finds a planted bug).
+    """
+    return _loop(None, {1: None}, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
+                 progress, kernel_override, "collective")
+
+
+def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
+          progress, kernel_override, backend) -> FuzzResult:
+    import torch.distributed as dist
+
+    distributed = world_group is not None
+    rank = dist.get_rank() if distributed else 0
+    rng = random.Random(seed)  # the same sequence on every rank
+    res = FuzzResult()
+    bar = _progress(cases if seconds is None else None, progress and rank == 0)
+    start = time.monotonic()
+    worlds = sorted(comms_by_world)
+    while True:
+        go = (cases is None or res.cases < cases) and (seconds is None or time.monotonic() - start < seconds)
+        if distributed:  # rank 0's clock decides for everyone
+            flag = torch.tensor([int(go)])
+            dist.broadcast(flag, 0, group=world_group)
+            go = bool(flag.item())
+        if not go:
+            break
+        res.cases += 1
+        if rng.random() < invalid_fraction:
+            what, call = random_invalid(rng)
+            if rank == 0:
+                finding = check_invalid(what, call)
+                res.invalid += 1
+                if finding is not None:
+                    res.failure = finding
+            bad = _agree(res.failure is not None, world_group)
+            if bad:
+                if rank == 0:
+                    res.repro_path = _write_text(out_dir, f"invalid-{res.cases}.txt", res.failure)
+                break
+            _tick(bar)
+            continue
+        world = rng.choice(worlds)
+        spec = random_spec(rng, world=world, kernels=kernels, dtypes=dtypes, device=device,
+                           backend=backend if world > 1 else None)
+        res.valid += 1
+        failed, finding, lines = False, None, []
+        if rank < world:
+            comm = comms_by_world[world]
+            rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=False)
+            failed = not rep.ok
+            if failed:
+                finding = _finding(spec, rep)
+                # narrow down on the failing case only (collective inside the case's group)
+                rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=True)
+                lines = rep.text().splitlines()
+        elif distributed:
+            failed = False
+        if _agree(failed, world_group):
+            res.failure, res.lines = _collect(finding, lines, world_group)
+            if rank == 0:
+                spec = {**spec, "error": res.failure}
+                if kernel_override is not None:
+                    spec["kernel"] = getattr(kernel_override, "name", str(kernel_override))
+                res.repro_path = repro.write(spec, path=os.path.join(out_dir, f"fuzz-case-{res.cases}.json"))
+            break
+        _tick(bar)
+    res.seconds = time.monotonic() - start
+    if bar is not None:
+        bar.close()
+    return res
+
+
+def _tick(bar) -> None:
+    if bar is not None:
+        bar.update(1)
+
+
+def _agree(flag: bool, group) -> bool:
+    if group is None:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def _collect(finding, lines, group):
+    if group is None:
+        return finding, lines
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (finding, lines), group=group)
+    first = next((f for f, _ in everyone if f), None)
+    return first, [line for _, ls in everyone for line in ls]
+
+
+def _write_text(out_dir: str, name: str, text: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    return path
+
+
+# -- spawned gloo ranks on this machine --------------------------------------------------------------
+
+
+def _spawn_worker(rank, world, port, kwargs, out_dir_results):
+    import torch.distributed as dist
+
+    from ..comm import get_backend
+    from ..testing.harness import init_local_rank
+
+    torch.set_num_threads(1)
+    init_local_rank(rank, world, port)
+    try:
+        worlds = kwargs.pop("world_sizes")
+        backend = kwargs.pop("backend")
+        comms = {}
+        for w in worlds:  # new_group is collective: every rank creates every group
+            if w == 1:
+                comms[w] = None  # one rank: the single-device path, no backend
+                continue
+            group = dist.new_group(list(range(w)))
+            comms[w] = get_backend(backend, group) if rank < w else None
+        res = _loop(dist.group.WORLD, comms, backend=backend, **kwargs)
+    except Exception as exc:
+        res = FuzzResult(failure=f"fuzzer crashed on rank {rank}: {type(exc).__name__}: {exc}")
+    with open(os.path.join(out_dir_results, f"rank{rank}.json"), "w") as f:
+        json.dump(asdict(res), f)
+    dist.destroy_process_group()
+
+
+def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float | None = None, *, seed: int = 0,
+                 kernels=CPU_KERNELS, dtypes=CPU_DTYPES, invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
+                 progress: bool = False, backend: str = "collective") -> FuzzResult:
+    """Fuzz over several world sizes on ``max(world_sizes)`` gloo ranks spawned on this machine (CPU)."""
+    from ..testing.harness import run_spawned
+
+    world_sizes = sorted(set(int(w) for w in world_sizes))
+    if not world_sizes or world_sizes[0] < 1:
+        raise ValueError(f"world_sizes must be positive ints, got {world_sizes}")
+    kwargs = dict(world_sizes=world_sizes, cases=cases, seconds=seconds, seed=seed, kernels=tuple(kernels),
+                  dtypes=tuple(dtypes), device="cpu", invalid_fraction=invalid_fraction,
+                  out_dir=os.path.abspath(out_dir), progress=progress, kernel_override=None, backend=backend)
+    results_dir = run_spawned(_spawn_worker, world_sizes[-1], kwargs)
+    with open(os.path.join(results_dir, "rank0.json")) as f:
+        res = FuzzResult(**json.load(f))
+    for r in range(1, world_sizes[-1]):
+        with open(os.path.join(results_dir, f"rank{r}.json")) as f:
+            other = FuzzResult(**json.load(f))
+        if other.failure and not res.failure:
+            res.failure = other.failure
+    return res
+
+
+__all__ = ["FuzzResult", "check_invalid", "fuzz", "fuzz_spawned", "random_invalid", "random_spec"]
