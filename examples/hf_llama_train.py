@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Train a tiny, randomly initialised Hugging Face Llama with dilated attention (no downloads).
+
+    python examples/hf_llama_train.py                                  # one process (CPU, or one GPU)
+    torchrun --nproc_per_node=2 examples/hf_llama_train.py             # sequence parallel: gloo on CPU, NCCL on GPUs
+    torchrun --nproc_per_node=8 examples/hf_llama_train.py --seq-len 65536 --hidden 1024 --heads 16 \\
+        --kv-heads 4 --layers 4 --segments 2048,8192,65536 --rates 1,2,4 --dtype bf16   # GPUs
+
+Under torchrun every rank holds a contiguous shard of each sequence: it feeds its
+tokens with their *global* positions (``shard_positions``, so RoPE sees the true
+positions), its loss is its share of the mean over all tokens, and parameter
+gradients are summed over the ranks (``all_reduce_gradients``) before the
+optimizer step. The losses equal single-process training (``tests/test_hf.py``).
+Rank 0 prints the loss of every step and tokens/s. The data is learnable
+(arithmetic sequences), so the loss falls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, _ROOT)
+
+from dilated_attention.comm import CommBackend, get_backend  # noqa: E402
+from dilated_attention.distributed import all_reduce_gradients, shard_positions, shard_sequence  # noqa: E402
+from dilated_attention.integrations.huggingface import register_dilated_attention  # noqa: E402
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, printed once per job (rank 0 under torchrun); every rank exits 2."""
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{self.prog}: error: {message} (--help lists the options)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=128, help="global tokens per sequence")
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--segments", type=_ints, default=[32, 128], help="segment lengths, e.g. 32,128")
+    p.add_argument("--rates", type=_ints, default=[1, 2], help="dilation rates, e.g. 1,2")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch", "seq_len", "vocab", "hidden", "layers", "heads", "kv_heads"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads}), "
+                f"and --heads by --kv-heads ({args.kv_heads})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.seq_len % world:
+        p.error(f"--seq-len ({args.seq_len}) must be divisible by the number of ranks ({world})")
+    from dilated_attention.patterns import validate_patterns
+
+    try:  # the patterns' own rules, checked before any process group exists
+        validate_patterns(args.segments, args.rates, args.seq_len)
+    except (TypeError, ValueError) as exc:
+        p.error(f"--segments/--rates: {exc}")
+    return args
+
+
+def build_model(args: argparse.Namespace, comm: CommBackend | None):
+    """The same random initial weights on every rank (drawn from ``args.seed``)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    name = register_dilated_attention(args.segments, args.rates, comm=comm, kernel=args.kernel,
+                                      name="dilated_attention" if comm is None else "dilated_attention_sp")
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq_len, use_cache=False,
+    )
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=name)
+
+
+def make_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ``(inputs, targets)`` ``(batch, seq_len)``, the same on every rank: ``(start + t * stride) % vocab``."""
+    g = torch.Generator().manual_seed(args.seed * 100003 + step)
+    start = torch.randint(0, args.vocab, (args.batch, 1), generator=g)
+    stride = torch.randint(1, 8, (args.batch, 1), generator=g)
+    seq = (start + stride * torch.arange(args.seq_len + 1)) % args.vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def train(args: argparse.Namespace, comm: CommBackend | None, device: torch.device,
+          log=print) -> list[float]:
+    """``args.steps`` AdamW steps; returns the global mean loss of each step (the same on every rank)."""
+    model = build_model(args, comm).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    if comm is not None:
+        positions = shard_positions(args.seq_len, comm, device=device)[None]
+    else:
+        positions = torch.arange(args.seq_len, device=device)[None]
+    losses = []
+    for step in range(args.steps):
+        inputs, targets = make_batch(args, step)
+        if comm is not None:  # this rank's tokens; the targets were shifted before sharding
+            inputs, targets = shard_sequence(inputs, comm), shard_sequence(targets, comm)
+        inputs, targets = inputs.to(device), targets.to(device)
+        t0 = time.perf_counter()
+        with autocast:
+            logits = model(input_ids=inputs, position_ids=positions).logits
+        # this rank's share of the mean over all batch * seq_len tokens
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        loss = loss / (args.batch * args.seq_len)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if comm is not None:
+            all_reduce_gradients(model, comm)  # each rank holds only its tokens' part of the gradient
+        opt.step()
+        total = loss.detach().reshape(1).clone()
+        if comm is not None:
+            dist.all_reduce(total, group=comm.group)
+        losses.append(total.item())
+        elapsed = time.perf_counter() - t0
+        log(f"[hf_llama] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
+            f"{args.batch * args.seq_len / elapsed:,.0f} tok/s  {1e3 * elapsed:.1f} ms")
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    comm = None
+    if distributed:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        comm = get_backend("collective")
+    rank = comm.rank if comm is not None else 0
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"[hf_llama] ranks={comm.world_size if comm else 1} device={device.type} seq_len={args.seq_len} "
+        f"(local {args.seq_len // (comm.world_size if comm else 1)}) segments={args.segments} rates={args.rates} "
+        f"dtype={args.dtype}", flush=True)
+    losses = train(args, comm, device, log=lambda msg: say(msg, flush=True))
+    say(f"[hf_llama] loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
