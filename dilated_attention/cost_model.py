@@ -28,9 +28,10 @@ Assumptions (each a CLI option; defaults documented in ``Hardware``):
   (dout, dq, dk, dv), none overlapped; k/v heads are replicated up to ``K`` when
   ``Hkv < K``. Compute is exactly ``T1 / K`` (every rank runs the whole sequence
   for ``H/K`` heads). Needs ``K | H``.
-- Hybrid. All-to-all inside groups of ``A`` ranks (the largest divisor of
-  ``gcd(K, H)`` that fits in a node), then the ring across the ``K/A`` groups on
-  the group's ``A*L`` rows with ``H/A`` heads.
+- Hybrid. All-to-all inside teams of ``A`` ranks (a node when the job spans
+  nodes, else the largest proper divisor of ``K`` that divides ``H``: the
+  library's rule), then the ring across the ``K/A`` teams on the team's ``A*L``
+  rows with ``H/A`` heads.
 - Links. A ring or all-to-all confined to one node uses NVLink (``nvlink_gbps``
   per GPU per direction); anything crossing nodes is limited by InfiniBand
   (``ib_gbps`` per GPU: NDR 400 Gb/s = 50 GB/s). Every message pays
@@ -219,9 +220,14 @@ def ring_ms(p: Problem, hw: Hardware, local_len: float, *, head_shards: int = 1,
     return compute, exposed
 
 
-def _hybrid_group(gpus: int, heads: int, hw: Hardware) -> int:
-    g = math.gcd(gpus, heads)
-    return max(a for a in range(1, g + 1) if g % a == 0 and a <= hw.gpus_per_node)
+def hybrid_team(gpus: int, heads: int, hw: Hardware) -> int | None:
+    """The hybrid's all-to-all team size, as ``functional._team_size`` picks it: a node when
+    the job spans nodes and a node's GPUs divide the heads, else the largest proper divisor
+    of ``gpus`` that divides the heads; None when there is none (then it is not a hybrid)."""
+    n = hw.gpus_per_node
+    if 1 < n < gpus and gpus % n == 0 and heads % n == 0:
+        return n
+    return next((a for a in range(gpus - 1, 1, -1) if gpus % a == 0 and heads % a == 0), None)
 
 
 def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
@@ -254,10 +260,10 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardwa
                    + 2 * alltoall_ms(elems * kv * p.dtype_bytes, gpus, hw))
         compute, exposed = t1 / gpus, a2a
     else:
-        a = _hybrid_group(gpus, p.heads, hw)
-        if a == 1 or a == gpus:
-            return None  # that is the ring or the head strategy
-        notes.append(f"a2a groups of {a}")
+        a = hybrid_team(gpus, p.heads, hw)
+        if a is None:
+            return None
+        notes.append(f"a2a teams of {a}")
         kv = max(p.hkv, a)
         elems = p.batch * local * p.head_dim
         a2a = 2 * (2 * alltoall_ms(elems * p.heads * p.dtype_bytes, a, hw)

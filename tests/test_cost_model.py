@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dilated_attention.cost_model import (
-    Hardware, Problem, alltoall_ms, best, config_patterns, longnet_patterns, main, packed_pairs,
+    Hardware, Problem, alltoall_ms, best, hybrid_team, config_patterns, longnet_patterns, main, packed_pairs,
     pattern_flops, predict, ring_ms, single_gpu_ms, validate,
 )
 
@@ -113,9 +113,10 @@ def test_head_strategy_by_hand():
 
 def test_hybrid_and_links():
     p = Problem(2**20, tuple(longnet_patterns(2**20)), heads=16)
-    assert predict(p, 4, "hybrid") is None  # groups of 4 = the head strategy on one node
-    hyb = predict(p, 64, "hybrid")
-    assert hyb is not None and hyb.notes == ["a2a groups of 8"]
+    assert predict(p, 2, "hybrid") is None  # no team between 1 and 2
+    assert predict(p, 4, "hybrid").notes == ["a2a teams of 2"]  # one node: largest proper divisor
+    assert predict(p, 64, "hybrid").notes == ["a2a teams of 8"]  # across nodes: a node per team
+    assert hybrid_team(12, 16, Hardware(gpus_per_node=12)) == 4
     # a ring that leaves the node runs at InfiniBand speed: slower than the same ring inside a node
     fat = Hardware(gpus_per_node=64)
     assert predict(p, 64, "ring").exposed_comm_ms >= predict(p, 64, "ring", fat).exposed_comm_ms

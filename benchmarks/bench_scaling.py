@@ -1,0 +1,557 @@
+"""Scaling benchmark: efficiency against one GPU, peers in the same run, longest sequence.
+
+Run once per GPU count K under torchrun (``benchmarks/run_scaling.sh`` loops over K):
+
+    torchrun --standalone --nproc_per_node=4 benchmarks/bench_scaling.py               # GPUs, NCCL, bf16
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_scaling.py --smoke       # CPU, gloo, tiny
+
+For every tokens-per-GPU value, configuration (LongNet ``w=[2048, 8192, 32768,
+131072, N]``, ``r=[1, 2, 4, 8, 16]`` with segments not shorter than N dropped and
+N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
+
+- ``ours``: forward+backward of ``dilated_attention`` on K ranks for every
+  strategy (ring, head, hybrid), median over iterations of the slowest rank's
+  time (CUDA events; wall clock on CPU); peak memory of the largest rank.
+- T1: the same library on ONE GPU over the whole sequence N = K x tokens, measured
+  in the same run on rank 0 while the others wait. Efficiency = T1 / (K x TK).
+- ``torch_cp``: PyTorch context parallel (cuDNN SDPA, load-balanced), full
+  attention only; its efficiency is against cuDNN SDPA on one GPU, same run.
+- ``ulysses``: DeepSpeed ``DistributedAttention`` (all-to-all) around the library's
+  single-device call; efficiency against the library's T1.
+- max-length probe: LongNet, tokens per GPU doubled until a clean OOM (or the cap
+  or time budget); every probe step is a record with ``max_tokens`` (= K x the
+  largest tokens per GPU that ran).
+
+Peers are optional: a failed import or call is recorded in ``meta.skipped`` with
+the reason. Results: ``<out>/scaling_<gpu>_x<K>.json`` (``{"meta", "records"}``).
+Plots and tables: ``benchmarks/plot_scaling.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+STRATEGIES = ("ring", "head", "hybrid")
+CONFIGS = ("longnet", "full")
+PEERS = ("torch_cp", "ulysses")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        bad = [x for x in names if x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not in {choices}")
+        return names
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from dilated_attention.cost_model import LONGNET_RATES, LONGNET_SEGMENTS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=_ints, default=[32768], help="tokens per GPU, comma-separated "
+                   "(default 32768; sweep: 8192,16384,32768,65536)")
+    p.add_argument("--configs", type=_names(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    p.add_argument("--strategies", type=_names(STRATEGIES), default=list(STRATEGIES))
+    p.add_argument("--peers", type=_names(PEERS), default=list(PEERS), help="'' for none")
+    p.add_argument("--backend", default="collective", choices=["collective", "fairscale", "deepspeed"])
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--longnet-segments", type=_ints, default=list(LONGNET_SEGMENTS), help="segments before N")
+    p.add_argument("--longnet-rates", type=_ints, default=list(LONGNET_RATES), help="one more than segments")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10, help="at most this many timed iterations")
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--seconds-per-measurement", type=float, default=3.0,
+                   help="fewer iterations (not below --min-iters) when one takes long")
+    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True, help="max-length probe")
+    p.add_argument("--probe-strategy", default="ring", choices=STRATEGIES)
+    p.add_argument("--probe-cap", type=int, default=1 << 23, help="largest tokens per GPU the probe tries")
+    p.add_argument("--probe-seconds", type=float, default=90.0, help="time budget of the probe")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="file name: scaling_<tag>_x<K>.json (default: the GPU name)")
+    p.add_argument("--smoke", action="store_true", help="CPU gloo, tiny sizes (overrides sizes, no peers)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.tokens, a.heads, a.head_dim = [64], 2, 8
+        a.longnet_segments, a.longnet_rates = [16, 32], [1, 2, 4]
+        a.configs, a.causal, a.warmup, a.iters, a.min_iters = ["longnet"], "both", 1, 2, 1
+        a.peers, a.probe_cap, a.probe_seconds = [], 128, 30.0
+    for name in ("heads", "head_dim", "batch", "iters", "min_iters", "probe_cap"):
+        if getattr(a, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    if any(t <= 0 for t in a.tokens):
+        p.error(f"--tokens must be positive, got {a.tokens}")
+    if len(a.longnet_rates) != len(a.longnet_segments) + 1:
+        p.error("--longnet-rates needs one more entry than --longnet-segments (the last pattern is N)")
+    return a
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100_80gb_hbm3'."""
+    words = re.findall(r"[a-z0-9]+", name.lower())
+    return "_".join(w for w in words if w not in ("nvidia", "tesla")) or "gpu"
+
+
+@dataclass
+class Skip(Exception):
+    """A measurement that could not run (import, API, constraint): recorded, not fatal."""
+
+    reason: str
+
+
+class Bench:
+    """Timing and agreement across ranks for one torchrun job."""
+
+    def __init__(self, env, args) -> None:
+        import torch
+
+        self.torch, self.env, self.args = torch, env, args
+        self.cuda = env.device.type == "cuda"
+
+    # -- agreement ------------------------------------------------------------------------------
+
+    def agree(self, error: str | None) -> str | None:
+        """Every rank learns whether any rank failed, and the first rank's reason."""
+        import torch.distributed as dist
+
+        everyone: list = [None] * self.env.world_size
+        dist.all_gather_object(everyone, error)
+        return next((e for e in everyone if e is not None), None)
+
+    def max_over_ranks(self, value: float) -> float:
+        import torch.distributed as dist
+
+        t = self.torch.tensor([value], dtype=self.torch.float64, device=self.env.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    # -- timing ---------------------------------------------------------------------------------
+
+    def _once(self, step: Callable[[], None], collective: bool) -> float:
+        torch = self.torch
+        if collective:
+            import torch.distributed as dist
+
+            dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            ms = a.elapsed_time(b)
+        else:
+            t0 = time.perf_counter()
+            step()
+            ms = 1e3 * (time.perf_counter() - t0)
+        return self.max_over_ranks(ms) if collective else ms
+
+    def measure(self, step: Callable[[], None], collective: bool = True) -> tuple[float, float | None]:
+        """(median ms of the slowest rank, peak GiB of the largest rank) of ``step``.
+
+        ``collective=False``: only this rank runs (the single-GPU reference).
+        """
+        torch, a = self.torch, self.args
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        first = max(self._once(step, collective) for _ in range(max(1, a.warmup)))
+        n = max(a.min_iters, min(a.iters, int(1e3 * a.seconds_per_measurement / max(first, 1e-3))))
+        times = [self._once(step, collective) for _ in range(n)]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+        if collective and peak is not None:
+            peak = self.max_over_ranks(peak)
+        return statistics.median(times), peak
+
+    def randn(self, shape, seed: int, dtype=None):
+        g = self.torch.Generator(device=self.env.device).manual_seed(seed)
+        return self.torch.randn(shape, generator=g, device=self.env.device, dtype=dtype or self.dtype)
+
+    @property
+    def dtype(self):
+        return self.torch.bfloat16 if self.cuda else self.torch.float32
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+
+def patterns_for(args, config: str, n: int) -> tuple[list[int], list[int]]:
+    from dilated_attention.cost_model import config_patterns
+
+    pats = config_patterns(config, n, args.longnet_segments, args.longnet_rates)
+    return [w for w, _ in pats], [r for _, r in pats]
+
+
+def has_strategy_argument() -> bool:
+    from dilated_attention import dilated_attention
+
+    return "strategy" in inspect.signature(dilated_attention).parameters
+
+
+def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: int, comm, strategy: str | None):
+    """A closure running forward+backward of the library on (B, n_local, H, D) inputs."""
+    from dilated_attention import dilated_attention
+
+    a, rank = bench.args, bench.env.rank
+    shape = (a.batch, n_local, a.heads, a.head_dim)
+    q, k, v = (bench.randn(shape, 1000 * i + rank).requires_grad_() for i in range(3))
+    dout = bench.randn(shape, 7000 + rank)
+    segs, rates = patterns_for(a, config, n_total)
+    extra = {"strategy": strategy} if strategy is not None else {}
+
+    def step() -> None:
+        out = dilated_attention(q, k, v, segs, rates, causal=causal, comm=comm, kernel=a.kernel, **extra)
+        out.backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return step
+
+
+def cudnn_sdpa_step(bench: Bench, n: int, causal: bool):
+    """Single-GPU cuDNN SDPA forward+backward over the whole sequence (torch_cp's T1)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    a = bench.args
+    shape = (a.batch, a.heads, n, a.head_dim)
+    q, k, v = (bench.randn(shape, 100 + i).requires_grad_() for i in range(3))
+    dout = bench.randn(shape, 200)
+
+    def step() -> None:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return step
+
+
+def torch_cp_measure(bench: Bench, n: int, causal: bool) -> tuple[float, float | None, str]:
+    """PyTorch context parallel over all ranks; every rank builds the same global tensors."""
+    if not bench.cuda:
+        raise Skip("torch_cp needs CUDA (cuDNN SDPA)")
+    try:
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import _cp_options
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as exc:
+        raise Skip(f"torch_cp import failed: {exc}") from None
+    a = bench.args
+    mesh = init_device_mesh("cuda", (bench.env.world_size,))
+    shape = (a.batch, a.heads, n, a.head_dim)
+    q, k, v = (bench.randn(shape, 100 + i) for i in range(3))  # same seed on every rank: one global problem
+    dout = bench.randn(shape, 200)
+    bufs = [q, k, v, dout]
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), \
+            context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
+        # Grad-requiring aliases of the (now sharded) buffers: the buffers themselves must not require
+        # grad, or the context cannot resize them back on exit.
+        qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def step() -> None:
+            F.scaled_dot_product_attention(qa, ka, va, is_causal=causal).backward(dout)
+            qa.grad = ka.grad = va.grad = None
+
+        ms, peak = bench.measure(step)
+    balance = "load-balanced (head-tail)" if getattr(_cp_options, "enable_load_balance", False) else "no load balance"
+    return ms, peak, balance
+
+
+def ulysses_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: int):
+    """DeepSpeed Ulysses: all-to-all around the library's single-device call."""
+    try:
+        from deepspeed.sequence.layer import DistributedAttention
+
+        from dilated_attention.comm.deepspeed import ensure_initialized
+    except ImportError as exc:
+        raise Skip(f"deepspeed import failed: {exc}") from None
+    import torch.distributed as dist
+
+    from dilated_attention import dilated_attention
+
+    a = bench.args
+    if a.heads % bench.env.world_size:
+        raise Skip(f"ulysses needs the world size ({bench.env.world_size}) to divide heads ({a.heads})")
+    ensure_initialized()
+    segs, rates = patterns_for(a, config, n_total)
+
+    def local_attention(q, k, v, *args, **kwargs):
+        return dilated_attention(q, k, v, segs, rates, causal=causal, kernel=a.kernel)
+
+    # (B, N, H, D): scatter heads (dim 2), gather sequence (dim 1)
+    attn = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+    batch_arg = (0,) if "batch_dim_idx" in inspect.signature(attn.forward).parameters else ()
+    rank = bench.env.rank
+    shape = (a.batch, n_local, a.heads, a.head_dim)
+    q, k, v = (bench.randn(shape, 1000 * i + rank).requires_grad_() for i in range(3))
+    dout = bench.randn(shape, 7000 + rank)
+
+    def step() -> None:
+        attn(q, k, v, *batch_arg).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return step
+
+
+def run_guarded(bench: Bench, fn: Callable[[], object]) -> tuple[object, str | None]:
+    """Run ``fn`` on every rank; if any rank fails, every rank returns (None, reason)."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Skip as exc:
+        error = exc.reason
+    except Exception as exc:  # a peer's or strategy's failure is data, not the end of the run
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    error = bench.agree(error)
+    bench.free()
+    return (None, error) if error else (result, None)
+
+
+def single_gpu(bench: Bench, make_step: Callable[[], Callable[[], None]]) -> tuple[float | None, float | None, str | None]:
+    """T1 on rank 0 (the others wait), shared with every rank."""
+    import torch.distributed as dist
+
+    box: list = [None]
+    if bench.env.rank == 0:
+        try:
+            box[0] = bench.measure(make_step(), collective=False)
+        except Exception as exc:
+            box[0] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    bench.free()
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        return None, None, box[0]
+    return box[0][0], box[0][1], None
+
+
+def probe(bench: Bench, comm, how: tuple[str | None, str], records: list, meta: dict, progress) -> None:
+    """LongNet, non-causal: double tokens per GPU until a clean OOM, the cap or the time budget."""
+    torch, a, k = bench.torch, bench.args, bench.env.world_size
+    capacity = torch.cuda.get_device_properties(bench.env.device).total_memory / 2**30 if bench.cuda else None
+    tokens, start, steps, stop = max(a.tokens), time.perf_counter(), [], "cap"
+    last = None  # (tokens, ms, peak)
+    while tokens <= a.probe_cap:
+        if last is not None:
+            if capacity and last[2] and last[2] * tokens / last[0] > 1.1 * capacity:
+                stop = f"predicted OOM: {last[2] * tokens / last[0]:.0f} GiB > {capacity:.0f} GiB"
+                break
+            if time.perf_counter() - start + 4 * last[1] / 1e3 > a.probe_seconds:  # per-GPU work grows ~4x
+                stop = "time budget"
+                break
+        progress.set_postfix_str(f"probe {tokens} tokens/GPU")
+        t0 = time.perf_counter()
+        status = "ok"
+        try:
+            if bench.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            step = ours_step(bench, tokens, "longnet", False, k * tokens, comm, how[0])
+            step()
+            if bench.cuda:
+                torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:
+            status = "oom"
+        except Exception as exc:
+            status = f"{type(exc).__name__}: {str(exc)[:200]}"
+        step = None  # drop the inputs before emptying the cache
+        ms = 1e3 * (time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if bench.cuda else None
+        bench.free()
+        status = bench.agree(None if status == "ok" else status)
+        if status is not None:
+            stop = "OOM" if status == "oom" else status
+            break
+        ms = bench.max_over_ranks(ms)
+        peak = bench.max_over_ranks(peak) if peak is not None else None
+        steps.append({"impl": "ours", "strategy": how[1], "config": "longnet", "causal": False,
+                      "gpus": k, "tokens_per_gpu": tokens, "ms": ms, "efficiency": None, "peak_gib": peak})
+        last = (tokens, ms, peak)
+        tokens *= 2
+    max_tokens = k * last[0] if last else 0
+    for rec in steps:
+        rec["max_tokens"] = max_tokens
+    records.extend(steps)
+    meta["probe"] = {"stop": stop, "max_tokens": max_tokens, "seconds": time.perf_counter() - start,
+                     "cap_tokens_per_gpu": a.probe_cap, "note": "ms of a probe step is one cold forward+backward"}
+
+
+def versions(torch, cuda: bool) -> dict:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    if cuda:
+        out["cuda"] = torch.version.cuda
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    for mod in ("triton", "deepspeed", "fairscale"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("DILATED_ATTENTION_TIMEOUT", "300")  # a stuck peer raises instead of hanging
+    from dilated_attention.launch_utils import init_distributed
+
+    env = init_distributed("cpu" if args.smoke else "auto", seed=0)
+    import torch
+    from tqdm import tqdm
+
+    from dilated_attention.comm import get_backend
+
+    bench = Bench(env, args)
+    k = env.world_size
+    comm = get_backend(args.backend) if k > 1 else None
+    strategies_ok = has_strategy_argument()
+    device_name = torch.cuda.get_device_name(env.device) if bench.cuda else "cpu"
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    records: list[dict] = []
+    meta = {
+        "gpu": device_name, "gpus": k, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        **versions(torch, bench.cuda), "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "dtype": str(bench.dtype).replace("torch.", ""), "dtype_bytes": torch.finfo(bench.dtype).bits // 8,
+        "batch": args.batch, "heads": args.heads, "kv_heads": args.heads, "head_dim": args.head_dim,
+        "backend": args.backend, "kernel": args.kernel, "tokens_per_gpu": args.tokens,
+        "longnet_segments": args.longnet_segments, "longnet_rates": args.longnet_rates,
+        "strategy_argument": strategies_ok, "warmup": args.warmup, "iters": args.iters,
+        "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock"),
+        "efficiency": "T1 / (gpus * ms), T1 = one GPU on the whole sequence in this run: the library for ours and "
+                      "ulysses, cuDNN SDPA for torch_cp",
+        "single_gpu": [], "skipped": [],
+        "gpu_memory_gib": torch.cuda.get_device_properties(env.device).total_memory / 2**30 if bench.cuda else None,
+    }
+
+    def skip(impl, strategy, config, causal, tokens, reason):
+        meta["skipped"].append({"impl": impl, "strategy": strategy, "config": config, "causal": causal,
+                                "tokens_per_gpu": tokens, "reason": reason})
+
+    def record(impl, strategy, config, causal, tokens, ms, t1, peak):
+        records.append({"impl": impl, "strategy": strategy, "config": config, "causal": causal, "gpus": k,
+                        "tokens_per_gpu": tokens, "ms": ms, "efficiency": (t1 / (k * ms)) if t1 else None,
+                        "peak_gib": peak})
+
+    cases = [(t, c, z) for t in args.tokens for c in args.configs for z in causals]
+    per_case = 1 + (len(args.strategies) if k > 1 else 0) + len(args.peers)
+    progress = tqdm(total=len(cases) * per_case + args.probe, disable=env.rank != 0, desc=f"scaling x{k}",
+                    dynamic_ncols=True)
+    for tokens, config, causal in cases:
+        n = k * tokens
+        label = f"{config} {'causal' if causal else 'full-mask'} N={n}"
+        progress.set_postfix_str(f"{label}: T1")
+        t1, t1_peak, err = single_gpu(bench, lambda: ours_step(bench, n, config, causal, n, None, None))
+        meta["single_gpu"].append({"impl": "ours", "config": config, "causal": causal, "tokens": n, "ms": t1,
+                                   "peak_gib": t1_peak, "error": err})
+        progress.update()
+        if k == 1 and t1 is not None:
+            record("ours", "single", config, causal, tokens, t1, t1, t1_peak)
+        for strategy in (args.strategies if k > 1 else []):
+            progress.set_postfix_str(f"{label}: ours/{strategy}")
+            if not strategies_ok and strategy != "ring":
+                skip("ours", strategy, config, causal, tokens, "dilated_attention has no strategy= argument yet")
+            else:
+                res, err = run_guarded(bench, lambda: bench.measure(
+                    ours_step(bench, tokens, config, causal, n, comm, strategy if strategies_ok else None)))
+                if err:
+                    skip("ours", strategy, config, causal, tokens, err)
+                else:
+                    record("ours", strategy, config, causal, tokens, res[0], t1, res[1])
+            progress.update()
+        if "torch_cp" in args.peers:
+            progress.set_postfix_str(f"{label}: torch_cp")
+            if config != "full":
+                skip("torch_cp", "ring", config, causal, tokens, "context parallel runs full attention only")
+            elif not bench.cuda:
+                skip("torch_cp", "ring", config, causal, tokens, "torch_cp needs CUDA (cuDNN SDPA)")
+            else:
+                cp_t1, cp_peak, err = single_gpu(bench, lambda: cudnn_sdpa_step(bench, n, causal))
+                meta["single_gpu"].append({"impl": "torch_cp", "config": config, "causal": causal, "tokens": n,
+                                           "ms": cp_t1, "peak_gib": cp_peak, "error": err})
+                if k == 1:
+                    if err:
+                        skip("torch_cp", "single", config, causal, tokens, err)
+                    else:
+                        record("torch_cp", "single", config, causal, tokens, cp_t1, cp_t1, cp_peak)
+                else:
+                    res, err = run_guarded(bench, lambda: torch_cp_measure(bench, n, causal))
+                    if err:
+                        skip("torch_cp", "ring", config, causal, tokens, err)
+                    else:
+                        meta["torch_cp_balance"] = res[2]
+                        record("torch_cp", "ring", config, causal, tokens, res[0], cp_t1, res[1])
+            progress.update()
+        if "ulysses" in args.peers:
+            progress.set_postfix_str(f"{label}: ulysses")
+            if k == 1:
+                skip("ulysses", "head", config, causal, tokens, "one GPU: nothing to exchange")
+            else:
+                res, err = run_guarded(bench, lambda: bench.measure(ulysses_step(bench, tokens, config, causal, n)))
+                if err:
+                    skip("ulysses", "head", config, causal, tokens, err)
+                else:
+                    record("ulysses", "head", config, causal, tokens, res[0], t1, res[1])
+            progress.update()
+    if args.probe:
+        # (strategy= argument, name in the records): one GPU runs without a backend; before
+        # strategy= exists the ring is the only multi-GPU path.
+        if k == 1:
+            how = (None, "single")
+        elif strategies_ok:
+            how = (args.probe_strategy, args.probe_strategy)
+        else:
+            how = (None, "ring") if args.probe_strategy == "ring" else None
+        if how is None:
+            skip("ours", args.probe_strategy, "longnet", False, None, "dilated_attention has no strategy= argument yet")
+        else:
+            probe(bench, comm, how, records, meta, progress)
+        progress.update()
+    progress.close()
+
+    if env.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"scaling_{args.tag or gpu_slug(device_name)}_x{k}.json")
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+        print(f"wrote {path}: {len(records)} records, {len(meta['skipped'])} skipped", flush=True)
+        for rec in records:
+            eff = f"{100 * rec['efficiency']:.1f}%" if rec["efficiency"] is not None else "-"
+            mem = f"{rec['peak_gib']:.1f} GiB" if rec["peak_gib"] is not None else "-"
+            extra = f" max_tokens={rec['max_tokens']}" if "max_tokens" in rec else ""
+            print(f"  {rec['impl']:8s} {rec['strategy']:7s} {rec['config']:8s} causal={str(rec['causal']):5s} "
+                  f"K={k} tokens/GPU={rec['tokens_per_gpu']:>8d} {rec['ms']:10.2f} ms  eff {eff:>6s}  {mem}{extra}")
+        for s in meta["skipped"]:
+            print(f"  skipped {s['impl']}/{s['strategy']} {s['config']} causal={s['causal']}: {s['reason']}")
+    env.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Tables and plots from the scaling JSONs that ``bench_scaling.py`` writes (one per GPU count).
+
+    python benchmarks/plot_scaling.py benchmarks/results/scaling_h200_x*.json \\
+        --png benchmarks/results/scaling_h200.png --md benchmarks/results/scaling_h200.md
+
+Prints (and with ``--md`` writes) a markdown table per tokens-per-GPU value: rows are
+implementation / strategy / configuration / causal, columns are GPU counts, cells are
+"ms (efficiency)"; then the max-length probe per GPU count. The PNG has four panels:
+efficiency vs GPUs (LongNet; full attention), tokens/s vs GPUs, peak memory vs tokens
+per GPU (the probe). Needs matplotlib only for ``--png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+from collections import defaultdict
+
+
+def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
+    """(records of every file, metas); files are sorted by GPU count."""
+    metas, records = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        records += data["records"]
+    return records, metas
+
+
+def _series_key(r: dict) -> tuple:
+    return (r["impl"], r["strategy"], r["config"], r["causal"])
+
+
+def timed(records: list[dict], tokens: int) -> dict[tuple, dict[int, dict]]:
+    """{(impl, strategy, config, causal): {gpus: record}} of timed records at ``tokens`` per GPU.
+
+    One GPU's record (strategy "single") starts every multi-GPU series of the same impl.
+    """
+    out: dict[tuple, dict[int, dict]] = defaultdict(dict)
+    singles = {}
+    for r in records:
+        if "max_tokens" in r or r["tokens_per_gpu"] != tokens:
+            continue
+        if r["gpus"] == 1:
+            singles[(r["impl"], r["config"], r["causal"])] = r
+        else:
+            out[_series_key(r)][r["gpus"]] = r
+    for (impl, strategy, config, causal), by_k in out.items():
+        base = singles.get(("ours" if impl == "ulysses" else impl, config, causal))
+        if base is not None:
+            by_k[1] = base
+    for (impl, config, causal), r in singles.items():  # one-GPU-only runs still show up
+        if not any(k[0] == impl and k[2] == config and k[3] == causal for k in out):
+            out[(impl, "single", config, causal)][1] = r
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0] != "ours", kv[0][0], kv[0][1])))
+
+
+def markdown(records: list[dict], metas: list[dict]) -> str:
+    gpus = sorted({m["gpus"] for m in metas})
+    tokens_list = sorted({r["tokens_per_gpu"] for r in records if "max_tokens" not in r})
+    m0 = metas[0] if metas else {}
+    lines = [f"{m0.get('gpu', '?')}, torch {m0.get('torch', '?')}, {m0.get('dtype', '?')}, B={m0.get('batch')} "
+             f"H={m0.get('heads')} D={m0.get('head_dim')}, backend {m0.get('backend')}, kernel {m0.get('kernel')}; "
+             "forward+backward ms (efficiency = T1 / (K x TK), T1 = one GPU on the whole sequence, same run)", ""]
+    for tokens in tokens_list:
+        lines += [f"**{tokens} tokens per GPU**", "",
+                  "| impl | strategy | config | causal | " + " | ".join(f"K={k}" for k in gpus) + " |",
+                  "| --- | --- | --- | :---: | " + " | ".join("---:" for _ in gpus) + " |"]
+        for (impl, strategy, config, causal), by_k in timed(records, tokens).items():
+            cells = []
+            for k in gpus:
+                r = by_k.get(k)
+                if r is None:
+                    cells.append("-")
+                else:
+                    eff = f" ({100 * r['efficiency']:.0f}%)" if r.get("efficiency") is not None and k > 1 else ""
+                    cells.append(f"{r['ms']:.1f}{eff}")
+            lines.append(f"| {impl} | {strategy} | {config} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
+        lines.append("")
+    probes = {}
+    for m in metas:
+        if "probe" in m:
+            probes[m["gpus"]] = m["probe"]
+    if probes:
+        peak = {}
+        for r in records:
+            if "max_tokens" in r and r["gpus"] * r["tokens_per_gpu"] == r["max_tokens"]:
+                peak[r["gpus"]] = r
+        lines += ["**Longest LongNet sequence, forward+backward** (tokens per GPU doubled until OOM / cap / time)", "",
+                  "| K | max tokens | per GPU | peak GiB | stopped by |", "| ---: | ---: | ---: | ---: | --- |"]
+        for k in sorted(probes):
+            r, p = peak.get(k), probes[k]
+            gib = f"{r['peak_gib']:.1f}" if r and r.get("peak_gib") is not None else "-"
+            per = f"{r['tokens_per_gpu']:,}" if r else "-"
+            lines.append(f"| {k} | {p['max_tokens']:,} | {per} | {gib} | {p['stop']} |")
+        lines.append("")
+    skipped = [(m["gpus"], s) for m in metas for s in m.get("skipped", [])]
+    if skipped:
+        lines += ["Skipped: " + "; ".join(sorted({f"{s['impl']}/{s['strategy']} ({s['reason'][:80]})"
+                                                  for _, s in skipped}))]
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], metas: list[dict], png: str, tokens: int | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    tokens_list = sorted({r["tokens_per_gpu"] for r in records if "max_tokens" not in r})
+    if tokens is None and tokens_list:
+        tokens = 32768 if 32768 in tokens_list else tokens_list[-1]
+    series = timed(records, tokens) if tokens else {}
+    names = sorted({f"{i}/{s}" for i, s, _, _ in series})
+    colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
+    styles = {False: "-", True: "--"}
+    markers = {"longnet": "o", "full": "s"}
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    m0 = metas[0] if metas else {}
+    fig.suptitle(f"{m0.get('gpu', '?')}: dilated_attention scaling, {tokens} tokens/GPU, {m0.get('dtype', '')}, "
+                 f"H={m0.get('heads')} D={m0.get('head_dim')}", fontsize=12)
+    gpus = sorted({m["gpus"] for m in metas})
+    for ax, config in ((axes[0, 0], "longnet"), (axes[0, 1], "full")):
+        for (impl, strategy, cfg, causal), by_k in series.items():
+            if cfg != config:
+                continue
+            ks = sorted(k for k in by_k if by_k[k].get("efficiency") is not None)
+            if not ks:
+                continue
+            ax.plot(ks, [100 * by_k[k]["efficiency"] for k in ks], styles[causal], marker=markers[cfg],
+                    color=colors[f"{impl}/{strategy}"])
+        ax.set(title=f"efficiency vs GPUs: {config}", xlabel="GPUs (K)", ylabel="T1 / (K x TK) [%]", xscale="log")
+        ax.set_ylim(bottom=0, top=max(110, ax.get_ylim()[1]))
+        ax.axhline(100, color="grey", lw=0.5)
+    ax = axes[1, 0]
+    for (impl, strategy, cfg, causal), by_k in series.items():
+        ks = sorted(by_k)
+        ax.plot(ks, [k * by_k[k]["tokens_per_gpu"] / (by_k[k]["ms"] / 1e3) for k in ks], styles[causal],
+                marker=markers[cfg], color=colors[f"{impl}/{strategy}"])
+    ax.set(title="throughput vs GPUs (whole sequence per fwd+bwd)", xlabel="GPUs (K)", ylabel="tokens / s",
+           xscale="log", yscale="log")
+    ax = axes[1, 1]
+    by_k: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("peak_gib") is not None:
+            by_k[r["gpus"]].append(r)
+    for i, k in enumerate(sorted(by_k)):
+        probe = sorted((r for r in by_k[k] if "max_tokens" in r), key=lambda r: r["tokens_per_gpu"])
+        if probe:
+            ax.plot([r["tokens_per_gpu"] for r in probe], [r["peak_gib"] for r in probe], "-o",
+                    color=plt.cm.viridis(i / max(1, len(by_k) - 1)), label=f"K={k} LongNet probe")
+    caps = {m.get("gpu_memory_gib") for m in metas if m.get("gpu_memory_gib")}
+    for cap in caps:
+        ax.axhline(cap, color="red", lw=0.8, ls=":", label=f"{cap:.0f} GiB per GPU")
+    ax.set(title="peak memory vs tokens per GPU (LongNet, fwd+bwd)", xlabel="tokens per GPU", ylabel="peak GiB per GPU",
+           xscale="log", yscale="log")
+    if by_k:
+        ax.legend(fontsize=8)
+    for a in (axes[0, 0], axes[0, 1], axes[1, 0]):
+        if gpus:
+            a.set_xticks(gpus, [str(k) for k in gpus])
+            a.minorticks_off()
+    proxies = [Line2D([], [], color=colors[n], lw=2, label=n) for n in names]
+    proxies += [Line2D([], [], color="k", ls=styles[c], label="causal" if c else "non-causal") for c in (False, True)]
+    proxies += [Line2D([], [], color="k", marker=markers[c], ls="", label=c) for c in markers]
+    axes[0, 0].legend(handles=proxies, fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+", help="scaling_<gpu>_x<K>.json files (globs allowed)")
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per GPU for the plots (default 32768 or the largest)")
+    a = ap.parse_args(argv)
+    paths = sorted({p for pat in a.json for p in (glob.glob(pat) or [pat])})
+    records, metas = load(paths)
+    table = markdown(records, metas)
+    print(table)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(table + "\n")
+    if a.png:
+        plot(records, metas, a.png, a.tokens)
+        print(f"wrote {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The scaling benchmark end to end on 2 CPU ranks (gloo, --smoke): schema, plots, cost-model check."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_scaling  # noqa: E402
+import plot_scaling  # noqa: E402
+
+from dilated_attention.cost_model import validate  # noqa: E402
+
+RECORD_KEYS = {"impl", "strategy", "config", "causal", "gpus", "tokens_per_gpu", "ms", "efficiency", "peak_gib"}
+
+
+def test_gpu_slug():
+    assert bench_scaling.gpu_slug("NVIDIA H200") == "h200"
+    assert bench_scaling.gpu_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+    assert bench_scaling.gpu_slug("cpu") == "cpu"
+
+
+def test_patterns_follow_the_issue():
+    args = bench_scaling.parse_args([])
+    assert bench_scaling.patterns_for(args, "longnet", 262144) == ([2048, 8192, 32768, 131072, 262144], [1, 2, 4, 8, 16])
+    assert bench_scaling.patterns_for(args, "longnet", 65536) == ([2048, 8192, 32768, 65536], [1, 2, 4, 8])
+    assert bench_scaling.patterns_for(args, "full", 65536) == ([65536], [1])
+    with pytest.raises(SystemExit):
+        bench_scaling.parse_args(["--longnet-rates", "1,2"])
+
+
+@pytest.fixture(scope="module")
+def smoke_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scaling")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DILATED_ATTENTION_TIMEOUT="60")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--smoke", "--out", str(out), "--tag", "smoke"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out / "scaling_smoke_x2.json"
+
+
+def test_smoke_json_schema(smoke_json):
+    data = json.loads(smoke_json.read_text())
+    meta, records = data["meta"], data["records"]
+    assert meta["gpus"] == 2 and meta["heads"] == 2 and meta["single_gpu"]
+    for rec in records:
+        extra = set(rec) - RECORD_KEYS
+        assert extra == ({"max_tokens"} if extra else set()), rec
+        assert rec["gpus"] == 2 and rec["ms"] > 0 and math.isfinite(rec["ms"])
+    timed = [r for r in records if "max_tokens" not in r]
+    ring = [r for r in timed if r["impl"] == "ours" and r["strategy"] == "ring"]
+    assert {r["causal"] for r in ring} == {False, True}
+    for r in ring:
+        assert 0 < r["efficiency"] < 10  # T1 / (K * TK) from the same run
+    # every requested strategy either ran or says why not
+    for s in ("head", "hybrid"):
+        for causal in (False, True):
+            ran = any(r["strategy"] == s and r["causal"] == causal for r in timed)
+            why = any(x["strategy"] == s and x["causal"] == causal and x["reason"] for x in meta["skipped"])
+            assert ran or why, (s, causal)
+    probe = [r for r in records if "max_tokens" in r]
+    assert [r["tokens_per_gpu"] for r in probe] == [64, 128]  # doubled up to the smoke cap
+    assert all(r["max_tokens"] == 256 for r in probe) and meta["probe"]["stop"] == "cap"
+
+
+def test_plots_tables_and_validation(smoke_json, tmp_path):
+    png, md = tmp_path / "s.png", tmp_path / "s.md"
+    assert plot_scaling.main([str(smoke_json), "--png", str(png), "--md", str(md)]) == 0
+    assert png.stat().st_size > 10_000
+    table = md.read_text()
+    assert "| ours | ring | longnet | no |" in table and "| 2 | 256 | 128 |" in table
+    rows = validate([str(smoke_json)])
+    assert {(r["strategy"], r["causal"]) for r in rows} >= {("ring", False), ("ring", True)}
+    assert all(math.isfinite(r["error_pct"]) for r in rows)
