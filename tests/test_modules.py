@@ -80,3 +80,51 @@ def test_multihead_rejects_wrong_embed_dim():
     mha = MultiheadDilatedAttention(16, 2, [8], [1])
     with pytest.raises(ValueError, match=r"query must have shape \(B, N, 16\)"):
         mha(torch.randn(1, 8, 12))
+
+
+# -- nn.MultiheadAttention-style ergonomics ---------------------------------------------------------
+
+
+def test_multihead_attention_call_convention():
+    """``mha(x, x, x, need_weights=False)`` as with nn.MultiheadAttention: ``(out, None)``, same ``out``."""
+    torch.manual_seed(4)
+    mha = MultiheadDilatedAttention(16, 2, [8], [2], dtype=torch.float64)
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    out, weights = mha(x, x, x, need_weights=False, average_attn_weights=False)
+    assert weights is None
+    torch.testing.assert_close(out, mha(x), rtol=0, atol=0)
+
+
+def test_multihead_unsupported_arguments_raise_clearly():
+    mha = MultiheadDilatedAttention(16, 2, [8], [2])
+    x = torch.randn(1, 8, 16)
+    with pytest.raises(ValueError, match="need_weights=True: dilated attention never materialises"):
+        mha(x, need_weights=True)
+    with pytest.raises(ValueError, match="attn_mask is not supported"):
+        mha(x, attn_mask=torch.zeros(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="is_causal=True, but this layer was built with causal=False"):
+        mha(x, is_causal=True)
+    with pytest.raises(ValueError, match="dropout=0.1: attention-weight dropout is not supported"):
+        MultiheadDilatedAttention(16, 2, [8], [2], dropout=0.1)
+    with pytest.raises(TypeError, match="dropout must be a float"):
+        MultiheadDilatedAttention(16, 2, [8], [2], dropout="0.1")
+
+
+def test_multihead_is_causal_hint_on_a_causal_layer():
+    torch.manual_seed(5)
+    mha = MultiheadDilatedAttention(16, 2, [8], [2], causal=True, dropout=0.0, dtype=torch.float64)
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    torch.testing.assert_close(mha(x, is_causal=True), mha(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head_offsets", ["spread", "torchscale"])
+def test_module_forwards_head_offsets(head_offsets):
+    """H=6, r=4: the two offset rules differ, so the layer must pass the choice through."""
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, 16, 6, 4, dtype=torch.float64) for _ in range(3))
+    layer = DilatedAttention([16], [4], head_offsets=head_offsets)
+    want = dilated_attention(q, k, v, [16], [4], head_offsets=head_offsets)
+    other = dilated_attention(q, k, v, [16], [4], head_offsets="torchscale" if head_offsets == "spread" else "spread")
+    assert not torch.allclose(want, other)
+    torch.testing.assert_close(layer(q, k, v), want, rtol=0, atol=0)
+    assert f"head_offsets={head_offsets!r}" in repr(layer)
