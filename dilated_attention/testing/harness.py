@@ -155,12 +155,12 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
     return res, got
 
 
-def check_disagreement(backend_name: str, group) -> Result:
+def check_disagreement(backend_name: str, group, device: torch.device) -> Result:
     """Ranks that disagree on the call must all raise ValueError, none may hang."""
     comm = get_backend(backend_name, group)
     rank = comm.rank
     n_local = 16
-    q = torch.randn(1, n_local, 2, 8, dtype=torch.float64)
+    q = torch.randn(1, n_local, 2, 8, dtype=torch.float64, device=device)
     segs = (8, n_local * comm.world_size) if rank == 0 else (16, n_local * comm.world_size)
     try:
         dilated_attention(q, q, q, segs, (1, 2), comm=comm)
@@ -171,11 +171,11 @@ def check_disagreement(backend_name: str, group) -> Result:
     return Result("disagreeing-ranks", backend_name, rank, comm.world_size, False, message="no error raised")
 
 
-def check_one_rank_invalid(backend_name: str, group) -> Result:
+def check_one_rank_invalid(backend_name: str, group, device: torch.device) -> Result:
     """A rank whose own input is invalid raises its error; the others raise too, instead of waiting."""
     comm = get_backend(backend_name, group)
     rank = comm.rank
-    q = torch.randn(1, 16, 2, 8, dtype=torch.float64)
+    q = torch.randn(1, 16, 2, 8, dtype=torch.float64, device=device)
     rates = (1, 3) if rank == comm.world_size - 1 else (1, 2)  # 3 does not divide the segment
     try:
         dilated_attention(q, q, q, (8, 16 * comm.world_size), rates, comm=comm)
@@ -185,13 +185,13 @@ def check_one_rank_invalid(backend_name: str, group) -> Result:
     return Result("one-rank-invalid", backend_name, rank, comm.world_size, False, message="no error raised")
 
 
-def check_unchecked_calls(backend_name: str, group) -> Result:
+def check_unchecked_calls(backend_name: str, group, device: torch.device) -> Result:
     """``check_calls=False`` skips only the signature gather: results are bitwise the same."""
     checked, unchecked = get_backend(backend_name, group), get_backend(backend_name, group, check_calls=False)
     rank, size = checked.rank, checked.world_size
     g = torch.Generator().manual_seed(7)
     full = torch.randn(1, 16 * size, 4, 8, generator=g, dtype=torch.float64)
-    mine = full[:, rank * 16 : (rank + 1) * 16]
+    mine = full[:, rank * 16 : (rank + 1) * 16].to(device)  # on the harness's device: NCCL moves CUDA tensors only
     a = dilated_attention(mine, mine, mine, (8, 16 * size), (1, 4), causal=True, comm=checked)
     b = dilated_attention(mine, mine, mine, (8, 16 * size), (1, 4), causal=True, comm=unchecked)
     same = torch.equal(a, b)
@@ -232,7 +232,7 @@ def run_battery(backends: list[str], device: torch.device, world_sizes: list[int
             for name in backends:
                 for check in (check_disagreement, check_one_rank_invalid, check_unchecked_calls):
                     try:
-                        results.append(check(name, group))
+                        results.append(check(name, group, device))
                     except Exception as exc:
                         results.append(Result(check.__name__, name, rank, size, False, message=repr(exc)))
     return results
