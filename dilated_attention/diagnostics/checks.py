@@ -151,12 +151,13 @@ def check_ring(backend: str, device: torch.device) -> list[tuple[str, bool, str]
     """Run on every rank of an initialised world. ``[(check, ok, detail)]`` for this rank."""
     from ..comm import get_backend
     from ..functional import dilated_attention
+    from .health import ring_neighbours
 
     comm = get_backend(backend)
     out = []
     world, rank = comm.world_size, comm.rank
     for size in [s for s in range(2, world + 1) if world % s == 0]:
-        pos, nxt, prv = comm.ring_peers(size)
+        nxt, prv = ring_neighbours(rank, size)
         send = torch.full((4,), float(rank), device=device)
         recv = torch.empty_like(send)
         comm.send_recv(send, nxt, recv, prv).wait()
