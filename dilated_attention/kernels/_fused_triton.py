@@ -35,8 +35,8 @@ def fwd_kernel(
     slb, sls, slm, slh,
     NH, S, M, MK, n_mblocks,
     qk_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -54,20 +54,21 @@ def fwd_kernel(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d[None, :] < D
     q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(IDX)[:, None] * sqm + offs_d[None, :]
     k_base = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_d[None, :]
     v_base = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_d[None, :]
-    if EVEN_M:
+    if EVEN_M & EVEN_D:
         q = tl.load(q_ptrs)
     else:
-        q = tl.load(q_ptrs, mask=offs_m[:, None] < M, other=0.0)
+        q = tl.load(q_ptrs, mask=(offs_m[:, None] < M) & d_ok, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
 
     # Stage 0: key blocks fully visible; stage 1 (causal only): the diagonal block.
     for stage in tl.static_range(2 if CAUSAL else 1):
@@ -83,12 +84,12 @@ def fwd_kernel(
             hi = MK
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + offs_n
-            if EVEN_N:
+            if EVEN_N & EVEN_D:
                 k = tl.load(k_base + cols.to(IDX)[:, None] * skm)
                 v = tl.load(v_base + cols.to(IDX)[:, None] * svm)
             else:
-                k = tl.load(k_base + cols.to(IDX)[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
-                v = tl.load(v_base + cols.to(IDX)[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
+                k = tl.load(k_base + cols.to(IDX)[:, None] * skm, mask=(cols[:, None] < MK) & d_ok, other=0.0)
+                v = tl.load(v_base + cols.to(IDX)[:, None] * svm, mask=(cols[:, None] < MK) & d_ok, other=0.0)
             if DOT_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -112,11 +113,13 @@ def fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_ptrs = O + (b * sob + s * sos + h * soh) + offs_m.to(IDX)[:, None] * som + offs_d[None, :]
     l_ptrs = LSE + (b * slb + s * sls + h * slh) + offs_m.to(IDX) * slm
-    if EVEN_M:
+    if EVEN_M & EVEN_D:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m[:, None] < M) & d_ok)
+    if EVEN_M:
         tl.store(l_ptrs, lse)
     else:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < M)
         tl.store(l_ptrs, lse, mask=offs_m < M)
 
 
@@ -126,7 +129,7 @@ def delta_kernel(
     sgb, sgs, sgm, sgh, sgo,
     sdb, sds, sdm, sdh,
     NH, S, M, n_mblocks,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, IDX: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, IDX: tl.constexpr,
 ):
     """delta = rowsum(dout * out) of the rows a head reads, into a compact fp32 buffer."""
     pid = tl.program_id(0)
@@ -138,8 +141,9 @@ def delta_kernel(
     h = tl.load(HT + i).to(tl.int64)
     qo = tl.load(HT + NH + i).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    mask = offs_m[:, None] < M
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d[None, :] < D
+    mask = (offs_m[:, None] < M) & d_ok
     o = tl.load(O + (b * sob + s * sos + h * soh + qo * soo) + offs_m.to(IDX)[:, None] * som + offs_d[None, :], mask=mask, other=0.0)
     g = tl.load(DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m.to(IDX)[:, None] * sgm + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * g.to(tl.float32), 1)
@@ -157,8 +161,8 @@ def dq_kernel(
     sab, sas, sam, sah, sao,
     NH, S, M, MK, n_mblocks,
     qk_scale, scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
 ):
     """dQ of one row block of one head; adds into DQ (each element owned by one program)."""
@@ -177,18 +181,21 @@ def dq_kernel(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d[None, :] < D
     row_ok = offs_m < M
     q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(IDX)[:, None] * sqm + offs_d[None, :]
     g_ptrs = DO + (b * sgb + s * sgs + h * sgh + qo * sgo) + offs_m.to(IDX)[:, None] * sgm + offs_d[None, :]
-    if EVEN_M:
+    if EVEN_M & EVEN_D:
         q = tl.load(q_ptrs)
         do = tl.load(g_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
+        do = tl.load(g_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
+    if EVEN_M:
         lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(IDX) * slm)
         delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(IDX) * sdm)
     else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        do = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0)
         lse = tl.load(LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(IDX) * slm, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + (b * sdb + s * sds + h * sdh) + offs_m.to(IDX) * sdm, mask=row_ok, other=0.0)
     do = do.to(q.dtype)
@@ -199,7 +206,7 @@ def dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     k_base = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_d[None, :]
     v_base = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_d[None, :]
-    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
     for stage in tl.static_range(2 if CAUSAL else 1):
         if CAUSAL:
             if stage == 0:
@@ -213,12 +220,12 @@ def dq_kernel(
             hi = MK
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + offs_n
-            if EVEN_N:
+            if EVEN_N & EVEN_D:
                 k = tl.load(k_base + cols.to(IDX)[:, None] * skm)
                 v = tl.load(v_base + cols.to(IDX)[:, None] * svm)
             else:
-                k = tl.load(k_base + cols.to(IDX)[:, None] * skm, mask=cols[:, None] < MK, other=0.0)
-                v = tl.load(v_base + cols.to(IDX)[:, None] * svm, mask=cols[:, None] < MK, other=0.0)
+                k = tl.load(k_base + cols.to(IDX)[:, None] * skm, mask=(cols[:, None] < MK) & d_ok, other=0.0)
+                v = tl.load(v_base + cols.to(IDX)[:, None] * svm, mask=(cols[:, None] < MK) & d_ok, other=0.0)
             if DOT_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -233,12 +240,12 @@ def dq_kernel(
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     dq = dq * scale
     a_ptrs = DQ + (b * sab + s * sas + h * sah + qo * sao) + offs_m.to(IDX)[:, None] * sam + offs_d[None, :]
-    if EVEN_M:
+    if EVEN_M & EVEN_D:
         prev = tl.load(a_ptrs).to(tl.float32)
         tl.store(a_ptrs, (prev + dq).to(DQ.dtype.element_ty))
     else:
-        prev = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        tl.store(a_ptrs, (prev + dq).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        prev = tl.load(a_ptrs, mask=row_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+        tl.store(a_ptrs, (prev + dq).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok)
 
 
 def dkdv_kernel(
@@ -253,8 +260,8 @@ def dkdv_kernel(
     svab, svas, svam, svah, svao,
     NU, S, M, MK, n_nblocks,
     qk_scale, scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
 ):
     """dK, dV of one key block of one (kv head, offset) unit, summed over its query heads."""
@@ -273,21 +280,22 @@ def dkdv_kernel(
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d[None, :] < D
     col_ok = offs_n < MK
     k_ptrs = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_n.to(IDX)[:, None] * skm + offs_d[None, :]
     v_ptrs = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_n.to(IDX)[:, None] * svm + offs_d[None, :]
-    if EVEN_N:
+    if EVEN_N & EVEN_D:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     else:
-        k = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok, other=0.0)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, DP], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, DP], dtype=tl.float32)
     for hh in range(0, n_heads):
         h = h0 + hh
         q_base = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_d[None, :]
@@ -309,14 +317,16 @@ def dkdv_kernel(
                 hi = M
             for start_m in range(lo, hi, BLOCK_M):
                 rows = start_m + offs_m
-                if EVEN_M:
+                if EVEN_M & EVEN_D:
                     q = tl.load(q_base + rows.to(IDX)[:, None] * sqm)
                     do = tl.load(g_base + rows.to(IDX)[:, None] * sgm)
+                else:
+                    q = tl.load(q_base + rows.to(IDX)[:, None] * sqm, mask=(rows[:, None] < M) & d_ok, other=0.0)
+                    do = tl.load(g_base + rows.to(IDX)[:, None] * sgm, mask=(rows[:, None] < M) & d_ok, other=0.0)
+                if EVEN_M:
                     lse = tl.load(l_base + rows.to(IDX) * slm)
                     delta = tl.load(d_base + rows.to(IDX) * sdm)
                 else:
-                    q = tl.load(q_base + rows.to(IDX)[:, None] * sqm, mask=rows[:, None] < M, other=0.0)
-                    do = tl.load(g_base + rows.to(IDX)[:, None] * sgm, mask=rows[:, None] < M, other=0.0)
                     lse = tl.load(l_base + rows.to(IDX) * slm, mask=rows < M, other=float("-inf"))
                     delta = tl.load(d_base + rows.to(IDX) * sdm, mask=rows < M, other=0.0)
                 do = do.to(k.dtype)
@@ -337,16 +347,16 @@ def dkdv_kernel(
     dk = dk * scale
     ka_ptrs = DK + (b * skab + s * skas + kvh * skah + kvo * skao) + offs_n.to(IDX)[:, None] * skam + offs_d[None, :]
     va_ptrs = DV + (b * svab + s * svas + kvh * svah + kvo * svao) + offs_n.to(IDX)[:, None] * svam + offs_d[None, :]
-    if EVEN_N:
+    if EVEN_N & EVEN_D:
         pk = tl.load(ka_ptrs).to(tl.float32)
         pv = tl.load(va_ptrs).to(tl.float32)
         tl.store(ka_ptrs, (pk + dk).to(DK.dtype.element_ty))
         tl.store(va_ptrs, (pv + dv).to(DV.dtype.element_ty))
     else:
-        pk = tl.load(ka_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        pv = tl.load(va_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        tl.store(ka_ptrs, (pk + dk).to(DK.dtype.element_ty), mask=col_ok[:, None])
-        tl.store(va_ptrs, (pv + dv).to(DV.dtype.element_ty), mask=col_ok[:, None])
+        pk = tl.load(ka_ptrs, mask=col_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+        pv = tl.load(va_ptrs, mask=col_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+        tl.store(ka_ptrs, (pk + dk).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok)
+        tl.store(va_ptrs, (pv + dv).to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok)
 
 
 KERNEL_FUNCS = {

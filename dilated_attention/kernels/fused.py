@@ -38,8 +38,14 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     _TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (32, 64, 128, 256)
+MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def padded_dim(dim: int) -> int:
+    """The tile width for head dim ``dim``: the next power of two, at least 16 (``tl.arange``
+    needs a power of two, ``tl.dot`` a K dim of 16); the extra columns are masked to zero."""
+    return max(16, 1 << (dim - 1).bit_length())
 
 
 def interpreting() -> bool:
@@ -95,6 +101,7 @@ def gpu_config(dim: int, dtype: torch.dtype) -> FusedConfig:
     for the backward at D=128; see benchmarks/results/kernel_nvidia_h200.md).
     """
     big = dtype == torch.float32
+    dim = padded_dim(dim)
     if dim <= 64:
         return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 64, 64, 128, 8, 2)
     if dim == 128:
@@ -106,13 +113,17 @@ def gpu_config(dim: int, dtype: torch.dtype) -> FusedConfig:
 def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: int) -> str | None:
     """``None`` if every kernel of ``cfg`` fits ``limit`` bytes of shared memory, else why not."""
     elem = torch.empty((), dtype=dtype).element_size()
-    for kern, need in cfg.smem_bytes(dim, elem).items():
+    for kern, need in cfg.smem_bytes(padded_dim(dim), elem).items():
         if need > limit:
             return (
                 f"out of resource: shared memory: the {kern} kernel needs about {need} bytes "
                 f"for head dim {dim} {dtype} with {cfg}, the device allows {limit}"
             )
     return None
+
+
+def _dims(dim: int) -> dict:
+    return {"D": dim, "DP": padded_dim(dim), "EVEN_D": padded_dim(dim) == dim}
 
 
 _JIT: dict[tuple[bool, str], object] = {}
@@ -149,7 +160,7 @@ def _plan_rows(plan: PatternPlan, packed: bool) -> tuple[list[list[int]], list[l
     for c in plan.chunks:
         nk = c.k1 - c.k0
         gc = (c.h1 - c.h0) // nk
-        kv_first = c.packed if packed else c.k0
+        kv_first = c.buffer_head if packed else c.k0
         kv_off = 0 if packed else c.offset
         for h in range(c.h0, c.h1):
             for col, val in zip(heads, (h, c.offset, kv_first + (h - c.h0) // gc, kv_off)):
@@ -224,8 +235,9 @@ class FusedKernel:
         if q.dim() not in (4, 5) or k.dim() != q.dim():
             return f"expects (B, N, H, D) or (B, S, M, H, D) inputs, got shapes {tuple(q.shape)} and {tuple(k.shape)}"
         dim = q.shape[-1]
-        if dim not in HEAD_DIMS or k.shape[-1] != dim:
-            return f"head dim must be one of {HEAD_DIMS} (equal for q and k), got {dim} and {k.shape[-1]}"
+        if dim % 8 or not 8 <= dim <= MAX_HEAD_DIM or k.shape[-1] != dim:
+            return (f"head dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}] (equal for q and k), "
+                    f"got {dim} and {k.shape[-1]}")
         if q.dim() == 5 and q.shape[-2] % max(k.shape[-2], 1):  # (4D k may be a packed ring buffer)
             return f"query heads ({q.shape[-2]}) must be a multiple of kv heads ({k.shape[-2]})"
         for name, x in (("q", q), ("k", k)):
@@ -277,7 +289,7 @@ class FusedKernel:
         bm, bn = cfg.fwd_m, cfg.fwd_n
         nmb = triton.cdiv(M, bm)
         meta = dict(
-            D=q.shape[-1], BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+            **_dims(q.shape[-1]), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
             EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **self._common(q, cfg),
             IDX=_idx_type(max(M, MK), sq, sk, sv, so, sl),
         )
@@ -300,7 +312,7 @@ class FusedKernel:
             "delta",
             (bsz * S * triton.cdiv(M, bm), nh),
             (out, dout, delta, ht, *so, *sg, *sd, nh, S, M, triton.cdiv(M, bm)),
-            dict(D=dim, BLOCK_M=bm, IDX=idx),
+            dict(D=dim, DP=padded_dim(dim), BLOCK_M=bm, IDX=idx),
             4, 1,
         )
         bm, bn = cfg.dq_m, cfg.dq_n
@@ -309,7 +321,8 @@ class FusedKernel:
             "dq",
             (bsz * S * nmb, nh),
             (q, k, v, dout, lse, delta, dq, ht, *sq, *sk, *sv, *sg, *sl, *sd, *sdq, nh, S, M, MK, nmb, scale * LOG2E, scale),
-            dict(D=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, IDX=idx, **common),
+            dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
+                 IDX=idx, **common),
             cfg.bwd_warps, cfg.bwd_stages,
         )
         bm, bn = cfg.dkdv_m, cfg.dkdv_n
@@ -319,7 +332,8 @@ class FusedKernel:
             (bsz * S * nnb, nu),
             (q, k, v, dout, lse, delta, dk, dv, ut, *sq, *sk, *sv, *sg, *sl, *sd, *sdk, *sdv,
              nu, S, M, MK, nnb, scale * LOG2E, scale),
-            dict(D=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, IDX=idx, **common),
+            dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
+                 IDX=idx, **common),
             cfg.bwd_warps, cfg.bwd_stages,
         )
 
@@ -442,4 +456,4 @@ def _check_acc(name: str, x: torch.Tensor, shape) -> None:
                          f"got strides {tuple(x.stride())}")
 
 
-__all__ = ["FusedKernel", "FusedConfig", "default_config", "gpu_config", "interpreting", "shared_memory_reason"]
+__all__ = ["FusedKernel", "FusedConfig", "default_config", "gpu_config", "interpreting", "padded_dim", "shared_memory_reason"]
