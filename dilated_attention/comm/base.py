@@ -8,8 +8,8 @@ Everything else lives here once: ring topology, all-to-all over any set of
 ranks, rank bookkeeping, and the timeout on every wait.
 
 Every wait honours ``timeout`` (seconds): ``get_backend(..., timeout=s)``, else
-the ``DILATED_ATTENTION_TIMEOUT`` environment variable, else the process
-group's own timeout. On expiry the waiting rank raises ``PeerTimeoutError``
+the ``DILATED_ATTENTION_TIMEOUT`` environment variable, else the timeout the
+user gave ``init_process_group``. On expiry the waiting rank raises ``PeerTimeoutError``
 naming the peer it waited for and what it was doing (call number, direction,
 pattern, step), so a rank that skipped a call or a backward turns into an error
 on every rank that waits for it instead of a hang.
@@ -60,7 +60,8 @@ def group_timeout(group: dist.ProcessGroup) -> float:
 
 
 def resolve_timeout(timeout: float | timedelta | None, group: dist.ProcessGroup) -> float:
-    """Explicit argument, else ``DILATED_ATTENTION_TIMEOUT``, else the group's own timeout."""
+    """Explicit argument, else ``DILATED_ATTENTION_TIMEOUT``, else the user's ``init_process_group``
+    timeout (the default group's: sub-groups made by other libraries often carry torch's default)."""
     explicit = _as_seconds(timeout, "argument")
     if explicit is not None:
         return explicit
@@ -71,7 +72,7 @@ def resolve_timeout(timeout: float | timedelta | None, group: dist.ProcessGroup)
         except ValueError:
             raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {env!r}") from None
         return _as_seconds(value, TIMEOUT_ENV)
-    return group_timeout(group)
+    return group_timeout(dist.group.WORLD)
 
 
 class _Waiting:

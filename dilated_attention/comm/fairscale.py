@@ -39,6 +39,7 @@ def sequence_parallel_group() -> dist.ProcessGroup:
     if not mp.model_parallel_is_initialized():
         world = dist.get_world_size()
         mp.initialize_model_parallel(world)
+        _inherit_world_timeout(mp.get_model_parallel_group(), mp.get_data_parallel_group())
         if not _announced:
             _announced = True
             warnings.warn(
@@ -49,6 +50,19 @@ def sequence_parallel_group() -> dist.ProcessGroup:
                 stacklevel=3,
             )
     return mp.get_model_parallel_group()
+
+
+def _inherit_world_timeout(*groups: dist.ProcessGroup) -> None:
+    """fairscale creates its groups with torch's default timeout; give ours the user's instead."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from .base import group_timeout
+
+    limit = timedelta(seconds=group_timeout(dist.group.WORLD))
+    for group in groups:
+        _set_pg_timeout(limit, group)
 
 
 class FairscaleBackend(CollectiveBackend):
