@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", type=_names(CONFIGS), default=list(CONFIGS))
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     p.add_argument("--strategies", type=_names(STRATEGIES), default=list(STRATEGIES))
-    p.add_argument("--peers", type=_names(PEERS), default=list(PEERS), help="'' for none")
+    p.add_argument("--peers", type=_names(PEERS), default=None, help="'' for none (default: all; none with --smoke)")
     p.add_argument("--backend", default="collective", choices=["collective", "fairscale", "deepspeed"])
     p.add_argument("--kernel", default="auto")
     p.add_argument("--heads", type=int, default=16)
@@ -101,7 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.tokens, a.heads, a.head_dim = [64], 2, 8
         a.longnet_segments, a.longnet_rates = [16, 32], [1, 2, 4]
         a.configs, a.causal, a.warmup, a.iters, a.min_iters = ["longnet"], "both", 1, 2, 1
-        a.peers, a.probe_cap, a.probe_seconds = [], 128, 30.0
+        a.probe_cap, a.probe_seconds = 128, 30.0
+        a.peers = [] if a.peers is None else a.peers
+    a.peers = list(PEERS) if a.peers is None else a.peers
     for name in ("heads", "head_dim", "batch", "iters", "min_iters", "probe_cap"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
@@ -133,6 +135,7 @@ class Bench:
 
         self.torch, self.env, self.args = torch, env, args
         self.cuda = env.device.type == "cuda"
+        self.mesh = None  # torch_cp's device mesh, built on first use
 
     # -- agreement ------------------------------------------------------------------------------
 
@@ -262,12 +265,17 @@ def torch_cp_measure(bench: Bench, n: int, causal: bool) -> tuple[float, float |
         import torch.nn.functional as F
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import _cp_options
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as exc:
         raise Skip(f"torch_cp import failed: {exc}") from None
+    try:  # a private module: only used to report whether load balancing was on
+        from torch.distributed.tensor.experimental._attention import _cp_options
+    except ImportError:
+        _cp_options = None
     a = bench.args
-    mesh = init_device_mesh("cuda", (bench.env.world_size,))
+    if bench.mesh is None:  # one mesh for the whole run
+        bench.mesh = init_device_mesh("cuda", (bench.env.world_size,))
+    mesh = bench.mesh
     shape = (a.batch, a.heads, n, a.head_dim)
     q, k, v = (bench.randn(shape, 100 + i) for i in range(3))  # same seed on every rank: one global problem
     dout = bench.randn(shape, 200)
@@ -283,7 +291,8 @@ def torch_cp_measure(bench: Bench, n: int, causal: bool) -> tuple[float, float |
             qa.grad = ka.grad = va.grad = None
 
         ms, peak = bench.measure(step)
-    balance = "load-balanced (head-tail)" if getattr(_cp_options, "enable_load_balance", False) else "no load balance"
+        balance = "unknown" if _cp_options is None else \
+            "load-balanced" if _cp_options.enable_load_balance else "no load balance"
     return ms, peak, balance
 
 
@@ -354,48 +363,64 @@ def single_gpu(bench: Bench, make_step: Callable[[], Callable[[], None]]) -> tup
     return box[0][0], box[0][1], None
 
 
+def _probe_step(bench: Bench, comm, strategy: str | None, tokens: int) -> tuple[str | None, float, float | None]:
+    """One cold LongNet forward+backward at ``tokens`` per GPU on every rank: (failure, ms, peak GiB)."""
+    torch, k = bench.torch, bench.env.world_size
+    t0, status = time.perf_counter(), None
+    try:
+        if bench.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        step = ours_step(bench, tokens, "longnet", False, k * tokens, comm, strategy)
+        step()
+        if bench.cuda:
+            torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        status = "OOM"
+    except Exception as exc:
+        status = f"{type(exc).__name__}: {str(exc)[:200]}"
+    step = None  # drop the inputs (and the traceback's references) before emptying the cache
+    ms = 1e3 * (time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if bench.cuda else None
+    bench.free()
+    status = bench.agree(status)  # every rank stops together, OOM on one is OOM for all
+    if status is not None:
+        return status, ms, peak
+    return None, bench.max_over_ranks(ms), bench.max_over_ranks(peak) if peak is not None else None
+
+
 def probe(bench: Bench, comm, how: tuple[str | None, str], records: list, meta: dict, progress) -> None:
-    """LongNet, non-causal: double tokens per GPU until a clean OOM, the cap or the time budget."""
+    """LongNet, non-causal: double tokens per GPU until OOM, the cap or the time budget, then try 1.5x
+    the last size that ran. A size whose peak, extrapolated linearly from the last one, exceeds
+    the GPU is not launched ("predicted OOM"): a rank that really runs out mid-ring leaves its peers
+    waiting until the backend's timeout."""
     torch, a, k = bench.torch, bench.args, bench.env.world_size
     capacity = torch.cuda.get_device_properties(bench.env.device).total_memory / 2**30 if bench.cuda else None
-    tokens, start, steps, stop = max(a.tokens), time.perf_counter(), [], "cap"
-    last = None  # (tokens, ms, peak)
-    while tokens <= a.probe_cap:
-        if last is not None:
-            if capacity and last[2] and last[2] * tokens / last[0] > 1.1 * capacity:
-                stop = f"predicted OOM: {last[2] * tokens / last[0]:.0f} GiB > {capacity:.0f} GiB"
-                break
-            if time.perf_counter() - start + 4 * last[1] / 1e3 > a.probe_seconds:  # per-GPU work grows ~4x
-                stop = "time budget"
-                break
-        progress.set_postfix_str(f"probe {tokens} tokens/GPU")
-        t0 = time.perf_counter()
-        status = "ok"
-        try:
-            if bench.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            step = ours_step(bench, tokens, "longnet", False, k * tokens, comm, how[0])
-            step()
-            if bench.cuda:
-                torch.cuda.synchronize()
-        except torch.cuda.OutOfMemoryError:
-            status = "oom"
-        except Exception as exc:
-            status = f"{type(exc).__name__}: {str(exc)[:200]}"
-        step = None  # drop the inputs before emptying the cache
-        ms = 1e3 * (time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if bench.cuda else None
-        bench.free()
-        status = bench.agree(None if status == "ok" else status)
-        if status is not None:
-            stop = "OOM" if status == "oom" else status
+    tokens, start, steps, stop, refined = max(a.tokens), time.perf_counter(), [], "cap", False
+    last = None  # (tokens, ms, peak) of the largest size that ran
+    while True:
+        failure = None
+        if tokens > a.probe_cap:
+            failure = "cap"
+        elif last is not None and capacity and last[2] and last[2] * tokens / last[0] > capacity:
+            failure = f"predicted OOM ({last[2] * tokens / last[0]:.0f} GiB > {capacity:.0f} GiB)"
+        elif last is not None and time.perf_counter() - start + 4 * last[1] / 1e3 > a.probe_seconds:
+            failure = "time budget"  # per-GPU work grows up to 4x per doubling (the N-long pattern)
+        if failure is None:
+            progress.set_postfix_str(f"probe {tokens} tokens/GPU")
+            failure, ms, peak = _probe_step(bench, comm, how[0], tokens)
+            if failure is None:
+                steps.append({"impl": "ours", "strategy": how[1], "config": "longnet", "causal": False,
+                              "gpus": k, "tokens_per_gpu": tokens, "ms": ms, "efficiency": None, "peak_gib": peak})
+                last = (tokens, ms, peak)
+                if refined:
+                    stop += "; 1.5x ran"
+                    break
+                tokens *= 2
+                continue
+        if refined or last is None or not (failure == "OOM" or failure.startswith("predicted")):
+            stop = failure if not refined else f"{stop}; 1.5x: {failure}"
             break
-        ms = bench.max_over_ranks(ms)
-        peak = bench.max_over_ranks(peak) if peak is not None else None
-        steps.append({"impl": "ours", "strategy": how[1], "config": "longnet", "causal": False,
-                      "gpus": k, "tokens_per_gpu": tokens, "ms": ms, "efficiency": None, "peak_gib": peak})
-        last = (tokens, ms, peak)
-        tokens *= 2
+        stop, refined, tokens = failure, True, last[0] * 3 // 2  # one step between the last size and 2x
     max_tokens = k * last[0] if last else 0
     for rec in steps:
         rec["max_tokens"] = max_tokens

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -374,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("| --- | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in rows:
             print(f"| {r['config']} | {'yes' if r['causal'] else 'no'} | {r['strategy']} | {r['gpus']} | "
-                  f"{r['tokens_per_gpu']} | {r['tflops']:.0f} | {100 * r['measured']:.1f}% | "
+                  f"{r['tokens_per_gpu']} | {r['tflops']:.3g} | {100 * r['measured']:.1f}% | "
                   f"{100 * r['predicted']:.1f}% | {r['error_pct']:+.1f}% |")
         if rows:
             worst = max(abs(r["error_pct"]) for r in rows)

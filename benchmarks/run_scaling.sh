@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The scaling benchmark on the GPUs of this machine: one torchrun per GPU count K, then the
+# table and plots. About 6-8 minutes on 4 x H200 with the defaults.
+#
+#   OUT=benchmarks/results benchmarks/run_scaling.sh [--worlds 1,2,4] [bench_scaling.py options...]
+#
+# Writes into $OUT (default benchmarks/results): scaling_<gpu>_x<K>.json per K, scaling_<gpu>.png,
+# scaling_<gpu>.md (the table) and scaling_<gpu>.log (everything printed): 6 files for K=1,2,4.
+# Defaults: K = 1, 2, 4, 8 up to the GPUs present; 32768 tokens per GPU; LongNet and full
+# attention, causal and not, strategies ring/head/hybrid, peers torch_cp and ulysses, and the
+# max-length probe (60 s budget per K). Options after --worlds go to bench_scaling.py, e.g.
+# --tokens 8192,16384,32768,65536 (sweep), --backend deepspeed, --peers '' (none), --no-probe.
+# Needs deepspeed importable for the ulysses peer (else it is recorded as skipped); PYTHON
+# names the interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 240).
+# SMOKE=1 rehearses the whole script on CPU (gloo, tiny sizes, K = 1, 2).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+
+worlds=""
+if [ "${1:-}" = "--worlds" ]; then worlds=$2; shift 2; fi
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+extra=()
+if [ -n "${SMOKE:-}" ]; then  # CPU rehearsal of this script: gloo ranks, tiny sizes
+  gpus=2; extra=(--smoke); slug=cpu; export DS_ACCELERATOR=cpu
+elif [ "$gpus" -lt 1 ]; then
+  echo "run_scaling.sh: no GPU visible (SMOKE=1 rehearses this script on CPU)" >&2
+  exit 2
+else
+  slug=$("$PY" -c "import re, torch; print('_'.join(w for w in re.findall(r'[a-z0-9]+', torch.cuda.get_device_name(0).lower()) if w not in ('nvidia', 'tesla')))")
+  export DS_ACCELERATOR=cuda
+fi
+if [ -z "$worlds" ]; then
+  for k in 1 2 4 8; do [ "$k" -le "$gpus" ] && worlds="$worlds${worlds:+,}$k"; done
+fi
+log="$OUT/scaling_${slug}.log"
+: >"$log"
+
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}
+export DILATED_ATTENTION_TIMEOUT=${DILATED_ATTENTION_TIMEOUT:-120}
+start=$SECONDS
+status=0
+for k in ${worlds//,/ }; do
+  echo "=== K=$k ($((SECONDS - start)) s elapsed) ===" | tee -a "$log"
+  timeout --kill-after=20 "${K_TIMEOUT:-240}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$k" \
+    benchmarks/bench_scaling.py --out "$OUT" --tag "$slug" --probe-seconds "${PROBE_SECONDS:-60}" \
+    --seconds-per-measurement "${SECONDS_PER_MEASUREMENT:-2}" "${extra[@]}" "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then
+    echo "K=$k failed (exit $rc); continuing" | tee -a "$log"
+    status=1
+  fi
+done
+echo "=== done in $((SECONDS - start)) s ===" | tee -a "$log"
+shopt -s nullglob
+jsons=("$OUT"/scaling_"${slug}"_x*.json)
+if [ ${#jsons[@]} -gt 0 ]; then
+  "$PY" benchmarks/plot_scaling.py "${jsons[@]}" --png "$OUT/scaling_${slug}.png" --md "$OUT/scaling_${slug}.md" 2>&1 | tee -a "$log"
+  echo "--- cost model vs these measurements ---" | tee -a "$log"
+  "$PY" -m dilated_attention.cost_model --validate "${jsons[@]}" 2>&1 | tail -n 40 | tee -a "$log"
+fi
+exit $status
