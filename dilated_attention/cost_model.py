@@ -328,15 +328,19 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _duration(ms: float) -> str:
+    return f"{ms:.1f} ms" if ms < 1e3 else f"{ms / 1e3:,.2f} s"
+
+
 def format_predictions(rows: list[Prediction], tokens: int, causal: bool) -> str:
-    lines = [f"| GPUs | tokens/GPU | causal | strategy | compute ms | exposed comm ms | fwd+bwd | efficiency | GiB/GPU |",
+    lines = ["| GPUs | tokens/GPU | causal | strategy | compute | exposed comm | fwd+bwd | efficiency | GiB/GPU |",
              "| ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for x in rows:
-        wall = f"{x.ms / 1e3:.2f} s" if x.ms >= 1e3 else f"{x.ms:.1f} ms"
         mem = f"{x.memory_gib:.0f}" + ("" if x.fits else " (does not fit)")
         note = f" ({'; '.join(x.notes)})" if x.notes else ""
         lines.append(f"| {x.gpus} | {tokens / x.gpus:,.0f} | {'yes' if causal else 'no'} | {x.strategy}{note} | "
-                     f"{x.compute_ms:,.1f} | {x.exposed_comm_ms:,.1f} | {wall} | {100 * x.efficiency:.1f}% | {mem} |")
+                     f"{_duration(x.compute_ms)} | {_duration(x.exposed_comm_ms)} | {_duration(x.ms)} | "
+                     f"{100 * x.efficiency:.1f}% | {mem} |")
     return "\n".join(lines)
 
 
