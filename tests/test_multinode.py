@@ -82,5 +82,32 @@ def test_two_nodes_on_localhost(tmp_path):
         assert len(x["errors"]) == 8 and max(x["errors"].values()) <= 1e-10, x
 
 
+def test_plain_python_is_a_world_of_one():
+    """init_distributed without torchrun: a one-rank gloo world, threads and seed set."""
+    code = ("import os, torch, torch.distributed as dist\n"
+            "from dilated_attention.launch_utils import init_distributed\n"
+            "env = init_distributed('cpu', seed=5, timeout=30)\n"
+            "a = torch.randn(3)\n"
+            "torch.manual_seed(5)\n"
+            "assert torch.equal(a, torch.randn(3))\n"
+            "assert (env.rank, env.world_size, env.local_rank, env.backend) == (0, 1, 0, 'gloo'), env\n"
+            "assert env.is_main and env.device.type == 'cpu' and dist.is_initialized()\n"
+            "assert os.environ['DS_ACCELERATOR'] == 'cpu'\n"
+            "env.shutdown()\n"
+            "assert not dist.is_initialized()\n"
+            "try:\n"
+            "    init_distributed('gpu')\n"
+            "except ValueError as exc:\n"
+            "    assert 'device must be one of' in str(exc)\n"
+            "else:\n"
+            "    raise AssertionError('no error')\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "DS_ACCELERATOR")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(sys.argv[2])
