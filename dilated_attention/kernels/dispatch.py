@@ -1,10 +1,13 @@
 """Choose the block kernel per call and validate it can run before any launch.
 
 ``kernel="auto"`` takes the first kernel whose ``supports()`` accepts the
-inputs: fused (CUDA + Triton), then SDPA, then the reference. Falling back from
-fused warns once with the reason (shared memory, alignment, dtype, ...), so a
-configuration that would fail at launch never reaches the GPU. Naming a kernel
-forces it and raises ``ValueError`` with the reason when it cannot run.
+inputs: fused (CUDA + Triton), then SDPA, then the reference. On a GPU model
+with measurements in ``auto_table.py`` the fused kernel comes wrapped in
+``auto.AutoKernel``, which runs each pattern and direction on the implementation
+measured fastest there (zero-copy cuDNN or fused). Falling back from fused warns
+once with the reason (shared memory, alignment, dtype, ...), so a configuration
+that would fail at launch never reaches the GPU. Naming a kernel forces it and
+raises ``ValueError`` with the reason when it cannot run.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from .pattern import ChunkLoop
 from .reference import ReferenceKernel
 from .sdpa import SdpaKernel
 
-KERNEL_NAMES = ("auto", "fused", "sdpa", "sdpa-cudnn", "reference")
+KERNEL_NAMES = ("auto", "fused", "cudnn", "sdpa", "sdpa-cudnn", "reference")
 _warned: set[str] = set()
+_auto_kernels: dict[tuple[str, bool], PatternKernel] = {}
 
 
 def _make(name: str) -> PatternKernel:
@@ -29,6 +33,10 @@ def _make(name: str) -> PatternKernel:
         return ChunkLoop(SdpaKernel("flash"))
     if name == "sdpa-cudnn":
         return ChunkLoop(SdpaKernel("cudnn"))
+    if name == "cudnn":
+        from .cudnn import CudnnKernel
+
+        return CudnnKernel()
     try:
         from .fused import FusedKernel
     except ImportError as exc:  # triton missing or broken
@@ -71,7 +79,7 @@ def _auto(q: torch.Tensor, k: torch.Tensor) -> PatternKernel:
         fused = _make("fused")
         reason = fused.supports(q, k)
         if reason is None:
-            return fused
+            return _measured(q.device, fused)
         if reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"dilated_attention: fused kernel not used ({reason}); falling back", stacklevel=3)
@@ -80,3 +88,18 @@ def _auto(q: torch.Tensor, k: torch.Tensor) -> PatternKernel:
         if sdpa.supports(q, k) is None:
             return sdpa
     return _make("reference")
+
+
+def _measured(device: torch.device, fused: PatternKernel) -> PatternKernel:
+    """The fused kernel, inside an ``AutoKernel`` when this GPU model has measured choices."""
+    from .auto import AutoKernel, device_choices, nondeterministic_allowed
+
+    key = (torch.cuda.get_device_name(device), nondeterministic_allowed())
+    chosen = _auto_kernels.get(key)
+    if chosen is None:
+        choices = device_choices(device)
+        chosen = fused if not choices else AutoKernel(
+            {"fused": fused, "cudnn": _make("cudnn")}, choices, allow_nondeterministic=key[1]
+        )
+        _auto_kernels[key] = chosen
+    return chosen

@@ -1,0 +1,90 @@
+"""``kernel="auto"`` on a GPU: per pattern and direction, the implementation measured fastest there.
+
+The choice is a table lookup, never a guess: ``benchmarks/bench_kernel.py``
+times every implementation on each pattern class of its configuration and
+writes the winners into ``auto_table.py`` under the GPU's name
+(``--write-table``). The key is (direction, dense ``r = 1`` or dilated, causal,
+head dim, dtype); a key the table does not list runs the fused kernel. So one
+configuration always runs the same implementation, on every rank and every run.
+
+Determinism: backward entries come in two flavours. ``bwd/...`` holds the
+fastest implementation whose backward gave bitwise-equal results run to run in
+the measurement (the fused kernel always does); ``bwd-any/...`` the fastest of
+all (cuDNN's backward accumulates dQ with atomics). ``AutoKernel`` uses the
+deterministic entry unless built with ``allow_nondeterministic`` (or the
+environment sets ``DILATED_ATTENTION_NONDETERMINISTIC=1``): the library's
+communication backends promise bitwise-identical results, which holds only when
+the kernel is deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..patterns import PatternPlan
+from .base import PatternKernel
+
+DIRECTIONS = ("fwd", "bwd", "bwd-any")
+
+
+def table_key(direction: str, dilation: int, causal: bool, dim: int, dtype: torch.dtype) -> str:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    return (f"{direction}/{'dense' if dilation == 1 else 'dilated'}/{'causal' if causal else 'full'}"
+            f"/D{dim}/{str(dtype).removeprefix('torch.')}")
+
+
+def nondeterministic_allowed() -> bool:
+    return os.environ.get("DILATED_ATTENTION_NONDETERMINISTIC", "0").lower() in ("1", "true", "yes", "on")
+
+
+class AutoKernel:
+    """A ``PatternKernel`` that forwards each pattern to the implementation its table names."""
+
+    name = "auto"
+
+    def __init__(self, impls: dict[str, PatternKernel], choices: dict[str, str], *,
+                 allow_nondeterministic: bool = False) -> None:
+        if "fused" not in impls:
+            raise ValueError(f"AutoKernel needs a 'fused' implementation (the default), got {sorted(impls)}")
+        unknown = sorted({c for c in choices.values() if c not in impls})
+        if unknown:
+            raise ValueError(f"auto table names implementations {unknown} not among {sorted(impls)}")
+        self.impls, self.choices = impls, dict(choices)
+        self.allow_nondeterministic = allow_nondeterministic
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        return self.impls["fused"].supports(q, k)
+
+    def pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor) -> PatternKernel:
+        """The implementation for this pattern and direction (``"fwd"`` or ``"bwd"``)."""
+        dim, dtype = q.shape[-1], q.dtype
+        name = None
+        if direction == "bwd" and self.allow_nondeterministic:
+            name = self.choices.get(table_key("bwd-any", plan.dilation, causal, dim, dtype))
+        if name is None:
+            name = self.choices.get(table_key(direction, plan.dilation, causal, dim, dtype), "fused")
+        impl = self.impls[name]
+        return impl if impl.supports(q, k) is None else self.impls["fused"]
+
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
+        impl = self.pick("fwd", plan, causal, q, k)
+        return impl.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
+
+    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
+                         packed: bool, causal: bool, scale: float) -> None:
+        impl = self.pick("bwd", plan, causal, q, k)
+        impl.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=packed, causal=causal, scale=scale)
+
+
+def device_choices(device: torch.device) -> dict[str, str]:
+    """The shipped table's choices for this GPU model (empty if it was never measured)."""
+    from .auto_table import TABLE
+
+    name = torch.cuda.get_device_name(device)
+    return dict(TABLE.get(name, {}).get("choices", {}))
+
+
+__all__ = ["AutoKernel", "DIRECTIONS", "device_choices", "nondeterministic_allowed", "table_key"]

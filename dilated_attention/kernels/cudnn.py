@@ -1,0 +1,362 @@
+"""Zero-copy cuDNN pattern kernel: strided dilated views straight into cuDNN's fused attention.
+
+``CudnnKernel`` is a ``PatternKernel`` (``base.py``; layouts in ``pattern.py``).
+For each pattern it hands cuDNN 4D ``(B', h, M, D)`` *views* of the caller's
+tensors: the dilated rows of a head chunk are ``x.view(B, S, M, r, H, D)[:, :, :,
+o, h0:h1]``, and chunks whose addresses step by a constant amount (every LongNet
+head-offset run of one size, every ring buffer) are stacked into the batch
+dimension of one call, so a pattern is a handful of calls (LongNet ``r = 16``,
+one segment: 16 head chunks, one call). Forward copies only cuDNN's outputs into
+the pattern's compact ``out``/``lse``; backward feeds the *final* merged ``out``
+and ``lse`` (exact gradients, as ``base.py`` explains) and adds cuDNN's gradients
+into the fp32 accumulators.
+
+What is copied, and why (everything else is read in place):
+
+* an operand whose view cuDNN cannot read (head dim not unit-stride, a stride or
+  address not 16-byte aligned, a zero stride) is copied to a compact tensor;
+* backward ``lse`` always goes in as a packed ``(B', h, M, 1)`` fp32 tensor
+  (small; some cuDNN versions address softmax stats as packed whatever the
+  strides say);
+* backward ``out``/``dout`` are read in place only when they have exactly ``q``'s
+  strides; otherwise ``q``, ``out`` and ``dout`` are all copied compact. torch's
+  backward graph cache keys on q/k/v only (some versions), so ``out``/``dout``
+  strides must be a function of q's: they are always equal to them.
+
+GQA runs natively (a call has ``h`` query heads and ``h / g`` kv heads).
+cuDNN's backward is not deterministic (dQ is accumulated with atomics; torch
+warns so under ``torch.use_deterministic_algorithms``), its forward is.
+
+``CudnnOps`` are the two aten ops; tests substitute a plain-torch stand-in with
+the same contract to check the view logic on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..patterns import HeadChunk, PatternPlan
+from ..views import compact_view, dilated_view, packed_view
+
+DTYPES = (torch.float16, torch.bfloat16)
+ALIGN_BYTES = 16  # cuDNN's (TMA) alignment for addresses and strides
+
+
+class CudnnOps:
+    """``torch.ops.aten``'s cuDNN attention, forward and backward, on 4D ``(B', h, M, D)`` views."""
+
+    name = "cudnn"
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        if q.device.type != "cuda":
+            return f"needs a CUDA device, got device {q.device.type}"
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this torch build"
+        if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"):
+            return f"torch {torch.__version__} has no cuDNN attention op"
+        major, _ = torch.cuda.get_device_capability(q.device)
+        if major < 8:
+            return f"cuDNN attention needs compute capability >= 8.0, got {major}.x"
+        if q.dtype not in DTYPES:
+            return f"dtype must be fp16 or bf16, got {q.dtype}"
+        return None
+
+    def forward(self, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float):
+        empty = torch.empty(0, device=q.device)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse4, empty, empty, None,  # no dropout (philox unused), no attn_bias
+            None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,  # cum_seq undefined: dense
+        )
+
+
+# ---------------------------------------------------------------------------
+# Which chunks share one call
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Consecutive chunks of equal size whose offset, first head, first kv head and
+    buffer head step by constants: one strided batch dimension ``R``."""
+
+    chunks: tuple[HeadChunk, ...]
+    steps: tuple[int, int, int, int]  # offset, h0, k0, buffer_head
+
+
+def _step(a: HeadChunk, b: HeadChunk) -> tuple[int, int, int, int]:
+    return b.offset - a.offset, b.h0 - a.h0, b.k0 - a.k0, b.buffer_head - a.buffer_head
+
+
+@functools.lru_cache(maxsize=512)
+def _groups(plan: PatternPlan) -> tuple[_Group, ...]:
+    out: list[list[HeadChunk]] = []
+    steps: list[tuple[int, int, int, int]] = []
+    for c in plan.chunks:
+        if out:
+            last = out[-1][-1]
+            same = (c.h1 - c.h0, c.k1 - c.k0) == (last.h1 - last.h0, last.k1 - last.k0)
+            st = _step(last, c)
+            # distinct query rows and distinct kv rows (packed or not): group members never alias
+            distinct = st[0] != 0 or (st[1] != 0 and st[2] != 0 and st[3] != 0)
+            if same and distinct and (len(out[-1]) == 1 or st == steps[-1]):
+                out[-1].append(c)
+                steps[-1] = st
+                continue
+        out.append([c])
+        steps.append((0, 0, 0, 0))
+    return tuple(_Group(tuple(g), s) for g, s in zip(out, steps))
+
+
+def _group_view(x: torch.Tensor, plan: PatternPlan, g: _Group, role: str) -> torch.Tensor:
+    """``(B, S, R, M, h, *rest)`` view of ``x`` for group ``g``.
+
+    Roles: ``"q"`` full-layout query-head tensors (q, out, dout, lse, dq);
+    ``"kv"`` full-layout kv tensors; ``"packed"`` ring buffer halves;
+    ``"compact"`` a pattern's compact out/lse.
+    """
+    c = g.chunks[0]
+    d_off, d_h, d_k, d_buf = g.steps
+    w, r = plan.local_segment, plan.dilation
+    if role == "q":
+        base, delta = dilated_view(x, w, r, c.offset, c.h0, c.h1), d_off * x.stride(1) + d_h * x.stride(2)
+    elif role == "kv":
+        base, delta = dilated_view(x, w, r, c.offset, c.k0, c.k1), d_off * x.stride(1) + d_k * x.stride(2)
+    elif role == "packed":
+        base, delta = packed_view(x, c), d_buf * x.stride(2)
+    elif role == "compact":
+        base, delta = compact_view(x, plan, c.h0, c.h1), d_h * x.stride(2)
+    else:
+        raise ValueError(f"unknown role {role!r}")
+    size = (*base.shape[:2], len(g.chunks), *base.shape[2:])
+    stride = (*base.stride()[:2], delta, *base.stride()[2:])
+    return x.as_strided(size, stride, base.storage_offset())
+
+
+def readable(v: torch.Tensor) -> bool:
+    """Whether cuDNN can read this view in place: unit-stride last dim, every other
+    stride (of a dim longer than 1) a positive multiple of 16 bytes, 16-byte aligned start."""
+    if v.numel() == 0:
+        return True
+    if v.stride(-1) != 1 or v.data_ptr() % ALIGN_BYTES:
+        return False
+    unit = ALIGN_BYTES // v.element_size()
+    return all(st > 0 and st % unit == 0 for n, st in zip(v.shape[:-1], v.stride()[:-1]) if n > 1)
+
+
+def _merge_order(sizes: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """Split the batch dims ``(B, S, R)`` into (loop dims, merged dims outer->inner) so that the
+    merged dims are one uniformly strided dim in every in-place operand; most rows merged wins."""
+    dims = [d for d in range(len(sizes)) if sizes[d] > 1]
+    best: tuple[int, list[int]] = (1, [])
+    for k in range(len(dims), 0, -1):
+        for subset in itertools.combinations(dims, k):
+            order = sorted(subset, key=lambda d: -strides[0][d]) if strides else list(subset)
+            if all(st[a] == sizes[b] * st[b] for st in strides for a, b in zip(order, order[1:])):
+                n = math.prod(sizes[d] for d in subset)
+                if n > best[0]:
+                    best = (n, order)
+    merged = best[1]
+    return [d for d in range(len(sizes)) if d not in merged], merged  # length-1 dims loop once
+
+
+def _split(views: dict[str, torch.Tensor], in_place: set[str]) -> tuple[list[int], list[int]]:
+    """(loop dims, merged dims) of a group's batch dims ``(B, S, R)``, from its in-place operands."""
+    sizes = tuple(next(iter(views.values())).shape[:3])
+    return _merge_order(sizes, [tuple(views[n].stride()[:3]) for n in views if n in in_place])
+
+
+def _n_calls(views: dict[str, torch.Tensor], loop: list[int]) -> int:
+    return math.prod(next(iter(views.values())).shape[d] for d in loop)
+
+
+def _calls(views: dict[str, torch.Tensor], loop: list[int], merged: list[int]):
+    """The calls of a group: yields ``({name: (T..., M, h, *rest) view}, T sizes)`` per loop index."""
+    sizes = tuple(next(iter(views.values())).shape[:3])
+    perm = [*loop, *merged]
+    arranged = {n: v.permute(*perm, *range(3, v.dim())) for n, v in views.items()}
+    tsizes = tuple(sizes[d] for d in merged)
+    for idx in itertools.product(*(range(sizes[d]) for d in loop)):
+        yield {n: v[idx] for n, v in arranged.items()}, tsizes
+
+
+def _as_4d(sub: torch.Tensor, nt: int) -> torch.Tensor:
+    """``(T..., M, h, D)`` with mergeable ``T`` -> the in-place view ``(prod T, h, M, D)``."""
+    tsz = sub.shape[:nt]
+    m, h, d = sub.shape[nt:]
+    n = math.prod(tsz)
+    sm, sh, sd = sub.stride()[nt:]
+    sb = sub.stride(nt - 1) if nt else 0
+    size, stride = [n, h, m, d], [sb, sh, sm, sd]
+    extent = max(st * (sz - 1) for st, sz in zip(stride, size)) + 1
+    for i in range(3):  # a dim of length 1: give it a harmless, aligned stride
+        if size[i] == 1:
+            stride[i] = extent + (-extent) % (ALIGN_BYTES // sub.element_size())
+    return sub.as_strided(size, stride, sub.storage_offset())
+
+
+def _compact_4d(sub: torch.Tensor, nt: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A packed ``(prod T, h, M, *rest)`` copy of ``(T..., M, h, *rest)``."""
+    tsz, (m, h), rest = sub.shape[:nt], sub.shape[nt:nt + 2], sub.shape[nt + 2:]
+    dst = torch.empty((math.prod(tsz), h, m, *rest), dtype=dtype or sub.dtype, device=sub.device)
+    dst.view(*tsz, h, m, *rest).copy_(sub.transpose(nt, nt + 1))
+    return dst
+
+
+def _out_view(sub: torch.Tensor, nt: int) -> torch.Tensor:
+    """``(T..., M, h, *rest)`` target seen as ``(T..., h, M, *rest)`` (matches a cuDNN result unflattened)."""
+    return sub.transpose(nt, nt + 1)
+
+
+def _adopt(res: torch.Tensor, tsz, merged: list[int], plan: PatternPlan, g: _Group, shape) -> torch.Tensor | None:
+    """``res`` (one cuDNN result, ``(n, h, M, *rest)``) seen as the pattern's whole compact
+    ``(B, L // r, H, *rest)`` tensor, when the single call covered every row and head; else ``None``."""
+    bsz, rows, heads = shape[:3]
+    c0, nch = g.chunks[0], len(g.chunks)
+    h, m = res.shape[1], res.shape[2]
+    step_h = g.steps[1]
+    if c0.h0 != 0 or nch * h != heads or (nch > 1 and step_h != h):
+        return None
+    nt = len(tsz)
+    x = res.view(*tsz, *res.shape[1:])
+    st = {d: x.stride(i) for i, d in enumerate(merged)}
+    s_rows = x.stride(nt + 1)
+    s_h = x.stride(nt) if h > 1 else (st[2] if nch > 1 else 1)
+    segs = rows // m
+    if (segs > 1 and st.get(1) != m * s_rows) or (nch > 1 and st.get(2) != step_h * s_h):
+        return None
+    full = res.as_strided(shape, (st.get(0, 0), s_rows, s_h, *x.stride()[nt + 2:]), res.storage_offset())
+    # self-check: the group's compact view of ``full`` must address exactly ``res``
+    (sub, _), = list(_calls({"t": _group_view(full, plan, g, "compact")}, [d for d in range(3) if d not in merged], merged))
+    mine = _out_view(sub["t"], nt)
+    same = mine.storage_offset() == x.storage_offset() and all(
+        a == b for a, b, sz in zip(mine.stride(), x.stride(), x.shape) if sz > 1
+    )
+    return full if same else None
+
+
+class CudnnKernel:
+    """``PatternKernel`` on cuDNN's fused attention with zero-copy strided views (see module doc)."""
+
+    name = "cudnn"
+    deterministic_backward = False  # cuDNN's dQ accumulation uses atomics
+
+    def __init__(self, ops: CudnnOps | None = None) -> None:
+        self.ops = ops if ops is not None else CudnnOps()
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        reason = self.ops.supports(q, k)
+        if reason is not None:
+            return reason
+        if q.dim() != 4 or k.dim() != 4:
+            return f"expects (B, N, H, D) inputs, got shapes {tuple(q.shape)} and {tuple(k.shape)}"
+        if k.dtype != q.dtype or k.device != q.device:
+            return f"q and k must share dtype and device, got {q.dtype}/{q.device} and {k.dtype}/{k.device}"
+        dim = q.shape[-1]
+        if dim % 8 or not 8 <= dim <= 256 or k.shape[-1] != dim:
+            return f"head dim must be a multiple of 8 in [8, 256] (equal for q and k), got {dim} and {k.shape[-1]}"
+        return None
+
+    def _check(self, q, k) -> None:
+        reason = self.supports(q, k)
+        if reason is not None:
+            raise ValueError(f"cudnn kernel cannot run: {reason}")
+
+    @staticmethod
+    def _kv_role(packed: bool) -> str:
+        return "packed" if packed else "kv"
+
+    def _geometry(self, q, k, plan: PatternPlan, packed: bool) -> None:
+        n, w, r = q.shape[1], plan.local_segment, plan.dilation
+        if n % w or w % r:
+            raise ValueError(f"plan segment {w} / dilation {r} do not tile {n} local rows")
+        if packed and (k.shape[1] != n // r or n != w):
+            raise ValueError(f"packed k must have L // r = {n // r} rows and one local segment, "
+                             f"got {k.shape[1]} rows and segment {w} of {n}")
+
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
+        self._check(q, k)
+        self._geometry(q, k, plan, packed)
+        bsz, n, heads, dim = q.shape
+        shapes = ((bsz, n // plan.dilation, heads, dim), (bsz, n // plan.dilation, heads))
+        kv = self._kv_role(packed)
+        work = []
+        for g in _groups(plan):
+            src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv)}
+            in_place = {name for name in src if readable(src[name])}
+            work.append((g, src, in_place, *_split(src, in_place)))
+        buffers = None
+        if sum(_n_calls(src, loop) for _, src, _, loop, _ in work) > 1:
+            buffers = self._buffers(shapes, q)
+        for g, src, in_place, loop, merged in work:
+            views = dict(src) if buffers is None else {**src, **self._targets(buffers, plan, g)}
+            for sub, tsz in _calls(views, loop, merged):
+                nt = len(tsz)
+                args = [_as_4d(sub[x], nt) if x in in_place else _compact_4d(sub[x], nt) for x in ("q", "k", "v")]
+                o4, l4 = self.ops.forward(*args, causal=causal, scale=scale)
+                l4 = l4.reshape(o4.shape[:3])  # some torch versions add a trailing unit dim
+                if buffers is None:  # the only call: cuDNN's out (or lse) may be the whole result, no copy
+                    adopted = [_adopt(x, tsz, merged, plan, g, shape) for x, shape in ((o4, shapes[0]), (l4, shapes[1]))]
+                    buffers = tuple(a if a is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+                                    for a, x, shape in zip(adopted, (o4, l4), shapes))
+                    (targets, _), = list(_calls(self._targets(buffers, plan, g), loop, merged))
+                    sub = {**sub, **{n: t for n, t, a in zip(("out", "lse"), targets.values(), adopted) if a is None}}
+                if "out" in sub:
+                    _out_view(sub["out"], nt).copy_(o4.view(*tsz, *o4.shape[1:]) if nt else o4[0])
+                if "lse" in sub:
+                    _out_view(sub["lse"], nt).copy_(l4.view(*tsz, *l4.shape[1:]) if nt else l4[0])
+        if buffers is None:  # a plan without chunks
+            buffers = self._buffers(shapes, q)
+        return buffers
+
+    @staticmethod
+    def _buffers(shapes, q):
+        return (torch.empty(shapes[0], dtype=q.dtype, device=q.device),
+                torch.empty(shapes[1], dtype=torch.float32, device=q.device))
+
+    @staticmethod
+    def _targets(buffers, plan: PatternPlan, g: _Group) -> dict[str, torch.Tensor]:
+        return {"out": _group_view(buffers[0], plan, g, "compact"), "lse": _group_view(buffers[1], plan, g, "compact")}
+
+    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
+                         packed: bool, causal: bool, scale: float) -> None:
+        self._check(q, k)
+        self._geometry(q, k, plan, packed)
+        for name, x, like in (("out", out, q), ("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k), ("v", v, k)):
+            if tuple(x.shape) != tuple(like.shape):
+                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
+        if tuple(lse.shape) != tuple(q.shape[:3]):
+            raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {tuple(q.shape[:3])}")
+        kv = self._kv_role(packed)
+        same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
+        for g in _groups(plan):
+            src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv),
+                   "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
+                   "lse": _group_view(lse, plan, g, "q"),
+                   "dq": _group_view(dq, plan, g, "q"), "dk": _group_view(dk, plan, g, kv), "dv": _group_view(dv, plan, g, kv)}
+            in_place = {name for name in ("k", "v") if readable(src[name])}
+            if same and all(readable(src[x]) for x in ("q", "out", "dout")):
+                in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
+            for sub, tsz in _calls(src, *_split(src, in_place)):
+                nt = len(tsz)
+                q4, k4, v4, o4, g4 = (
+                    _as_4d(sub[x], nt) if x in in_place else _compact_4d(sub[x], nt, q.dtype)
+                    for x in ("q", "k", "v", "out", "dout")
+                )
+                l4 = _compact_4d(sub["lse"], nt, torch.float32).unsqueeze(-1)
+                gq, gk, gv = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale)
+                for name, grad in (("dq", gq), ("dk", gk), ("dv", gv)):
+                    target = _out_view(sub[name], nt)
+                    target.add_(grad.view(*tsz, *grad.shape[1:]) if nt else grad[0])
+
+
+__all__ = ["CudnnKernel", "CudnnOps", "readable"]

@@ -1,0 +1,259 @@
+"""The zero-copy cuDNN pattern kernel (``kernels/cudnn.py``) against the fp64 oracle.
+
+On CPU the aten cuDNN ops are replaced by ``MathOps``, a float64 stand-in with
+cuDNN's contract that also *asserts* what the kernel promises cuDNN: every
+operand readable in place (unit last stride, 16-byte aligned strides and
+address), backward ``out``/``dout`` with exactly ``q``'s strides, ``lse`` packed
+``(B', h, M, 1)``. That checks the view logic (chunk grouping, batch merging,
+copies only where needed, result placement, accumulation) on any layout. With
+CUDA the real ops run in bf16/fp16 on real shapes, judged by the tolerance rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention.kernels.cudnn import CudnnKernel, readable
+from dilated_attention.testing.compare import LAYOUTS, assert_within_rule
+
+from test_fused import (  # noqa: F401 (sets TRITON_INTERPRET before any kernel build on CPU)
+    CUDA,
+    DEVICE,
+    REF_P,
+    check_packed_ring_block,
+    check_pattern_local,
+    d64,
+    plans_for,
+    rand,
+    seeded,
+)
+
+
+def _like_layout(q: torch.Tensor, shape) -> torch.Tensor:
+    """torch's ``alloc_with_matching_layout``: packed, in the order of q's strides."""
+    order = sorted(range(4), key=lambda d: q.stride(d))
+    strides, cur = [0] * 4, 1
+    for d in order:
+        strides[d] = cur
+        cur *= shape[d]
+    return torch.empty(cur, dtype=q.dtype, device=q.device).as_strided(shape, strides)
+
+
+class MathOps:
+    """cuDNN's two ops in float64 plain torch, with cuDNN's input rules asserted."""
+
+    name = "math"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.outputs: list[torch.Tensor] = []
+
+    def supports(self, q, k):
+        return None
+
+    @staticmethod
+    def _scores(q, k, causal, scale):
+        g = q.shape[1] // k.shape[1]
+        s = q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2) * scale
+        if causal:
+            m, n = s.shape[-2:]
+            s = s.masked_fill(torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        return s, g
+
+    def forward(self, q, k, v, *, causal, scale):
+        for x in (q, k, v):
+            assert x.dim() == 4 and readable(x), f"cuDNN would not read {tuple(x.shape)} {x.stride()}"
+        self.calls.append(("fwd", tuple(q.shape), tuple(k.shape), [x.untyped_storage().data_ptr() for x in (q, k, v)]))
+        s, g = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(s, -1)
+        out = _like_layout(q, tuple(q.shape))
+        out.copy_(torch.exp(s - lse[..., None]) @ v.double().repeat_interleave(g, 1))
+        self.outputs.append(out)
+        return out, lse.float()
+
+    def backward(self, dout, q, k, v, out, lse4, *, causal, scale):
+        for x in (q, k, v, out, dout):
+            assert x.dim() == 4 and readable(x), f"cuDNN would not read {tuple(x.shape)} {x.stride()}"
+        assert out.stride() == q.stride() and dout.stride() == q.stride(), (q.stride(), out.stride(), dout.stride())
+        assert lse4.is_contiguous() and lse4.shape == (*q.shape[:3], 1) and lse4.dtype == torch.float32
+        self.calls.append(("bwd", tuple(q.shape), tuple(k.shape), [x.untyped_storage().data_ptr() for x in (q, k, v)]))
+        s, g = self._scores(q, k, causal, scale)
+        p = torch.exp(s - lse4.double())
+        do = dout.double()
+        dv = p.transpose(-1, -2) @ do
+        dp = do @ v.double().repeat_interleave(g, 1).transpose(-1, -2)
+        ds = p * (dp - (do * out.double()).sum(-1, keepdim=True)) * scale
+        dq = ds @ k.double().repeat_interleave(g, 1)
+        dk = ds.transpose(-1, -2) @ q.double()
+        hk = k.shape[1]
+        dk, dv = dk.unflatten(1, (hk, g)).sum(2), dv.unflatten(1, (hk, g)).sum(2)
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+def kernel() -> CudnnKernel:
+    return CudnnKernel() if CUDA else CudnnKernel(MathOps())
+
+
+LOW = [torch.bfloat16, torch.float16] if CUDA else [torch.float32]
+DIM = 128 if CUDA else 16
+N = 1024 if CUDA else 32
+
+
+# ---------------------------------------------------------------------------
+# supports()
+
+
+def test_supports_needs_cuda_and_half_precision():
+    q = torch.randn(1, 16, 4, 64)
+    reason = CudnnKernel().supports(q, q)
+    if not CUDA:
+        assert reason is not None and "CUDA" in reason
+    else:
+        qc = q.to(DEVICE)
+        assert "dtype" in CudnnKernel().supports(qc, qc)
+        assert CudnnKernel().supports(qc.half(), qc.half()) is None
+    fake = CudnnKernel(MathOps())
+    for dim, ok in ((64, True), (40, True), (20, False), (264, False)):
+        x = torch.randn(1, 16, 4, dim)
+        assert (fake.supports(x, x) is None) == ok, dim
+    with pytest.raises(ValueError, match="head dim"):
+        fake.forward_pattern(*(torch.randn(1, 16, 2, 20),) * 3, plans_for("longnet", 2, 2, 16, 16, [16], [1])[0],
+                             packed=False, causal=False, scale=0.1)
+
+
+def test_readable():
+    x = torch.randn(2, 4, 16, 64, dtype=torch.bfloat16)
+    assert readable(x) and readable(x.transpose(1, 2))
+    assert not readable(x[..., ::2])  # head dim not unit-stride
+    assert not readable(x.flatten()[3:3 + x.numel() // 2].view(2, 2, 16, 64))  # 6-byte offset
+    assert not readable(x[:1].expand(2, 4, 16, 64))  # zero stride
+    assert not readable(torch.randn(2, 4, 16, 20, dtype=torch.bfloat16))  # 40-byte rows
+
+
+# ---------------------------------------------------------------------------
+# patterns against the oracle
+
+
+PATTERN_CASES = [
+    # mode, heads, kv heads, layout, causal, dtype index
+    ("longnet", 4, 2, "contiguous", False),
+    ("longnet", 6, 2, "transposed", True),
+    ("grouped", 4, 2, "head_slice", True),
+    ("grouped", 6, 3, "contiguous", False),
+    ("longnet", 8, 2, "storage_offset", True),
+    ("longnet", 4, 1, "zero_stride", False),
+    ("longnet", 8, 8, "strided_head_dim", True),
+    ("longnet", 6, 2, "permuted", False),
+    ("longnet", 4, 4, "unbind_last", True),
+]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("case", PATTERN_CASES, ids=lambda c: f"{c[0]}-H{c[1]}-{c[2]}-{c[3]}-causal{c[4]}")
+def test_pattern_local(case, dtype):
+    mode, heads, kv_heads, layout, causal = case
+    seed = seeded("cudnn-pattern", case, dtype)
+    check_pattern_local(kernel(), mode, heads, kv_heads, layout, causal, dtype, seed, DIM, N)
+
+
+RING_CASES = [("longnet", 4, 2, True), ("longnet", 6, 2, False), ("grouped", 4, 2, True), ("longnet", 8, 8, True)]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("case", RING_CASES, ids=lambda c: f"{c[0]}-H{c[1]}-{c[2]}-causal{c[3]}")
+def test_pattern_packed_ring_block(case, dtype):
+    mode, heads, kv_heads, causal = case
+    check_packed_ring_block(kernel(), mode, heads, kv_heads, causal, dtype, seeded("cudnn-ring", case, dtype), DIM, N)
+
+
+@pytest.mark.parametrize("dim", [40, 64, 96, 256] if CUDA else [8, 24])
+def test_pattern_head_dims(dim):
+    dtype = LOW[0]
+    seed = seeded("cudnn-dims", dim)
+    n = 512 if CUDA else 16
+    check_pattern_local(kernel(), "longnet", 8, 4, "transposed", True, dtype, seed, dim, n,
+                        segs=[n // 2, n], rates=[1, 4])
+
+
+# ---------------------------------------------------------------------------
+# the promises: few calls, no input copies, no output copy for a one-call pattern
+
+
+def test_longnet_calls_are_grouped_and_zero_copy():
+    """LongNet H=16, w=[..], r=[1..16]: chunks with equal steps share a call; contiguous inputs
+    are read in place (forward and backward), and r=1 / one-segment r=16 outputs are cuDNN's own."""
+    seeded("cudnn-calls")
+    heads, n, dim = 16, 512, 16
+    ops = MathOps()
+    kern = CudnnKernel(ops)
+    plans = plans_for("longnet", heads, heads, n, n, [32, 64, 128, 256, 512], [1, 2, 4, 8, 16])
+    q, k, v = (torch.randn(1, n, heads, dim) for _ in range(3))
+    storages = {x.untyped_storage().data_ptr() for x in (q, k, v)}
+    expect_calls = {1: 1, 2: 2, 4: 4, 8: 2, 16: 1}  # r=8: 2 segments x 8 offsets -> 2 calls of 8
+    for p in plans:
+        ops.calls.clear()
+        ops.outputs.clear()
+        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        assert len(ops.calls) == expect_calls[p.dilation], (p.dilation, ops.calls)
+        assert all(set(c[3]) <= storages for c in ops.calls), "an input was copied"
+        if expect_calls[p.dilation] == 1:
+            assert out.untyped_storage().data_ptr() == ops.outputs[0].untyped_storage().data_ptr(), p.dilation
+        o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=True, scale=0.25)
+        assert_within_rule(f"r={p.dilation} out", out, o64, o64.float())
+        ops.calls.clear()
+        acc = [torch.zeros(x.shape) for x in (q, k, v)]
+        fin, dout = torch.randn(1, n, heads, dim), torch.randn(1, n, heads, dim)
+        kern.backward_pattern(q, k, v, p, fin, lse.new_zeros(1, n, heads) + 4.0, dout, *acc,
+                              packed=False, causal=True, scale=0.25)
+        assert len(ops.calls) == expect_calls[p.dilation]
+        assert all(set(c[3]) <= storages for c in ops.calls), "an input was copied in the backward"
+
+
+def test_backward_copies_q_out_dout_together():
+    """out with strides other than q's: q, out and dout all go in compact (MathOps asserts equal strides)."""
+    seed = seeded("cudnn-joint-copy")
+    ops = MathOps()
+    kern = CudnnKernel(ops)
+    heads, n, dim = 4, 32, 16
+    p = plans_for("longnet", heads, 2, n, n, [16, 32], [1, 2])[1]
+    q = rand((2, n, heads, dim), torch.float32, "transposed")
+    k, v = rand((2, n, 2, dim), torch.float32), rand((2, n, 2, dim), torch.float32)
+    out, dout = torch.randn(2, n, heads, dim), torch.randn(2, n, heads, dim)
+    lse = torch.randn(2, n, heads) + 3.0
+    acc = [torch.zeros(x.shape) for x in (q, k, v)]
+    kern.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False, causal=False, scale=0.25)
+    want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(out), d64(lse), d64(dout), *want,
+                           packed=False, causal=False, scale=0.25)
+    for name, got, w in zip("qkv", acc, want):
+        assert_within_rule(f"d{name}", got, w, w.float(), context=f"(seed {seed})")
+    assert q.untyped_storage().data_ptr() not in {c[3][0] for c in ops.calls}, "q should have been copied"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_forward(layout):
+    """Every arrangement of q/k/v gives the oracle's result (copies where cuDNN cannot read)."""
+    seed = seeded("cudnn-layouts", layout)
+    dtype = LOW[0]
+    heads, n = 6, N
+    plans = plans_for("longnet", heads, 2, n, n)
+    q, k, v = rand((2, n, heads, DIM), dtype, layout), rand((2, n, 2, DIM), dtype, layout), rand((2, n, 2, DIM), dtype, layout)
+    kern = kernel()
+    for p in plans:
+        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.2)
+        o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=True, scale=0.2)
+        plain = REF_P.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.2)
+        assert_within_rule(f"{layout} r={p.dilation} lse", lse, l64.float(), plain[1], context=f"(seed {seed})")
+        assert_within_rule(f"{layout} r={p.dilation} out", out, o64, plain[0], context=f"(seed {seed})")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs cuDNN")
+def test_cudnn_forward_is_deterministic():
+    seeded("cudnn-det")
+    kern = CudnnKernel()
+    p = plans_for("longnet", 8, 8, 1024, 1024, [512, 1024], [1, 2])[0]
+    q, k, v = (torch.randn(1, 1024, 8, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    a = kern.forward_pattern(q, k, v, p, packed=False, causal=False, scale=0.1)
+    b = kern.forward_pattern(q, k, v, p, packed=False, causal=False, scale=0.1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
