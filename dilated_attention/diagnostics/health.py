@@ -218,8 +218,8 @@ def topology_matrix() -> dict[tuple[int, int], str] | None:
 
 def parse_topology(text: str) -> dict[tuple[int, int], str] | None:
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in text.splitlines() if line.strip()]
-    header = next((line for line in lines if re.search(r"\bGPU0\b", line) and not line.lstrip().startswith("GPU0")),
-                  None)
+    # the header lists the columns (GPU0 GPU1 ... CPU Affinity); row GPU0 starts "GPU0 X ..."
+    header = next((line for line in lines if line.split()[:1] == ["GPU0"] and line.split()[1:2] != ["X"]), None)
     if header is None:
         return None
     cols = [c for c in header.split() if re.fullmatch(r"GPU\d+", c)]

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 MARK = "[dilated_attention.launch]"
 
+# A report starts at "========= " + text (one space); its details are indented further.
 _HEADER = re.compile(
-    r"^=+\s+(?P<what>(Invalid|Uninitialized|Misaligned|Out-of-range|Race|Barrier|Program hit|Error:|"
-    r"Memory leak|Potential|Warning: |Detected|Illegal|Address|cudaError|CUDA_ERROR|Unspecified)[^\n]*)", re.I)
+    r"^=+ (?P<what>(Invalid|Uninitialized|Misaligned|Out-of-range|Race|Barrier|Program hit|Error:|"
+    r"Memory leak|Potential|Warning: |Detected|Illegal|cudaError|CUDA_ERROR|Unspecified)[^\n]*)", re.I)
 _KERNEL = re.compile(r"^=+\s+(?:at\s+(?:0x[0-9a-f]+\s+in\s+)?(?P<at>[^\s(]+)|.*\bin kernel\s+(?P<inkernel>[^\s(]+)|"
                      r".*\bkernel\s+(?P<kernel>[A-Za-z_][\w:<>]*))", re.I)
 _SUMMARY = re.compile(r"(ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY)[^\n]*", re.I)
