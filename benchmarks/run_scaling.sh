@@ -11,7 +11,7 @@
 # max-length probe (60 s budget per K). Options after --worlds go to bench_scaling.py, e.g.
 # --tokens 8192,16384,32768,65536 (sweep), --backend deepspeed, --peers '' (none), --no-probe.
 # Needs deepspeed importable for the ulysses peer (else it is recorded as skipped); PYTHON
-# names the interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 240).
+# names the interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 180).
 # SMOKE=1 rehearses the whole script on CPU (gloo, tiny sizes, K = 1, 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +44,7 @@ start=$SECONDS
 status=0
 for k in ${worlds//,/ }; do
   echo "=== K=$k ($((SECONDS - start)) s elapsed) ===" | tee -a "$log"
-  timeout --kill-after=20 "${K_TIMEOUT:-240}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$k" \
+  timeout --kill-after=20 "${K_TIMEOUT:-180}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$k" \
     benchmarks/bench_scaling.py --out "$OUT" --tag "$slug" --probe-seconds "${PROBE_SECONDS:-60}" \
     --seconds-per-measurement "${SECONDS_PER_MEASUREMENT:-2}" "${extra[@]}" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
