@@ -14,10 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilated_attention.kernels.cudnn import CudnnKernel, readable
-from dilated_attention.testing.compare import LAYOUTS, assert_within_rule
-
-from test_fused import (  # noqa: F401 (sets TRITON_INTERPRET before any kernel build on CPU)
+# first: test_fused sets TRITON_INTERPRET on CPU, which must precede triton's import
+from test_fused import (  # noqa: I001
     CUDA,
     DEVICE,
     REF_P,
@@ -28,6 +26,9 @@ from test_fused import (  # noqa: F401 (sets TRITON_INTERPRET before any kernel 
     rand,
     seeded,
 )
+
+from dilated_attention.kernels.cudnn import CudnnKernel, readable
+from dilated_attention.testing.compare import LAYOUTS, assert_within_rule
 
 
 def _like_layout(q: torch.Tensor, shape) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""``kernel="auto"``: per pattern and direction, the implementation the measured table names.
+
+The table logic is checked with recording stand-ins; then the library end to end
+(``dilated_attention`` forward and backward) with an ``AutoKernel`` mixing the
+fused kernel and the cuDNN pattern kernel (real on a GPU, the float64 stand-in
+``MathOps`` on CPU) against the fp64 oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# first: test_fused sets TRITON_INTERPRET on CPU, which must precede triton's import
+from test_fused import CUDA, DEVICE, seeded  # noqa: F401, I001
+
+from dilated_attention import dilated_attention
+from dilated_attention.kernels import auto_table, dispatch
+from dilated_attention.kernels.auto import AutoKernel, table_key
+from dilated_attention.kernels.cudnn import CudnnKernel
+from dilated_attention.kernels.fused import FusedKernel
+from dilated_attention.patterns import plan_patterns
+from dilated_attention.testing.compare import assert_within_rule
+from dilated_attention.testing.oracle import dense_dilated_attention
+
+from test_kernels_cudnn import MathOps
+
+
+class Recorder:
+    """A PatternKernel stand-in that records which patterns and directions reached it."""
+
+    def __init__(self, name: str, refuse: str | None = None) -> None:
+        self.name, self.refuse, self.seen = name, refuse, []
+
+    def supports(self, q, k):
+        return self.refuse
+
+    def forward_pattern(self, q, k, v, plan, *, packed, causal, scale):
+        self.seen.append(("fwd", plan.dilation, causal))
+        return None
+
+    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed, causal, scale):
+        self.seen.append(("bwd", plan.dilation, causal))
+
+
+PLANS = plan_patterns([8, 16], [1, 2], seq_len=16, local_len=16, num_heads=4, num_kv_heads=4)
+Q = torch.randn(1, 16, 4, 32, dtype=torch.bfloat16)
+
+
+def _run(kern: AutoKernel, causal: bool) -> None:
+    for p in PLANS:
+        kern.forward_pattern(Q, Q, Q, p, packed=False, causal=causal, scale=0.1)
+        kern.backward_pattern(Q, Q, Q, p, Q, Q[..., 0], Q, Q, Q, Q, packed=False, causal=causal, scale=0.1)
+
+
+def test_table_key():
+    assert table_key("fwd", 1, False, 128, torch.bfloat16) == "fwd/dense/full/D128/bfloat16"
+    assert table_key("bwd-any", 4, True, 40, torch.float16) == "bwd-any/dilated/causal/D40/float16"
+    with pytest.raises(ValueError, match="direction"):
+        table_key("sideways", 1, False, 64, torch.float16)
+
+
+def test_auto_follows_the_table_per_pattern_and_direction():
+    fused, other = Recorder("fused"), Recorder("cudnn")
+    choices = {
+        table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn",   # dense forward
+        table_key("bwd", 2, False, 32, torch.bfloat16): "cudnn",   # dilated backward (deterministic entry)
+        table_key("fwd", 2, True, 32, torch.bfloat16): "cudnn",    # causal dilated forward
+        table_key("fwd", 1, False, 64, torch.bfloat16): "fused",   # another head dim: irrelevant here
+    }
+    kern = AutoKernel({"fused": fused, "cudnn": other}, choices)
+    _run(kern, causal=False)
+    _run(kern, causal=True)
+    assert other.seen == [("fwd", 1, False), ("bwd", 2, False), ("fwd", 2, True)]
+    assert fused.seen == [("bwd", 1, False), ("fwd", 2, False), ("fwd", 1, True), ("bwd", 1, True), ("bwd", 2, True)]
+
+
+def test_nondeterministic_backward_only_when_allowed():
+    choices = {table_key("bwd", 1, False, 32, torch.bfloat16): "fused",
+               table_key("bwd-any", 1, False, 32, torch.bfloat16): "cudnn"}
+    for allow, want in ((False, "fused"), (True, "cudnn")):
+        fused, other = Recorder("fused"), Recorder("cudnn")
+        kern = AutoKernel({"fused": fused, "cudnn": other}, choices, allow_nondeterministic=allow)
+        assert kern.pick("bwd", PLANS[0], False, Q, Q) is (other if want == "cudnn" else fused)
+        assert kern.pick("fwd", PLANS[0], False, Q, Q) is fused  # unmeasured: fused
+
+
+def test_unsupported_choice_falls_back_to_fused_and_bad_tables_raise():
+    fused, other = Recorder("fused"), Recorder("cudnn", refuse="needs a CUDA device")
+    kern = AutoKernel({"fused": fused, "cudnn": other}, {table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn"})
+    assert kern.pick("fwd", PLANS[0], False, Q, Q) is fused
+    with pytest.raises(ValueError, match="not among"):
+        AutoKernel({"fused": fused}, {table_key("fwd", 1, False, 32, torch.bfloat16): "flash"})
+    with pytest.raises(ValueError, match="'fused'"):
+        AutoKernel({"cudnn": other}, {})
+
+
+def test_dispatch_wraps_fused_only_for_measured_gpus(monkeypatch):
+    fused = Recorder("fused")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU")
+    monkeypatch.setattr(dispatch, "_auto_kernels", {})
+    monkeypatch.setattr(auto_table, "TABLE", {})
+    assert dispatch._measured(torch.device("cpu"), fused) is fused
+    monkeypatch.setattr(dispatch, "_auto_kernels", {})
+    monkeypatch.setattr(auto_table, "TABLE", {"Imaginary GPU": {"choices": {
+        table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn"}}})
+    chosen = dispatch._measured(torch.device("cpu"), fused)
+    assert isinstance(chosen, AutoKernel) and chosen.impls["fused"] is fused
+    assert isinstance(chosen.impls["cudnn"], CudnnKernel)
+    assert dispatch._measured(torch.device("cpu"), fused) is chosen  # one kernel per GPU model
+
+
+def test_named_cudnn_kernel_refuses_cpu():
+    x = torch.randn(1, 16, 2, 32)
+    with pytest.raises(ValueError, match="kernel='cudnn' cannot run"):
+        dispatch.select_kernel("cudnn", x, x)
+    assert "cudnn" in dispatch.KERNEL_NAMES
+
+
+# ---------------------------------------------------------------------------
+# the library end to end with a mixed AutoKernel
+
+
+MIXES = {
+    "cudnn-dense-fused-dilated": lambda d, dt: {
+        table_key(direction, 1, causal, d, dt): "cudnn" for direction in ("fwd", "bwd") for causal in (False, True)},
+    "fused-fwd-cudnn-bwd": lambda d, dt: {
+        table_key("bwd", r, causal, d, dt): "cudnn" for r in (1, 2) for causal in (False, True)},
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_library_with_mixed_auto_kernel(mix, causal):
+    seed = seeded("auto-lib", mix, causal)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    n, heads, kv_heads, dim = (1024, 8, 2, 64) if CUDA else (16, 4, 2, 16)
+    segs, rates = ([256, 1024], [1, 4]) if CUDA else ([8, 16], [1, 2])
+    cudnn = CudnnKernel() if CUDA else CudnnKernel(MathOps())
+    kern = AutoKernel({"fused": FusedKernel(), "cudnn": cudnn}, MIXES[mix](dim, dtype))
+    q = torch.randn(2, n, heads, dim, device=DEVICE, dtype=dtype).requires_grad_()
+    k = torch.randn(2, n, kv_heads, dim, device=DEVICE, dtype=dtype).requires_grad_()
+    v = torch.randn(2, n, kv_heads, dim, device=DEVICE, dtype=dtype).requires_grad_()
+    dout = torch.randn(2, n, heads, dim, device=DEVICE, dtype=dtype)
+    out = dilated_attention(q, k, v, segs, rates, causal=causal, kernel=kern)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    x64 = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    o64 = dense_dilated_attention(*x64, segs, rates, causal=causal)
+    g64 = torch.autograd.grad(o64, x64, dout.double().cpu())
+    xl = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ol = dense_dilated_attention(*xl, segs, rates, causal=causal)
+    gl = torch.autograd.grad(ol, xl, dout)
+    ctx = f"({mix}, causal={causal}, seed {seed})"
+    assert_within_rule("out", out, o64, ol, context=ctx)
+    for name, g, w, p in zip(("dq", "dk", "dv"), grads, g64, gl):
+        assert_within_rule(name, g, w, p, context=ctx)
