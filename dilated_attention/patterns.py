@@ -79,11 +79,12 @@ def validate_patterns(
         if seq_len % we:
             raise ValueError(
                 f"sequence length {seq_len} must be divisible by segment_lengths[{i}]={we}"
-                + (f" (clamped from {w})" if we != w else "")
+                + (f" (clamped from {w} to the sequence length)" if we != w else "")
             )
         if we % r:
             raise ValueError(
-                f"segment_lengths[{i}]={we} must be divisible by dilation_rates[{i}]={r}"
+                f"segment_lengths[{i}]={we}" + (f" (clamped from {w} to the sequence length)" if we != w else "")
+                + f" must be divisible by dilation_rates[{i}]={r}"
             )
         out.append((we, r))
     return out

@@ -143,8 +143,18 @@ class RingDilatedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the backward is hand-written: a second derivative must raise, not be wrong
     def backward(ctx, dout):
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative would be silently wrong or zero
+            raise RuntimeError(
+                "dilated_attention does not support double backward (backward with create_graph=True, e.g. "
+                "gradient penalties or torch.autograd.grad(..., create_graph=True)): its backward is hand-written "
+                "and not itself differentiable"
+            )
+        return RingDilatedAttention._backward(ctx, dout)
+
+    @staticmethod
+    @once_differentiable
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plans, comm, layout, call, kernel, causal, scale = ctx.args
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride

@@ -31,8 +31,9 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
 
 
 def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    # Empty rows (lse = -inf) get zero probabilities instead of NaN.
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    # Empty rows (lse = -inf) get zero probabilities instead of NaN; +inf/NaN (from inf/NaN inputs)
+    # stay, so such rows are NaN exactly as in plain softmax attention.
+    safe = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
     return torch.exp(s - safe.unsqueeze(-1))
 
 

@@ -12,14 +12,21 @@ import torch
 from ..patterns import head_groups, longnet_offsets, validate_patterns
 
 
-def pattern_masks(seq_len: int, num_heads: int, segment_lengths, dilation_rates, mode: str, causal: bool):
+def _torchscale_offsets(num_heads: int, rate: int) -> list[int]:
+    """torchscale's rule re-derived from its code: heads are cut into ``r`` runs of ``ceil(H / r)``."""
+    per = -(-num_heads // rate)
+    return [min(h // per, rate - 1) for h in range(num_heads)]
+
+
+def pattern_masks(seq_len: int, num_heads: int, segment_lengths, dilation_rates, mode: str, causal: bool,
+                  head_offsets: str = "spread"):
     """``[(H, N, N) bool mask of allowed (query, key) pairs]`` per pattern (queries outside: all False)."""
     pats = validate_patterns(segment_lengths, dilation_rates, seq_len)
     pos = torch.arange(seq_len)
     masks = []
     for i, (w, r) in enumerate(pats):
         if mode == "longnet":
-            offsets = longnet_offsets(num_heads, r)
+            offsets = longnet_offsets(num_heads, r) if head_offsets == "spread" else _torchscale_offsets(num_heads, r)
             heads = range(num_heads)
         else:
             h0, h1 = head_groups(num_heads, len(pats))[i]
@@ -37,7 +44,7 @@ def pattern_masks(seq_len: int, num_heads: int, segment_lengths, dilation_rates,
 
 
 def dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, mode="longnet", causal=False,
-                            softmax_scale=None):
+                            softmax_scale=None, head_offsets="spread"):
     """Differentiable dense reference in the inputs' dtype. ``(B, N, H, D)`` in and out."""
     bsz, n, heads, dim = q.shape
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
@@ -45,7 +52,7 @@ def dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, mode="l
     ke, ve = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     s = torch.einsum("bnhd,bmhd->bhnm", q, ke) * scale
     outs, lses = [], []
-    for mask in pattern_masks(n, heads, segment_lengths, dilation_rates, mode, causal):
+    for mask in pattern_masks(n, heads, segment_lengths, dilation_rates, mode, causal, head_offsets):
         mask = mask.to(q.device)
         sm = s.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(sm, -1)  # (B, H, N), -inf on uncovered rows
