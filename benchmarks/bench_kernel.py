@@ -1,22 +1,36 @@
-"""Single-GPU kernel benchmark: fused Triton kernel vs the composed (chunk-loop + SDPA) path.
+"""Single-GPU kernel benchmark: every implementation ``kernel="auto"`` can choose, the library path, the ceilings.
 
 Drives the patterns itself, as the ring does with world size 1: for each plan
-``pattern_forward`` then the library's pattern combination (``ring.combine_patterns``)
-into full-layout fp32 accumulators; backward: ``pattern_backward`` of every plan with the
+``forward_pattern`` then the library's pattern combination (``merge.combine_patterns``)
+into full-layout fp32 accumulators; backward: ``backward_pattern`` of every plan with the
 final merged ``out``/``lse`` into fp32 ``dq``/``dk``/``dv``.
 
-Methods: ``fused`` (one launch per pattern), ``sdpa-flash`` / ``sdpa-cudnn``
-(pattern.py's chunk loop over ``SdpaKernel``), ``reference`` (plain torch), and
-the ceiling ``dense-cudnn``: cuDNN SDPA on dense attention of exactly the same
-unmasked work (every pattern is ``N/r / M`` blocks of ``M x M`` per head, so the
-sum is ``B_eq`` dense sequences of length ``M``; all patterns here share ``M``).
+Methods (``--methods``): ``fused`` (Triton, one launch per pattern), ``cudnn``
+(zero-copy strided cuDNN calls, ``kernels/cudnn.py``), ``auto`` (per pattern and
+direction the implementation measured fastest in *this* run, deterministic
+backward only), ``auto-any`` (the same, cuDNN's non-deterministic backward
+allowed), ``sdpa-flash``/``sdpa-cudnn`` (the composed chunk loop, copies),
+``reference``. Ceilings: ``dense-cudnn``/``dense-flash``, torch SDPA on dense
+attention of exactly the same unmasked work (every pattern is ``N/r / M`` blocks
+of ``M x M`` per head; all patterns here share ``M``).
+
+The auto table: every plan is timed forward and backward with each
+implementation; plans are classed dense (``r = 1``) or dilated and the class sums
+decide (a backward must also be bitwise reproducible to be the deterministic
+choice, and every implementation must agree with the fused kernel to be chosen at
+all). ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``.
 
 Reported: median ms of CUDA-event timings after warm-up, TFLOP/s of the unmasked
 work only (fwd: 4*M*M*D per block and head, halved+diag for causal; bwd 2.5x fwd),
-and peak extra memory. ``kernel`` rows time the pattern kernels alone; ``pipeline``
-rows add the merge (and the accumulators) the ring does around them.
+peak extra memory; ``api`` rows time ``dilated_attention`` forward+backward through
+autograd; the full-attention rows (one pattern ``w = N``, ``r = 1``) compare the
+library with cuDNN SDPA itself. The JSON summary has, per causal flag,
+``library_fwd_bwd_vs_dense_cudnn`` (library path vs dense cuDNN, rate ratio).
 
     python benchmarks/bench_kernel.py [--sweep] [--out benchmarks/results]
+    python benchmarks/bench_kernel.py --smoke          # CPU, Triton interpreter, tiny shapes
+    python benchmarks/bench_kernel.py --render results/kernel_<gpu>.json     # markdown next to it
+    python benchmarks/bench_kernel.py --write-table results/kernel_<gpu>.json
 """
 
 from __future__ import annotations
@@ -25,39 +39,55 @@ import argparse
 import json
 import os
 import platform
+import pprint
 import re
 import sys
 import time
 
-import torch
+if "--smoke" in sys.argv:  # before triton is imported anywhere
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dilated_attention import dilated_attention  # noqa: E402
+from dilated_attention.kernels.auto import AutoKernel, table_key  # noqa: E402
+from dilated_attention.kernels.cudnn import CudnnKernel  # noqa: E402
 from dilated_attention.kernels.fused import FusedConfig, FusedKernel, default_config  # noqa: E402
-from dilated_attention.kernels.pattern import pattern_backward, pattern_forward  # noqa: E402
+from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
+from dilated_attention.kernels.sdpa import SdpaKernel  # noqa: E402
+from dilated_attention.merge import combine_patterns  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
-from dilated_attention.ring import combine_patterns  # noqa: E402
 
-try:
-    from dilated_attention.kernels.sdpa import SdpaKernel  # noqa: E402
-except Exception:  # pragma: no cover
-    SdpaKernel = None
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+TABLE_FILE = os.path.join(ROOT, "dilated_attention", "kernels", "auto_table.py")
 
 
-def timed(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` CUDA-event timings after ``warmup`` calls."""
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, warmup: int, reps: int, device=torch.device("cuda")) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` timings (CUDA events on a GPU) after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
 
@@ -74,11 +104,10 @@ def flops_fwd(plans, bsz: int, seq: int, dim: int, causal: bool) -> float:
 
 
 def fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=True):
-    bsz, n, heads, dim = q.shape
     if not merge:
-        return [pattern_forward(kernel, q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
-    # exactly what the library's forward does around the kernels (ring.combine_patterns)
-    parts = [(p, *pattern_forward(kernel, q, k, v, p, packed=False, causal=causal, scale=scale)) for p in plans]
+        return [kernel.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
+    # exactly what the library's forward does around the kernels
+    parts = [(p, *kernel.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)) for p in plans]
     return combine_patterns(parts, q)
 
 
@@ -87,79 +116,178 @@ def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     for p in plans:
-        pattern_backward(kernel, q, k, v, p, out, lse, dout, dq, dk, dv, packed=False, causal=causal, scale=scale)
+        kernel.backward_pattern(q, k, v, p, out, lse, dout, dq, dk, dv, packed=False, causal=causal, scale=scale)
     return dq, dk, dv
 
 
-def measure_method(name, kernel, q, k, v, dout, plans, causal, scale, warmup, reps, fl_fwd):
+def _print_row(r):
+    tf = r.get("tflops") or 0
+    print(f"  {r['method']:12s} causal={r['causal']!s:5s} {r['kind']:22s} {r['ms']:9.3f} ms  {tf:7.1f} TFLOP/s", flush=True)
+
+
+def peak_extra(fn, device) -> tuple[int, object]:
+    """Peak bytes allocated by ``fn`` beyond what was allocated before, and its result."""
+    if device.type != "cuda":
+        return 0, fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    res = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, res
+
+
+def measure_method(name, kernel, q, k, v, dout, plans, causal, scale, warmup, reps, fl_fwd, api_args=None):
     rows = []
+    dev = q.device
 
     def row(kind, ms, flops, extra=None):
         r = {"method": name, "causal": causal, "kind": kind, "ms": ms, "tflops": flops / ms / 1e9 if ms else None}
         r.update(extra or {})
         rows.append(r)
-        print(f"  {name:12s} causal={causal!s:5s} {kind:22s} {ms:9.3f} ms  {r['tflops'] or 0:7.1f} TFLOP/s", flush=True)
+        _print_row(r)
 
     # memory of the forward kernels alone on the densest pattern (r = 1): extra beyond out+lse
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    o, s = pattern_forward(kernel, q, k, v, plans[0], packed=False, causal=causal, scale=scale)
-    torch.cuda.synchronize()
-    peak_fwd = torch.cuda.max_memory_allocated() - base
+    peak_fwd, (o, s) = peak_extra(lambda: kernel.forward_pattern(q, k, v, plans[0], packed=False, causal=causal,
+                                                                 scale=scale), dev)
     out_lse = o.numel() * o.element_size() + s.numel() * s.element_size()
     del o, s
 
-    ms = timed(lambda: fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=False), warmup, reps)
+    ms = timed(lambda: fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=False), warmup, reps, dev)
     row("fwd kernel", ms, fl_fwd, {"peak_fwd_plan0_bytes": peak_fwd, "out_lse_plan0_bytes": out_lse})
     out, lse = fwd_pipeline(kernel, q, k, v, plans, causal, scale)
-    ms_bwd = timed(lambda: bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale), warmup, reps)
+    ms_bwd = timed(lambda: bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale), warmup, reps, dev)
     row("bwd kernel (+acc zero)", ms_bwd, 2.5 * fl_fwd)
-    ms = timed(lambda: fwd_pipeline(kernel, q, k, v, plans, causal, scale), warmup, reps)
+    ms = timed(lambda: fwd_pipeline(kernel, q, k, v, plans, causal, scale), warmup, reps, dev)
     row("fwd pipeline", ms, fl_fwd)
 
     def step():
         o_, l_ = fwd_pipeline(kernel, q, k, v, plans, causal, scale)
         bwd_pipeline(kernel, q, k, v, plans, o_, l_, dout, causal, scale)
 
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    ms = timed(step, warmup, reps)
+    peak, _ = peak_extra(step, dev)
+    ms = timed(step, warmup, reps, dev)
     row("fwd+bwd pipeline", ms, 3.5 * fl_fwd, {"peak_fwd_bwd_bytes": peak})
     ms_fk = [r for r in rows if r["kind"] == "fwd kernel"][0]["ms"]
     row("fwd+bwd kernel", ms_fk + ms_bwd, 3.5 * fl_fwd)
+    if api_args is not None:  # the public function through autograd: what a model sees
+        segs, rates = api_args
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+        def api():
+            o_ = dilated_attention(*leaves, segs, rates, causal=causal, kernel=kernel)
+            torch.autograd.grad(o_, leaves, dout)
+
+        row("api fwd+bwd", timed(api, warmup, reps, dev), 3.5 * fl_fwd)
     return rows
 
 
-def measure_dense(q_shape, dtype, causal, warmup, reps, fl_fwd, backend_name):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _sdpa_backend(name):
+    from torch.nn.attention import SDPBackend
 
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend_name]
-    bsz, heads, m, dim = q_shape
-    q = torch.randn(q_shape, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(q_shape, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(q_shape, device="cuda", dtype=dtype, requires_grad=True)
-    g = torch.randn(q_shape, device="cuda", dtype=dtype)
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def measure_dense(q_shape, dtype, causal, warmup, reps, fl_fwd, backend_name, device, method=None):
+    """torch SDPA forward and forward+backward on dense ``(B, H, M, D)`` inputs (the ceiling)."""
+    from torch.nn.attention import sdpa_kernel
+
+    q, k, v = (torch.randn(q_shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.randn(q_shape, device=device, dtype=dtype)
     f = torch.nn.functional.scaled_dot_product_attention
+    method = method or f"dense-{backend_name}"
     rows = []
-    with sdpa_kernel([backend]):
+    with sdpa_kernel([_sdpa_backend(backend_name)]):
         with torch.no_grad():
-            ms = timed(lambda: f(q, k, v, is_causal=causal), warmup, reps)
-        rows.append({"method": f"dense-{backend_name}", "causal": causal, "kind": "fwd kernel", "ms": ms, "tflops": fl_fwd / ms / 1e9})
+            ms = timed(lambda: f(q, k, v, is_causal=causal), warmup, reps, device)
+        rows.append({"method": method, "causal": causal, "kind": "fwd kernel", "ms": ms, "tflops": fl_fwd / ms / 1e9})
 
         def step():
             o = f(q, k, v, is_causal=causal)
             torch.autograd.grad(o, (q, k, v), g)
 
-        ms2 = timed(step, warmup, reps)
-        rows.append({"method": f"dense-{backend_name}", "causal": causal, "kind": "fwd+bwd kernel", "ms": ms2, "tflops": 3.5 * fl_fwd / ms2 / 1e9})
+        ms2 = timed(step, warmup, reps, device)
+        rows.append({"method": method, "causal": causal, "kind": "fwd+bwd kernel", "ms": ms2,
+                     "tflops": 3.5 * fl_fwd / ms2 / 1e9})
     for r in rows:
-        print(f"  {r['method']:12s} causal={causal!s:5s} {r['kind']:22s} {r['ms']:9.3f} ms  {r['tflops']:7.1f} TFLOP/s", flush=True)
+        _print_row(r)
     return rows
+
+
+# ---------------------------------------------------------------------------
+# the auto table: per plan class and direction, the fastest correct implementation
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=2e-2):
+    """Per plan and implementation: fwd/bwd ms, agreement with fused, bitwise reproducibility of the backward.
+
+    Returns ``(per-plan rows, choices)`` with choices keyed by ``auto.table_key``.
+    """
+    dev, dim, dtype = q.device, q.shape[-1], q.dtype
+    fused = impls["fused"]
+    out, lse = fwd_pipeline(fused, q, k, v, plans, causal, scale)
+    rows = []
+    for p in plans:
+        ref_f = fused.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)
+        ref_b = [torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (q, k, v)]
+        fused.backward_pattern(q, k, v, p, out, lse, dout, *ref_b, packed=False, causal=causal, scale=scale)
+        for name, impl in impls.items():
+            r = {"plan": p.index, "w": p.segment, "r": p.dilation, "causal": causal, "impl": name}
+            if impl.supports(q, k) is not None:
+                r["error"] = impl.supports(q, k)
+                rows.append(r)
+                continue
+            try:
+                o, s = impl.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)
+                rows_o = torch.cat([o[:, :, c.h0:c.h1].flatten(2) for c in p.chunks], -1)
+                rows_r = torch.cat([ref_f[0][:, :, c.h0:c.h1].flatten(2) for c in p.chunks], -1)
+                grads = []
+                for _ in range(2):
+                    acc = [torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (q, k, v)]
+                    impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False, causal=causal, scale=scale)
+                    grads.append(acc)
+                r["rel_vs_fused"] = max([_rel(rows_o, rows_r)] + [_rel(a, b) for a, b in zip(grads[0], ref_b)])
+                r["bwd_reproducible"] = all(torch.equal(a, b) for a, b in zip(*grads))
+                r["fwd_ms"] = timed(lambda: impl.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale),
+                                    warmup, reps, dev)
+                acc = grads[0]
+                r["bwd_ms"] = timed(lambda: impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False,
+                                                                  causal=causal, scale=scale), warmup, reps, dev)
+            except Exception as exc:  # an implementation that cannot run this plan is never chosen
+                r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(r)
+            print(f"  table causal={causal} plan {p.index} (w={p.segment}, r={p.dilation}) {name:9s} "
+                  + (f"fwd {r['fwd_ms']:.3f} ms bwd {r['bwd_ms']:.3f} ms rel {r['rel_vs_fused']:.1e} "
+                     f"reproducible {r['bwd_reproducible']}" if "error" not in r else r["error"]), flush=True)
+    choices = {}
+    for dense in (True, False):
+        cls = [x for x in rows if (x["r"] == 1) == dense]
+        if not cls:
+            continue
+        r0 = cls[0]["r"]
+        for direction in ("fwd", "bwd", "bwd-any"):
+            best, best_ms = None, None
+            for name in impls:
+                mine = [x for x in cls if x["impl"] == name]
+                ok = all("error" not in x and x["rel_vs_fused"] <= tol for x in mine)
+                if direction == "bwd":
+                    ok = ok and all(x.get("bwd_reproducible") for x in mine)
+                if not ok or not mine:
+                    continue
+                ms = sum(x["fwd_ms" if direction == "fwd" else "bwd_ms"] for x in mine)
+                if best_ms is None or ms < best_ms:
+                    best, best_ms = name, ms
+            if best is not None:
+                choices[table_key(direction, r0, causal, dim, dtype)] = best
+    return rows, choices
+
+
+# ---------------------------------------------------------------------------
 
 
 FWD_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 8, 3)]
@@ -200,115 +328,233 @@ def sweep(q, k, v, dout, plans, causal, scale, warmup, reps):
     return results
 
 
-def check_close(q, k, v, dout, plans, causal, scale):
-    """Fused vs composed (sdpa-flash) outputs and gradients on the benchmark shape: relative errors."""
-    if SdpaKernel is None:
-        return {}
-    a = fwd_pipeline(FusedKernel(), q, k, v, plans, causal, scale)
-    b = fwd_pipeline(SdpaKernel("flash"), q, k, v, plans, causal, scale)
-    ga = bwd_pipeline(FusedKernel(), q, k, v, plans, a[0], a[1], dout, causal, scale)
-    gb = bwd_pipeline(SdpaKernel("flash"), q, k, v, plans, b[0], b[1], dout, causal, scale)
+def full_attention(q, k, v, dout, causal, impls, warmup, reps):
+    """One pattern ``w = N, r = 1`` through ``dilated_attention`` vs cuDNN SDPA on the same (B, N, H, D) data."""
+    from torch.nn.attention import sdpa_kernel
 
-    def rel(x, y):
-        return ((x.float() - y.float()).norm() / y.float().norm()).item()
+    bsz, n, heads, dim = q.shape
+    dev = q.device
+    fl = 4.0 * bsz * heads * dim * (n * (n + 1) / 2 if causal else n * n)
+    rows = []
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    backend = "cudnn" if dev.type == "cuda" else "math"
+    with sdpa_kernel([_sdpa_backend(backend)]):
+        bh = [x.transpose(1, 2) for x in leaves]
+        with torch.no_grad():
+            ms = timed(lambda: torch.nn.functional.scaled_dot_product_attention(*bh, is_causal=causal), warmup, reps, dev)
+        rows.append({"method": f"full-sdpa-{backend}", "causal": causal, "kind": "fwd", "ms": ms, "tflops": fl / ms / 1e9})
 
-    res = {"out": rel(a[0], b[0]), "lse": rel(a[1], b[1]), "dq": rel(ga[0], gb[0]), "dk": rel(ga[1], gb[1]), "dv": rel(ga[2], gb[2])}
-    print(f"  fused vs sdpa-flash relative diff (causal={causal}): {res}", flush=True)
+        def sdpa_step():
+            o = torch.nn.functional.scaled_dot_product_attention(*[x.transpose(1, 2) for x in leaves], is_causal=causal)
+            torch.autograd.grad(o, leaves, dout.transpose(1, 2))
+
+        ms = timed(sdpa_step, warmup, reps, dev)
+        rows.append({"method": f"full-sdpa-{backend}", "causal": causal, "kind": "fwd+bwd", "ms": ms,
+                     "tflops": 3.5 * fl / ms / 1e9})
+    for name, kern in impls.items():
+        try:
+            with torch.no_grad():
+                ms = timed(lambda: dilated_attention(*leaves, [n], [1], causal=causal, kernel=kern), warmup, reps, dev)
+            rows.append({"method": f"full-{name}", "causal": causal, "kind": "fwd", "ms": ms, "tflops": fl / ms / 1e9})
+
+            def step():
+                o = dilated_attention(*leaves, [n], [1], causal=causal, kernel=kern)
+                torch.autograd.grad(o, leaves, dout)
+
+            ms = timed(step, warmup, reps, dev)
+            rows.append({"method": f"full-{name}", "causal": causal, "kind": "fwd+bwd", "ms": ms,
+                         "tflops": 3.5 * fl / ms / 1e9})
+        except Exception as exc:
+            print(f"  full-{name} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            rows.append({"method": f"full-{name}", "causal": causal, "kind": "error", "error": str(exc)[:300]})
+    for r in rows:
+        if r["kind"] != "error":
+            _print_row(r)
+    return rows
+
+
+def check_close(impls, q, k, v, dout, plans, causal, scale):
+    """Every implementation vs the fused kernel on the benchmark shape, through the pipeline: relative errors."""
+    res = {}
+    a = fwd_pipeline(impls["fused"], q, k, v, plans, causal, scale)
+    ga = bwd_pipeline(impls["fused"], q, k, v, plans, a[0], a[1], dout, causal, scale)
+    for name, kern in impls.items():
+        if name == "fused":
+            continue
+        try:
+            b = fwd_pipeline(kern, q, k, v, plans, causal, scale)
+            gb = bwd_pipeline(kern, q, k, v, plans, b[0], b[1], dout, causal, scale)
+            res[name] = {"out": _rel(b[0], a[0]), "lse": _rel(b[1], a[1]),
+                         **{f"d{x}": _rel(y, z) for x, y, z in zip("qkv", gb, ga)}}
+        except Exception as exc:
+            res[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        print(f"  {name} vs fused relative diff (causal={causal}): {res[name]}", flush=True)
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def make_kernel(name, table_impls, choices):
+    if name == "fused":
+        return FusedKernel()
+    if name == "cudnn":
+        return CudnnKernel()
+    if name in ("auto", "auto-any"):
+        return AutoKernel(table_impls, choices, allow_nondeterministic=name == "auto-any")
+    if name.startswith("sdpa"):
+        return ChunkLoop(SdpaKernel("flash" if name == "sdpa-flash" else "cudnn"))
+    if name == "reference":
+        return ChunkLoop(ReferenceKernel())
+    raise SystemExit(f"unknown method {name}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--segments", default="2048,4096,8192,16384,32768")
     ap.add_argument("--rates", default="1,2,4,8,16")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="time a few fused configs too")
-    ap.add_argument("--methods", default="fused,sdpa-flash,sdpa-cudnn,reference")
+    ap.add_argument("--methods", default="fused,cudnn,auto,auto-any,sdpa-cudnn")
+    ap.add_argument("--table-extra", default="", help="more table entries, 'dim:dtype,...' (e.g. 64:bfloat16,128:float16)")
+    ap.add_argument("--no-full", action="store_true", help="skip the full-attention comparison")
+    ap.add_argument("--no-md", action="store_true", help="write only JSON and PNG (the markdown is in the JSON)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: checks the script")
+    ap.add_argument("--render", metavar="JSON", help="write the markdown of a result JSON next to it and exit")
+    ap.add_argument("--write-table", metavar="JSON", help="store a result JSON's auto choices in kernels/auto_table.py")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args()
-    assert torch.cuda.is_available(), "this benchmark needs a GPU"
+    args = ap.parse_args(argv)
+    if args.render:
+        return render(args.render)
+    if args.write_table:
+        return write_table(args.write_table)
+    if args.smoke:
+        args.batch, args.seq, args.heads, args.dim = 1, 64, 4, 16
+        args.segments, args.rates, args.warmup, args.reps = "16,32,64", "1,2,4", 0, 1
+        args.dtype = "float32"
+        args.methods = "fused,auto,auto-any,reference"
+        device = torch.device("cpu")
+    else:
+        assert torch.cuda.is_available(), "this benchmark needs a GPU (or --smoke)"
+        device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
 
     segs = [int(x) for x in args.segments.split(",")]
     rates = [int(x) for x in args.rates.split(",")]
-    dtype = torch.bfloat16
+    dtype = getattr(torch, args.dtype)
     plans = plan_patterns(segs, rates, seq_len=args.seq, local_len=args.seq, num_heads=args.heads,
                           num_kv_heads=args.heads, mode="longnet")
     ms_set = {p.local_segment // p.dilation for p in plans}
-    gpu = torch.cuda.get_device_name()
-    tag = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu-smoke ({platform.machine()})"
+    tag = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") if device.type == "cuda" else "smoke"
     import triton
 
     meta = {
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
         "python": platform.python_version(), "command": " ".join([sys.executable] + sys.argv),
-        "shape": {"B": args.batch, "N": args.seq, "H": args.heads, "D": args.dim, "dtype": "bf16"},
+        "shape": {"B": args.batch, "N": args.seq, "H": args.heads, "D": args.dim, "dtype": args.dtype},
         "segment_lengths": segs, "dilation_rates": rates, "mode": "longnet",
         "fused_config": str(default_config(args.dim, dtype)),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     print(json.dumps(meta, indent=1), flush=True)
+    # the implementations auto may choose between (on CPU the reference stands in for cuDNN)
+    table_impls = {"fused": FusedKernel(), ("cudnn" if device.type == "cuda" else "reference"):
+                   CudnnKernel() if device.type == "cuda" else ChunkLoop(ReferenceKernel())}
     scale = args.dim ** -0.5
     torch.manual_seed(0)
     shape = (args.batch, args.seq, args.heads, args.dim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
-    rows, sweeps, checks = [], [], {}
+    q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
+    rows, sweeps, checks, table_rows, choices, full_rows = [], [], {}, [], {}, []
     for causal in (False, True):
         fl = flops_fwd(plans, args.batch, args.seq, args.dim, causal)
         print(f"causal={causal}: unmasked fwd work {fl / 1e12:.3f} TFLOP", flush=True)
         try:
-            checks[str(causal)] = check_close(q, k, v, dout, plans, causal, scale)
+            t_rows, t_choices = measure_table(table_impls, q, k, v, dout, plans, causal, scale, args.warmup, args.reps)
+            table_rows += t_rows
+            choices.update(t_choices)
         except Exception as exc:
-            print(f"  check failed: {type(exc).__name__}: {exc}")
+            print(f"  table failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        print(f"  auto choices so far: {json.dumps(choices)}", flush=True)
+        kernels = {}
         for name in args.methods.split(","):
-            if name == "fused":
-                kern = FusedKernel()
-            elif name.startswith("sdpa"):
-                if SdpaKernel is None:
-                    continue
-                kern = SdpaKernel("flash" if name == "sdpa-flash" else "cudnn")
-            elif name == "reference":
-                kern = ReferenceKernel()
-            else:
-                raise SystemExit(f"unknown method {name}")
-            w, r = (1, 3) if name == "reference" else (args.warmup, args.reps)
             try:
-                rows += measure_method(name, kern, q, k, v, dout, plans, causal, scale, w, r, fl)
+                kernels[name] = make_kernel(name, table_impls, choices)
+            except Exception as exc:
+                rows.append({"method": name, "causal": causal, "kind": "error", "error": str(exc)[:300]})
+        try:
+            checks[str(causal)] = check_close({"fused": table_impls["fused"], **kernels}, q, k, v, dout, plans, causal, scale)
+        except Exception as exc:
+            print(f"  check failed: {type(exc).__name__}: {exc}", flush=True)
+        for name, kern in kernels.items():
+            w, r = (1, 3) if name == "reference" and device.type == "cuda" else (args.warmup, args.reps)
+            api = (segs, rates) if name in ("fused", "auto", "auto-any", "cudnn") else None
+            try:
+                rows += measure_method(name, kern, q, k, v, dout, plans, causal, scale, w, r, fl, api)
             except Exception as exc:
                 print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 rows.append({"method": name, "causal": causal, "kind": "error", "error": str(exc)[:300]})
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if len(ms_set) == 1:
             m = next(iter(ms_set))
             blocks = fl / (4.0 * args.heads * args.dim * (m * (m + 1) / 2 if causal else m * m))
             beq = int(round(blocks))
-            for backend in ("cudnn", "flash"):
+            for backend in (("cudnn", "flash") if device.type == "cuda" else ("math",)):
                 try:
-                    rows += measure_dense((beq, args.heads, m, args.dim), dtype, causal, args.warmup, args.reps, fl, backend)
+                    rows += measure_dense((beq, args.heads, m, args.dim), dtype, causal, args.warmup, args.reps, fl,
+                                          backend, device, method="dense-cudnn" if backend == "math" else None)
                 except Exception as exc:
                     print(f"  dense-{backend} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        if args.sweep:
+        if not args.no_full:
+            full_impls = {n: kernels[n] for n in ("fused", "auto", "auto-any") if n in kernels}
+            try:
+                full_rows += full_attention(q, k, v, dout, causal, full_impls, args.warmup, args.reps)
+            except Exception as exc:
+                print(f"  full attention failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        if args.sweep and device.type == "cuda":
             sweeps += sweep(q, k, v, dout, plans, causal, scale, args.warmup, args.reps)
 
+    for extra in filter(None, args.table_extra.split(",")):  # more table entries at other head dims / dtypes
+        dim_s, dt_s = extra.split(":")
+        dim, dt = int(dim_s), getattr(torch, dt_s)
+        xs = [torch.randn(args.batch, args.seq, args.heads, dim, device=device, dtype=dt) for _ in range(4)]
+        for causal in (False, True):
+            try:
+                t_rows, t_choices = measure_table(table_impls, *xs, plans, causal, dim ** -0.5, 1, max(3, args.reps // 2))
+                table_rows += [{**x, "dim": dim, "dtype": dt_s} for x in t_rows]
+                choices.update(t_choices)
+            except Exception as exc:
+                print(f"  table {extra} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        del xs
+
     os.makedirs(args.out, exist_ok=True)
-    result = {"meta": meta, "rows": rows, "sweep": sweeps, "fused_vs_sdpa_rel_diff": checks}
-    summary = summarize(rows)
-    result["summary"] = summary
-    with open(os.path.join(args.out, f"kernel_{tag}.json"), "w") as f:
+    summary = summarize(rows, full_rows)
+    summary["auto_choices"] = choices
+    summary["bwd_reproducible"] = {name: all(x.get("bwd_reproducible", False) for x in table_rows if x["impl"] == name
+                                             and "error" not in x) for name in table_impls}
+    result = {"meta": meta, "rows": rows, "full_attention": full_rows, "table": table_rows, "sweep": sweeps,
+              "rel_diff_vs_fused": checks, "summary": summary,
+              "auto_table": {gpu: {"source": f"benchmarks/results/kernel_{tag}.json ({meta['time']})",
+                                   "torch": meta["torch"], "cudnn": meta["cudnn"], "choices": choices}}}
+    md = markdown(result)
+    result["markdown"] = md
+    path = os.path.join(args.out, f"kernel_{tag}.json")
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    md = markdown(meta, rows, summary)
-    with open(os.path.join(args.out, f"kernel_{tag}.md"), "w") as f:
-        f.write(md)
+    if not args.no_md:
+        with open(os.path.join(args.out, f"kernel_{tag}.md"), "w") as f:
+            f.write(md)
     try:
-        plot(rows, os.path.join(args.out, f"kernel_{tag}.png"), gpu)
+        plot(rows, full_rows, os.path.join(args.out, f"kernel_{tag}.png"), gpu, meta)
     except Exception as exc:
         print(f"plot failed: {exc}")
     print(md)
+    return 0
 
 
 def _get(rows, method, causal, kind):
@@ -318,37 +564,51 @@ def _get(rows, method, causal, kind):
     return None
 
 
-def summarize(rows):
+def summarize(rows, full_rows=()):
     out = {}
     for causal in (False, True):
-        f = _get(rows, "fused", causal, "fwd+bwd pipeline")
-        fk = _get(rows, "fused", causal, "fwd+bwd kernel")
-        comp = [r for r in (_get(rows, m, causal, "fwd+bwd pipeline") for m in ("sdpa-flash", "sdpa-cudnn")) if r]
-        compk = [r for r in (_get(rows, m, causal, "fwd+bwd kernel") for m in ("sdpa-flash", "sdpa-cudnn")) if r]
+        s = {}
         dense = _get(rows, "dense-cudnn", causal, "fwd+bwd kernel")
         densef = _get(rows, "dense-cudnn", causal, "fwd kernel")
-        ff = _get(rows, "fused", causal, "fwd kernel")
-        s = {}
-        if f and comp:
-            s["speedup_vs_best_composed_pipeline"] = min(r["ms"] for r in comp) / f["ms"]
-        if fk and compk:
-            s["speedup_vs_best_composed_kernel"] = min(r["ms"] for r in compk) / fk["ms"]
-        if fk and dense:
-            s["fused_over_dense_cudnn_fwd_bwd_tflops"] = fk["tflops"] / dense["tflops"]
-        if ff and densef:
-            s["fused_over_dense_cudnn_fwd_tflops"] = ff["tflops"] / densef["tflops"]
-        if ff and "peak_fwd_plan0_bytes" in ff:
-            s["fused_fwd_extra_bytes_beyond_out_lse"] = ff["peak_fwd_plan0_bytes"] - ff["out_lse_plan0_bytes"]
+        for method in ("auto", "auto-any", "fused", "cudnn"):
+            tag = "library" if method == "auto" else f"library_{method.replace('-', '_')}"
+            pipe = _get(rows, method, causal, "fwd+bwd pipeline")
+            fwd = _get(rows, method, causal, "fwd pipeline")
+            fk = _get(rows, method, causal, "fwd kernel")
+            api = _get(rows, method, causal, "api fwd+bwd")
+            if pipe and dense:  # same unmasked work: the time ratio is the rate ratio
+                s[f"{tag}_fwd_bwd_vs_dense_cudnn"] = dense["ms"] / pipe["ms"]
+            if fwd and densef:
+                s[f"{tag}_fwd_vs_dense_cudnn"] = densef["ms"] / fwd["ms"]
+            if api and dense:
+                s[f"{tag}_api_fwd_bwd_vs_dense_cudnn"] = dense["ms"] / api["ms"]
+            if fk and fwd:
+                s[f"{tag}_fwd_pipeline_over_kernels"] = fwd["ms"] / fk["ms"]
+            if fk and "peak_fwd_plan0_bytes" in fk:
+                s[f"{method.replace('-', '_')}_fwd_extra_bytes_beyond_out_lse"] = (
+                    fk["peak_fwd_plan0_bytes"] - fk["out_lse_plan0_bytes"])
+        comp = [r for r in (_get(rows, m, causal, "fwd+bwd pipeline") for m in ("sdpa-flash", "sdpa-cudnn")) if r]
+        lib = _get(rows, "auto", causal, "fwd+bwd pipeline") or _get(rows, "fused", causal, "fwd+bwd pipeline")
+        if lib and comp:
+            s["speedup_vs_best_composed_pipeline"] = min(r["ms"] for r in comp) / lib["ms"]
+        sd = [r for r in full_rows if r["causal"] == causal and r["method"].startswith("full-sdpa") and r["kind"] == "fwd+bwd"]
+        for r in full_rows:
+            if r["causal"] == causal and r["kind"] in ("fwd", "fwd+bwd") and not r["method"].startswith("full-sdpa") and sd:
+                ref = [x for x in full_rows if x["causal"] == causal and x["method"] == sd[0]["method"]
+                       and x["kind"] == r["kind"]][0]
+                s[f"{r['method'].replace('-', '_')}_{r['kind'].replace('+', '_')}_vs_cudnn_sdpa"] = ref["ms"] / r["ms"]
         out[str(causal)] = s
     return out
 
 
-def markdown(meta, rows, summary):
+def markdown(result):
+    meta, rows, summary = result["meta"], result["rows"], result["summary"]
+    sh = meta["shape"]
     lines = [
         f"# Kernel benchmark on {meta['gpu']}",
         "",
-        f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; "
-        f"B={meta['shape']['B']} N={meta['shape']['N']} H={meta['shape']['H']} D={meta['shape']['D']} bf16, "
+        f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, cuDNN {meta.get('cudnn')}; "
+        f"B={sh['B']} N={sh['N']} H={sh['H']} D={sh['D']} {sh['dtype']}, "
         f"longnet segments {meta['segment_lengths']} rates {meta['dilation_rates']}.",
         f"Command: `{meta['command']}`",
         "",
@@ -362,23 +622,39 @@ def markdown(meta, rows, summary):
         mem = r.get("peak_fwd_bwd_bytes", r.get("peak_fwd_plan0_bytes"))
         mem = f"{mem / 2**20:.0f}" if mem is not None else ""
         lines.append(f"| {r['method']} | {r['causal']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.1f} | {mem} |")
-    lines += ["", "Summary: " + json.dumps(summary), ""]
+    full = result.get("full_attention") or []
+    if full:
+        lines += ["", f"Full attention (one pattern w=N={sh['N']}, r=1) through `dilated_attention` vs cuDNN SDPA:", "",
+                  "| method | causal | what | ms | TFLOP/s |", "| --- | --- | --- | ---: | ---: |"]
+        for r in full:
+            if r["kind"] != "error":
+                lines.append(f"| {r['method']} | {r['causal']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.1f} |")
+    table = [x for x in result.get("table", []) if "error" not in x]
+    if table:
+        lines += ["", "Per-pattern timings behind the auto table (ms; rel = max relative difference to fused):", "",
+                  "| D | dtype | causal | w | r | impl | fwd | bwd | rel | bwd reproducible |",
+                  "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
+        for x in table:
+            lines.append(f"| {x.get('dim', sh['D'])} | {x.get('dtype', sh['dtype'])} | {x['causal']} | {x['w']} | {x['r']} "
+                         f"| {x['impl']} | {x['fwd_ms']:.3f} | {x['bwd_ms']:.3f} | {x['rel_vs_fused']:.1e} "
+                         f"| {x['bwd_reproducible']} |")
+    lines += ["", "Summary:", "", "```", json.dumps(summary, indent=1), "```", ""]
     return "\n".join(lines)
 
 
-def plot(rows, path, gpu):
+def plot(rows, full_rows, path, gpu, meta):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = ["fwd kernel", "fwd+bwd kernel", "fwd+bwd pipeline"]
+    kinds = ["fwd kernel", "fwd+bwd kernel", "fwd+bwd pipeline", "api fwd+bwd"]
     methods = []
     for r in rows:
         if r["kind"] != "error" and r["method"] not in methods and r["method"] != "reference":
             methods.append(r["method"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, causal in zip(axes, (False, True)):
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for ax, causal in zip(axes[:2], (False, True)):
         width = 0.8 / max(1, len(methods))
         for i, m in enumerate(methods):
             vals = []
@@ -387,14 +663,61 @@ def plot(rows, path, gpu):
                 vals.append(r["tflops"] if r else 0)
             ax.bar([x + i * width for x in range(len(kinds))], vals, width, label=m)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(kinds))])
-        ax.set_xticklabels(kinds)
-        ax.set_title(f"causal={causal}")
+        ax.set_xticklabels(kinds, fontsize=8)
+        ax.set_title(f"LongNet patterns, causal={causal}")
         ax.set_ylabel("effective TFLOP/s (unmasked work)")
-    axes[0].legend()
-    fig.suptitle(f"dilated attention kernels, {gpu}, N=32768 H=16 D=128 bf16")
+    axes[0].legend(fontsize=7)
+    ax = axes[2]
+    names = []
+    for r in full_rows:
+        if r["kind"] == "fwd+bwd" and r["method"] not in names:
+            names.append(r["method"])
+    for i, causal in enumerate((False, True)):
+        vals = [next((r["tflops"] for r in full_rows if r["method"] == n and r["causal"] == causal
+                      and r["kind"] == "fwd+bwd"), 0) for n in names]
+        ax.bar([x + i * 0.4 for x in range(len(names))], vals, 0.4, label=f"causal={causal}")
+    ax.set_xticks([x + 0.2 for x in range(len(names))])
+    ax.set_xticklabels(names, fontsize=7, rotation=20)
+    ax.set_title("full attention w=N, r=1: fwd+bwd")
+    ax.legend(fontsize=7)
+    sh = meta["shape"]
+    fig.suptitle(f"dilated attention kernels, {gpu}, N={sh['N']} H={sh['H']} D={sh['D']} {sh['dtype']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def render(path: str) -> int:
+    with open(path) as f:
+        result = json.load(f)
+    md = result.get("markdown") or markdown(result)
+    out = os.path.splitext(path)[0] + ".md"
+    with open(out, "w") as f:
+        f.write(md)
+    print(f"wrote {out}")
+    return 0
+
+
+def write_table(path: str) -> int:
+    """Merge a result JSON's measured choices (fused/cuDNN only) into ``kernels/auto_table.py``."""
+    from dilated_attention.kernels.auto_table import TABLE
+
+    with open(path) as f:
+        result = json.load(f)
+    table = {k: dict(v) for k, v in TABLE.items()}
+    for gpu, entry in result["auto_table"].items():
+        choices = {k: c for k, c in entry["choices"].items() if c in ("fused", "cudnn")}
+        if not choices:
+            continue
+        merged = dict(table.get(gpu, {}).get("choices", {}))
+        merged.update(choices)
+        table[gpu] = {**{k: v for k, v in entry.items() if k != "choices"}, "choices": dict(sorted(merged.items()))}
+    with open(TABLE_FILE) as f:
+        head = f.read().split("TABLE: dict[str, dict] =")[0]
+    with open(TABLE_FILE, "w") as f:
+        f.write(head + "TABLE: dict[str, dict] = " + pprint.pformat(table, width=110, sort_dicts=True) + "\n")
+    print(f"wrote {TABLE_FILE}: {sorted(table)}")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
