@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         res = fuzz.fuzz_spawned(a.world_sizes, backend=a.backend, **common)
     else:
         res = fuzz.fuzz(device=a.device, **common)
-    print(f"{res.cases} cases ({res.valid} valid, {res.invalid} invalid) in {res.seconds:.0f} s, "
+    declined = f", {res.skipped} declined by the named kernel" if res.skipped else ""
+    print(f"{res.cases} cases ({res.valid} valid{declined}, {res.invalid} invalid) in {res.seconds:.0f} s, "
           f"kernels {','.join(kernels)}, dtypes {','.join(dtypes)}, world sizes {a.world_sizes}, seed {a.seed}")
     if res.ok:
         print("no finding: every valid case matched the oracle, every invalid one raised ValueError/TypeError")

@@ -34,6 +34,14 @@ from .debug import describe_tensor
 from . import repro
 
 CPU_KERNELS = ("auto", "reference", "sdpa")
+# The project's rule (testing/compare.py) with one change: fp32 results may also be off by 1e-5 (not 1e-6)
+# relative. Random patterns often share keys (a position covered by several patterns, duplicated keys),
+# and combining fp32 partials through their log-sum-exps costs a few 1e-6 there, while dense plain
+# torch, one softmax, happens to stay near 1e-7: the 2x-plain bound is then tighter than fp32 itself.
+# Likewise bf16 may be off by 2e-2: with sets of two keys the softmax gradient cancels, and the bf16
+# rounding of the final `out` that backward's delta = rowsum(dout * out) uses (as in flash-attention)
+# can then exceed 2x plain bf16 torch. A wrong row, head, scale or mask is off by O(0.1-1).
+FLOORS = {"float32": 1e-5, "bfloat16": 2e-2}
 CPU_DTYPES = ("float64", "float32", "bfloat16")
 
 
@@ -42,6 +50,7 @@ class FuzzResult:
     cases: int = 0
     valid: int = 0
     invalid: int = 0
+    skipped: int = 0  # valid cases a named kernel declined (e.g. SDPA on CUDA in fp32): its answer, not a bug
     seconds: float = 0.0
     failure: str | None = None  # plain-language finding of the first failing case
     repro_path: str | None = None
@@ -72,7 +81,7 @@ def random_spec(rng: random.Random, *, world: int = 1, kernels=CPU_KERNELS, dtyp
         dtype = "float32"  # the fused kernel has no fp64 path (auto would pick another kernel)
     heads = rng.choice([1, 2, 3, 4, 6, 8])
     kv_heads = rng.choice(_divisors(heads))
-    dim = rng.choice([32, 64] if kernel == "fused" else [4, 8, 16, 32])
+    dim = rng.choice([32, 64] if kernel == "fused" else [8, 16, 32])
     batch = rng.choice([1, 2])
     local = rng.choice([x for x in (4, 6, 8, 12, 16, 24, 32) if x <= max_local])
     n = world * local
@@ -96,6 +105,7 @@ def random_spec(rng: random.Random, *, world: int = 1, kernels=CPU_KERNELS, dtyp
         "segment_lengths": segs, "dilation_rates": rates, "mode": mode, "causal": rng.random() < 0.5,
         "softmax_scale": None if rng.random() < 0.6 else round(rng.uniform(0.05, 1.0), 4),
         "kernel": kernel, "backend": backend if world > 1 else None, "world_size": world, "rank": 0, "kwargs": {},
+        "floor": dict(FLOORS),
     }
     for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
         desc = _layout_desc((batch, local, h, dim), rng.choice(LAYOUTS), torch_dtype, rng)
@@ -241,7 +251,10 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
         if rank < world:
             comm = comms_by_world[world]
             rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=False)
-            failed = not rep.ok
+            declined = rep.raised is not None and rep.raised.startswith("ValueError: kernel=") and \
+                "cannot run on these inputs" in rep.raised
+            res.skipped += int(declined)
+            failed = not rep.ok and not declined
             if failed:
                 finding = _finding(spec, rep)
                 # narrow down on the failing case only (collective inside the case's group)
