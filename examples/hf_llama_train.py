@@ -33,6 +33,7 @@ if _ROOT not in sys.path:  # run from a checkout without installing
 from dilated_attention.comm import CommBackend, get_backend  # noqa: E402
 from dilated_attention.distributed import all_reduce_gradients, shard_positions, shard_sequence  # noqa: E402
 from dilated_attention.integrations.huggingface import register_dilated_attention  # noqa: E402
+from dilated_attention.launch_utils import init_distributed  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -53,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=2, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=128, help="global tokens per sequence")
     p.add_argument("--vocab", type=int, default=64)
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--segments", type=_ints, default=[32, 128], help="segment lengths, e.g. 32,128")
     p.add_argument("--rates", type=_ints, default=[1, 2], help="dilation rates, e.g. 1,2")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--kernel", default="auto")
@@ -150,25 +151,15 @@ def train(args: argparse.Namespace, comm: CommBackend | None, device: torch.devi
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    comm = None
-    if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        comm = get_backend("collective")
-    rank = comm.rank if comm is not None else 0
-    say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"[hf_llama] ranks={comm.world_size if comm else 1} device={device.type} seq_len={args.seq_len} "
-        f"(local {args.seq_len // (comm.world_size if comm else 1)}) segments={args.segments} rates={args.rates} "
-        f"dtype={args.dtype}", flush=True)
-    losses = train(args, comm, device, log=lambda msg: say(msg, flush=True))
+    env = init_distributed(args.device)  # torchrun's process group (or a world of one), this rank's device
+    comm = get_backend("collective") if env.world_size > 1 else None
+    say = print if env.is_main else (lambda *a, **k: None)
+    say(f"[hf_llama] ranks={env.world_size} device={env.device.type} seq_len={args.seq_len} "
+        f"(local {args.seq_len // env.world_size}) segments={args.segments} rates={args.rates} dtype={args.dtype}",
+        flush=True)
+    losses = train(args, comm, env.device, log=lambda msg: say(msg, flush=True))
     say(f"[hf_llama] loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
-    if distributed:
-        dist.destroy_process_group()
+    env.shutdown()
     return 0
 
 

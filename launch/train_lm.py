@@ -27,6 +27,11 @@ if _ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, _ROOT)
 
 
+from rank_zero import RankZeroParser, quiet_other_ranks  # noqa: E402
+
+IS_MAIN = quiet_other_ranks()  # rank 0 speaks for the job
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
@@ -35,7 +40,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Arguments, checked before any process group exists (``WORLD_SIZE`` comes from torchrun)."""
+    p = RankZeroParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["collective", "fairscale", "deepspeed"], default="collective")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=2, help="DeepSpeed ZeRO stage (deepspeed only)")
     p.add_argument("--sp-size", type=int, default=0, help="sequence-parallel group size (default: the world)")
@@ -57,46 +63,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1)
     args = p.parse_args(argv)
-    for name in ("steps", "seq_len", "log_every"):
+    for name in ("steps", "seq_len", "vocab", "embed_dim", "heads", "layers", "log_every"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.sp_size < 0 or args.batch < 0:
         p.error("--sp-size and --batch must be >= 0")
+    if args.embed_dim % args.heads:
+        p.error(f"--embed-dim ({args.embed_dim}) must be divisible by --heads ({args.heads})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args.sp = args.sp_size or world
+    if world % args.sp:
+        p.error(f"--sp-size ({args.sp}) must divide the number of ranks ({world})")
+    args.dp = world // args.sp
+    args.batch = args.batch or args.dp
+    if args.batch % args.dp:
+        p.error(f"--batch ({args.batch}) must be divisible by the data-parallel size ({args.dp})")
+    if args.seq_len % args.sp:
+        p.error(f"--seq-len ({args.seq_len}) must be divisible by --sp-size ({args.sp})")
+    from dilated_attention.patterns import validate_patterns
+
+    try:  # the patterns' own rules; rules that depend on the strategy are checked by the first call
+        validate_patterns(args.segments, args.rates, args.seq_len)
+    except (TypeError, ValueError) as exc:
+        p.error(f"--segments/--rates: {exc}")
+    args.prog = p.prog
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from dilated_attention.launch_utils import init_distributed
+
+    env = init_distributed(args.device)
+    try:
+        train(args, env)
+    except ValueError as exc:  # the library rejected the configuration, with the same verdict on every rank
+        if IS_MAIN:
+            print(f"{args.prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        env.shutdown()
+    return 0
+
+
+def train(args: argparse.Namespace, env) -> None:
     import torch
-
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_cuda else "cpu")
-    if "WORLD_SIZE" not in os.environ:  # plain `python launch/train_lm.py`: a world of one
-        from dilated_attention.testing.harness import free_port
-
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
     import torch.distributed as dist
 
     from dilated_attention.comm import get_backend
     from dilated_attention.distributed import all_reduce_gradients, shard_sequence
     from dilated_attention.models import lm
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    sp = args.sp_size or world
-    if world % sp:
-        raise ValueError(f"--sp-size ({sp}) must divide the world size ({world})")
-    dp = world // sp
-    batch = args.batch or dp
-    if batch % dp:
-        raise ValueError(f"--batch ({batch}) must be divisible by the data-parallel size ({dp})")
-    if args.seq_len % sp:
-        raise ValueError(f"--seq-len ({args.seq_len}) must be divisible by --sp-size ({sp})")
+    device, world, rank = env.device, env.world_size, env.rank
+    use_cuda = device.type == "cuda"
+    sp, dp, batch = args.sp, args.dp, args.batch
     micro, local_len = batch // dp, args.seq_len // sp
     sp_rank, dp_rank = rank % sp, rank // sp  # SP groups are consecutive ranks (as DeepSpeed and fairscale build them)
     cfg = lm.LMConfig(vocab_size=args.vocab, seq_len=args.seq_len, embed_dim=args.embed_dim, num_heads=args.heads,
@@ -160,16 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"[train_lm] step {step:4d}  loss {total.item() / dp:.4f}  "
+            print(f"[train_lm] step {step + 1:4d}/{args.steps}  loss {total.item() / dp:.4f}  "
                   f"{tokens / step_times[-1]:,.0f} tok/s  {1e3 * step_times[-1]:.1f} ms", flush=True)
     if rank == 0:
         steady = step_times[2:] or step_times
         med = statistics.median(steady)
         print(f"[train_lm] done: median step {1e3 * med:.1f} ms, {tokens / med:,.0f} tokens/s "
               f"(global, {len(steady)} steps after warm-up)", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

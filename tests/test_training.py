@@ -107,6 +107,6 @@ def test_train_lm_script_under_torchrun():
 
     out = _torchrun(["launch/train_lm.py", "--backend", "deepspeed", "--steps", "3", "--seq-len", "64",
                      "--segments", "16,64", "--rates", "1,2"])
-    losses = [float(x) for x in re.findall(r"step\s+\d+\s+loss (\S+)", out)]
+    losses = [float(x) for x in re.findall(r"step\s+\d+/3\s+loss (\S+)", out)]
     assert len(losses) == 3 and all(0 < x < 10 for x in losses), out
     assert "tokens/s" in out and "sp=2" in out, out

@@ -1,0 +1,42 @@
+"""Rank 0 speaks for a torchrun job: one copy of each message, argument errors as one line.
+
+Imported by the scripts in launch/ (their directory is on ``sys.path`` when run).
+Both helpers read torchrun's ``RANK`` from the environment, so they work before
+the process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+
+def job_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """``argparse`` whose errors are one line, printed by rank 0 only; every rank exits with status 2."""
+
+    def error(self, message: str):
+        if job_rank() == 0:
+            print(f"{self.prog}: error: {message} (--help lists the options)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def quiet_other_ranks() -> bool:
+    """Silence stdout and Python warnings on ranks other than 0 (stderr stays: errors still show).
+
+    Every rank runs the same code, so every warning and library banner (fairscale's
+    and DeepSpeed's included) would otherwise appear once per rank. Also hides, on
+    every rank, torch's FutureWarning for ``all_gather_into_tensor``, which
+    ``deepspeed.comm`` still calls on our behalf. Returns whether this is rank 0.
+    """
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    if job_rank() == 0:
+        return True
+    warnings.simplefilter("ignore")
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    return False
