@@ -2,8 +2,8 @@
 
 Conventions for README authors (comment lines at the very top of a block):
 
-* ``# ranks: N`` -- the block is a per-rank script, as under ``torchrun
-  --nproc_per_node=N``: it runs on N spawned gloo ranks. Without the marker, a
+* ``# ranks: N`` (text may follow the number) -- the block is a per-rank
+  script, as under ``torchrun --nproc_per_node=N``: it runs on N spawned gloo ranks. Without the marker, a
   block that uses ``comm=``, ``dist.`` or ``torch.distributed`` runs on 2 ranks.
   The process group already exists there: ``dist.init_process_group(...)`` (any
   backend) and ``dist.destroy_process_group()`` in a block are no-ops.
@@ -67,7 +67,9 @@ def _markers(code: str) -> dict[str, str]:
         if not line.startswith("#"):
             break
         m = re.match(r"#\s*(ranks|needs-gpu)\s*:\s*(.*)$", line)
-        if m:
+        if m and m.group(1) == "ranks":  # "# ranks: 2 (torchrun --nproc_per_node=2 ...)": the number counts
+            found["ranks"] = (m.group(2).split() or [""])[0]
+        elif m:
             found[m.group(1)] = m.group(2).strip()
         elif re.match(r"#\s*continues\b", line):
             found["continues"] = ""
@@ -146,6 +148,10 @@ def distributed_results() -> dict[str, list[str]]:
 
     out: dict[str, list[str]] = {}
     cuda = torch.cuda.is_available()
+    if any("deepspeed" in code for c in CHAINS if c.ranks > 1 for _, code in c.sources):
+        from dilated_attention.comm.deepspeed import prebuild_ops
+
+        prebuild_ops()  # DeepSpeed compiles a CPU op on first use: once here, not in every rank
     for ranks in sorted({c.ranks for c in CHAINS if c.ranks > 1}):
         todo = [c for c in CHAINS if c.ranks == ranks and (cuda or c.needs_gpu is None)]
         if not todo:
@@ -181,7 +187,7 @@ def test_conventions_parse():
     text = "\n".join([
         "```python", "x = 1", "```",
         "```python", "# continues the block above", "y = x + 1", "```",
-        "```python", "# ranks: 3", "import torch.distributed as dist", "```",
+        "```python", "# ranks: 3 (torchrun --nproc_per_node=3 x.py)", "import torch.distributed as dist", "```",
         "```python", "out = f(q, comm=comm)", "```",
         "```python", "# needs-gpu: bf16 fused kernel", "import torch", "```",
         "```bash", "echo not python", "```",
