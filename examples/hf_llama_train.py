@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -68,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--kernel", default="auto")
+    p.add_argument("--attn", choices=["dilated", "sdpa"], default="dilated",
+                   help="sdpa: transformers' dense causal attention, for comparison (one process only)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("steps", "batch", "seq_len", "vocab", "hidden", "layers", "heads", "kv_heads"):
@@ -77,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads}), "
                 f"and --heads by --kv-heads ({args.kv_heads})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.attn != "dilated" and world > 1:
+        p.error(f"--attn {args.attn} runs on one process only (sequence parallelism needs dilated attention)")
     if args.seq_len % world:
         p.error(f"--seq-len ({args.seq_len}) must be divisible by the number of ranks ({world})")
     from dilated_attention.patterns import validate_patterns
@@ -92,8 +97,11 @@ def build_model(args: argparse.Namespace, comm: CommBackend | None):
     """The same random initial weights on every rank (drawn from ``args.seed``)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    name = register_dilated_attention(args.segments, args.rates, comm=comm, kernel=args.kernel,
-                                      name="dilated_attention" if comm is None else "dilated_attention_sp")
+    if args.attn == "dilated":
+        name = register_dilated_attention(args.segments, args.rates, comm=comm, kernel=args.kernel,
+                                          name="dilated_attention" if comm is None else "dilated_attention_sp")
+    else:  # the dense causal baseline
+        name = args.attn
     config = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -113,8 +121,11 @@ def make_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch
 
 
 def train(args: argparse.Namespace, comm: CommBackend | None, device: torch.device,
-          log=print) -> list[float]:
-    """``args.steps`` AdamW steps; returns the global mean loss of each step (the same on every rank)."""
+          log=print, times: list[float] | None = None) -> list[float]:
+    """``args.steps`` AdamW steps; returns the global mean loss of each step (the same on every rank).
+
+    ``times`` (if given) receives each step's seconds (the loss's ``.item()`` ends the step).
+    """
     model = build_model(args, comm).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
@@ -144,6 +155,8 @@ def train(args: argparse.Namespace, comm: CommBackend | None, device: torch.devi
             dist.all_reduce(total, group=comm.group)
         losses.append(total.item())
         elapsed = time.perf_counter() - t0
+        if times is not None:
+            times.append(elapsed)
         log(f"[hf_llama] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
             f"{args.batch * args.seq_len / elapsed:,.0f} tok/s  {1e3 * elapsed:.1f} ms")
     return losses
@@ -157,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     say(f"[hf_llama] ranks={env.world_size} device={env.device.type} seq_len={args.seq_len} "
         f"(local {args.seq_len // env.world_size}) segments={args.segments} rates={args.rates} dtype={args.dtype}",
         flush=True)
-    losses = train(args, comm, env.device, log=lambda msg: say(msg, flush=True))
-    say(f"[hf_llama] loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    times: list[float] = []
+    losses = train(args, comm, env.device, log=lambda msg: say(msg, flush=True), times=times)
+    steady = times[2:] or times  # the first steps compile and warm up
+    med = statistics.median(steady)
+    say(f"[hf_llama] done: attn={args.attn} loss {losses[0]:.4f} -> {losses[-1]:.4f}; median step "
+        f"{1e3 * med:.1f} ms, {args.batch * args.seq_len / med:,.0f} tokens/s (global, {len(steady)} steps)",
+        flush=True)
     env.shutdown()
     return 0
 
