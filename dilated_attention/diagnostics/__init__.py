@@ -11,6 +11,6 @@
 """
 
 from .checks import check_kernels, check_ring, check_views, env_report
-from .debug import debug
 
-__all__ = ["check_kernels", "check_ring", "check_views", "debug", "env_report"]
+# The debug context manager is dilated_attention.debug (diagnostics.debug is its module).
+__all__ = ["check_kernels", "check_ring", "check_views", "env_report"]
