@@ -18,9 +18,9 @@ import statistics
 import sys
 import time
 
-from rank_zero import RankZeroParser, quiet_other_ranks
+from rank_zero import RankZeroParser, quiet_other_ranks, run_job
 
-IS_MAIN = quiet_other_ranks()  # before torch / fairscale / DeepSpeed print or warn anything
+quiet_other_ranks()  # before torch / fairscale / DeepSpeed print or warn anything
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -96,15 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed("cuda" if args.use_cuda else "cpu")
     if not args.use_cuda:  # ranks on this host share its cores (torchrun's default is one thread each)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    try:
-        run(args, env)
-    except ValueError as exc:  # the library rejected the configuration, with the same verdict on every rank
-        if IS_MAIN:
-            print(f"{args.prog}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        env.shutdown()
-    return 0
+    return run_job(args.prog, env, lambda: run(args, env))
 
 
 def run(args: argparse.Namespace, env) -> None:

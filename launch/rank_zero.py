@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import warnings
+from typing import Callable
 
 
 def job_rank() -> int:
@@ -40,3 +41,21 @@ def quiet_other_ranks() -> bool:
     warnings.simplefilter("ignore")
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     return False
+
+
+def run_job(prog: str, env, body: Callable[[], None]) -> int:
+    """Run ``body`` and leave the process group (``env`` from ``launch_utils.init_distributed``).
+
+    A ``ValueError`` is the library rejecting the configuration, raised alike on every
+    rank (its cross-rank check makes them agree): rank 0 says it in one line and the
+    job exits with status 2. Returns the exit status.
+    """
+    try:
+        body()
+    except ValueError as exc:
+        if job_rank() == 0:
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        env.shutdown()
+    return 0

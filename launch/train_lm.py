@@ -27,9 +27,9 @@ if _ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, _ROOT)
 
 
-from rank_zero import RankZeroParser, quiet_other_ranks  # noqa: E402
+from rank_zero import RankZeroParser, quiet_other_ranks, run_job  # noqa: E402
 
-IS_MAIN = quiet_other_ranks()  # rank 0 speaks for the job
+quiet_other_ranks()  # rank 0 speaks for the job
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -95,15 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from dilated_attention.launch_utils import init_distributed
 
     env = init_distributed(args.device)
-    try:
-        train(args, env)
-    except ValueError as exc:  # the library rejected the configuration, with the same verdict on every rank
-        if IS_MAIN:
-            print(f"{args.prog}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        env.shutdown()
-    return 0
+    return run_job(args.prog, env, lambda: train(args, env))
 
 
 def train(args: argparse.Namespace, env) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import inspect
-import json
 import os
 
 import pytest
@@ -25,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.integrations.huggingface import register_dilated_attention  # noqa: E402
 from dilated_attention.testing.compare import FLOOR, rel_err  # noqa: E402
-from dilated_attention.testing.harness import init_local_rank, run_spawned  # noqa: E402
+from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
 from dilated_attention.testing.oracle import dense_dilated_attention  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,61 +155,47 @@ def _load_example():
     return module
 
 
-def _sp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def _sp_worker(rank: int, world_size: int) -> dict:
     from dilated_attention.comm import get_backend
     from dilated_attention.distributed import all_reduce_gradients, gather_sequence, shard_positions, shard_sequence
 
-    torch.set_num_threads(1)
-    init_local_rank(rank, world_size, port)
     res: dict = {}
+    comm = get_backend("collective")
+    example = _load_example()
+    args = example.parse_args(["--steps", "3", "--seq-len", "64", "--segments", "16,64", "--rates", "1,2"])
+    cpu = torch.device("cpu")
+    quiet = lambda msg: None  # noqa: E731
+
+    # one forward/backward: logits rows and summed gradients vs the single process
+    ids, _ = example.make_batch(args, 0)
+    ref = example.build_model(args, None).double()
+    want, want_grads = _logits_and_grads(ref, ids)
+    sp = example.build_model(args, comm).double()
+    # this rank's rows of the weights _logits_and_grads puts on the full logits
+    weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(5), dtype=want.dtype)
+    logits = sp(input_ids=shard_sequence(ids, comm), position_ids=shard_positions(args.seq_len, comm)[None]).logits
+    (logits * shard_sequence(weight, comm)).sum().backward()
+    all_reduce_gradients(sp, comm)
+    res["logits_err"] = rel_err(gather_sequence(logits, comm), want)
+    res["grad_err"] = max(rel_err(p.grad, want_grads[n]) for n, p in sp.named_parameters())
+
+    # local positions on a shard are caught on every rank (a fresh registration checks its first call)
+    fresh = example.build_model(args, comm)
     try:
-        comm = get_backend("collective")
-        example = _load_example()
-        args = example.parse_args(["--steps", "3", "--seq-len", "64", "--segments", "16,64", "--rates", "1,2"])
-        cpu = torch.device("cpu")
-        quiet = lambda msg: None  # noqa: E731
+        fresh(input_ids=shard_sequence(ids, comm))
+        res["local_positions"] = "no error"
+    except ValueError as exc:
+        res["local_positions"] = str(exc)
 
-        # one forward/backward: logits rows and summed gradients vs the single process
-        ids, _ = example.make_batch(args, 0)
-        ref = example.build_model(args, None).double()
-        want, want_grads = _logits_and_grads(ref, ids)
-        sp = example.build_model(args, comm).double()
-        # this rank's rows of the weights _logits_and_grads puts on the full logits
-        weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(5), dtype=want.dtype)
-        logits = sp(input_ids=shard_sequence(ids, comm), position_ids=shard_positions(args.seq_len, comm)[None]).logits
-        (logits * shard_sequence(weight, comm)).sum().backward()
-        all_reduce_gradients(sp, comm)
-        res["logits_err"] = rel_err(gather_sequence(logits, comm), want)
-        res["grad_err"] = max(rel_err(p.grad, want_grads[n]) for n, p in sp.named_parameters())
-
-        # local positions on a shard are caught on every rank (a fresh registration checks its first call)
-        fresh = example.build_model(args, comm)
-        try:
-            fresh(input_ids=shard_sequence(ids, comm))
-            res["local_positions"] = "no error"
-        except ValueError as exc:
-            res["local_positions"] = str(exc)
-
-        # the example's training loop: sequence parallel == single process, step for step
-        res["reference"] = example.train(args, None, cpu, log=quiet)
-        res["losses"] = example.train(args, comm, cpu, log=quiet)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    # the example's training loop: sequence parallel == single process, step for step
+    res["reference"] = example.train(args, None, cpu, log=quiet)
+    res["losses"] = example.train(args, comm, cpu, log=quiet)
+    return res
 
 
 @pytest.fixture(scope="module")
 def sp_results() -> list[dict]:
-    out_dir = run_spawned(_sp_worker, 2)
-    out = []
-    for r in range(2):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return spawn_ranks(_sp_worker, 2)
 
 
 def test_sequence_parallel_logits_and_gradients_equal_single_process(sp_results):

@@ -19,7 +19,6 @@ Blocks run with ``__name__ == "__main__"`` and must be small enough for a CPU
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import traceback
@@ -109,18 +108,14 @@ def run_chain(chain: Chain) -> None:
         exec(compile("\n" * (line - 1) + code, README, "exec"), namespace)
 
 
-def _rank_worker(rank: int, world_size: int, port: int, payload: list[dict], out_dir: str) -> None:
-    """Run every chain of this rank count on this rank; record ok or the traceback per chain."""
+def _rank_worker(rank: int, world_size: int, payload: list[dict]) -> dict[str, str]:
+    """Run every chain of this rank count on this rank: ``name -> ""`` (ok) or the traceback."""
     import torch.distributed as dist
 
-    from dilated_attention.testing.harness import init_local_rank
-
-    torch.set_num_threads(1)
     os.environ.setdefault("DILATED_ATTENTION_TIMEOUT", "60")  # a broken block fails instead of hanging
-    init_local_rank(rank, world_size, port)
-    real_destroy = dist.destroy_process_group
-    dist.init_process_group = lambda *a, **k: None  # the group exists; blocks are written for torchrun
-    dist.destroy_process_group = lambda *a, **k: None
+    real = dist.init_process_group, dist.destroy_process_group
+    # the group exists; blocks are written for torchrun and create/destroy it themselves
+    dist.init_process_group = dist.destroy_process_group = lambda *a, **k: None
     results = {}
     try:
         for item in payload:
@@ -131,10 +126,8 @@ def _rank_worker(rank: int, world_size: int, port: int, payload: list[dict], out
             except BaseException:  # noqa: BLE001 - report any failure of the block, keep the others running
                 results[chain.name] = traceback.format_exc()
     finally:
-        dist.barrier()
-        real_destroy()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+        dist.init_process_group, dist.destroy_process_group = real
+    return results
 
 
 with open(README) as _f:
@@ -144,7 +137,7 @@ with open(README) as _f:
 @pytest.fixture(scope="module")
 def distributed_results() -> dict[str, list[str]]:
     """One spawn per rank count, running all of that count's chains: ``name -> [error per rank]``."""
-    from dilated_attention.testing.harness import run_spawned
+    from dilated_attention.testing.spawn import spawn_ranks
 
     out: dict[str, list[str]] = {}
     cuda = torch.cuda.is_available()
@@ -154,13 +147,10 @@ def distributed_results() -> dict[str, list[str]]:
         prebuild_ops()  # DeepSpeed compiles a CPU op on first use: once here, not in every rank
     for ranks in sorted({c.ranks for c in CHAINS if c.ranks > 1}):
         todo = [c for c in CHAINS if c.ranks == ranks and (cuda or c.needs_gpu is None)]
-        if not todo:
-            continue
-        payload = [{"line": c.line, "sources": c.sources, "ranks": c.ranks} for c in todo]
-        out_dir = run_spawned(_rank_worker, ranks, payload)
-        for r in range(ranks):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                for name, err in json.load(f).items():
+        if todo:
+            payload = [{"line": c.line, "sources": c.sources, "ranks": c.ranks} for c in todo]
+            for per_rank in spawn_ranks(_rank_worker, ranks, payload):
+                for name, err in per_rank.items():
                     out.setdefault(name, []).append(err)
     return out
 

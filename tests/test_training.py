@@ -9,38 +9,116 @@
 
 from __future__ import annotations
 
+import math
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
 import pytest
+import torch
 
 pytest.importorskip("fairscale")
 pytest.importorskip("deepspeed")
 
-from dilated_attention.comm import BACKEND_NAMES  # noqa: E402
+from dilated_attention.comm import BACKEND_NAMES, get_backend  # noqa: E402
 from dilated_attention.comm.deepspeed import prebuild_ops  # noqa: E402
 from dilated_attention.models.lm import (  # noqa: E402
     DilatedLM,
     LMConfig,
-    losses_match,
-    spawn_deepspeed_training,
-    spawn_sp_training,
+    deepspeed_train,
+    reference_losses,
+    sp_train,
 )
+from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
 
 STEPS = 5
 RTOL = 1e-5
 
 
+@dataclass
+class TrainResult:
+    name: str
+    rank: int
+    losses: list[float] = field(default_factory=list)
+    reference: list[float] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def _guard(name: str, rank: int, fn: Callable[[], TrainResult]) -> dict:
+    try:
+        return asdict(fn())
+    except Exception as exc:  # report per check; the others still run
+        traceback.print_exc()
+        return asdict(TrainResult(name, rank, error=f"{type(exc).__name__}: {exc}"))
+
+
+def _sp_worker(rank: int, world_size: int, backends: list[str], steps: int) -> list[dict]:
+    """Plain SP training for each backend, plus fairscale's implicit initialisation."""
+    cfg, batch, seed = LMConfig(), 2, 1234
+    reference = reference_losses(cfg, steps, batch, seed)
+    results = []
+    for name in backends:
+        if name == "fairscale":
+            from fairscale.nn.model_parallel import initialize as mp
+
+            def implicit() -> TrainResult:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    first = get_backend("fairscale")  # not initialised: initialises over the world
+                    second = get_backend("fairscale")
+                said = [str(w.message) for w in caught if "initialize_model_parallel" in str(w.message)]
+                info = {"warnings": len(said), "world": first.world_size, "same_group": first.group is second.group,
+                        "mp_size": mp.get_model_parallel_world_size()}
+                mp.destroy_model_parallel()
+                return TrainResult("fairscale-implicit-init", rank, info=info)
+
+            results.append(_guard("fairscale-implicit-init", rank, implicit))
+
+            def explicit() -> TrainResult:
+                mp.initialize_model_parallel(world_size)  # sequence parallel over fairscale's MP group
+                comm = get_backend("fairscale")
+                info = {"group_is_mp": comm.group is mp.get_model_parallel_group(), "world": comm.world_size}
+                return TrainResult("train-fairscale", rank, sp_train(cfg, comm, steps, batch, seed), reference, info)
+
+            results.append(_guard("train-fairscale", rank, explicit))
+        else:
+            results.append(_guard(f"train-{name}", rank, lambda: TrainResult(
+                f"train-{name}", rank, sp_train(cfg, get_backend(name), steps, batch, seed), reference)))
+    return results
+
+
+def _deepspeed_worker(rank: int, world_size: int, sp_size: int, zero_stage: int, steps: int) -> list[dict]:
+    """DeepSpeed engine, ZeRO ``zero_stage``, SP ``sp_size`` x DP ``world/sp``."""
+    cfg, batch, seed = LMConfig(), 2, 4321
+    reference = reference_losses(cfg, steps, batch, seed)
+    name = f"deepspeed-zero{zero_stage}-sp{sp_size}xdp{world_size // sp_size}"
+    return [_guard(name, rank, lambda: TrainResult(
+        name, rank, deepspeed_train(cfg, sp_size, zero_stage, steps, batch, seed), reference))]
+
+
+def _spawn(worker, world_size: int, *args) -> list[TrainResult]:
+    prebuild_ops()  # compile DeepSpeed's CPU op once here, not in every spawned rank
+    return [TrainResult(**r) for per_rank in spawn_ranks(worker, world_size, *args) for r in per_rank]
+
+
+def losses_match(got: Sequence[float], want: Sequence[float], rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    return len(got) == len(want) and all(
+        math.isfinite(a) and abs(a - b) <= atol + rtol * abs(b) for a, b in zip(got, want))
+
+
 @pytest.fixture(scope="module")
 def sp_results():
-    prebuild_ops()  # compile DeepSpeed's CPU op once here, not in every spawned rank
     by_name: dict[str, list] = {}
-    for r in spawn_sp_training(BACKEND_NAMES, STEPS, world_size=2):
+    for r in _spawn(_sp_worker, 2, list(BACKEND_NAMES), STEPS):
         by_name.setdefault(r.name, []).append(r)
     return by_name
 
 
 @pytest.fixture(scope="module")
 def zero_results():
-    prebuild_ops()
-    return spawn_deepspeed_training(sp_size=2, zero_stage=2, steps=STEPS, world_size=4)
+    return _spawn(_deepspeed_worker, 4, 2, 2, STEPS)
 
 
 def _check_losses(got, world, name):
@@ -80,8 +158,6 @@ def test_lm_rejects_bad_input():
     with pytest.raises(ValueError, match="embed_dim"):
         LMConfig(embed_dim=0)
     model = DilatedLM(LMConfig())
-    import torch
-
     with pytest.raises(ValueError, match="tokens"):
         model(torch.zeros(64, dtype=torch.long))
     with pytest.raises(ValueError, match="position_offset"):
