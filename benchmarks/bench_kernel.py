@@ -519,6 +519,34 @@ def main(argv=None):
         if args.sweep and device.type == "cuda":
             sweeps += sweep(q, k, v, dout, plans, causal, scale, args.warmup, args.reps)
 
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"kernel_{tag}.json")
+
+    def save(final: bool) -> None:
+        """Written once the main measurements are done (a later timeout keeps them) and again at the end."""
+        summary = summarize(rows, full_rows)
+        summary["auto_choices"] = choices
+        summary["bwd_reproducible"] = {name: all(x.get("bwd_reproducible", False) for x in table_rows
+                                                 if x["impl"] == name and "error" not in x) for name in table_impls}
+        result = {"meta": meta, "rows": rows, "full_attention": full_rows, "table": table_rows, "sweep": sweeps,
+                  "rel_diff_vs_fused": checks, "summary": summary, "complete": final,
+                  "auto_table": {gpu: {"source": f"benchmarks/results/kernel_{tag}.json ({meta['time']})",
+                                       "torch": meta["torch"], "cudnn": meta["cudnn"], "choices": choices}}}
+        md = markdown(result)
+        result["markdown"] = md
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        if final:
+            if not args.no_md:
+                with open(os.path.join(args.out, f"kernel_{tag}.md"), "w") as f:
+                    f.write(md)
+            try:
+                plot(rows, full_rows, os.path.join(args.out, f"kernel_{tag}.png"), gpu, meta)
+            except Exception as exc:
+                print(f"plot failed: {exc}")
+            print(md)
+
+    save(final=False)
     for extra in filter(None, args.table_extra.split(",")):  # more table entries at other head dims / dtypes
         dim_s, dt_s = extra.split(":")
         dim, dt = int(dim_s), getattr(torch, dt_s)
@@ -531,29 +559,7 @@ def main(argv=None):
             except Exception as exc:
                 print(f"  table {extra} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         del xs
-
-    os.makedirs(args.out, exist_ok=True)
-    summary = summarize(rows, full_rows)
-    summary["auto_choices"] = choices
-    summary["bwd_reproducible"] = {name: all(x.get("bwd_reproducible", False) for x in table_rows if x["impl"] == name
-                                             and "error" not in x) for name in table_impls}
-    result = {"meta": meta, "rows": rows, "full_attention": full_rows, "table": table_rows, "sweep": sweeps,
-              "rel_diff_vs_fused": checks, "summary": summary,
-              "auto_table": {gpu: {"source": f"benchmarks/results/kernel_{tag}.json ({meta['time']})",
-                                   "torch": meta["torch"], "cudnn": meta["cudnn"], "choices": choices}}}
-    md = markdown(result)
-    result["markdown"] = md
-    path = os.path.join(args.out, f"kernel_{tag}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    if not args.no_md:
-        with open(os.path.join(args.out, f"kernel_{tag}.md"), "w") as f:
-            f.write(md)
-    try:
-        plot(rows, full_rows, os.path.join(args.out, f"kernel_{tag}.png"), gpu, meta)
-    except Exception as exc:
-        print(f"plot failed: {exc}")
-    print(md)
+    save(final=True)
     return 0
 
 

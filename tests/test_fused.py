@@ -100,7 +100,7 @@ PAT_SEGS = [256, 512, 1024] if CUDA else [8, 16, 32]
 PAT_RATES = [1, 2, 4]
 PAT_DIM = 128 if CUDA else 32
 # head dims that are not powers of two (padded inside the kernel): interpreter on small shapes, GPU on real ones
-ODD_DIMS = [40, 80, 96, 112] + ([8, 24, 136, 192, 256] if CUDA else [])
+ODD_DIMS = [40, 80, 96, 112] + ([8, 200] if CUDA else [])
 
 
 def seeded(*parts) -> int:
@@ -270,7 +270,7 @@ def test_block_odd_layouts_of_v_and_dout(layout):
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_head_dims_padded(dim, causal):
     """Head dims that are multiples of 8 but not powers of two: masked columns of a padded tile."""
-    dtypes = [torch.float32] if not CUDA else [torch.float32, torch.bfloat16, torch.float16]
+    dtypes = [torch.float32] if not CUDA else [torch.bfloat16] + ([torch.float16, torch.float32] if dim == 40 else [])
     m = 12 if not CUDA else 300
     for dtype in dtypes:
         seed = seeded("dims", dim, causal, dtype)
@@ -423,7 +423,7 @@ def test_pattern_local(case):
     check_pattern_local(FUSED, mode, heads, kv_heads, layout, causal, dtype, seed, PAT_DIM, PAT_N, subset=subset)
 
 
-@pytest.mark.parametrize("dim", [40, 96] if not CUDA else ODD_DIMS)
+@pytest.mark.parametrize("dim", [40, 96])
 def test_pattern_local_padded_head_dim(dim):
     seed = seeded("pattern-dim", dim)
     dtype = torch.float16 if not CUDA else torch.bfloat16
