@@ -33,16 +33,6 @@ from dilated_attention.kernels.cudnn import CudnnKernel, readable
 from dilated_attention.testing.compare import LAYOUTS, assert_within_rule
 
 
-def _like_layout(q: torch.Tensor, shape) -> torch.Tensor:
-    """torch's ``alloc_with_matching_layout``: packed, in the order of q's strides."""
-    order = sorted(range(4), key=lambda d: q.stride(d))
-    strides, cur = [0] * 4, 1
-    for d in order:
-        strides[d] = cur
-        cur *= shape[d]
-    return torch.empty(cur, dtype=q.dtype, device=q.device).as_strided(shape, strides)
-
-
 class MathOps:
     """cuDNN's two ops in float64 plain torch, with cuDNN's input rules asserted."""
 
@@ -70,7 +60,7 @@ class MathOps:
         self.calls.append(("fwd", tuple(q.shape), tuple(k.shape), [x.untyped_storage().data_ptr() for x in (q, k, v)]))
         s, g = self._scores(q, k, causal, scale)
         lse = torch.logsumexp(s, -1)
-        out = _like_layout(q, tuple(q.shape))
+        out = torch.empty_like(q)  # what torch's op allocates (q's strides if q is dense, else contiguous)
         out.copy_(torch.exp(s - lse[..., None]) @ v.double().repeat_interleave(g, 1))
         self.outputs.append(out)
         return out, lse.float()

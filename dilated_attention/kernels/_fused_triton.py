@@ -13,6 +13,10 @@ head dim has unit stride). A strided 5D view has ``soff = 0``; a full
 ``soff = sL``. Per-head tables (int32) say which heads exist and where they
 read, so a whole pattern (all its head chunks and offsets) is one launch.
 
+Head dim: tiles are ``DP`` wide (a power of two >= ``D``); when ``EVEN_D`` is false
+the columns ``>= D`` are masked on every load (zeros, so dots are unchanged) and
+store.
+
 In-tile row offsets (``row * stride``) are int32 unless ``IDX`` is ``tl.int64``
 (chosen by the host when a segment's extent does not fit in int32); per-program
 bases are always int64.

@@ -14,6 +14,11 @@ into ``dk``/``dv``). Every accumulated element is owned by exactly one program:
 no atomics, and the configs are pinned (``FusedConfig``); nothing is autotuned
 here (the benchmark sweeps configs by constructing kernels with other configs).
 
+Head dims: any multiple of 8 up to 256. ``tl.arange`` needs a power of two, so a
+tile is ``padded_dim(D)`` wide (the next power of two, at least 16) and loads and
+stores of the extra columns are masked (zeros in, nothing out); the pinned config
+is the one of the padded width.
+
 Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU; there
 ``tl.dot`` operands are cast to fp32 (bf16 dots give garbage in the interpreter).
 The kernels are wrapped with ``triton.jit`` at first launch, so the environment
