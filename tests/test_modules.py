@@ -1,3 +1,5 @@
+import inspect
+
 import pytest
 import torch
 from einops import rearrange
@@ -128,3 +130,18 @@ def test_module_forwards_head_offsets(head_offsets):
     assert not torch.allclose(want, other)
     torch.testing.assert_close(layer(q, k, v), want, rtol=0, atol=0)
     assert f"head_offsets={head_offsets!r}" in repr(layer)
+
+
+@pytest.mark.skipif("key_padding_mask" not in inspect.signature(dilated_attention).parameters,
+                    reason="dilated_attention has no key_padding_mask yet")
+def test_multihead_passes_key_padding_mask_through():
+    torch.manual_seed(7)
+    mha = MultiheadDilatedAttention(16, 2, [8, 16], [1, 2], causal=True, dtype=torch.float64)
+    x = torch.randn(2, 16, 16, dtype=torch.float64)
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[1, :5] = True  # left padding: later queries would see these keys without the mask
+    q, k, v = (rearrange(proj(x), "b n (h d) -> b n h d", d=8) for proj in (mha.q_proj, mha.k_proj, mha.v_proj))
+    att = dilated_attention(q, k, v, [8, 16], [1, 2], causal=True, key_padding_mask=pad)
+    want = mha.out_proj(rearrange(att, "b n h d -> b n (h d)"))
+    torch.testing.assert_close(mha(x, key_padding_mask=pad), want, rtol=0, atol=0)
+    assert not torch.allclose(mha(x)[1], want[1])

@@ -1,0 +1,62 @@
+"""launch/ scripts and the HF example as a user meets them: one message per job, clean argument errors.
+
+* a bad argument is one line on stderr from rank 0 (other ranks silent), exit status 2,
+  before any process group exists;
+* the demo under torchrun (2 gloo ranks, every backend): step labels count to the
+  number of steps, fairscale's warning appears once, no FutureWarning, and it passes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args: list[str], env: dict[str, str] | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("launch/demo.py", ["--check-args", "--seq-len", "1000"],
+     "demo.py: error: --seq-len (1000) must be divisible by 2^(patterns - 1) = 16"),
+    ("launch/demo.py", ["--check-args", "--seq-len", "1026", "--patterns", "1"],
+     "demo.py: error: --seq-len (1026) must be divisible by the number of ranks (4)"),
+    ("launch/train_lm.py", ["--seq-len", "100"],
+     "train_lm.py: error: --segments/--rates: sequence length 100 must be divisible by segment_lengths[0]=32"),
+    ("launch/train_lm.py", ["--sp-size", "3"], "train_lm.py: error: --sp-size (3) must divide the number of ranks (4)"),
+    ("examples/hf_llama_train.py", ["--seq-len", "130"],
+     "hf_llama_train.py: error: --seq-len (130) must be divisible by the number of ranks (4)"),
+])
+def test_bad_argument_is_one_line_from_rank_zero(script, args, message):
+    rank0 = _run([script, *args], env={"RANK": "0", "WORLD_SIZE": "4"})
+    assert rank0.returncode == 2, rank0.stderr
+    assert rank0.stdout == ""
+    lines = rank0.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), rank0.stderr
+    other = _run([script, *args], env={"RANK": "1", "WORLD_SIZE": "4"})
+    assert (other.returncode, other.stdout, other.stderr) == (2, "", "")
+
+
+def test_demo_under_torchrun_speaks_once():
+    pytest.importorskip("fairscale")
+    pytest.importorskip("deepspeed")
+    from dilated_attention.comm.deepspeed import prebuild_ops
+
+    prebuild_ops()  # DeepSpeed compiles a CPU op on first use: not inside the timed ranks
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/demo.py",
+                 "--seq-len", "256", "--patterns", "2", "--heads", "2", "--head-dim", "8", "--iters", "1"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for i, label in enumerate(["single-device result", "backend collective", "backend fairscale",
+                               "backend deepspeed"], start=1):
+        assert f"[{i}/4] {label}" in out, out
+    assert out.count("fairscale model parallel was not initialised") == 1, out
+    assert "FutureWarning" not in out, out
+    assert "all backends match the single-device result" in out, out
