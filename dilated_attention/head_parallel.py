@@ -63,6 +63,10 @@ def _send_buffer(q, k, v, split: HeadSplit) -> torch.Tensor:
     hl, hk = split.local_heads, split.local_kv_heads
     buf = torch.empty((split.team, bsz, n, hl + 2 * hk, dim), dtype=q.dtype, device=q.device)
     buf[:, :, :, :hl].copy_(q.unflatten(2, (split.team, hl)).permute(2, 0, 1, 3, 4))
+    if split.kv_heads % split.team == 0:  # kv heads split evenly: two strided copies, no loop
+        buf[:, :, :, hl:hl + hk].copy_(k.unflatten(2, (split.team, hk)).permute(2, 0, 1, 3, 4))
+        buf[:, :, :, hl + hk:].copy_(v.unflatten(2, (split.team, hk)).permute(2, 0, 1, 3, 4))
+        return buf
     for m in range(split.team):
         for i, src in enumerate(split.kv_sources(m)):
             buf[m, :, :, hl + i].copy_(k[:, :, src])
@@ -94,6 +98,10 @@ class SequenceToHeads(torch.autograd.Function):
         pending.wait()
         hl, hk = split.local_heads, split.local_kv_heads
         gq = recv[:, :, :, :hl].permute(1, 2, 0, 3, 4).reshape(bsz, rows // a, split.heads, dim)
+        if split.kv_heads % a == 0:  # each kv head came from exactly one member
+            gk = recv[:, :, :, hl:hl + hk].permute(1, 2, 0, 3, 4).reshape(kv_shape)
+            gv = recv[:, :, :, hl + hk:].permute(1, 2, 0, 3, 4).reshape(kv_shape)
+            return gq, gk, gv, None, None, None, None
         gk = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
         gv = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
         for m in range(a):  # several members may have read one kv head: their gradients add

@@ -1,15 +1,19 @@
 """The interface the strategies use. A backend only moves bytes and names its group.
 
-Subclasses provide ``_resolve_group`` (which process group) and two
+Subclasses provide ``_resolve_group`` (which process group) and three
 asynchronous primitives returning work handles: ``_batch_p2p`` (a batch of
 sends and receives with *global* peer ranks: one pair for a ring step, one per
-peer for an all-to-all) and ``_all_gather`` (into a preallocated tensor).
+peer for an all-to-all inside a team), ``_all_gather`` (into a preallocated
+tensor) and ``_all_to_all`` (the whole group, equal blocks).
 Everything else lives here once: ring topology, all-to-all over any set of
 ranks, rank bookkeeping, and the timeout on every wait.
 
 Every wait honours ``timeout`` (seconds): ``get_backend(..., timeout=s)``, else
 the ``DILATED_ATTENTION_TIMEOUT`` environment variable, else the timeout the
-user gave ``init_process_group``. On expiry the waiting rank raises ``PeerTimeoutError``
+user gave ``init_process_group``. On gloo, and on NCCL when a timeout was given
+explicitly, waits are timed on the host. On NCCL by default they only order the
+compute stream (no host sync per exchange) and NCCL's watchdog enforces the
+process group's timeout; the cross-rank signature gather is always timed. On expiry the waiting rank raises ``PeerTimeoutError``
 naming the peer it waited for and what it was doing (call number, direction,
 pattern, step), so a rank that skipped a call or a backward turns into an error
 on every rank that waits for it instead of a hang.
@@ -76,14 +80,23 @@ def resolve_timeout(timeout: float | timedelta | None, group: dist.ProcessGroup)
 
 
 class _Waiting:
-    """Work handles plus what a timeout message needs: who we wait for and why."""
+    """Work handles plus what a timeout message needs: who we wait for and why.
 
-    def __init__(self, works: list, timeout: float, rank: int, peers: str, what: str) -> None:
-        self.works, self.timeout, self.rank, self.peers, self.what = works, timeout, rank, peers, what
+    ``host``: block the calling thread until done or timed out (gloo always; NCCL when the user set
+    a timeout). Otherwise NCCL's wait only orders the compute stream after the transfer (no host
+    sync on the hot path) and NCCL's watchdog enforces the process group's own timeout.
+    """
+
+    def __init__(self, works: list, timeout: float, host: bool, rank: int, peers: str, what: str) -> None:
+        self.works, self.timeout, self.host = works, timeout, host
+        self.rank, self.peers, self.what = rank, peers, what
 
     def wait(self) -> None:
         limit = timedelta(seconds=self.timeout)
         for work in self.works:
+            if not self.host:
+                work.wait()
+                continue
             try:
                 done = work.wait(limit)
             except Exception as exc:  # gloo raises on expiry; NCCL raises DistBackendError
@@ -123,6 +136,9 @@ class CommBackend(ABC):
             )
         self._group = self._resolve_group(group)
         self.timeout = resolve_timeout(timeout, self._group)
+        # Host-side timed waits cost a sync per exchange on GPUs: only when asked for, or on CPU (gloo).
+        asked = timeout is not None or bool(os.environ.get(TIMEOUT_ENV))
+        self.host_waits = asked or "nccl" not in str(dist.get_backend(self._group))
         self.calls = 0  # calls made through this backend: names the call in timeout messages
         self.agreed: set = set()  # call signatures every rank has agreed on (consistency.py)
 
@@ -137,6 +153,10 @@ class CommBackend(ABC):
     @abstractmethod
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         """Start: 1-D ``out`` of ``world * inp.numel()`` gets group rank ``i``'s flat ``inp`` at block ``i``."""
+
+    @abstractmethod
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        """Start: block ``i`` of ``inp`` (dim 0, equal blocks) goes to group rank ``i``; block ``i`` of ``out`` comes from it."""
 
     # -- shared by every backend --------------------------------------------------
     @property
@@ -168,14 +188,18 @@ class CommBackend(ABC):
             raise ValueError("ring buffers must be contiguous (pack them with views.pack_kv)")
         works = self._batch_p2p([(send, self.global_rank(dst))], [(recv, self.global_rank(src))])
         peers = f"the exchange with rank {src} (receive) and rank {dst} (send)"
-        return _Waiting(self._handles(works), self.timeout, self.rank, peers, what or "ring exchange")
+        return self._waiting(works, peers, what or "ring exchange")
+
+    def _waiting(self, works: Any, peers: str, what: str) -> _Waiting:
+        return _Waiting(self._handles(works), self.timeout, self.host_waits, self.rank, peers, what)
 
     def all_gather(self, x: torch.Tensor, what: str = "all-gather") -> torch.Tensor:
         """``(world, *x.shape)``: every group rank's ``x``."""
         flat = x.contiguous().view(-1)
         out = torch.empty(self.world_size * flat.numel(), dtype=x.dtype, device=x.device)
-        _Waiting(self._handles(self._all_gather(out, flat)), self.timeout, self.rank, "an all-gather over the group",
-                 what).wait()
+        # the signature gather reads its result on the host anyway: always a timed host wait
+        _Waiting(self._handles(self._all_gather(out, flat)), self.timeout, True, self.rank,
+                 "an all-gather over the group", what).wait()
         return out.view(self.world_size, *x.shape)
 
     def all_to_all(self, x: torch.Tensor, ranks: tuple[int, ...], what: str = "all-to-all"
@@ -190,12 +214,14 @@ class CommBackend(ABC):
             raise ValueError(f"all_to_all needs a contiguous tensor with dim 0 = {len(ranks)} ranks, "
                              f"got shape {tuple(x.shape)}")
         out = torch.empty_like(x)
+        peers = f"the all-to-all with ranks {list(ranks)}"
+        if list(ranks) == list(range(self.world_size)):  # the whole group: the library's tuned collective
+            return out, self._waiting(self._all_to_all(out, x), peers, what)
         me = ranks.index(self.rank)
         out[me].copy_(x[me])
-        peers = [(m, self.global_rank(r)) for m, r in enumerate(ranks) if m != me]
-        works = self._batch_p2p([(x[m], g) for m, g in peers], [(out[m], g) for m, g in peers]) if peers else []
-        return out, _Waiting(self._handles(works), self.timeout, self.rank,
-                             f"the all-to-all with ranks {list(ranks)}", what)
+        others = [(m, self.global_rank(r)) for m, r in enumerate(ranks) if m != me]
+        works = self._batch_p2p([(x[m], g) for m, g in others], [(out[m], g) for m, g in others]) if others else []
+        return out, self._waiting(works, peers, what)
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
         """Where small control tensors must live for this group's collectives."""

@@ -101,3 +101,6 @@ class DeepSpeedBackend(CommBackend):
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         return self._ds.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor):
+        return self._ds.all_to_all_single(out, inp, group=self.group, async_op=True)
