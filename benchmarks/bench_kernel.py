@@ -9,7 +9,8 @@ Methods (``--methods``): ``fused`` (Triton, one launch per pattern), ``cudnn``
 (zero-copy strided cuDNN calls, ``kernels/cudnn.py``), ``auto`` (per pattern and
 direction the implementation measured fastest in *this* run, deterministic
 backward only), ``auto-any`` (the same, cuDNN's non-deterministic backward
-allowed), ``sdpa-flash``/``sdpa-cudnn`` (the composed chunk loop, copies),
+allowed), ``cudnn-dkdv`` (cuDNN forward and dK/dV, the fused kernel's dQ),
+``sdpa-flash``/``sdpa-cudnn`` (the composed chunk loop, copies),
 ``reference``. Ceilings: ``dense-cudnn``/``dense-flash``, torch SDPA on dense
 attention of exactly the same unmasked work (every pattern is ``N/r / M`` blocks
 of ``M x M`` per head; all patterns here share ``M``).
@@ -53,7 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import AutoKernel, table_key  # noqa: E402
-from dilated_attention.kernels.cudnn import CudnnKernel  # noqa: E402
+from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel  # noqa: E402
 from dilated_attention.kernels.fused import FusedConfig, FusedKernel, default_config  # noqa: E402
 from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
@@ -397,6 +398,8 @@ def make_kernel(name, table_impls, choices):
         return FusedKernel()
     if name == "cudnn":
         return CudnnKernel()
+    if name == "cudnn-dkdv":
+        return CudnnDkdvKernel()
     if name in ("auto", "auto-any"):
         return AutoKernel(table_impls, choices, allow_nondeterministic=name == "auto-any")
     if name.startswith("sdpa"):
@@ -418,7 +421,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="time a few fused configs too")
-    ap.add_argument("--methods", default="fused,cudnn,auto,auto-any,sdpa-cudnn")
+    ap.add_argument("--methods", default="fused,cudnn,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
     ap.add_argument("--table-extra", default="", help="more table entries, 'dim:dtype,...' (e.g. 64:bfloat16,128:float16)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-attention comparison")
     ap.add_argument("--no-md", action="store_true", help="write only JSON and PNG (the markdown is in the JSON)")
@@ -463,8 +466,10 @@ def main(argv=None):
     }
     print(json.dumps(meta, indent=1), flush=True)
     # the implementations auto may choose between (on CPU the reference stands in for cuDNN)
-    table_impls = {"fused": FusedKernel(), ("cudnn" if device.type == "cuda" else "reference"):
-                   CudnnKernel() if device.type == "cuda" else ChunkLoop(ReferenceKernel())}
+    if device.type == "cuda":
+        table_impls = {"fused": FusedKernel(), "cudnn": CudnnKernel(), "cudnn-dkdv": CudnnDkdvKernel()}
+    else:
+        table_impls = {"fused": FusedKernel(), "reference": ChunkLoop(ReferenceKernel())}
     scale = args.dim ** -0.5
     torch.manual_seed(0)
     shape = (args.batch, args.seq, args.heads, args.dim)
@@ -492,7 +497,7 @@ def main(argv=None):
             print(f"  check failed: {type(exc).__name__}: {exc}", flush=True)
         for name, kern in kernels.items():
             w, r = (1, 3) if name == "reference" and device.type == "cuda" else (args.warmup, args.reps)
-            api = (segs, rates) if name in ("fused", "auto", "auto-any", "cudnn") else None
+            api = (segs, rates) if name in ("fused", "auto", "auto-any", "cudnn", "cudnn-dkdv") else None
             try:
                 rows += measure_method(name, kern, q, k, v, dout, plans, causal, scale, w, r, fl, api)
             except Exception as exc:
@@ -576,7 +581,7 @@ def summarize(rows, full_rows=()):
         s = {}
         dense = _get(rows, "dense-cudnn", causal, "fwd+bwd kernel")
         densef = _get(rows, "dense-cudnn", causal, "fwd kernel")
-        for method in ("auto", "auto-any", "fused", "cudnn"):
+        for method in ("auto", "auto-any", "fused", "cudnn", "cudnn-dkdv"):
             tag = "library" if method == "auto" else f"library_{method.replace('-', '_')}"
             pipe = _get(rows, method, causal, "fwd+bwd pipeline")
             fwd = _get(rows, method, causal, "fwd pipeline")
@@ -711,7 +716,7 @@ def write_table(path: str) -> int:
         result = json.load(f)
     table = {k: dict(v) for k, v in TABLE.items()}
     for gpu, entry in result["auto_table"].items():
-        choices = {k: c for k, c in entry["choices"].items() if c in ("fused", "cudnn")}
+        choices = {k: c for k, c in entry["choices"].items() if c in ("fused", "cudnn", "cudnn-dkdv")}
         if not choices:
             continue
         merged = dict(table.get(gpu, {}).get("choices", {}))

@@ -17,7 +17,7 @@ from test_fused import CUDA, DEVICE, seeded  # noqa: F401, I001
 from dilated_attention import dilated_attention
 from dilated_attention.kernels import auto_table, dispatch
 from dilated_attention.kernels.auto import AutoKernel, table_key
-from dilated_attention.kernels.cudnn import CudnnKernel
+from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel
 from dilated_attention.kernels.fused import FusedKernel
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import assert_within_rule
@@ -106,7 +106,7 @@ def test_dispatch_wraps_fused_only_for_measured_gpus(monkeypatch):
         table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn"}}})
     chosen = dispatch._measured(torch.device("cpu"), fused)
     assert isinstance(chosen, AutoKernel) and chosen.impls["fused"] is fused
-    assert isinstance(chosen.impls["cudnn"], CudnnKernel)
+    assert isinstance(chosen.impls["cudnn"], CudnnKernel) and isinstance(chosen.impls["cudnn-dkdv"], CudnnDkdvKernel)
     assert dispatch._measured(torch.device("cpu"), fused) is chosen  # one kernel per GPU model
 
 
@@ -126,6 +126,9 @@ MIXES = {
         table_key(direction, 1, causal, d, dt): "cudnn" for direction in ("fwd", "bwd") for causal in (False, True)},
     "fused-fwd-cudnn-bwd": lambda d, dt: {
         table_key("bwd", r, causal, d, dt): "cudnn" for r in (1, 2) for causal in (False, True)},
+    "cudnn-dkdv-everywhere": lambda d, dt: {
+        table_key(direction, r, causal, d, dt): "cudnn-dkdv"
+        for direction in ("fwd", "bwd") for r in (1, 2) for causal in (False, True)},
 }
 
 
@@ -136,8 +139,9 @@ def test_library_with_mixed_auto_kernel(mix, causal):
     dtype = torch.bfloat16 if CUDA else torch.float32
     n, heads, kv_heads, dim = (1024, 8, 2, 64) if CUDA else (16, 4, 2, 16)
     segs, rates = ([256, 1024], [1, 4]) if CUDA else ([8, 16], [1, 2])
-    cudnn = CudnnKernel() if CUDA else CudnnKernel(MathOps())
-    kern = AutoKernel({"fused": FusedKernel(), "cudnn": cudnn}, MIXES[mix](dim, dtype))
+    ops = None if CUDA else MathOps()
+    kern = AutoKernel({"fused": FusedKernel(), "cudnn": CudnnKernel(ops), "cudnn-dkdv": CudnnDkdvKernel(ops)},
+                      MIXES[mix](dim, dtype))
     q = torch.randn(2, n, heads, dim, device=DEVICE, dtype=dtype).requires_grad_()
     k = torch.randn(2, n, kv_heads, dim, device=DEVICE, dtype=dtype).requires_grad_()
     v = torch.randn(2, n, kv_heads, dim, device=DEVICE, dtype=dtype).requires_grad_()

@@ -29,7 +29,7 @@ from test_fused import (  # noqa: I001
     seeded,
 )
 
-from dilated_attention.kernels.cudnn import CudnnKernel, readable
+from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel, readable
 from dilated_attention.testing.compare import LAYOUTS, assert_within_rule
 
 
@@ -250,3 +250,34 @@ def test_cudnn_forward_is_deterministic():
     a = kern.forward_pattern(q, k, v, p, packed=False, causal=False, scale=0.1)
     b = kern.forward_pattern(q, k, v, p, packed=False, causal=False, scale=0.1)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ---------------------------------------------------------------------------
+# cuDNN forward and dK/dV, the fused kernel's dQ
+
+
+def dkdv_kernel() -> CudnnDkdvKernel:
+    return CudnnDkdvKernel() if CUDA else CudnnDkdvKernel(MathOps())
+
+
+@pytest.mark.parametrize("case", [("longnet", 4, 2, "transposed", True), ("grouped", 6, 3, "contiguous", False)],
+                         ids=lambda c: f"{c[0]}-H{c[1]}-{c[2]}-{c[3]}-causal{c[4]}")
+def test_dkdv_kernel_pattern_local(case):
+    mode, heads, kv_heads, layout, causal = case
+    dtype = LOW[0]
+    seed = seeded("dkdv-pattern", case)
+    n, dim = (N, DIM) if CUDA else (16, 16)
+    check_pattern_local(dkdv_kernel(), mode, heads, kv_heads, layout, causal, dtype, seed, dim, n,
+                        segs=[n // 2, n], rates=[1, 2])
+
+
+def test_dkdv_kernel_packed_ring_block():
+    n, dim = (N, DIM) if CUDA else (16, 16)
+    check_packed_ring_block(dkdv_kernel(), "longnet", 4, 2, True, LOW[0], seeded("dkdv-ring"), dim, n)
+
+
+def test_grads_subset_is_validated():
+    with pytest.raises(ValueError, match="grads"):
+        CudnnKernel(MathOps(), grads=("dx",))
+    with pytest.raises(ValueError, match="grads"):
+        CudnnKernel(MathOps(), grads=())

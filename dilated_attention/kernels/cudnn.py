@@ -26,6 +26,8 @@ What is copied, and why (everything else is read in place):
 GQA runs natively (a call has ``h`` query heads and ``h / g`` kv heads).
 cuDNN's backward is not deterministic (dQ is accumulated with atomics; torch
 warns so under ``torch.use_deterministic_algorithms``), its forward is.
+``CudnnDkdvKernel`` keeps cuDNN's forward and dK/dV and takes dQ from the fused
+Triton kernel, a reproducible backward when cuDNN's dK/dV are (measured).
 
 ``CudnnOps`` are the two aten ops; tests substitute a plain-torch stand-in with
 the same contract to check the view logic on CPU.
@@ -248,10 +250,14 @@ class CudnnKernel:
     """``PatternKernel`` on cuDNN's fused attention with zero-copy strided views (see module doc)."""
 
     name = "cudnn"
-    deterministic_backward = False  # cuDNN's dQ accumulation uses atomics
 
-    def __init__(self, ops: CudnnOps | None = None) -> None:
+    def __init__(self, ops: CudnnOps | None = None, *, grads: tuple[str, ...] = ("dq", "dk", "dv")) -> None:
+        """``grads``: which gradients the backward adds (``CudnnDkdvKernel`` keeps dK/dV only)."""
         self.ops = ops if ops is not None else CudnnOps()
+        bad = [g for g in grads if g not in ("dq", "dk", "dv")]
+        if bad or not grads:
+            raise ValueError(f"grads must be a non-empty subset of ('dq', 'dk', 'dv'), got {grads}")
+        self.grads = tuple(grads)
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         reason = self.ops.supports(q, k)
@@ -355,8 +361,41 @@ class CudnnKernel:
                 l4 = _compact_4d(sub["lse"], nt, torch.float32).unsqueeze(-1)
                 gq, gk, gv = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale)
                 for name, grad in (("dq", gq), ("dk", gk), ("dv", gv)):
+                    if name not in self.grads:
+                        continue
                     target = _out_view(sub[name], nt)
                     target.add_(grad.view(*tsz, *grad.shape[1:]) if nt else grad[0])
 
 
-__all__ = ["CudnnKernel", "CudnnOps", "readable"]
+class CudnnDkdvKernel:
+    """cuDNN's forward and its dK/dV (per key block: no atomics), the fused kernel's dQ.
+
+    cuDNN's backward accumulates dQ with atomics (not reproducible run to run);
+    dK and dV come from one program per key block. Taking dQ from the fused
+    Triton kernel instead (its dQ pass only) keeps the backward reproducible at
+    a cost between the two. Whether it is faster, and reproducible on a given
+    cuDNN, is measured (``benchmarks/bench_kernel.py``), not assumed.
+    """
+
+    name = "cudnn-dkdv"
+
+    def __init__(self, ops: CudnnOps | None = None, fused=None) -> None:
+        from .fused import FusedKernel
+
+        self.cudnn = CudnnKernel(ops, grads=("dk", "dv"))
+        self.fused = fused if fused is not None else FusedKernel(dkdv=False)
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        return self.cudnn.supports(q, k) or self.fused.supports(q, k)
+
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
+        return self.cudnn.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
+
+    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
+                         packed: bool, causal: bool, scale: float) -> None:
+        kw = dict(packed=packed, causal=causal, scale=scale)
+        self.cudnn.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
+        self.fused.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
+
+
+__all__ = ["CudnnDkdvKernel", "CudnnKernel", "CudnnOps", "readable"]

@@ -4,7 +4,7 @@
 inputs: fused (CUDA + Triton), then SDPA, then the reference. On a GPU model
 with measurements in ``auto_table.py`` the fused kernel comes wrapped in
 ``auto.AutoKernel``, which runs each pattern and direction on the implementation
-measured fastest there (zero-copy cuDNN or fused). Falling back from fused warns
+measured fastest there (fused, zero-copy cuDNN, or cuDNN with the fused dQ). Falling back from fused warns
 once with the reason (shared memory, alignment, dtype, ...), so a configuration
 that would fail at launch never reaches the GPU. Naming a kernel forces it and
 raises ``ValueError`` with the reason when it cannot run.
@@ -21,7 +21,7 @@ from .pattern import ChunkLoop
 from .reference import ReferenceKernel
 from .sdpa import SdpaKernel
 
-KERNEL_NAMES = ("auto", "fused", "cudnn", "sdpa", "sdpa-cudnn", "reference")
+KERNEL_NAMES = ("auto", "fused", "cudnn", "cudnn-dkdv", "sdpa", "sdpa-cudnn", "reference")
 _warned: set[str] = set()
 _auto_kernels: dict[tuple[str, bool], PatternKernel] = {}
 
@@ -37,6 +37,10 @@ def _make(name: str) -> PatternKernel:
         from .cudnn import CudnnKernel
 
         return CudnnKernel()
+    if name == "cudnn-dkdv":
+        from .cudnn import CudnnDkdvKernel
+
+        return CudnnDkdvKernel()
     try:
         from .fused import FusedKernel
     except ImportError as exc:  # triton missing or broken
@@ -98,8 +102,7 @@ def _measured(device: torch.device, fused: PatternKernel) -> PatternKernel:
     chosen = _auto_kernels.get(key)
     if chosen is None:
         choices = device_choices(device)
-        chosen = fused if not choices else AutoKernel(
-            {"fused": fused, "cudnn": _make("cudnn")}, choices, allow_nondeterministic=key[1]
-        )
+        impls = {"fused": fused, "cudnn": _make("cudnn"), "cudnn-dkdv": _make("cudnn-dkdv")}
+        chosen = fused if not choices else AutoKernel(impls, choices, allow_nondeterministic=key[1])
         _auto_kernels[key] = chosen
     return chosen

@@ -220,8 +220,10 @@ def _view_strides(x: torch.Tensor) -> tuple[int, ...]:
 class FusedKernel:
     name = "fused"
 
-    def __init__(self, config: FusedConfig | None = None) -> None:
+    def __init__(self, config: FusedConfig | None = None, *, dkdv: bool = True) -> None:
+        """``dkdv=False``: the backward adds dQ only (``cudnn.CudnnDkdvKernel`` takes dK/dV from cuDNN)."""
         self.config = config
+        self.dkdv = dkdv
 
     # -- checks ---------------------------------------------------------------
 
@@ -330,6 +332,8 @@ class FusedKernel:
                  IDX=idx, **common),
             cfg.bwd_warps, cfg.bwd_stages,
         )
+        if not self.dkdv:
+            return
         bm, bn = cfg.dkdv_m, cfg.dkdv_n
         nnb = triton.cdiv(MK, bn)
         self._launch(
