@@ -17,6 +17,8 @@ import torch
 
 from .comm import CommBackend, resolve_comm
 from .consistency import agree, call_signature
+from .diagnostics import debug as _debug
+from .diagnostics.guard import guard_kernel
 from .head_parallel import HeadSplit, HeadsToSequence, SequenceToHeads
 from .kernels.base import BlockKernel, PatternKernel
 from .kernels.dispatch import select_kernel
@@ -151,6 +153,13 @@ def dilated_attention(
                 if reason is not None:
                     raise ValueError(reason)
         chosen = select_kernel(kernel, q, k)
+        meta = {}
+        if _debug.enabled():  # off by default: one module-global check
+            meta = _debug.call_meta(q, k, v, segment_lengths, dilation_rates, mode=mode, causal=causal,
+                                    softmax_scale=softmax_scale, kernel=kernel, comm=backend, strategy=strategy)
+            _debug.record_call(meta, {"q": q, "k": k, "v": v})
+            chosen = _debug.wrap_kernel(chosen, meta)
+        chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
     except (ValueError, TypeError) as exc:
         if backend is None:
             raise
