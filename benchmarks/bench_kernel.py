@@ -541,14 +541,14 @@ def main(argv=None):
         result["markdown"] = md
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+        try:
+            plot(rows, full_rows, os.path.join(args.out, f"kernel_{tag}.png"), gpu, meta)
+        except Exception as exc:
+            print(f"plot failed: {exc}")
         if final:
             if not args.no_md:
                 with open(os.path.join(args.out, f"kernel_{tag}.md"), "w") as f:
                     f.write(md)
-            try:
-                plot(rows, full_rows, os.path.join(args.out, f"kernel_{tag}.png"), gpu, meta)
-            except Exception as exc:
-                print(f"plot failed: {exc}")
             print(md)
 
     save(final=False)
