@@ -245,6 +245,9 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                 continue
             try:
                 o, s = impl.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)
+                o2, s2 = impl.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)
+                r["fwd_reproducible"] = bool(torch.equal(o, o2) and torch.equal(s, s2))
+                del o2, s2
                 rows_o = torch.cat([o[:, :, c.h0:c.h1].flatten(2) for c in p.chunks], -1)
                 rows_r = torch.cat([ref_f[0][:, :, c.h0:c.h1].flatten(2) for c in p.chunks], -1)
                 grads = []
@@ -264,7 +267,8 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
             rows.append(r)
             print(f"  table causal={causal} plan {p.index} (w={p.segment}, r={p.dilation}) {name:9s} "
                   + (f"fwd {r['fwd_ms']:.3f} ms bwd {r['bwd_ms']:.3f} ms rel {r['rel_vs_fused']:.1e} "
-                     f"reproducible {r['bwd_reproducible']}" if "error" not in r else r["error"]), flush=True)
+                     f"reproducible fwd {r['fwd_reproducible']} bwd {r['bwd_reproducible']}"
+                     if "error" not in r else r["error"]), flush=True)
     choices = {}
     for dense in (True, False):
         cls = [x for x in rows if (x["r"] == 1) == dense]
@@ -278,6 +282,8 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                 ok = all("error" not in x and x["rel_vs_fused"] <= tol for x in mine)
                 if direction == "bwd":
                     ok = ok and all(x.get("bwd_reproducible") for x in mine)
+                if direction == "fwd":  # the library's backends promise bitwise-equal results
+                    ok = ok and all(x.get("fwd_reproducible") for x in mine)
                 if not ok or not mine:
                     continue
                 ms = sum(x["fwd_ms" if direction == "fwd" else "bwd_ms"] for x in mine)
@@ -643,12 +649,12 @@ def markdown(result):
     table = [x for x in result.get("table", []) if "error" not in x]
     if table:
         lines += ["", "Per-pattern timings behind the auto table (ms; rel = max relative difference to fused):", "",
-                  "| D | dtype | causal | w | r | impl | fwd | bwd | rel | bwd reproducible |",
+                  "| D | dtype | causal | w | r | impl | fwd | bwd | rel | reproducible fwd / bwd |",
                   "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
         for x in table:
             lines.append(f"| {x.get('dim', sh['D'])} | {x.get('dtype', sh['dtype'])} | {x['causal']} | {x['w']} | {x['r']} "
                          f"| {x['impl']} | {x['fwd_ms']:.3f} | {x['bwd_ms']:.3f} | {x['rel_vs_fused']:.1e} "
-                         f"| {x['bwd_reproducible']} |")
+                         f"| {x['fwd_reproducible']} / {x['bwd_reproducible']} |")
     lines += ["", "Summary:", "", "```", json.dumps(summary, indent=1), "```", ""]
     return "\n".join(lines)
 
