@@ -281,3 +281,57 @@ def test_grads_subset_is_validated():
         CudnnKernel(MathOps(), grads=("dx",))
     with pytest.raises(ValueError, match="grads"):
         CudnnKernel(MathOps(), grads=())
+
+
+class PickyOps(MathOps):
+    """Refuses a batch that interleaves with the rows (chunks stacked by offset), as a cuDNN might."""
+
+    @staticmethod
+    def _refuse(q):
+        if q.shape[0] > 1 and q.stride(0) < q.stride(2) * q.shape[2]:
+            raise RuntimeError("cuDNN Frontend error: no valid engine for these strides (test stand-in)")
+
+    def forward(self, q, k, v, **kw):
+        self._refuse(q)
+        return super().forward(q, k, v, **kw)
+
+    def backward(self, dout, q, k, v, out, lse4, **kw):
+        self._refuse(q)
+        return super().backward(dout, q, k, v, out, lse4, **kw)
+
+
+def test_refused_stacking_runs_chunk_by_chunk():
+    """Where cuDNN refuses stacked chunks, the pattern runs chunk by chunk (warned once), same results."""
+    seed = seeded("cudnn-refused")
+    heads, n, dim = 8, 64, 16
+    ops = PickyOps()
+    kern = CudnnKernel(ops)
+    p = plans_for("longnet", heads, heads, n, n, [64], [8])[0]  # one segment, 8 offsets: one stacked group
+    q, k, v, dout = (torch.randn(1, n, heads, dim) for _ in range(4))
+    with pytest.warns(UserWarning, match="chunk by chunk"):
+        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+    assert len(ops.calls) == heads
+    o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=True, scale=0.25)
+    assert_within_rule("out", out, o64, o64.float(), context=f"(seed {seed})")
+    ops.calls.clear()
+    fin = torch.randn(1, n, heads, dim)
+    lse_full = torch.randn(1, n, heads) + 3.0
+    acc = [torch.zeros(x.shape) for x in (q, k, v)]
+    kern.backward_pattern(q, k, v, p, fin, lse_full, dout, *acc, packed=False, causal=True, scale=0.25)
+    assert [c[0] for c in ops.calls] == ["bwd"] * heads  # remembered: no stacked attempt this time
+    want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(fin), d64(lse_full), d64(dout), *want,
+                           packed=False, causal=True, scale=0.25)
+    for name, got, w in zip("qkv", acc, want):
+        assert_within_rule(f"d{name}", got, w, w.float(), context=f"(seed {seed})")
+    # a backward that meets the refusal first adds nothing twice
+    ops2 = PickyOps()
+    acc2 = [torch.zeros(x.shape) for x in (q, k, v)]
+    with pytest.warns(UserWarning, match="chunk by chunk"):
+        CudnnKernel(ops2).backward_pattern(q, k, v, p, fin, lse_full, dout, *acc2, packed=False, causal=False,
+                                           scale=0.25)
+    want2 = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(fin), d64(lse_full), d64(dout), *want2,
+                           packed=False, causal=False, scale=0.25)
+    for name, got, w in zip("qkv", acc2, want2):
+        assert_within_rule(f"d{name} (refused in backward)", got, w, w.float(), context=f"(seed {seed})")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,32 @@ def _groups(plan: PatternPlan) -> tuple[_Group, ...]:
         out.append([c])
         steps.append((0, 0, 0, 0))
     return tuple(_Group(tuple(g), s) for g, s in zip(out, steps))
+
+
+@functools.lru_cache(maxsize=512)
+def _singles(plan: PatternPlan) -> tuple[_Group, ...]:
+    """Every chunk on its own (what runs where cuDNN refused a stacked call)."""
+    return tuple(_Group((c,), (0, 0, 0, 0)) for c in plan.chunks)
+
+
+def _stacks(plan: PatternPlan) -> bool:
+    return any(len(g.chunks) > 1 for g in _groups(plan))
+
+
+# Configurations where cuDNN refused a call stacking several chunks: they run chunk by
+# chunk from then on (the same choice every time, so results stay reproducible).
+_REFUSED: set[tuple] = set()
+
+
+def _config_key(q, k, plan: PatternPlan, packed: bool, causal: bool) -> tuple:
+    return (plan, packed, causal, q.dtype, tuple(q.shape), q.stride(), tuple(k.shape), k.stride())
+
+
+def _refuse(key: tuple, exc: BaseException) -> None:
+    if key not in _REFUSED:
+        _REFUSED.add(key)
+        warnings.warn(f"cudnn kernel: cuDNN refused a call stacking head chunks ({str(exc)[:300]}); "
+                      f"running this configuration chunk by chunk", stacklevel=3)
 
 
 def _group_view(x: torch.Tensor, plan: PatternPlan, g: _Group, role: str) -> torch.Tensor:
@@ -292,11 +319,23 @@ class CudnnKernel:
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
         self._check(q, k)
         self._geometry(q, k, plan, packed)
+        key = _config_key(q, k, plan, packed, causal)
+        if key in _REFUSED or not _stacks(plan):
+            return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale)
+        try:
+            return self._forward(q, k, v, plan, _groups(plan), packed, causal, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # cuDNN refused a stacked call: chunk by chunk (no side effects yet)
+            _refuse(key, exc)
+            return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale)
+
+    def _forward(self, q, k, v, plan: PatternPlan, groups, packed: bool, causal: bool, scale: float):
         bsz, n, heads, dim = q.shape
         shapes = ((bsz, n // plan.dilation, heads, dim), (bsz, n // plan.dilation, heads))
         kv = self._kv_role(packed)
         work = []
-        for g in _groups(plan):
+        for g in groups:
             src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv)}
             in_place = {name for name in src if readable(src[name])}
             work.append((g, src, in_place, *_split(src, in_place)))
@@ -344,27 +383,46 @@ class CudnnKernel:
             raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {tuple(q.shape[:3])}")
         kv = self._kv_role(packed)
         same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
-        for g in _groups(plan):
-            src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv),
-                   "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
-                   "lse": _group_view(lse, plan, g, "q"),
-                   "dq": _group_view(dq, plan, g, "q"), "dk": _group_view(dk, plan, g, kv), "dv": _group_view(dv, plan, g, kv)}
-            in_place = {name for name in ("k", "v") if readable(src[name])}
-            if same and all(readable(src[x]) for x in ("q", "out", "dout")):
-                in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
-            for sub, tsz in _calls(src, *_split(src, in_place)):
-                nt = len(tsz)
-                q4, k4, v4, o4, g4 = (
-                    _as_4d(sub[x], nt) if x in in_place else _compact_4d(sub[x], nt, q.dtype)
-                    for x in ("q", "k", "v", "out", "dout")
-                )
-                l4 = _compact_4d(sub["lse"], nt, torch.float32).unsqueeze(-1)
-                gq, gk, gv = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale)
-                for name, grad in (("dq", gq), ("dk", gk), ("dv", gv)):
-                    if name not in self.grads:
-                        continue
-                    target = _out_view(sub[name], nt)
-                    target.add_(grad.view(*tsz, *grad.shape[1:]) if nt else grad[0])
+        key = _config_key(q, k, plan, packed, causal)
+        stacked = key not in _REFUSED
+        tensors = (q, k, v, out, lse, dout, dq, dk, dv)
+        for g in _groups(plan) if stacked else _singles(plan):
+            try:
+                self._backward_group(tensors, plan, g, kv, same, causal, scale)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:  # nothing of this group was added yet: its chunks one by one
+                if len(g.chunks) == 1:
+                    raise
+                _refuse(key, exc)
+                for c in g.chunks:
+                    self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale)
+
+    def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, causal: bool,
+                        scale: float) -> None:
+        """One group's calls; its gradients are added only once every call succeeded."""
+        q, k, v, out, lse, dout, dq, dk, dv = tensors
+        src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv),
+               "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
+               "lse": _group_view(lse, plan, g, "q"),
+               "dq": _group_view(dq, plan, g, "q"), "dk": _group_view(dk, plan, g, kv), "dv": _group_view(dv, plan, g, kv)}
+        in_place = {name for name in ("k", "v") if readable(src[name])}
+        if same and all(readable(src[x]) for x in ("q", "out", "dout")):
+            in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
+        pending = []
+        for sub, tsz in _calls(src, *_split(src, in_place)):
+            nt = len(tsz)
+            q4, k4, v4, o4, g4 = (
+                _as_4d(sub[x], nt) if x in in_place else _compact_4d(sub[x], nt, q.dtype)
+                for x in ("q", "k", "v", "out", "dout")
+            )
+            l4 = _compact_4d(sub["lse"], nt, torch.float32).unsqueeze(-1)
+            gq, gk, gv = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale)
+            for name, grad in (("dq", gq), ("dk", gk), ("dv", gv)):
+                if name in self.grads:
+                    pending.append((_out_view(sub[name], nt), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))
+        for target, grad in pending:
+            target.add_(grad)
 
 
 class CudnnDkdvKernel:
