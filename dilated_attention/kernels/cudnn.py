@@ -6,8 +6,10 @@ tensors: the dilated rows of a head chunk are ``x.view(B, S, M, r, H, D)[:, :, :
 o, h0:h1]``, and chunks whose addresses step by a constant amount (every LongNet
 head-offset run of one size, every ring buffer) are stacked into the batch
 dimension of one call, so a pattern is a handful of calls (LongNet ``r = 16``,
-one segment: 16 head chunks, one call). Forward copies only cuDNN's outputs into
-the pattern's compact ``out``/``lse``; backward feeds the *final* merged ``out``
+one segment: 16 head chunks, one call; a configuration where cuDNN refuses such a
+stacked call runs chunk by chunk from then on). Forward returns cuDNN's own
+output as the pattern's compact ``out`` (a strided view) when one call covered
+the pattern, else copies the outputs into it; backward feeds the *final* merged ``out``
 and ``lse`` (exact gradients, as ``base.py`` explains) and adds cuDNN's gradients
 into the fp32 accumulators.
 
