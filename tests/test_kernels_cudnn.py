@@ -203,6 +203,7 @@ def test_longnet_calls_are_grouped_and_zero_copy():
         assert all(set(c[3]) <= storages for c in ops.calls), "an input was copied in the backward"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU stand-in's view of the calls; on a GPU the real op runs")
 def test_backward_copies_q_out_dout_together():
     """out with strides other than q's: q, out and dout all go in compact (MathOps asserts equal strides)."""
     seed = seeded("cudnn-joint-copy")
