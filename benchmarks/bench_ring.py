@@ -28,22 +28,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 BACKENDS = ("collective", "fairscale", "deepspeed")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from dilated_attention.launch_utils import int_list
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", action="append", choices=BACKENDS, help="repeat; default: all three")
     p.add_argument("--local-len", type=int, default=65536, help="tokens per rank")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--segments", type=_ints, default=[2048, 8192, 32768, 131072])
-    p.add_argument("--rates", type=_ints, default=[1, 2, 4, 8])
+    p.add_argument("--segments", type=int_list, default=[2048, 8192, 32768, 131072])
+    p.add_argument("--rates", type=int_list, default=[1, 2, 4, 8])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--kernel", default="sdpa", help="block kernel: sdpa (default), auto, fused, reference")

@@ -50,12 +50,6 @@ CONFIGS = ("longnet", "full")
 PEERS = ("torch_cp", "ulysses")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
 
 def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
@@ -69,9 +63,10 @@ def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from dilated_attention.cost_model import LONGNET_RATES, LONGNET_SEGMENTS
+    from dilated_attention.launch_utils import int_list
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=_ints, default=[32768], help="tokens per GPU, comma-separated "
+    p.add_argument("--tokens", type=int_list, default=[32768], help="tokens per GPU, comma-separated "
                    "(default 32768; sweep: 8192,16384,32768,65536)")
     p.add_argument("--configs", type=_names(CONFIGS), default=list(CONFIGS))
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
@@ -84,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--longnet-segments", type=_ints, default=list(LONGNET_SEGMENTS), help="segments before N")
-    p.add_argument("--longnet-rates", type=_ints, default=list(LONGNET_RATES), help="one more than segments")
+    p.add_argument("--longnet-segments", type=int_list, default=list(LONGNET_SEGMENTS), help="segments before N")
+    p.add_argument("--longnet-rates", type=int_list, default=list(LONGNET_RATES), help="one more than segments")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10, help="at most this many timed iterations")
     p.add_argument("--min-iters", type=int, default=3)

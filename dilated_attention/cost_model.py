@@ -52,7 +52,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from .patterns import longnet_offsets
+from .patterns import hybrid_team_size, longnet_offsets
 
 FWD_BWD = 3.5  # forward + backward FLOPs over forward FLOPs (backward = 2.5x forward)
 STRATEGIES = ("ring", "head", "hybrid")
@@ -223,10 +223,7 @@ def hybrid_team(gpus: int, heads: int, hw: Hardware) -> int | None:
     """The hybrid's all-to-all team size, as ``functional._team_size`` picks it: a node when
     the job spans nodes and a node's GPUs divide the heads, else the largest proper divisor
     of ``gpus`` that divides the heads; None when there is none (then it is not a hybrid)."""
-    n = hw.gpus_per_node
-    if 1 < n < gpus and gpus % n == 0 and heads % n == 0:
-        return n
-    return next((a for a in range(gpus - 1, 1, -1) if gpus % a == 0 and heads % a == 0), None)
+    return hybrid_team_size(gpus, heads, hw.gpus_per_node)
 
 
 def memory_gib(p: Problem, tokens_per_gpu: float) -> float:

@@ -22,7 +22,7 @@ from .diagnostics.guard import guard_kernel
 from .head_parallel import HeadSplit, HeadsToSequence, SequenceToHeads
 from .kernels.base import BlockKernel, PatternKernel
 from .kernels.dispatch import select_kernel
-from .patterns import plan_patterns
+from .patterns import hybrid_team_size, plan_patterns
 from .ring import RingDilatedAttention, RingLayout
 
 STRATEGIES = ("auto", "ring", "head", "hybrid")
@@ -87,16 +87,11 @@ def _team_size(strategy: str, world: int, heads: int) -> int:
         return 1
     if strategy == "head" or (strategy == "auto" and heads % world == 0):
         return world
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if 1 < local < world and world % local == 0 and heads % local == 0:
-        return local
-    divisors = [a for a in range(world - 1, 1, -1) if world % a == 0 and heads % a == 0]
-    if divisors:
-        return divisors[0]
-    if strategy == "hybrid":
+    team = hybrid_team_size(world, heads, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+    if team is None and strategy == "hybrid":
         raise ValueError(f'strategy="hybrid" needs a team size that divides both the world size ({world}) and the '
                          f"number of query heads ({heads}); none exists")
-    return 1
+    return team or 1
 
 
 def dilated_attention(

@@ -74,15 +74,36 @@ def _send_buffer(q, k, v, split: HeadSplit) -> torch.Tensor:
     return buf
 
 
+def _to_heads(send: torch.Tensor, comm: CommBackend, team: tuple[int, ...], what: str) -> torch.Tensor:
+    """``send`` ``(A, B, L, c, D)``, block ``m`` for member ``m``: our rows of its heads ->
+    ``(B, A L, c, D)``, every member's rows of ours (member ``m``'s rows are block ``m``)."""
+    recv, pending = comm.all_to_all(send, team, what)
+    pending.wait()
+    a, bsz, n, c, dim = recv.shape
+    return recv.permute(1, 0, 2, 3, 4).reshape(bsz, a * n, c, dim)
+
+
+def _to_sequence(x: torch.Tensor, comm: CommBackend, team: tuple[int, ...], what: str) -> torch.Tensor:
+    """``x`` ``(B, A L, c, D)`` (our heads, every member's rows) -> ``(A, B, L, c, D)``: block ``m`` is
+    member ``m``'s heads of our rows."""
+    send = x.unflatten(1, (len(team), x.shape[1] // len(team))).transpose(0, 1).contiguous()
+    recv, pending = comm.all_to_all(send, team, what)
+    pending.wait()
+    return recv
+
+
+def _merge_heads(recv: torch.Tensor) -> torch.Tensor:
+    """``(A, B, L, c, D)`` with member ``m``'s heads in block ``m`` -> ``(B, L, A c, D)``."""
+    a, bsz, n, c, dim = recv.shape
+    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, a * c, dim)
+
+
 class SequenceToHeads(torch.autograd.Function):
     """``(B, L, H, D)`` q/k/v shards of ``A`` team ranks -> ``(B, A L, H/A, D)`` q and the kv heads it reads."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm: CommBackend, team: tuple[int, ...], split: HeadSplit, what: str):
-        recv, pending = comm.all_to_all(_send_buffer(q, k, v, split), team, what + ", sequence-to-heads all-to-all")
-        pending.wait()
-        a, bsz, n, _, dim = recv.shape
-        rows = recv.permute(1, 0, 2, 3, 4).reshape(bsz, a * n, -1, dim)  # member m's rows are block m
+        rows = _to_heads(_send_buffer(q, k, v, split), comm, team, what + ", sequence-to-heads all-to-all")
         hl, hk = split.local_heads, split.local_kv_heads
         ctx.args = comm, team, split, what, k.shape
         return rows[:, :, :hl].contiguous(), rows[:, :, hl:hl + hk].contiguous(), rows[:, :, hl + hk:].contiguous()
@@ -90,21 +111,16 @@ class SequenceToHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         comm, team, split, what, kv_shape = ctx.args
-        a = len(team)
-        bsz, rows, _, dim = dq.shape
-        grads = torch.cat([dq, dk, dv], dim=2).to(dq.dtype)
-        send = grads.unflatten(1, (a, rows // a)).transpose(0, 1).contiguous()  # block m: member m's rows
-        recv, pending = comm.all_to_all(send, team, what + ", backward of sequence-to-heads all-to-all")
-        pending.wait()
+        recv = _to_sequence(torch.cat([dq, dk, dv], dim=2), comm, team,
+                            what + ", backward of sequence-to-heads all-to-all")
         hl, hk = split.local_heads, split.local_kv_heads
-        gq = recv[:, :, :, :hl].permute(1, 2, 0, 3, 4).reshape(bsz, rows // a, split.heads, dim)
-        if split.kv_heads % a == 0:  # each kv head came from exactly one member
-            gk = recv[:, :, :, hl:hl + hk].permute(1, 2, 0, 3, 4).reshape(kv_shape)
-            gv = recv[:, :, :, hl + hk:].permute(1, 2, 0, 3, 4).reshape(kv_shape)
-            return gq, gk, gv, None, None, None, None
+        gq = _merge_heads(recv[:, :, :, :hl])
+        if split.kv_heads % len(team) == 0:  # each kv head came from exactly one member
+            return gq, _merge_heads(recv[:, :, :, hl:hl + hk]), _merge_heads(recv[:, :, :, hl + hk:]), \
+                None, None, None, None
         gk = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
         gv = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
-        for m in range(a):  # several members may have read one kv head: their gradients add
+        for m in range(len(team)):  # several members may have read one kv head: their gradients add
             for i, src in enumerate(split.kv_sources(m)):
                 gk[:, :, src].add_(recv[m, :, :, hl + i])
                 gv[:, :, src].add_(recv[m, :, :, hl + hk + i])
@@ -117,23 +133,11 @@ class HeadsToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, comm: CommBackend, team: tuple[int, ...], what: str):
         ctx.args = comm, team, what
-        return _heads_to_sequence(out, comm, team, what + ", heads-to-sequence all-to-all")
+        return _merge_heads(_to_sequence(out, comm, team, what + ", heads-to-sequence all-to-all"))
 
     @staticmethod
     def backward(ctx, dout):
         comm, team, what = ctx.args
         a = len(team)
-        bsz, n, heads, dim = dout.shape
-        send = dout.unflatten(2, (a, heads // a)).permute(2, 0, 1, 3, 4).contiguous()  # block m: member m's heads
-        recv, pending = comm.all_to_all(send, team, what + ", backward of heads-to-sequence all-to-all")
-        pending.wait()
-        return recv.permute(1, 0, 2, 3, 4).reshape(bsz, a * n, heads // a, dim), None, None, None
-
-
-def _heads_to_sequence(out: torch.Tensor, comm: CommBackend, team: tuple[int, ...], what: str) -> torch.Tensor:
-    a = len(team)
-    bsz, rows, hl, dim = out.shape
-    send = out.unflatten(1, (a, rows // a)).transpose(0, 1).contiguous()  # block m: member m's rows
-    recv, pending = comm.all_to_all(send, team, what)
-    pending.wait()
-    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, rows // a, a * hl, dim)  # member m's heads are slice m
+        send = dout.unflatten(2, (a, dout.shape[2] // a)).permute(2, 0, 1, 3, 4).contiguous()  # block m: its heads
+        return _to_heads(send, comm, team, what + ", backward of heads-to-sequence all-to-all"), None, None, None

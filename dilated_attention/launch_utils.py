@@ -18,15 +18,34 @@ of one on 127.0.0.1, so the same script also runs as plain ``python script.py``.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 DEVICES = ("auto", "cuda", "cpu")
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type for comma-separated integers (``--segments 2048,8192``)."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """``argparse`` whose errors are one line, printed by rank 0 only (torchrun's ``RANK``); every rank exits 2."""
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{self.prog}: error: {message} (--help lists the options)", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 @dataclass(frozen=True)

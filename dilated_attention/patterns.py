@@ -104,6 +104,15 @@ def longnet_offsets(num_heads: int, rate: int, rule: str = "spread") -> list[int
     raise ValueError(f"head_offsets must be one of {HEAD_OFFSET_RULES}, got {rule!r}")
 
 
+def hybrid_team_size(world: int, heads: int, local_world: int = 0) -> int | None:
+    """Ranks per all-to-all team of the hybrid strategy: a node (``local_world`` ranks) when the
+    job spans nodes and a node divides the heads, else the largest proper divisor of ``world``
+    that divides the heads; ``None`` when there is none."""
+    if 1 < local_world < world and world % local_world == 0 and heads % local_world == 0:
+        return local_world
+    return next((a for a in range(world - 1, 1, -1) if world % a == 0 and heads % a == 0), None)
+
+
 def head_groups(num_heads: int, num_patterns: int) -> list[tuple[int, int]]:
     """Contiguous head groups for ``mode="grouped"``, sizes differ by <= 1, larger first."""
     if num_heads < num_patterns:

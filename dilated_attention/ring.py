@@ -21,7 +21,6 @@ import enum
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .comm.base import CommBackend
 from .kernels.base import PatternKernel
@@ -91,9 +90,8 @@ def _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, ca
     size = plan.ring_size
     pos, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
     block, spare = pack_kv(k, v, plan), None
-    acc = accum_dtype(block.dtype)
-    buffers = [torch.empty(block.shape, dtype=acc, device=block.device) for _ in range(3)]
-    scratch, outgoing, incoming = buffers
+    scratch, outgoing, incoming = (torch.empty(block.shape, dtype=accum_dtype(block.dtype), device=block.device)
+                                   for _ in range(3))
     grads_pending = None
     for step in range(size):
         pending = None
@@ -122,7 +120,7 @@ def _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, ca
 
 
 class RingDilatedAttention(torch.autograd.Function):
-    """Dilated attention over this rank's block; spanning patterns run as rings (exact, once differentiable)."""
+    """Dilated attention over this rank's block; spanning patterns run as rings (exact; no double backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plans: tuple[PatternPlan, ...], comm: CommBackend | None, layout: RingLayout,
@@ -150,11 +148,6 @@ class RingDilatedAttention(torch.autograd.Function):
                 "gradient penalties or torch.autograd.grad(..., create_graph=True)): its backward is hand-written "
                 "and not itself differentiable"
             )
-        return RingDilatedAttention._backward(ctx, dout)
-
-    @staticmethod
-    @once_differentiable
-    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plans, comm, layout, call, kernel, causal, scale = ctx.args
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride

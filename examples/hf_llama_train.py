@@ -34,27 +34,13 @@ if _ROOT not in sys.path:  # run from a checkout without installing
 from dilated_attention.comm import CommBackend, get_backend  # noqa: E402
 from dilated_attention.distributed import all_reduce_gradients, shard_positions, shard_sequence  # noqa: E402
 from dilated_attention.integrations.huggingface import register_dilated_attention  # noqa: E402
-from dilated_attention.launch_utils import init_distributed  # noqa: E402
+from dilated_attention.launch_utils import RankZeroParser, init_distributed, int_list  # noqa: E402
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line, printed once per job (rank 0 under torchrun); every rank exits 2."""
-
-    def error(self, message: str):
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{self.prog}: error: {message} (--help lists the options)", file=sys.stderr)
-        sys.exit(2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = RankZeroParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=2, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=128, help="global tokens per sequence")
@@ -63,8 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--segments", type=_ints, default=[32, 128], help="segment lengths, e.g. 32,128")
-    p.add_argument("--rates", type=_ints, default=[1, 2], help="dilation rates, e.g. 1,2")
+    p.add_argument("--segments", type=int_list, default=[32, 128], help="segment lengths, e.g. 32,128")
+    p.add_argument("--rates", type=int_list, default=[1, 2], help="dilation rates, e.g. 1,2")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

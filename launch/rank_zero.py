@@ -7,24 +7,16 @@ the process group exists.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
 from typing import Callable
 
+from dilated_attention.launch_utils import RankZeroParser  # noqa: F401 (the launch scripts import it from here)
+
 
 def job_rank() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-class RankZeroParser(argparse.ArgumentParser):
-    """``argparse`` whose errors are one line, printed by rank 0 only; every rank exits with status 2."""
-
-    def error(self, message: str):
-        if job_rank() == 0:
-            print(f"{self.prog}: error: {message} (--help lists the options)", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 def quiet_other_ranks() -> bool:

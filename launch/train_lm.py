@@ -29,14 +29,10 @@ if _ROOT not in sys.path:  # run from a checkout without installing
 
 from rank_zero import RankZeroParser, quiet_other_ranks, run_job  # noqa: E402
 
+from dilated_attention.launch_utils import int_list  # noqa: E402
+
 quiet_other_ranks()  # rank 0 speaks for the job
 
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--embed-dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--segments", type=_ints, default=(32, 256), help="segment lengths, e.g. 32,256")
-    p.add_argument("--rates", type=_ints, default=(1, 4), help="dilation rates, e.g. 1,4")
+    p.add_argument("--segments", type=int_list, default=(32, 256), help="segment lengths, e.g. 32,256")
+    p.add_argument("--rates", type=int_list, default=(1, 4), help="dilation rates, e.g. 1,4")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast (DeepSpeed: its bf16 mode)")

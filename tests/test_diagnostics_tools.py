@@ -393,7 +393,8 @@ def test_runtime_audit_names_a_strided_view_reaching_a_send():
     import torch.distributed as dist
 
     from dilated_attention.comm import get_backend
-    from dilated_attention.testing.harness import free_port, init_local_rank
+    from dilated_attention.launch_utils import free_port
+    from dilated_attention.testing.spawn import init_local_rank
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

@@ -9,8 +9,6 @@ at exit after the errors). Bounded: a regression that hangs fails at the pytest-
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import pytest
@@ -19,7 +17,7 @@ import torch.distributed as dist
 
 from dilated_attention import dilated_attention
 from dilated_attention.comm import BACKEND_NAMES, PeerTimeoutError, get_backend
-from dilated_attention.testing.harness import init_local_rank, run_spawned
+from dilated_attention.testing.spawn import spawn_ranks
 
 WORLD = 3
 TIMEOUT = 2.0  # seconds the library waits on a peer in these tests
@@ -41,7 +39,7 @@ def _outcome(fn) -> dict:
     return {"error": None, "message": "", "seconds": time.monotonic() - start}
 
 
-def _scenarios(backend: str, rank: int) -> dict:
+def _scenarios(rank: int, world_size: int, backend: str) -> dict:
     out = {}
 
     def fresh(**kw):
@@ -80,17 +78,6 @@ def _scenarios(backend: str, rank: int) -> dict:
     return out
 
 
-def _worker(rank, world_size, port, backend, out_dir):
-    torch.set_num_threads(1)
-    init_local_rank(rank, world_size, port)  # timeout=120 s
-    try:
-        results = _scenarios(backend, rank)
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-
-
 @pytest.fixture(scope="module", params=BACKEND_NAMES)
 def outcomes(request):
     if request.param == "deepspeed":
@@ -100,12 +87,9 @@ def outcomes(request):
         prebuild_ops()
     if request.param == "fairscale":
         pytest.importorskip("fairscale")
-    out_dir = run_spawned(_worker, WORLD, request.param)  # raises if any rank exits non-zero (e.g. SIGABRT)
-    got = []
-    for r in range(WORLD):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            got.append(json.load(f))
-    return request.param, got
+    # each rank runs every scenario (init_process_group timeout 120 s); raises if any rank exits
+    # non-zero, e.g. SIGABRT at exit after the errors
+    return request.param, spawn_ranks(_scenarios, WORLD, request.param)
 
 
 def _waiting_ranks_time_out(got, scenario, words):

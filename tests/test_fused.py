@@ -494,19 +494,49 @@ def test_pattern_fills_exactly_the_chunks():
 # through the library: ring of 2 gloo ranks, fused vs reference kernel
 
 
+RING_CASES = [  # (mode, causal, heads, kv_heads, layout, dtype)
+    ("longnet", True, 4, 2, "transposed", "float32"),
+    ("longnet", False, 6, 2, "contiguous", "float32"),
+    ("grouped", True, 4, 4, "contiguous", "float16"),
+]
+
+
+def _ring_fused_vs_reference(rank: int, world_size: int) -> list[dict]:
+    """On each gloo rank: the library with kernel="fused" vs kernel="reference" on a ring, forward and
+    backward (an autograd ``.sum()`` too, whose gradient reaches the kernel with zero strides)."""
+    from dilated_attention import dilated_attention
+
+    local, dim, batch = 32, 32, 1
+    n = local * world_size
+    segs, rates = (8, 16, n), (1, 2, 4)
+    results = []
+    for mode, causal, heads, kv_heads, layout, dtype_name in RING_CASES:
+        dtype = getattr(torch, dtype_name)
+        g = torch.Generator().manual_seed(1000 + len(results))
+        full = [torch.randn(batch, n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
+        dout = torch.randn(batch, n, heads, dim, generator=g)
+        rows = slice(rank * local, (rank + 1) * local)
+        got = {}
+        for kern in ("fused", "reference"):
+            xs = [as_layout(t[:, rows].to(dtype), layout).requires_grad_() for t in full]
+            out = dilated_attention(*xs, segs, rates, mode=mode, causal=causal, comm="collective", kernel=kern)
+            grads = torch.autograd.grad(out, xs, dout[:, rows].to(dtype))
+            out2 = dilated_attention(*xs, segs, rates, mode=mode, causal=causal, comm="collective", kernel=kern)
+            gsum = torch.autograd.grad(out2.float().sum(), xs)
+            got[kern] = [t.detach().float() for t in (out, *grads, *gsum)]
+        errs = [rel_err(a, b) for a, b in zip(got["fused"], got["reference"])]
+        finite = all(torch.isfinite(t).all().item() for t in got["fused"])
+        results.append({"case": f"{mode}-causal{causal}-H{heads}-{kv_heads}-{layout}-{dtype_name}",
+                        "rank": rank, "errors": errs, "finite": finite})
+    return results
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
 @pytest.mark.skipif(CUDA, reason="CPU gloo ranks + interpreter; on GPUs the NCCL harness covers the fused ring")
 def test_library_ring_fused_matches_reference():
-    import json as _json
+    from dilated_attention.testing.spawn import spawn_ranks
 
-    from dilated_attention.kernels._fused_selfcheck import ring_worker
-    from dilated_attention.testing.harness import run_spawned
-
-    out_dir = run_spawned(ring_worker, 2)
-    results = []
-    for r in range(2):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            results += _json.load(f)
+    results = [res for part in spawn_ranks(_ring_fused_vs_reference, 2) for res in part]
     assert len(results) == 6, results
     for res in results:
         tol = 1e-5 if res["case"].endswith("float32") else 5e-3

@@ -101,7 +101,7 @@ class _Waiting:
                 done = work.wait(limit)
             except Exception as exc:  # gloo raises on expiry; NCCL raises DistBackendError
                 text = str(exc)
-                if "imed out" in text or "imeout" in text or "timed out" in text.lower():
+                if "timed out" in text.lower() or "timeout" in text.lower():
                     raise self._timeout_error() from exc
                 raise RuntimeError(f"rank {self.rank}: {self.what} failed waiting for {self.peers}: {text}") from exc
             if done is False:

@@ -322,7 +322,7 @@ def _spawn_worker(rank, world, port, kwargs, out_dir_results):
     import torch.distributed as dist
 
     from ..comm import get_backend
-    from ..testing.harness import init_local_rank
+    from ..testing.spawn import init_local_rank
 
     torch.set_num_threads(1)
     init_local_rank(rank, world, port)
@@ -348,7 +348,7 @@ def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float 
                  kernels=CPU_KERNELS, dtypes=CPU_DTYPES, invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
                  progress: bool = False, backend: str = "collective") -> FuzzResult:
     """Fuzz over several world sizes on ``max(world_sizes)`` gloo ranks spawned on this machine (CPU)."""
-    from ..testing.harness import run_spawned
+    from ..testing.spawn import run_spawned
 
     world_sizes = sorted(set(int(w) for w in world_sizes))
     if not world_sizes or world_sizes[0] < 1:

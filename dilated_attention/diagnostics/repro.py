@@ -347,7 +347,7 @@ def _spawned_worker(rank, world, port, spec, device, backend, out_dir):
     import torch.distributed as dist
 
     from ..comm import get_backend
-    from ..testing.harness import init_local_rank
+    from ..testing.spawn import init_local_rank
 
     torch.set_num_threads(1)
     init_local_rank(rank, world, port)
@@ -362,7 +362,7 @@ def _spawned_worker(rank, world, port, spec, device, backend, out_dir):
 
 def replay_spawned(spec: dict[str, Any], backend: str | None = None) -> list[Report]:
     """Replay a multi-rank repro on this machine: ``world_size`` gloo ranks on CPU."""
-    from ..testing.harness import run_spawned
+    from ..testing.spawn import run_spawned
 
     world = int(spec.get("world_size") or 1)
     out_dir = run_spawned(_spawned_worker, world, spec, "cpu", backend or spec.get("backend") or "collective")

@@ -14,11 +14,7 @@ Runs inside an initialised process group:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import sys
-import tempfile
 import traceback
 from dataclasses import asdict, dataclass, field
 
@@ -27,8 +23,10 @@ import torch.distributed as dist
 
 from ..comm import get_backend
 from ..functional import dilated_attention
+from ..launch_utils import init_distributed
 from .compare import as_layout, rel_err, tolerance
 from .oracle import dense_dilated_attention
+from .spawn import spawn_ranks
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -241,49 +239,12 @@ def run_battery(backends: list[str], device: torch.device, world_sizes: list[int
 # -- spawning gloo ranks on one machine (pytest, demo) ------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_local_rank(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import datetime
-
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
-
-
-def _battery_worker(rank, world_size, port, backends, out_dir):
-    torch.set_num_threads(1)
-    init_local_rank(rank, world_size, port)
-    try:
-        results = run_battery(backends, torch.device("cpu"))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump([asdict(r) for r in results], f)
-
-
-def run_spawned(fn, world_size: int, *args) -> str:
-    """Run ``fn(rank, world_size, port, *args, out_dir)`` on ``world_size`` spawned gloo ranks; returns out_dir."""
-    import torch.multiprocessing as mp
-
-    out_dir = tempfile.mkdtemp(prefix="dilated_attention_")
-    mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size, start_method="spawn")
-    return out_dir
+def _battery(rank: int, world_size: int, backends: list[str]) -> list[dict]:
+    return [asdict(r) for r in run_battery(backends, torch.device("cpu"))]
 
 
 def spawn_battery(backends: list[str], world_size: int = 4) -> list[Result]:
-    out_dir = run_spawned(_battery_worker, world_size, backends)
-    results = []
-    for r in range(world_size):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            results += [Result(**x) for x in json.load(f)]
-    return results
+    return [Result(**x) for part in spawn_ranks(_battery, world_size, backends) for x in part]
 
 
 # -- torchrun entry point ------------------------------------------------------------------------
@@ -303,14 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeat to test several (and check they agree bitwise); default collective")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args(argv)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_cuda else "cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    results = run_battery(args.backend or ["collective"], device, progress=True)
+    env = init_distributed(args.device)
+    results = run_battery(args.backend or ["collective"], env.device, progress=True)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, [asdict(r) for r in results])
     all_results = [Result(**x) for part in everyone for x in part]
@@ -318,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         print(format_table(all_results))
         print(f"{len(all_results) - len(failed)} passed, {len(failed)} failed")
-    dist.barrier()
-    dist.destroy_process_group()
+    env.shutdown()
     return 1 if failed else 0
 
 

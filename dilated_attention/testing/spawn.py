@@ -1,21 +1,41 @@
-"""Run a function on spawned gloo ranks and collect what each rank returns.
+"""Run a function on spawned gloo ranks of this machine and collect what each rank returns.
 
 ``spawn_ranks(fn, world, *args)`` starts ``world`` CPU processes in one gloo
 group, calls ``fn(rank, world, *args)`` on each, and returns the per-rank return
 values (JSON round-tripped: dicts, lists, numbers, strings). ``fn`` must be a
-module-level function (it is pickled by name).
+module-level function (it is pickled by name). A rank that exits non-zero (an
+exception, or a signal such as SIGABRT at exit) makes ``spawn_ranks`` raise.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import tempfile
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .harness import init_local_rank, run_spawned
+from ..launch_utils import free_port
+
+
+def init_local_rank(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
+    """Join a ``world_size``-rank group on 127.0.0.1 (torchrun's environment variables set as it would)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+
+
+def run_spawned(fn: Callable[..., None], world_size: int, *args: Any) -> str:
+    """Run ``fn(rank, world_size, port, *args, out_dir)`` on ``world_size`` spawned processes; returns out_dir."""
+    import torch.multiprocessing as mp
+
+    out_dir = tempfile.mkdtemp(prefix="dilated_attention_")
+    mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size, start_method="spawn")
+    return out_dir
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
