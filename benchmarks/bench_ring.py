@@ -63,19 +63,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    use_cuda = torch.cuda.is_available() and not args.smoke
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_cuda else "cpu")
     import torch.distributed as dist
 
+    from dilated_attention.launch_utils import init_distributed
+
+    env = init_distributed("cpu" if args.smoke else "auto")  # before DeepSpeed is imported
     from dilated_attention import dilated_attention
     from dilated_attention.comm import get_backend
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    rank, world, device = env.rank, env.world_size, env.device
+    use_cuda = device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         args.dtype or ("bf16" if use_cuda else "fp32")]
     names = args.backend or list(BACKENDS)

@@ -40,6 +40,7 @@ class PatternPlan:
     local_segment: int  # rows of one segment inside a rank's shard: min(w', L)
     ring_size: int  # G: 1 = computed locally, > 1 = ring of G consecutive ranks
     chunks: tuple[HeadChunk, ...]
+    head_runs: tuple[tuple[int, int, int], ...]  # (offset, h0, h1): consecutive heads sharing an offset
 
     @property
     def packed_heads(self) -> int:
@@ -227,5 +228,5 @@ def plan_patterns(
         else:
             h0, h1 = max(groups[i][0], head_start), min(groups[i][1], local_end)
             runs = [(i % r, h0 - head_start, h1 - head_start)] if h0 < h1 else []
-        plans.append(PatternPlan(i, w, r, local_segment, ring, _chunks(runs, group)))
+        plans.append(PatternPlan(i, w, r, local_segment, ring, _chunks(runs, group), tuple(runs)))
     return tuple(plans)

@@ -1,4 +1,4 @@
-"""Contiguity-safe strided views (the seeds' illegal-memory-access lesson).
+"""Contiguity-safe strided views: an index gather on a sliced view can read the wrong memory on GPUs.
 
 Dilation and head slicing are pure views of ``(B, N, H, ...)`` tensors of any
 strides: splitting the sequence dim with ``unflatten`` is always a view, and
@@ -44,12 +44,7 @@ def _affine_heads(plan: PatternPlan) -> tuple[int, int, int, int, int] | None:
     """``(h_start, runs, run_len, first_offset, step)`` if the plan's heads form equal runs of
     consecutive heads whose offset grows by a constant step (every LongNet plan with ``r | H``
     or ``H | r``, and every grouped plan), else ``None``."""
-    runs: list[list[int]] = []
-    for c in plan.chunks:
-        if runs and runs[-1][0] == c.offset and runs[-1][2] == c.h0:
-            runs[-1][2] = c.h1
-        else:
-            runs.append([c.offset, c.h0, c.h1])
+    runs = plan.head_runs
     lengths = {b - a for _, a, b in runs}
     steps = {runs[i + 1][0] - runs[i][0] for i in range(len(runs) - 1)}
     contiguous = all(runs[i][2] == runs[i + 1][1] for i in range(len(runs) - 1))

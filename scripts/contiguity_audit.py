@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Find strided views that reach code assuming contiguous memory (the seeds' illegal-memory-access crash).
+"""Find strided views that reach code assuming contiguous memory (GPU 'illegal memory access' crashes).
 
   python scripts/contiguity_audit.py static                   # scan this library
   python scripts/contiguity_audit.py static path/to/your/code  # scan yours (files or trees)

@@ -17,7 +17,6 @@ buffer sizes next to what nvidia-smi's topology says the link should give.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -68,14 +67,10 @@ def _ring(a, d) -> int:
 
     from dilated_attention.diagnostics import health
 
-    cuda = a.device == "cuda"
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local)
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=max(60.0, 4 * a.timeout)))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from dilated_attention.launch_utils import init_distributed
+
+    env = init_distributed("cuda" if a.device == "cuda" else "cpu", timeout=max(60.0, 4 * a.timeout))
+    device, local, rank, world = env.device, env.local_rank, env.rank, env.world_size
     backends = a.backend or (health.installed_backends() if a.distributed else ["collective"])
     bad = 0
     if a.distributed:
@@ -100,7 +95,7 @@ def _ring(a, d) -> int:
                 every = health.with_timeout(lambda: _gather_object(mine, world), a.timeout,
                                             f"gathering {name} bandwidth results", device)
                 if rank == 0 and world > 1:
-                    topo = health.topology_matrix() if cuda else None
+                    topo = health.topology_matrix() if device.type == "cuda" else None
                     print(f"== {name}: per-link bandwidth, all links at once "
                           f"({'topology from nvidia-smi topo -m' if topo else 'no nvidia-smi topology'})", flush=True)
                     for line in health.link_table(every, hosts, gpus, topo):

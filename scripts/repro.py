@@ -74,17 +74,14 @@ def _torchrun(spec, a, use_cuda: bool, world: int) -> int:
     from dilated_attention.comm import get_backend
     from dilated_attention.diagnostics import repro
 
-    local = int(os.environ["LOCAL_RANK"])
-    if use_cuda:
-        torch.cuda.set_device(local)
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_cuda else "cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    from dilated_attention.launch_utils import init_distributed
+
+    device = init_distributed("cuda" if use_cuda else "cpu").device
     if dist.get_world_size() != world:
         if dist.get_rank() == 0:
             print(f"the repro is for {world} ranks, torchrun started {dist.get_world_size()}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     rep = repro.run_spec(spec, comm=get_backend(a.backend or spec.get("backend") or "collective"), device=device,
                          kernel=a.kernel)
     print(rep.text(), flush=True)

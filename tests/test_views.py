@@ -1,16 +1,14 @@
 import torch
 
 from dilated_attention.patterns import plan_patterns
+from dilated_attention.testing.compare import LAYOUTS, as_layout
 from dilated_attention.views import chunk_views, dilated_view, pack_kv, unpack_add_
 
 
 def _layouts(b, n, h, d):
-    base = torch.randn(b, n, h, d, dtype=torch.float64)
-    yield "contiguous", base
-    yield "transposed", base.transpose(1, 2).contiguous().transpose(1, 2)
-    wide = torch.randn(b, n, h + 3, d, dtype=torch.float64)
-    wide[:, :, 2 : 2 + h] = base
-    yield "head_slice", wide[:, :, 2 : 2 + h]
+    g = torch.Generator().manual_seed(0)
+    for name in LAYOUTS:
+        yield name, as_layout(torch.randn(b, n, h, d, dtype=torch.float64, generator=g), name, generator=g)
 
 
 def test_dilated_view_is_a_view_with_the_right_rows():

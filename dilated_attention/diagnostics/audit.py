@@ -1,7 +1,8 @@
 """Contiguity audit: find strided views reaching code that assumes contiguous memory.
 
-The seeds' multi-GPU crash: ``k[:, :, h0:h1].index_select(1, idx)`` on a
-head-sliced view, fine on one GPU, "illegal memory access" on eight. Two audits:
+The crash it looks for: an index gather along the sequence of a head-sliced view
+(``k[:, :, h0:h1]``), fine on one GPU and an "illegal memory access" on eight,
+because the kernel assumed contiguous memory. Two audits:
 
 * **static** (``scan_paths``): an AST scan of Python files for
   ``index_select``/``gather``/P2P sends/collective inputs/Triton launches whose
@@ -141,7 +142,7 @@ class _Scanner(ast.NodeVisitor):
             subject = node.args[0] if (is_module or recv is None) and node.args else recv
             origin = _view_origin(subject, tainted) if subject is not None else None
             if origin:
-                self.report(node, f"{name} on a view made by {origin} with no contiguity guarantee (the seed-001 "
+                self.report(node, f"{name} on a view made by {origin} with no contiguity guarantee (the multi-GPU "
                                   "'illegal memory access' pattern): make it .contiguous() first, or read it "
                                   "through strided views (views.dilated_view) instead of gathering")
         elif name in SENDS or name in P2P_OPS:

@@ -1,10 +1,10 @@
-"""Diagnostics for the failures our users hit (see shared/seeds).
+"""Diagnostics for the failures ring and fused attention users hit (faults, hangs, wrong results).
 
 * ``env_report``: versions, devices, shared memory limits, NCCL settings.
 * ``check_views``: strided dilated views and packed ring buffers equal an
   explicit strided slice of a contiguous copy, for contiguous, transposed and
-  head-sliced inputs, on the device in question (the index gather on a
-  non-contiguous view that crashed multi-GPU runs).
+  head-sliced inputs, on the device in question (an index gather on a
+  non-contiguous view reads the wrong memory on GPUs: the views must not).
 * ``check_kernels``: the debugging method that works: the fp64 plain-torch
   oracle first, then one kernel at a time, forward and backward, each error
   judged against plain torch in the same dtype; a CUDA fault is attributed to
@@ -26,6 +26,7 @@ import torch
 
 from ..kernels.dispatch import select_kernel
 from ..patterns import plan_patterns
+from ..testing.compare import as_layout, rel_err, tolerance
 from ..testing.oracle import dense_dilated_attention
 from ..views import chunk_views, pack_kv
 
@@ -53,20 +54,13 @@ def env_report() -> dict[str, str]:
     return info
 
 
-def _layouts(shape, device, dtype):
-    base = torch.randn(shape, device=device, dtype=dtype)
-    yield "contiguous", base
-    yield "transposed", base.transpose(1, 2).contiguous().transpose(1, 2)
-    wide = torch.randn(*shape[:2], shape[2] + 3, shape[3], device=device, dtype=dtype)
-    yield "head_slice", wide[:, :, 1 : 1 + shape[2]]
-
-
 def check_views(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[tuple[str, bool, str]]:
     """``[(layout, ok, detail)]``: views and packing vs an explicit gather on a contiguous copy."""
     results = []
     (plan,) = plan_patterns([64], [4], seq_len=128, local_len=32, num_heads=6, num_kv_heads=2)
-    for name, x in _layouts((2, 32, 2, 16), device, dtype):
+    for name in ("contiguous", "transposed", "head_slice"):
         try:
+            x = as_layout(torch.randn(2, 32, 2, 16, device=device, dtype=dtype), name)
             safe = x.contiguous()  # the explicit gather runs on memory known to be contiguous
             buf = pack_kv(x, x, plan)
             ok = True
@@ -80,10 +74,6 @@ def check_views(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list
         except Exception as exc:
             results.append((name, False, f"{type(exc).__name__}: {exc}"))
     return results
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double().cpu() - b).abs().max() / b.abs().max()).item()
 
 
 def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, kernels=KERNELS, heads: int = 4,
@@ -118,10 +108,10 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, kerne
             if qd.is_cuda:
                 torch.cuda.synchronize()  # surface an asynchronous fault here, under this kernel's name
             for label, got, o, p in zip(("out", "dq", "dk", "dv"), (out, *grads), oracle, plain):
-                err, base = _rel(got, o), _rel(p, o)
+                err, base = rel_err(got, o), rel_err(p, o)
                 row[label] = f"{err:.1e} (plain {base:.1e})"
                 row.setdefault("ok", True)
-                row["ok"] &= bool(torch.isfinite(got).all()) and err <= 2 * base + (1e-6 if dtype == torch.float32 else 2e-3)
+                row["ok"] &= bool(torch.isfinite(got).all()) and err <= tolerance(dtype, base)
         except ValueError as exc:  # the kernel declined: that is an answer, not a failure
             row.update(ok=None, note=str(exc))
         except Exception as exc:

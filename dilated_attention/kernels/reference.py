@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ..merge import accum_dtype
 
 
 def _expand_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
@@ -19,7 +17,7 @@ def _expand_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    ct = _compute_dtype(q.dtype)
+    ct = accum_dtype(q.dtype)
     s = torch.einsum("bsmhd,bsnhd->bshmn", q.to(ct), _expand_kv(k, q.shape[-2]).to(ct)) * scale
     if causal:
         m, n = s.shape[-2:]
@@ -51,7 +49,7 @@ class ReferenceKernel:
         return out.to(q.dtype), rearrange(lse, "b s h m -> b s m h")
 
     def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float):
-        ct = _compute_dtype(q.dtype)
+        ct = accum_dtype(q.dtype)
         hq, hk = q.shape[-2], k.shape[-2]
         s = _scores(q, k, causal, scale)
         p = _probs(s, rearrange(lse.to(ct), "b s m h -> b s h m"))

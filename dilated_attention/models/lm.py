@@ -13,7 +13,6 @@ gradient of that mean).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
