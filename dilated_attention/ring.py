@@ -65,40 +65,41 @@ def _what(call: int, direction: str, plan: PatternPlan, step: int, size: int, ex
             f"ring step {step + 1}/{size}, {exchange}")
 
 
-def _ring_forward(q, k, v, plan, comm, layout, call, kernel, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_blocks(k, v, plan, comm, layout, call, direction, causal):
+    """Yield ``(step, packed K/V block, visibility)`` round the ring; the next block's exchange is in
+    flight while the caller computes on this one."""
     size = plan.ring_size
     pos, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
     block, spare = pack_kv(k, v, plan), None
-    merged = None  # the pattern's partial in compact layout: steps merge there in one op each
     for step in range(size):
         pending = None
         if step < size - 1:
             spare = torch.empty_like(block) if spare is None else spare
-            pending = comm.send_recv(block, nxt, spare, prv, _what(call, "forward", plan, step, size, "K/V block"))
-        seen = _visibility(causal, (pos - step) % size, pos)
+            pending = comm.send_recv(block, nxt, spare, prv, _what(call, direction, plan, step, size, "K/V block"))
+        yield step, block, _visibility(causal, (pos - step) % size, pos)
+        if pending is not None:
+            pending.wait()
+            block, spare = spare, block
+
+
+def _ring_forward(q, k, v, plan, comm, layout, call, kernel, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    merged = None  # the pattern's partial in compact layout: steps merge there in one op each
+    for _, block, seen in _ring_blocks(k, v, plan, comm, layout, call, "forward", causal):
         if seen is not Visibility.HIDDEN:
             part = kernel.forward_pattern(q, block[0], block[1], plan, packed=True,
                                           causal=seen is Visibility.CAUSAL, scale=scale)
             merged = part if merged is None else merge_two(*merged, *part)
-        if pending is not None:
-            pending.wait()
-            block, spare = spare, block
     return merged  # never None: every rank sees at least its own block
 
 
 def _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv) -> None:
     size = plan.ring_size
-    pos, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
-    block, spare = pack_kv(k, v, plan), None
-    scratch, outgoing, incoming = (torch.empty(block.shape, dtype=accum_dtype(block.dtype), device=block.device)
-                                   for _ in range(3))
-    grads_pending = None
-    for step in range(size):
-        pending = None
-        if step < size - 1:
-            spare = torch.empty_like(block) if spare is None else spare
-            pending = comm.send_recv(block, nxt, spare, prv, _what(call, "backward", plan, step, size, "K/V block"))
-        seen = _visibility(causal, (pos - step) % size, pos)
+    _, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
+    scratch = outgoing = incoming = grads_pending = None
+    for step, block, seen in _ring_blocks(k, v, plan, comm, layout, call, "backward", causal):
+        if scratch is None:
+            scratch, outgoing, incoming = (torch.empty(block.shape, dtype=accum_dtype(block.dtype),
+                                                       device=block.device) for _ in range(3))
         if seen is not Visibility.HIDDEN:  # this block's dK/dV from our queries, while its accumulator travels
             scratch.zero_()
             kernel.backward_pattern(q, block[0], block[1], plan, out, lse, dout, dq, scratch[0], scratch[1],
@@ -112,9 +113,6 @@ def _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, ca
             outgoing, incoming = incoming, outgoing  # the old outgoing buffer has been sent: reuse it
         grads_pending = comm.send_recv(outgoing, nxt, incoming, prv,
                                        _what(call, "backward", plan, step, size, "dK/dV accumulator"))
-        if pending is not None:
-            pending.wait()
-            block, spare = spare, block
     grads_pending.wait()  # after size hops the accumulator of our own block is home
     unpack_add_(dk, dv, incoming, plan)
 
