@@ -2,8 +2,8 @@
 
 * ``env_report``: versions, devices, shared memory limits, NCCL settings.
 * ``check_views``: strided dilated views and packed ring buffers equal an
-  explicit strided slice of a contiguous copy, for contiguous, transposed and
-  head-sliced inputs, on the device in question (an index gather on a
+  explicit strided slice of a contiguous copy, for every layout of
+  ``testing.compare.LAYOUTS`` (a head dim with stride != 1 and permuted buffers too), on the device in question (an index gather on a
   non-contiguous view reads the wrong memory on GPUs: the views must not).
 * ``check_kernels``: the debugging method that works: the fp64 plain-torch
   oracle first, then one kernel at a time, forward and backward, each error
@@ -26,11 +26,11 @@ import torch
 
 from ..kernels.dispatch import select_kernel
 from ..patterns import plan_patterns
-from ..testing.compare import as_layout, rel_err, tolerance
+from ..testing.compare import LAYOUTS, as_layout, rel_err, tolerance
 from ..testing.oracle import dense_dilated_attention
 from ..views import chunk_views, pack_kv
 
-KERNELS = ("reference", "sdpa", "sdpa-cudnn", "fused")
+KERNELS = ("reference", "sdpa", "sdpa-cudnn", "fused", "cudnn", "cudnn-dkdv")
 
 
 def env_report() -> dict[str, str]:
@@ -58,7 +58,7 @@ def check_views(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list
     """``[(layout, ok, detail)]``: views and packing vs an explicit gather on a contiguous copy."""
     results = []
     (plan,) = plan_patterns([64], [4], seq_len=128, local_len=32, num_heads=6, num_kv_heads=2)
-    for name in ("contiguous", "transposed", "head_slice"):
+    for name in LAYOUTS:
         try:
             x = as_layout(torch.randn(2, 32, 2, 16, device=device, dtype=dtype), name)
             safe = x.contiguous()  # the explicit gather runs on memory known to be contiguous
