@@ -83,17 +83,10 @@ def _to_heads(send: torch.Tensor, comm: CommBackend, team: tuple[int, ...], what
     return recv.permute(1, 0, 2, 3, 4).reshape(bsz, a * n, c, dim)
 
 
-def _to_sequence(parts: list[torch.Tensor], comm: CommBackend, team: tuple[int, ...], what: str) -> torch.Tensor:
-    """``parts`` ``(B, A L, c_i, D)`` (our heads, every member's rows), packed side by side ->
-    ``(A, B, L, sum c_i, D)``: block ``m`` is member ``m``'s heads of our rows."""
-    a = len(team)
-    bsz, rows, _, dim = parts[0].shape
-    send = torch.empty((a, bsz, rows // a, sum(p.shape[2] for p in parts), dim), dtype=parts[0].dtype,
-                       device=parts[0].device)
-    start = 0
-    for p in parts:  # one strided copy each, straight into the send buffer
-        send[:, :, :, start:start + p.shape[2]].copy_(p.unflatten(1, (a, rows // a)).transpose(0, 1))
-        start += p.shape[2]
+def _to_sequence(x: torch.Tensor, comm: CommBackend, team: tuple[int, ...], what: str) -> torch.Tensor:
+    """``x`` ``(B, A L, c, D)`` (our heads, every member's rows) -> ``(A, B, L, c, D)``: block ``m`` is
+    member ``m``'s heads of our rows."""
+    send = x.unflatten(1, (len(team), x.shape[1] // len(team))).transpose(0, 1).contiguous()
     recv, pending = comm.all_to_all(send, team, what)
     pending.wait()
     return recv
@@ -113,13 +106,13 @@ class SequenceToHeads(torch.autograd.Function):
         rows = _to_heads(_send_buffer(q, k, v, split), comm, team, what + ", sequence-to-heads all-to-all")
         hl, hk = split.local_heads, split.local_kv_heads
         ctx.args = comm, team, split, what, k.shape
-        # head slices of the received block: kernels read them through their strides, no copies
-        return rows[:, :, :hl], rows[:, :, hl:hl + hk], rows[:, :, hl + hk:]
+        return rows[:, :, :hl].contiguous(), rows[:, :, hl:hl + hk].contiguous(), rows[:, :, hl + hk:].contiguous()
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         comm, team, split, what, kv_shape = ctx.args
-        recv = _to_sequence([dq, dk, dv], comm, team, what + ", backward of sequence-to-heads all-to-all")
+        recv = _to_sequence(torch.cat([dq, dk, dv], dim=2), comm, team,
+                            what + ", backward of sequence-to-heads all-to-all")
         hl, hk = split.local_heads, split.local_kv_heads
         gq = _merge_heads(recv[:, :, :, :hl])
         if split.kv_heads % len(team) == 0:  # each kv head came from exactly one member
@@ -140,7 +133,7 @@ class HeadsToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, comm: CommBackend, team: tuple[int, ...], what: str):
         ctx.args = comm, team, what
-        return _merge_heads(_to_sequence([out], comm, team, what + ", heads-to-sequence all-to-all"))
+        return _merge_heads(_to_sequence(out, comm, team, what + ", heads-to-sequence all-to-all"))
 
     @staticmethod
     def backward(ctx, dout):
