@@ -10,7 +10,7 @@ dropout are not supported and raise ``ValueError`` saying what to use instead.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from einops import rearrange
@@ -18,11 +18,6 @@ from torch import nn
 
 from .comm import CommBackend
 from .functional import dilated_attention
-
-
-def _mask_kwargs(key_padding_mask: torch.Tensor | None) -> dict[str, Any]:
-    # passed only when given: dilated_attention gains key_padding_mask in the masks work (issue 12)
-    return {} if key_padding_mask is None else {"key_padding_mask": key_padding_mask}
 
 
 class DilatedAttention(nn.Module):
@@ -51,12 +46,13 @@ class DilatedAttention(nn.Module):
         self.head_offsets, self.comm, self.strategy, self.kernel = head_offsets, comm, strategy, kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``key_padding_mask`` ``(B, N)`` (this rank's shard with ``comm``): ``True`` marks padding keys."""
+                key_padding_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``key_padding_mask`` ``(B, N)`` (this rank's shard with ``comm``): ``True`` marks padding keys;
+        ``cu_seqlens``: int32 offsets of packed documents in a ``(1, total, H, D)`` batch."""
         return dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates, mode=self.mode, causal=self.causal,
-            softmax_scale=self.softmax_scale, head_offsets=self.head_offsets, comm=self.comm,
-            strategy=self.strategy, kernel=self.kernel, **_mask_kwargs(key_padding_mask),
+            softmax_scale=self.softmax_scale, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
+            head_offsets=self.head_offsets, comm=self.comm, strategy=self.strategy, kernel=self.kernel,
         )
 
     def extra_repr(self) -> str:
@@ -137,6 +133,7 @@ class MultiheadDilatedAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, None]:
         """``nn.MultiheadAttention``'s signature; returns ``out``, or ``(out, None)`` with ``need_weights=False``.
 
@@ -144,7 +141,8 @@ class MultiheadDilatedAttention(nn.Module):
         ``(B, N)``: ``True`` marks padding. ``need_weights=True`` raises (weights are
         never computed); ``average_attn_weights`` is accepted and has no effect.
         ``attn_mask`` must be ``None`` (the dilated pattern and ``causal`` are the
-        mask); ``is_causal=True`` requires a layer built with ``causal=True``.
+        mask); ``is_causal=True`` requires a layer built with ``causal=True``. ``cu_seqlens``
+        (not in ``nn.MultiheadAttention``): packed documents, as in ``dilated_attention``.
         """
         if need_weights:
             raise ValueError("need_weights=True: dilated attention never materialises attention weights; "
@@ -163,6 +161,6 @@ class MultiheadDilatedAttention(nn.Module):
         q = rearrange(self.q_proj(query), "b n (h d) -> b n h d", d=self.head_dim)
         k = rearrange(self.k_proj(key), "b n (h d) -> b n h d", d=self.head_dim)
         v = rearrange(self.v_proj(value), "b n (h d) -> b n h d", d=self.head_dim)
-        out = self.out_proj(rearrange(self.attention(q, k, v, key_padding_mask), "b n h d -> b n (h d)"))
+        out = self.out_proj(rearrange(self.attention(q, k, v, key_padding_mask, cu_seqlens), "b n h d -> b n (h d)"))
         out = out if self.batch_first else out.transpose(0, 1)
         return out if need_weights is None else (out, None)

@@ -7,6 +7,7 @@ rank or as a ring of ``G`` consecutive ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -89,6 +90,26 @@ def validate_patterns(
             )
         out.append((we, r))
     return out
+
+
+def padded_length(segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int) -> int:
+    """The shortest length ``>= seq_len`` that the patterns tile (DESIGN.md 1: internal padding).
+
+    At length ``P`` a segment ``w <= P`` must divide ``P``, and a longer one is clamped to ``P``,
+    so ``P`` must then be a multiple of its dilation. Each round moves ``P`` up to the next
+    multiple of what the segments at ``P`` need; ``P`` only grows, so this ends.
+    """
+    segs = _check_int_list("segment_lengths", segment_lengths)
+    rates = _check_int_list("dilation_rates", dilation_rates)
+    if len(segs) != len(rates) or not segs or min(segs + rates) <= 0:
+        validate_patterns(segs, rates, max(seq_len, 1))  # raises the precise error
+    length = max(seq_len, 1)
+    while True:
+        need = math.lcm(*(w if w <= length else r for w, r in zip(segs, rates)))
+        if length % need == 0:
+            validate_patterns(segs, rates, length)  # a segment its dilation does not divide fits no length
+            return length
+        length = -(-length // need) * need
 
 
 def longnet_offsets(num_heads: int, rate: int, rule: str = "spread") -> list[int]:

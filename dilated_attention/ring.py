@@ -13,6 +13,10 @@ accumulators: each step computes its block's contribution into scratch while
 the accumulator for that block is still in flight, then waits, adds and sends
 it on, so both exchanges overlap compute. After ``G`` hops every accumulator is
 home. With no backend (single device) every pattern is local: same code.
+
+Key masks (padding, packed documents) cover the whole sequence on every rank (a
+few bytes per token, gathered once per call): a step reads the slice of the
+block it holds, so masks never travel round the ring.
 """
 
 from __future__ import annotations
@@ -65,45 +69,53 @@ def _what(call: int, direction: str, plan: PatternPlan, step: int, size: int, ex
             f"ring step {step + 1}/{size}, {exchange}")
 
 
+def _block_mask(key_mask: torch.Tensor | None, block: int, length: int) -> dict:
+    """Kernel keyword for sequence block ``block`` (``length`` rows) of a whole-sequence key mask."""
+    return {} if key_mask is None else {"key_mask": key_mask[:, block * length:(block + 1) * length]}
+
+
 def _ring_blocks(k, v, plan, comm, layout, call, direction, causal):
-    """Yield ``(step, packed K/V block, visibility)`` round the ring; the next block's exchange is in
-    flight while the caller computes on this one."""
+    """Yield ``(step, packed K/V block, visibility, sequence block it came from)`` round the ring; the
+    next block's exchange is in flight while the caller computes on this one."""
     size = plan.ring_size
     pos, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
+    first = comm.rank // layout.stride - pos  # the ring's first sequence block
     block, spare = pack_kv(k, v, plan), None
     for step in range(size):
         pending = None
         if step < size - 1:
             spare = torch.empty_like(block) if spare is None else spare
             pending = comm.send_recv(block, nxt, spare, prv, _what(call, direction, plan, step, size, "K/V block"))
-        yield step, block, _visibility(causal, (pos - step) % size, pos)
+        src = (pos - step) % size
+        yield step, block, _visibility(causal, src, pos), first + src
         if pending is not None:
             pending.wait()
             block, spare = spare, block
 
 
-def _ring_forward(q, k, v, plan, comm, layout, call, kernel, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale):
     merged = None  # the pattern's partial in compact layout: steps merge there in one op each
-    for _, block, seen in _ring_blocks(k, v, plan, comm, layout, call, "forward", causal):
+    for _, block, seen, src in _ring_blocks(k, v, plan, comm, layout, call, "forward", causal):
         if seen is not Visibility.HIDDEN:
-            part = kernel.forward_pattern(q, block[0], block[1], plan, packed=True,
-                                          causal=seen is Visibility.CAUSAL, scale=scale)
+            part = kernel.forward_pattern(q, block[0], block[1], plan, packed=True, causal=seen is Visibility.CAUSAL,
+                                          scale=scale, **_block_mask(key_mask, src, q.shape[1]))
             merged = part if merged is None else merge_two(*merged, *part)
     return merged  # never None: every rank sees at least its own block
 
 
-def _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv) -> None:
+def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv):
     size = plan.ring_size
     _, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
     scratch = outgoing = incoming = grads_pending = None
-    for step, block, seen in _ring_blocks(k, v, plan, comm, layout, call, "backward", causal):
+    for step, block, seen, src in _ring_blocks(k, v, plan, comm, layout, call, "backward", causal):
         if scratch is None:
             scratch, outgoing, incoming = (torch.empty(block.shape, dtype=accum_dtype(block.dtype),
                                                        device=block.device) for _ in range(3))
         if seen is not Visibility.HIDDEN:  # this block's dK/dV from our queries, while its accumulator travels
             scratch.zero_()
             kernel.backward_pattern(q, block[0], block[1], plan, out, lse, dout, dq, scratch[0], scratch[1],
-                                    packed=True, causal=seen is Visibility.CAUSAL, scale=scale)
+                                    packed=True, causal=seen is Visibility.CAUSAL, scale=scale,
+                                    **_block_mask(key_mask, src, q.shape[1]))
         if step == 0:  # our own block: its accumulator starts here
             scratch, outgoing = outgoing, scratch
         else:
@@ -118,23 +130,28 @@ def _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, ca
 
 
 class RingDilatedAttention(torch.autograd.Function):
-    """Dilated attention over this rank's block; spanning patterns run as rings (exact; no double backward)."""
+    """Dilated attention over this rank's block; spanning patterns run as rings (exact; no double backward).
+
+    ``key_mask``: ``None`` or bool ``(B, blocks * L)`` over the whole sequence, ``True`` = excluded key.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, plans: tuple[PatternPlan, ...], comm: CommBackend | None, layout: RingLayout,
-                call: int, kernel: PatternKernel, causal: bool, scale: float):
+    def forward(ctx, q, k, v, key_mask: torch.Tensor | None, plans: tuple[PatternPlan, ...],
+                comm: CommBackend | None, layout: RingLayout, call: int, kernel: PatternKernel, causal: bool,
+                scale: float):
+        own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
         partials = []
         for plan in plans:
             if not plan.chunks:  # no local head uses this pattern (grouped mode, head-parallel)
                 continue
             if plan.ring_size == 1:
-                out, lse = kernel.forward_pattern(q, k, v, plan, packed=False, causal=causal, scale=scale)
+                out, lse = kernel.forward_pattern(q, k, v, plan, packed=False, causal=causal, scale=scale, **own)
             else:
-                out, lse = _ring_forward(q, k, v, plan, comm, layout, call, kernel, causal, scale)
+                out, lse = _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale)
             partials.append((plan, out, lse))
         out, lse = combine_patterns(partials, q)
         del partials
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, key_mask, out, lse)
         ctx.args = plans, comm, layout, call, kernel, causal, scale
         return out
 
@@ -146,8 +163,9 @@ class RingDilatedAttention(torch.autograd.Function):
                 "gradient penalties or torch.autograd.grad(..., create_graph=True)): its backward is hand-written "
                 "and not itself differentiable"
             )
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, key_mask, out, lse = ctx.saved_tensors
         plans, comm, layout, call, kernel, causal, scale = ctx.args
+        own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
         acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -158,7 +176,8 @@ class RingDilatedAttention(torch.autograd.Function):
                 continue
             if plan.ring_size == 1:
                 kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv,
-                                        packed=False, causal=causal, scale=scale)
+                                        packed=False, causal=causal, scale=scale, **own)
             else:
-                _ring_backward(q, k, v, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+                _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale,
+                               dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None

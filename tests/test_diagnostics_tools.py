@@ -41,6 +41,8 @@ class WrongRow(ReferenceKernel):
 class Faulting:
     """A PatternKernel whose launches fail with a given message."""
 
+    key_masks = False
+
     def __init__(self, message: str, backward_only: bool = False, error=RuntimeError) -> None:
         self.name, self.message, self.backward_only, self.error = "faulting", message, backward_only, error
         self.inner = ChunkLoop(ReferenceKernel())

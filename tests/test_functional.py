@@ -97,7 +97,8 @@ def test_auto_kernel_matches_reference_fp32():
         (((1, 8, 2, 4),) * 3, {"kernel": "cuda"}, ValueError, ["kernel must be one of", "cuda"]),
         (((1, 8, 2, 4),) * 3, {"comm": 3}, TypeError, ["comm must be"]),
         (((1, 8, 2, 4),) * 3, {"comm": "mpi"}, ValueError, ["comm must be one of", "mpi"]),
-        (((1, 12, 2, 4),) * 3, {"segment_lengths": [8]}, ValueError, ["12", "segment_lengths[0]=8"]),
+        (((1, 12, 2, 4),) * 3, {"segment_lengths": [8], "pad_to_segments": False}, ValueError,
+         ["12", "segment_lengths[0]=8"]),
         (((1, 8, 2, 4),) * 3, {"mode": "grouped", "segment_lengths": [4, 8, 8], "dilation_rates": [1, 1, 2]},
          ValueError, ["num_heads >= number of patterns"]),
     ],
@@ -238,4 +239,4 @@ def test_large_magnitude_scores_stay_finite(dtype):
 def test_clamped_segment_is_named_as_clamped():
     x = torch.randn(1, 12, 2, 4)
     with pytest.raises(ValueError, match=r"segment_lengths\[0\]=12 \(clamped from 1000 to the sequence length\)"):
-        dilated_attention(x, x, x, [1000], [5])
+        dilated_attention(x, x, x, [1000], [5], pad_to_segments=False)

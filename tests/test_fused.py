@@ -49,6 +49,7 @@ class LowpTorch:
     """Plain torch attention with every matmul in the input dtype (softmax and sums in fp32)."""
 
     name = "lowp-torch"
+    key_masks = False
 
     def supports(self, q, k):
         return None

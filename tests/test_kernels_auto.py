@@ -29,6 +29,8 @@ from test_kernels_cudnn import MathOps
 class Recorder:
     """A PatternKernel stand-in that records which patterns and directions reached it."""
 
+    key_masks = False
+
     def __init__(self, name: str, refuse: str | None = None) -> None:
         self.name, self.refuse, self.seen = name, refuse, []
 

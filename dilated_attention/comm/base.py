@@ -193,12 +193,12 @@ class CommBackend(ABC):
     def _waiting(self, works: Any, peers: str, what: str) -> _Waiting:
         return _Waiting(self._handles(works), self.timeout, self.host_waits, self.rank, peers, what)
 
-    def all_gather(self, x: torch.Tensor, what: str = "all-gather") -> torch.Tensor:
-        """``(world, *x.shape)``: every group rank's ``x``."""
+    def all_gather(self, x: torch.Tensor, what: str = "all-gather", *, host: bool = True) -> torch.Tensor:
+        """``(world, *x.shape)``: every group rank's ``x``. ``host=False``: a stream-ordered wait
+        (for results only kernels read; the signature gather reads its result on the host)."""
         flat = x.contiguous().view(-1)
         out = torch.empty(self.world_size * flat.numel(), dtype=x.dtype, device=x.device)
-        # the signature gather reads its result on the host anyway: always a timed host wait
-        _Waiting(self._handles(self._all_gather(out, flat)), self.timeout, True, self.rank,
+        _Waiting(self._handles(self._all_gather(out, flat)), self.timeout, host, self.rank,
                  "an all-gather over the group", what).wait()
         return out.view(self.world_size, *x.shape)
 

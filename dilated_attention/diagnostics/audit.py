@@ -274,6 +274,7 @@ class _AuditedKernel:
 
     def __init__(self, kernel, audit: RuntimeAudit) -> None:
         self.kernel, self.audit, self.name = kernel, audit, kernel.name
+        self.key_masks = kernel.key_masks
 
     def supports(self, q, k):
         return self.kernel.supports(q, k)
@@ -323,8 +324,8 @@ def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = 
     if kernels:
         original_select = functional.select_kernel
 
-        def select_kernel(kernel, q, k):
-            return _AuditedKernel(original_select(kernel, q, k), audit)
+        def select_kernel(kernel, q, k, masked=False):
+            return _AuditedKernel(original_select(kernel, q, k, masked), audit)
 
         patch(functional, "select_kernel", select_kernel)
     if torch_p2p:

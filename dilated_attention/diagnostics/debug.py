@@ -302,6 +302,7 @@ class DebugKernel:
         self.kernel = kernel
         self.meta = meta if meta is not None else {}
         self.name = kernel.name
+        self.key_masks = kernel.key_masks
 
     def supports(self, q, k):
         return self.kernel.supports(q, k)
@@ -342,11 +343,11 @@ class DebugKernel:
             on_exception(fault, meta)
             raise fault from exc
 
-    def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float):
+    def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float, **mask):
         meta = self._meta("forward_pattern", plan)
         self._inputs(meta, q, k, v, plan, packed)
         out, lse = self._call(meta, q, self.kernel.forward_pattern, q, k, v, plan,
-                              packed=packed, causal=causal, scale=scale)
+                              packed=packed, causal=causal, scale=scale, **mask)
         _, oshape, lshape = _plan_shapes(q, k, plan, packed)
         heads = _covered_heads(plan)
         check_tensor("out", out, meta, shape=oshape, dtype=q.dtype, device=q.device, finite=False)
@@ -355,11 +356,11 @@ class DebugKernel:
         check_tensor("out (covered heads)", out[:, :, heads], meta)
         check_tensor("lse (covered heads)", lse[:, :, heads], meta, allow_inf=True)
         if _shadow_due():
-            self._shadow_forward(meta, q, k, v, plan, packed, causal, scale, out, lse, heads)
+            self._shadow_forward(meta, q, k, v, plan, packed, causal, scale, out, lse, heads, mask)
         return out, lse
 
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
-                         scale: float) -> None:
+                         scale: float, **mask) -> None:
         meta = self._meta("backward_pattern", plan)
         self._inputs(meta, q, k, v, plan, packed)
         check_tensor("out", out, meta, shape=q.shape, device=q.device)
@@ -370,11 +371,12 @@ class DebugKernel:
         shadow = _shadow_due()
         before = [a.detach().clone() for a in (dq, dk, dv)] if shadow else None
         self._call(meta, q, self.kernel.backward_pattern, q, k, v, plan, out, lse, dout, dq, dk, dv,
-                   packed=packed, causal=causal, scale=scale)
+                   packed=packed, causal=causal, scale=scale, **mask)
         for name, acc in (("dq", dq), ("dk", dk), ("dv", dv)):
             check_tensor(name + " (after)", acc, meta)
         if shadow:
-            self._shadow_backward(meta, q, k, v, plan, out, lse, dout, (dq, dk, dv), before, packed, causal, scale)
+            self._shadow_backward(meta, q, k, v, plan, out, lse, dout, (dq, dk, dv), before, packed, causal, scale,
+                                  mask)
 
     # -- shadow checks against the float64 reference kernel ---------------------------------------
 
@@ -385,9 +387,10 @@ class DebugKernel:
 
         return ChunkLoop(ReferenceKernel())
 
-    def _shadow_forward(self, meta, q, k, v, plan, packed, causal, scale, out, lse, heads):
+    def _shadow_forward(self, meta, q, k, v, plan, packed, causal, scale, out, lse, heads, mask):
         d = [t.detach().double() for t in (q, k, v)]
-        ref_out, ref_lse = self._reference().forward_pattern(*d, plan, packed=packed, causal=causal, scale=scale)
+        ref_out, ref_lse = self._reference().forward_pattern(*d, plan, packed=packed, causal=causal, scale=scale,
+                                                             **mask)
         _compare(meta, "out", out[:, :, heads], ref_out[:, :, heads], q.dtype)
         # lse is checked in absolute terms: it is a log, its relative error means little
         got, want = lse[:, :, heads].double(), ref_lse[:, :, heads]
@@ -396,10 +399,11 @@ class DebugKernel:
         if not err <= 20 * SHADOW_TOL[q.dtype]:
             raise ShadowMismatch(f"lse differs from the reference kernel by {err:.3e}{_where(meta)}")
 
-    def _shadow_backward(self, meta, q, k, v, plan, out, lse, dout, accs, before, packed, causal, scale):
+    def _shadow_backward(self, meta, q, k, v, plan, out, lse, dout, accs, before, packed, causal, scale, mask):
         d = [t.detach().double() for t in (q, k, v, out, lse, dout)]
         ref = [torch.zeros(a.shape, dtype=torch.float64, device=a.device) for a in accs]
-        self._reference().backward_pattern(*d[:3], plan, *d[3:], *ref, packed=packed, causal=causal, scale=scale)
+        self._reference().backward_pattern(*d[:3], plan, *d[3:], *ref, packed=packed, causal=causal, scale=scale,
+                                           **mask)
         for name, acc, b, r in zip(("dq", "dk", "dv"), accs, before, ref):
             _compare(meta, name, acc.detach().double() - b.double(), r, q.dtype)
 

@@ -139,7 +139,15 @@ def random_invalid(rng: random.Random) -> tuple[str, Callable[[], Any]]:
     q, k = t(b, n, h, d), t(b, n, h, d)
     segs, rates = [n // 2, n], [1, 2]
     cases: list[tuple[str, Callable[[], Any]]] = [
-        (f"segment {n // 2 + 1} does not divide sequence {n}", lambda: dilated_attention(q, k, k, [n // 2 + 1], [1])),
+        (f"segment {n // 2 + 1} does not divide sequence {n} (padding off)",
+         lambda: dilated_attention(q, k, k, [n // 2 + 1], [1], pad_to_segments=False)),
+        ("float key_padding_mask", lambda: dilated_attention(q, k, k, segs, rates, key_padding_mask=t(b, n))),
+        ("key_padding_mask of the wrong length",
+         lambda: dilated_attention(q, k, k, segs, rates, key_padding_mask=torch.zeros(b, n + 1, dtype=torch.bool))),
+        ("int64 cu_seqlens", lambda: dilated_attention(q[:1], k[:1], k[:1], segs, rates,
+                                                       cu_seqlens=torch.tensor([0, n]))),
+        ("cu_seqlens not ending at the length", lambda: dilated_attention(
+            q[:1], k[:1], k[:1], segs, rates, cu_seqlens=torch.tensor([0, n - 1], dtype=torch.int32))),
         (f"dilation {n // 2 + 1} does not divide segment {n // 2}",
          lambda: dilated_attention(q, k, k, [n // 2], [n // 2 + 1])),
         ("unequal pattern lists", lambda: dilated_attention(q, k, k, segs, [1])),

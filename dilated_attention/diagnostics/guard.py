@@ -93,6 +93,7 @@ class GuardedKernel:
         self.kernel = kernel
         self.meta = meta if meta is not None else {}
         self.name = kernel.name
+        self.key_masks = kernel.key_masks
         self._fallback = fallback
 
     def supports(self, q, k):
@@ -101,12 +102,12 @@ class GuardedKernel:
     def _key(self, q) -> tuple:
         return (self.name, q.dtype, q.shape[-1], q.device.type)
 
-    def fallback_kernel(self, q, k):
+    def fallback_kernel(self, q, k, masked: bool = False):
         if self._fallback is not None:
             return self._fallback
         from ..kernels.dispatch import select_kernel
 
-        if q.dtype != torch.float64:
+        if q.dtype != torch.float64 and not masked:  # SDPA's ops take no key mask
             try:
                 return select_kernel("sdpa", q, k)
             except ValueError:
@@ -116,7 +117,7 @@ class GuardedKernel:
     def _run(self, op: str, q, k, plan, args, kwargs, names):
         key = self._key(q)
         if key in _fallen_back:
-            return getattr(self.fallback_kernel(q, k), op)(*args, **kwargs)
+            return getattr(self.fallback_kernel(q, k, "key_mask" in kwargs), op)(*args, **kwargs)
         accs = args[7:] if op == "backward_pattern" else ()
         snapshot = [a.clone() for a in accs] if accs and key not in _proven else None
         try:
@@ -131,7 +132,7 @@ class GuardedKernel:
             where = _where(self.meta, plan, op, self.name)
             if kind == "resource":
                 reason = str(exc).splitlines()[0][:300]
-                fb = self.fallback_kernel(q, k)
+                fb = self.fallback_kernel(q, k, "key_mask" in kwargs)
                 for acc, before in zip(accs, snapshot or ()):
                     acc.copy_(before)  # undo what the launches before the failing one added
                 _fallen_back[key] = reason
@@ -149,14 +150,14 @@ class GuardedKernel:
                         "fail. Restart the process (a device reset does not make the corrupted state safe).\n")
             raise KernelError(msg + ADVICE) from exc
 
-    def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float):
+    def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float, **mask):
         return self._run("forward_pattern", q, k, plan, (q, k, v, plan),
-                         dict(packed=packed, causal=causal, scale=scale), ("q", "k", "v"))
+                         dict(packed=packed, causal=causal, scale=scale, **mask), ("q", "k", "v"))
 
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
-                         scale: float) -> None:
+                         scale: float, **mask) -> None:
         return self._run("backward_pattern", q, k, plan, (q, k, v, plan, out, lse, dout, dq, dk, dv),
-                         dict(packed=packed, causal=causal, scale=scale),
+                         dict(packed=packed, causal=causal, scale=scale, **mask),
                          ("q", "k", "v", "plan", "out", "lse", "dout", "dq", "dk", "dv"))
 
 

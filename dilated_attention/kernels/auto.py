@@ -53,13 +53,17 @@ class AutoKernel:
         if unknown:
             raise ValueError(f"auto table names implementations {unknown} not among {sorted(impls)}")
         self.impls, self.choices = impls, dict(choices)
+        self.key_masks = impls["fused"].key_masks
         self.allow_nondeterministic = allow_nondeterministic
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return self.impls["fused"].supports(q, k)
 
-    def pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor) -> PatternKernel:
-        """The implementation for this pattern and direction (``"fwd"`` or ``"bwd"``)."""
+    def pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor,
+             masked: bool = False) -> PatternKernel:
+        """The implementation for this pattern and direction (``"fwd"`` or ``"bwd"``); masked work runs fused."""
+        if masked:
+            return self.impls["fused"]
         dim, dtype = q.shape[-1], q.dtype
         name = None
         if direction == "bwd" and self.allow_nondeterministic:
@@ -69,14 +73,15 @@ class AutoKernel:
         impl = self.impls[name]
         return impl if impl.supports(q, k) is None else self.impls["fused"]
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
-        impl = self.pick("fwd", plan, causal, q, k)
-        return impl.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float, **mask):
+        impl = self.pick("fwd", plan, causal, q, k, bool(mask))
+        return impl.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, **mask)
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float) -> None:
-        impl = self.pick("bwd", plan, causal, q, k)
-        impl.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=packed, causal=causal, scale=scale)
+                         packed: bool, causal: bool, scale: float, **mask) -> None:
+        impl = self.pick("bwd", plan, causal, q, k, bool(mask))
+        impl.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=packed, causal=causal, scale=scale,
+                              **mask)
 
 
 def device_choices(device: torch.device) -> dict[str, str]:

@@ -15,10 +15,13 @@ chunk on strided views.
 * ``causal``: key ``j`` visible to query ``i`` iff ``j <= i`` (needs ``M == Mk``).
 * ``out``: ``(B, S, M, Hq, D)`` in ``q.dtype``; ``lse``: ``(B, S, M, Hq)`` fp32,
   natural log, ``-inf`` for a row with no visible key (``out`` is 0 there).
+* ``key_mask`` (only given to kernels with ``key_masks = True``): ``None`` or a bool
+  ``(B, S, Mk)`` view, ``True`` = that key is excluded (padding); its score is ``-inf``.
 * ``backward`` gets the *final* merged ``out`` and ``lse`` of the whole dilated
   attention (not this block's), so ``delta = rowsum(dout * out)`` and
   ``P = exp(s - lse)`` make each block's gradient exact for the merged result.
-  It returns ``dq``, ``dk``, ``dv`` (fp32 or input dtype) shaped like q, k, v.
+  It returns ``dq``, ``dk``, ``dv`` (fp32 or input dtype) shaped like q, k, v. The final
+  ``lse`` is ``-inf`` for a row with no visible key in any pattern: such rows add nothing.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from ..patterns import PatternPlan
 @runtime_checkable
 class BlockKernel(Protocol):
     name: str
+    key_masks: bool  # accepts ``key_mask=`` (key padding, packed documents)
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         """``None`` if this kernel can run on these inputs, else the reason it cannot."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
@@ -52,6 +57,7 @@ class BlockKernel(Protocol):
         *,
         causal: bool,
         scale: float,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -60,18 +66,19 @@ class PatternKernel(Protocol):
     """All heads of one pattern on one (local or ring) block; layouts in ``kernels/pattern.py``."""
 
     name: str
+    key_masks: bool  # accepts ``key_mask=`` (see ``kernels/pattern.py``)
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         """``None`` if this kernel can run on these inputs, else the reason it cannot."""
 
     def forward_pattern(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, *,
-        packed: bool, causal: bool, scale: float,
+        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward_pattern(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
         out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
         dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-        packed: bool, causal: bool, scale: float,
+        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
     ) -> None: ...

@@ -279,6 +279,7 @@ class CudnnKernel:
     """``PatternKernel`` on cuDNN's fused attention with zero-copy strided views (see module doc)."""
 
     name = "cudnn"
+    key_masks = False  # masked work runs on the fused kernel (AutoKernel routes it there)
 
     def __init__(self, ops: CudnnOps | None = None, *, grads: tuple[str, ...] = ("dq", "dk", "dv")) -> None:
         """``grads``: which gradients the backward adds (``CudnnDkdvKernel`` keeps dK/dV only)."""
@@ -438,6 +439,7 @@ class CudnnDkdvKernel:
     """
 
     name = "cudnn-dkdv"
+    key_masks = False
 
     def __init__(self, ops: CudnnOps | None = None, fused=None) -> None:
         from .fused import FusedKernel

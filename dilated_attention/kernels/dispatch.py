@@ -7,7 +7,8 @@ with measurements in ``auto_table.py`` the fused kernel comes wrapped in
 measured fastest there (fused, zero-copy cuDNN, or cuDNN with the fused dQ). Falling back from fused warns
 once with the reason (shared memory, alignment, dtype, ...), so a configuration
 that would fail at launch never reaches the GPU. Naming a kernel forces it and
-raises ``ValueError`` with the reason when it cannot run.
+raises ``ValueError`` with the reason when it cannot run. Masked calls (``key_padding_mask``,
+``cu_seqlens``, internal padding) need a kernel with ``key_masks``: fused or reference.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def _make(name: str) -> PatternKernel:
 
 
 class _Unavailable:
+    key_masks = False
+
     def __init__(self, name: str, reason: str) -> None:
         self.name, self.reason = name, reason
 
@@ -56,8 +59,10 @@ class _Unavailable:
         return self.reason
 
 
-def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k: torch.Tensor) -> PatternKernel:
-    """The pattern-level kernel to run (a ``BlockKernel`` object is wrapped in ``ChunkLoop``)."""
+def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k: torch.Tensor,
+                  masked: bool = False) -> PatternKernel:
+    """The pattern-level kernel to run (a ``BlockKernel`` object is wrapped in ``ChunkLoop``);
+    ``masked``: the call has key masks, so the kernel must take them."""
     if isinstance(kernel, PatternKernel):
         chosen = kernel
     elif isinstance(kernel, BlockKernel):
@@ -69,25 +74,27 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
     elif kernel not in KERNEL_NAMES:
         raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")
     elif kernel == "auto":
-        return _auto(q, k)
+        return _auto(q, k, masked)
     else:
         chosen = _make(kernel)
     reason = chosen.supports(q, k)
+    if reason is None and masked and not chosen.key_masks:
+        reason = "it takes no key mask (key_padding_mask, cu_seqlens or internal padding); use 'fused' or 'reference'"
     if reason is not None:
         raise ValueError(f"kernel={chosen.name!r} cannot run on these inputs: {reason}")
     return chosen
 
 
-def _auto(q: torch.Tensor, k: torch.Tensor) -> PatternKernel:
+def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:
     if q.device.type == "cuda":
         fused = _make("fused")
         reason = fused.supports(q, k)
         if reason is None:
-            return _measured(q.device, fused)
+            return fused if masked else _measured(q.device, fused)
         if reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"dilated_attention: fused kernel not used ({reason}); falling back", stacklevel=3)
-    if q.dtype != torch.float64:
+    if q.dtype != torch.float64 and not masked:
         sdpa = _make("sdpa")
         if sdpa.supports(q, k) is None:
             return sdpa

@@ -15,6 +15,10 @@ Layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
   ``(B, L // r, H, D)`` and ``lse`` ``(B, L // r, H)`` fp32 where row
   ``s * M + j`` of head ``h`` is local position ``s * w + offset(h) + r * j``.
   Heads outside the plan's chunks are left unspecified.
+* ``key_mask`` (kernels with ``key_masks = True``): ``None`` or a bool ``(B, Lk)`` in the
+  *full* layout of the key block, ``True`` = excluded: the local length for ``packed=False``,
+  ``L`` (the sender's rows) for ``packed=True``; key row ``j`` of segment ``s`` read with
+  offset ``o`` is position ``s * w + o + r * j`` either way.
 * backward takes the final merged ``out``/``lse``/``dout`` in full layout
   (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``dq``
   (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``).
@@ -30,6 +34,13 @@ from ..views import chunk_views, compact_view, dilated_view, packed_view
 from .base import BlockKernel
 
 
+def _mask_view(key_mask, plan, chunk):
+    if key_mask is None:
+        return {}
+    view = dilated_view(key_mask.unsqueeze(-1), plan.local_segment, plan.dilation, chunk.offset, 0, 1)
+    return {"key_mask": view.squeeze(-1)}
+
+
 def _kv_views(k, v, plan, chunk, packed):
     if packed:
         return packed_view(k, chunk), packed_view(v, chunk)
@@ -42,30 +53,33 @@ class ChunkLoop:
     def __init__(self, block: BlockKernel) -> None:
         self.block = block
         self.name = block.name
+        self.key_masks = block.key_masks
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return self.block.supports(q, k)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
+                        key_mask: torch.Tensor | None = None):
         bsz, n, heads, dim = q.shape
         rows = n // plan.dilation
         out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((bsz, rows, heads), dtype=accum_dtype(q.dtype), device=q.device)
         for c in plan.chunks:
             kc, vc = _kv_views(k, v, plan, c, packed)
-            o, s = self.block.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale)
+            o, s = self.block.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale,
+                                      **_mask_view(key_mask, plan, c))
             compact_view(out, plan, c.h0, c.h1).copy_(o)
             compact_view(lse, plan, c.h0, c.h1).copy_(s)
         return out, lse
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float) -> None:
+                         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None) -> None:
         for c in plan.chunks:
             kc, vc = _kv_views(k, v, plan, c, packed)
             gq, gk, gv = self.block.backward(
                 chunk_views(q, plan, c), kc, vc, chunk_views(out, plan, c),
                 dilated_view(lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
-                chunk_views(dout, plan, c), causal=causal, scale=scale,
+                chunk_views(dout, plan, c), causal=causal, scale=scale, **_mask_view(key_mask, plan, c),
             )
             chunk_views(dq, plan, c).add_(gq)
             dkc, dvc = _kv_views(dk, dv, plan, c, packed)

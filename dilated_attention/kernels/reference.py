@@ -16,7 +16,7 @@ def _expand_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=-2)
 
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q, k, causal: bool, scale: float, key_mask: torch.Tensor | None) -> torch.Tensor:
     ct = accum_dtype(q.dtype)
     s = torch.einsum("bsmhd,bsnhd->bshmn", q.to(ct), _expand_kv(k, q.shape[-2]).to(ct)) * scale
     if causal:
@@ -25,6 +25,8 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
             raise ValueError(f"causal block needs equal query and key rows, got {m} and {n}")
         mask = torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
+    if key_mask is not None:  # (B, S, Mk) -> broadcast over heads and query rows
+        s = s.masked_fill(key_mask[:, :, None, None, :], float("-inf"))
     return s
 
 
@@ -37,21 +39,22 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 class ReferenceKernel:
     name = "reference"
+    key_masks = True
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return None
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
-        s = _scores(q, k, causal, scale)
+    def forward(self, q, k, v, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None):
+        s = _scores(q, k, causal, scale, key_mask)
         lse = torch.logsumexp(s, dim=-1)
         p = _probs(s, lse)
         out = torch.einsum("bshmn,bsnhd->bsmhd", p, _expand_kv(v, q.shape[-2]).to(p.dtype))
         return out.to(q.dtype), rearrange(lse, "b s h m -> b s m h")
 
-    def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float):
+    def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None):
         ct = accum_dtype(q.dtype)
         hq, hk = q.shape[-2], k.shape[-2]
-        s = _scores(q, k, causal, scale)
+        s = _scores(q, k, causal, scale, key_mask)
         p = _probs(s, rearrange(lse.to(ct), "b s m h -> b s h m"))
         do = dout.to(ct)
         ve = _expand_kv(v, hq).to(ct)

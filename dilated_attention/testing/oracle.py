@@ -43,25 +43,61 @@ def pattern_masks(seq_len: int, num_heads: int, segment_lengths, dilation_rates,
     return masks
 
 
-def dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, mode="longnet", causal=False,
-                            softmax_scale=None, head_offsets="spread"):
-    """Differentiable dense reference in the inputs' dtype. ``(B, N, H, D)`` in and out."""
+def _dense(q, k, v, segment_lengths, dilation_rates, mode, causal, scale, head_offsets, key_padding_mask):
     bsz, n, heads, dim = q.shape
-    scale = dim**-0.5 if softmax_scale is None else softmax_scale
     group = heads // k.shape[2]
     ke, ve = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     s = torch.einsum("bnhd,bmhd->bhnm", q, ke) * scale
     outs, lses = [], []
     for mask in pattern_masks(n, heads, segment_lengths, dilation_rates, mode, causal, head_offsets):
-        mask = mask.to(q.device)
+        mask = mask.to(q.device)[None]
+        if key_padding_mask is not None:
+            mask = mask & ~key_padding_mask[:, None, None, :]
         sm = s.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(sm, -1)  # (B, H, N), -inf on uncovered rows
         p = torch.exp(sm - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
         outs.append(torch.einsum("bhnm,bmhd->bnhd", p, ve))
         lses.append(lse)
     lse_all = torch.stack(lses)  # (P, B, H, N)
-    total = torch.logsumexp(lse_all, 0)
-    safe_total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-    weights = torch.exp(lse_all - safe_total)  # 0 for patterns not covering a row
+    empty = torch.isneginf(lse_all).all(0)  # rows no pattern covers: out 0 (logsumexp's gradient would be NaN)
+    total = torch.logsumexp(lse_all.masked_fill(empty, 0.0), 0)
+    weights = torch.exp(lse_all - total).masked_fill(empty, 0.0)  # 0 for patterns not covering a row
     out = sum(o * w.permute(0, 2, 1).unsqueeze(-1) for o, w in zip(outs, weights.unbind(0)))
     return out.to(q.dtype)
+
+
+def _padded(n: int, segment_lengths, dilation_rates) -> int:
+    """Shortest length >= n the patterns tile (searched directly: independent of the library's rule)."""
+    length = n
+    while True:
+        try:
+            validate_patterns(segment_lengths, dilation_rates, length)
+            return length
+        except ValueError:
+            length += 1
+
+
+def dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, mode="longnet", causal=False,
+                            softmax_scale=None, head_offsets="spread", key_padding_mask=None, cu_seqlens=None,
+                            pad_to_segments=True):
+    """Differentiable dense reference in the inputs' dtype. ``(B, N, H, D)`` in and out.
+
+    Masks and documents straight from DESIGN.md: each document (``cu_seqlens``) alone, padded
+    at its end to a length the segments tile with its pad keys masked, the pad rows dropped.
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    args = (segment_lengths, dilation_rates, mode, causal, scale, head_offsets)
+    kpm = key_padding_mask if key_padding_mask is not None else torch.zeros(q.shape[:2], dtype=torch.bool,
+                                                                             device=q.device)
+    bounds = [0, q.shape[1]] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    pieces = []
+    for a, b in zip(bounds, bounds[1:]):
+        if b == a:
+            continue
+        n = b - a
+        length = _padded(n, segment_lengths, dilation_rates) if pad_to_segments else n
+        grow = length - n
+        parts = [torch.cat([x[:, a:b], x.new_zeros((x.shape[0], grow, *x.shape[2:]))], 1) for x in (q, k, v)]
+        mask = torch.cat([kpm[:, a:b], kpm.new_ones((kpm.shape[0], grow))], 1)
+        pieces.append(_dense(*parts, *args, mask)[:, :n])
+    return torch.cat(pieces, 1)

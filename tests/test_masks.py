@@ -1,0 +1,264 @@
+"""Key padding masks, packed documents (cu_seqlens) and internal padding against the fp64 oracle.
+
+Single device (every layout, both modes, causal, GQA) and on gloo ranks (ring with spanning
+patterns and a key mask; the head strategy with documents that span ranks and padding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention import dilated_attention
+from dilated_attention.testing.compare import LAYOUTS, as_layout, assert_within_rule, rel_err
+from dilated_attention.testing.oracle import dense_dilated_attention
+from dilated_attention.testing.spawn import spawn_ranks
+
+F64 = torch.float64
+
+
+def _inputs(seed, b, n, h, hk, d, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n, h, d, generator=gen, dtype=dtype)
+    k, v = (torch.randn(b, n, hk, d, generator=gen, dtype=dtype) for _ in range(2))
+    dout = torch.randn(b, n, h, d, generator=gen, dtype=dtype)
+    return q, k, v, dout, gen
+
+
+def _fwd_bwd(fn, q, k, v, dout, *args, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v, *args, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return (out.detach(), *grads)
+
+
+def _assert_same(got, want, tol=1e-10):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", ["longnet", "grouped"])
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+def test_key_padding_mask_matches_oracle(causal, mode, kernel):
+    q, k, v, dout, gen = _inputs(1, 2, 32, 4, 2, 8)
+    mask = torch.rand(2, 32, generator=gen) < 0.3
+    mask[1, :20] = True  # long runs of padding: whole segments of some patterns are empty
+    kw = dict(mode=mode, causal=causal, key_padding_mask=mask)
+    got = _fwd_bwd(dilated_attention, q, k, v, dout, [8, 16, 32], [1, 2, 4], kernel=kernel, **kw)
+    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, [8, 16, 32], [1, 2, 4], **kw)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_key_padding_mask_on_every_layout(layout):
+    q, k, v, dout, gen = _inputs(2, 2, 16, 4, 4, 8)
+    gen2 = torch.Generator().manual_seed(9)
+    q, k, v = (as_layout(t, layout, generator=gen2) for t in (q, k, v))
+    mask = (torch.rand(1, 16, generator=gen) < 0.4).expand(2, 16)  # a stride-0 mask too
+    got = _fwd_bwd(dilated_attention, q, k, v, dout, [4, 16], [1, 2], key_padding_mask=mask)
+    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, [4, 16], [1, 2], key_padding_mask=mask)
+    _assert_same(got, want)
+
+
+def test_all_keys_masked_gives_zero_rows_and_zero_finite_grads():
+    q, k, v, dout, _ = _inputs(3, 2, 16, 2, 2, 8)
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[0] = True  # batch row 0: nothing to attend to
+    got = _fwd_bwd(dilated_attention, q, k, v, dout, [8, 16], [1, 2], key_padding_mask=mask, causal=True)
+    assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))
+    for g in got[1:]:
+        assert torch.isfinite(g).all()
+        assert torch.equal(g[0], torch.zeros_like(g[0]))
+    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, [8, 16], [1, 2], key_padding_mask=mask, causal=True)
+    _assert_same(got, want)
+
+
+def test_masked_keys_get_no_gradient_and_do_not_change_the_output():
+    q, k, v, dout, gen = _inputs(4, 1, 16, 2, 2, 8)
+    mask = torch.rand(1, 16, generator=gen) < 0.5
+    out, dq, dk, dv = _fwd_bwd(dilated_attention, q, k, v, dout, [8, 16], [1, 2], key_padding_mask=mask)
+    assert torch.equal(dk[mask], torch.zeros_like(dk[mask])) and torch.equal(dv[mask], torch.zeros_like(dv[mask]))
+    k2, v2 = k.clone(), v.clone()
+    k2[mask], v2[mask] = 1e3, -7.0  # whatever the pad keys hold
+    out2 = dilated_attention(q, k2, v2, [8, 16], [1, 2], key_padding_mask=mask)
+    assert torch.allclose(out, out2, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, segs, rates", [(100, [32], [1]), (30, [8, 16, 64], [1, 2, 4]), (12, [1000], [5])])
+def test_internal_padding_matches_oracle(causal, n, segs, rates):
+    q, k, v, dout, _ = _inputs(5, 2, n, 4, 2, 8)
+    got = _fwd_bwd(dilated_attention, q, k, v, dout, segs, rates, causal=causal)
+    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, segs, rates, causal=causal)
+    assert got[0].shape == q.shape
+    _assert_same(got, want)
+
+
+def test_internal_padding_equals_explicit_padding_with_a_mask():
+    q, k, v, dout, _ = _inputs(6, 1, 20, 2, 2, 8)
+    got = _fwd_bwd(dilated_attention, q, k, v, dout, [8], [2])
+    grow = lambda x: torch.cat([x, torch.randn(1, 4, *x.shape[2:], dtype=F64)], 1)  # noqa: E731
+    mask = torch.zeros(1, 24, dtype=torch.bool)
+    mask[:, 20:] = True
+    want = _fwd_bwd(lambda a, b, c: dilated_attention(a, b, c, [8], [2], key_padding_mask=mask)[:, :20],
+                    grow(q), grow(k), grow(v), dout)
+    _assert_same(got, [want[0], want[1][:, :20], want[2][:, :20], want[3][:, :20]])
+
+
+def test_pad_to_segments_false_keeps_the_error():
+    x = torch.randn(1, 20, 2, 8)
+    with pytest.raises(ValueError, match=r"20 must be divisible by segment_lengths\[0\]=8"):
+        dilated_attention(x, x, x, [8], [2], pad_to_segments=False)
+
+
+def _docs(*lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", ["longnet", "grouped"])
+def test_cu_seqlens_matches_oracle_and_each_document_alone(causal, mode):
+    lengths = (16, 5, 0, 32, 9, 16)  # a zero-length document, lengths the segments do not tile
+    cu = _docs(*lengths)
+    q, k, v, dout, _ = _inputs(7, 1, int(cu[-1]), 4, 2, 8)
+    kw = dict(causal=causal, mode=mode)
+    segs, rates = [4, 8, 32], [1, 2, 4]
+    got = _fwd_bwd(dilated_attention, q, k, v, dout, segs, rates, cu_seqlens=cu, **kw)
+    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, segs, rates, cu_seqlens=cu, **kw)
+    _assert_same(got, want)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # the definition: each document on its own
+        if b > a:
+            alone = _fwd_bwd(dilated_attention, q[:, a:b], k[:, a:b], v[:, a:b], dout[:, a:b], segs, rates, **kw)
+            _assert_same([t[:, a:b] for t in got], alone)
+
+
+def test_cu_seqlens_with_key_padding_mask():
+    cu = _docs(12, 20)
+    q, k, v, dout, gen = _inputs(8, 1, 32, 2, 1, 8)
+    mask = torch.rand(1, 32, generator=gen) < 0.3
+    kw = dict(cu_seqlens=cu, key_padding_mask=mask, causal=True)
+    got = _fwd_bwd(dilated_attention, q, k, v, dout, [8, 16], [1, 2], **kw)
+    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, [8, 16], [1, 2], **kw)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masks_in_low_precision_within_rule(dtype):
+    cu = _docs(24, 40)
+    q, k, v, dout, gen = _inputs(9, 1, 64, 4, 2, 16)
+    mask = torch.rand(1, 64, generator=gen) < 0.2
+    kw = dict(cu_seqlens=cu, key_padding_mask=mask, causal=True)
+    args = ([16, 32], [1, 2])
+    oracle = _fwd_bwd(dense_dilated_attention, q, k, v, dout, *args, **kw)
+    low = [t.to(dtype) for t in (q, k, v, dout)]
+    plain = _fwd_bwd(dense_dilated_attention, *low, *args, **kw)
+    ours = _fwd_bwd(dilated_attention, *low, *args, **kw)
+    for name, o, p, w in zip(("out", "dq", "dk", "dv"), ours, plain, oracle):
+        assert o.dtype == dtype
+        assert_within_rule(name, o, w, p)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        ({"key_padding_mask": torch.zeros(1, 8)}, TypeError, ["key_padding_mask", "bool"]),
+        ({"key_padding_mask": torch.zeros(1, 9, dtype=torch.bool)}, ValueError, ["key_padding_mask", "(1, 8)", "(1, 9)"]),
+        ({"key_padding_mask": [True] * 8}, TypeError, ["key_padding_mask", "list"]),
+        ({"cu_seqlens": torch.tensor([0, 8])}, ValueError, ["cu_seqlens", "int32", "torch.int64"]),
+        ({"cu_seqlens": torch.tensor([0, 5, 7], dtype=torch.int32)}, ValueError, ["end at the total length 8", "[0, 5, 7]"]),
+        ({"cu_seqlens": torch.tensor([0, 6, 4, 8], dtype=torch.int32)}, ValueError, ["never decrease"]),
+        ({"cu_seqlens": [0, 8]}, TypeError, ["cu_seqlens", "list"]),
+        ({"pad_to_segments": 1}, TypeError, ["pad_to_segments", "bool"]),
+        ({"key_padding_mask": torch.zeros(1, 8, dtype=torch.bool), "kernel": "sdpa"}, ValueError,
+         ["kernel='sdpa'", "key mask", "'fused' or 'reference'"]),
+    ],
+)
+def test_invalid_mask_arguments_raise_named_errors(kwargs, exc, words):
+    x = torch.randn(1, 8, 2, 8)
+    with pytest.raises(exc) as info:
+        dilated_attention(x, x, x, [4, 8], [1, 2], **kwargs)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_cu_seqlens_needs_one_batch_row():
+    x = torch.randn(2, 8, 2, 8)
+    with pytest.raises(ValueError, match="one batch row"):
+        dilated_attention(x, x, x, [4], [1], cu_seqlens=_docs(4, 4))
+
+
+# -- sequence parallel (gloo ranks) ---------------------------------------------------------------
+
+
+def _rank_case(rank, world, strategy, segs, rates, n, docs, causal, heads, kv_heads, masked, pad_only):
+    from dilated_attention.comm import get_backend
+
+    comm = get_backend("collective")
+    q, k, v, dout, gen = _inputs(20, 1 if docs else 2, n, heads, kv_heads, 8)
+    mask = (torch.rand(q.shape[:2], generator=gen) < 0.3) if masked else None
+    cu = torch.tensor(docs, dtype=torch.int32) if docs else None
+    kw = dict(causal=causal, key_padding_mask=mask, cu_seqlens=cu)
+    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, segs, rates, **kw)
+    rows = slice(rank * n // world, (rank + 1) * n // world)
+    kw["key_padding_mask"] = mask[:, rows] if masked else None
+    got = _fwd_bwd(dilated_attention, *(t[:, rows] for t in (q, k, v, dout)), segs, rates, comm=comm,
+                   strategy=strategy, **kw)
+    return {name: rel_err(a, b[:, rows]) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
+CASES = {
+    # ring with spanning patterns (w > L): the mask of each visiting block is read where it lives
+    "ring_mask": ("ring", [4, 16, 32], [1, 2, 4], 32, None, True, 4, 2, True, False),
+    "ring_mask_causal": ("ring", [8, 32], [1, 2], 32, None, True, 2, 1, True, False),
+    # head strategy: documents that span ranks, lengths the segments do not tile, plus a mask
+    "head_docs": ("head", [4, 8, 16], [1, 2, 4], 32, [0, 11, 11, 27, 32], True, 4, 2, True, False),
+    # head strategy pads a global length the segments do not tile (36 = 3 x 12, segment 16)
+    "head_pad": ("head", [8, 16], [1, 2], 36, None, False, 3, 3, False, True),
+}
+
+
+def _all_cases(rank, world):
+    return {name: _rank_case(rank, world, *case) for name, case in CASES.items()
+            if name != "head_pad" or world == 3}
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    return spawn_ranks(_all_cases, 2)
+
+
+@pytest.fixture(scope="module")
+def ranks3():
+    return spawn_ranks(_rank_case, 3, *CASES["head_pad"])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "head_pad"])
+def test_sequence_parallel_masks_match_oracle(ranks2, case):
+    for rank, res in enumerate(ranks2):
+        for name, err in res[case].items():
+            assert err <= 1e-10, (case, rank, name, err)
+
+
+def test_head_strategy_pads_internally(ranks3):
+    for rank, res in enumerate(ranks3):
+        for name, err in res.items():
+            assert err <= 1e-10, (rank, name, err)
+
+
+def _ring_rejects_docs(rank, world):
+    from dilated_attention.comm import get_backend
+
+    x = torch.randn(1, 8, 2, 8)
+    try:
+        dilated_attention(x, x, x, [4], [1], comm=get_backend("collective"), strategy="ring",
+                          cu_seqlens=torch.tensor([0, 16], dtype=torch.int32))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ring_strategy_refuses_cu_seqlens_on_every_rank():
+    for msg in spawn_ranks(_ring_rejects_docs, 2):
+        assert msg is not None and "strategy='head'" in msg
