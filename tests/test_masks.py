@@ -262,3 +262,18 @@ def _ring_rejects_docs(rank, world):
 def test_ring_strategy_refuses_cu_seqlens_on_every_rank():
     for msg in spawn_ranks(_ring_rejects_docs, 2):
         assert msg is not None and "strategy='head'" in msg
+
+
+def test_mask_benchmark_smoke(tmp_path):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_masks
+
+    result = bench_masks.main(["--smoke", "--causal", "0", "--out", str(tmp_path)])
+    cases = [r["case"].split(" ")[0] for r in result["records"]]
+    assert cases[:3] == ["key_padding_mask", "docs_equal", "docs_varlen"]
+    for r in result["records"]:
+        assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["ratio"] == round(r["ms"] / r["baseline_ms"], 4)
+    assert (tmp_path / "masks_smoke.json").exists()
