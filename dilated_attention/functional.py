@@ -312,6 +312,8 @@ def dilated_attention(
         raise error
     q, k, v = _unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)
     key_mask = _gather_mask(backend, key_mask, call)
+    if world == 1:  # a group of one: the single-device computation
+        return _attend_whole(q, k, v, key_mask, batches, chosen, causal, scale)
     if team == 1:
         return RingDilatedAttention.apply(q, k, v, key_mask, plans, backend, RingLayout(), call, chosen, causal, scale)
     members = tuple(range(backend.rank - lane, backend.rank - lane + team))

@@ -48,6 +48,8 @@ class Case:
     layout: str = "contiguous"  # any of testing.compare.LAYOUTS
     kernel: str = "auto"
     strategy: str = "ring"
+    masked: bool = False  # a random key_padding_mask (about a quarter of the keys)
+    docs: tuple[int, ...] | None = None  # cu_seqlens over the global sequence (batch 1)
 
     @property
     def seq_len(self) -> int:
@@ -102,6 +104,18 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
     # grouped mode in low precision too: on GPUs this is the fused kernel inside the ring
     out.append(Case(f"P{world}-grouped-bfloat16", world, *spanning, mode="grouped", heads=6, kv_heads=3,
                     dtype="bfloat16", dim=32, layout="transposed"))
+    # masks: a key padding mask on the ring (spanning patterns read the visiting block's mask
+    # rows), packed documents spanning ranks and internal padding with the head strategy
+    for causal in (False, True):
+        out.append(Case(f"P{world}-ring-key-padding-{'causal' if causal else 'full'}", world, *spanning,
+                        causal=causal, heads=4, kv_heads=2, masked=True, layout="transposed"))
+        out.append(Case(f"P{world}-head-docs-{'causal' if causal else 'full'}", world, (4, 8, 16), (1, 2, 4),
+                        causal=causal, heads=heads, kv_heads=4, batch=1, masked=causal, strategy="head",
+                        docs=(0, 5, 5, n // 2 + 3, n)))
+    out.append(Case(f"P{world}-head-padded", world, (8, 32), (1, 2), causal=True, heads=heads, kv_heads=4,
+                    local_len=12, strategy="head"))
+    out.append(Case(f"P{world}-masked-bfloat16", world, *spanning, causal=True, heads=4, kv_heads=2, dim=16,
+                    dtype="bfloat16", masked=True))
     return out
 
 
@@ -115,10 +129,22 @@ def _inputs(case: Case, seed: int):
     return q, k, v, torch.randn((case.batch, *shape_q[1:]), generator=g, dtype=torch.float64)
 
 
-def _oracle(case: Case, q, k, v, dout, dtype):
+def _masks(case: Case, seed: int) -> dict:
+    """``key_padding_mask`` (global) and ``cu_seqlens`` keywords of a case."""
+    kw = {}
+    if case.masked:
+        g = torch.Generator().manual_seed(seed + 1)
+        kw["key_padding_mask"] = torch.rand(case.batch, case.seq_len, generator=g) < 0.25
+    if case.docs is not None:
+        kw["cu_seqlens"] = torch.tensor(case.docs, dtype=torch.int32)
+    return kw
+
+
+def _oracle(case: Case, q, k, v, dout, dtype, seed: int):
     """Dense attention in ``dtype`` on CPU: output and q/k/v gradients (float64 = the oracle)."""
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out = dense_dilated_attention(*leaves, case.segment_lengths, case.dilation_rates, mode=case.mode, causal=case.causal)
+    out = dense_dilated_attention(*leaves, case.segment_lengths, case.dilation_rates, mode=case.mode, causal=case.causal,
+                                  **_masks(case, seed))
     grads = torch.autograd.grad(out, leaves, dout.to(dtype))
     return [t.double() for t in (out, *grads)]
 
@@ -129,19 +155,24 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
     rank = comm.rank
     q, k, v, dout = _inputs(case, seed)
     names = ("out", "dq", "dk", "dv")
-    oracle = _oracle(case, q, k, v, dout, torch.float64)
+    oracle = _oracle(case, q, k, v, dout, torch.float64, seed)
     dtype = DTYPES[case.dtype]
     if case.dtype == "float64":
         tol = {n: tolerance(dtype, None) for n in names}
     else:
-        plain = _oracle(case, q, k, v, dout, dtype)
+        plain = _oracle(case, q, k, v, dout, dtype, seed)
         tol = {n: tolerance(dtype, rel_err(p, o)) for n, p, o in zip(names, plain, oracle)}
     rows = slice(rank * case.local_len, (rank + 1) * case.local_len)
     g = torch.Generator(device=device).manual_seed(seed)
     local = [as_layout(t[:, rows].to(device=device, dtype=dtype), case.layout, generator=g).requires_grad_()
              for t in (q, k, v)]
+    masks = _masks(case, seed)
+    if "key_padding_mask" in masks:
+        masks["key_padding_mask"] = masks["key_padding_mask"][:, rows].to(device)
+    if "cu_seqlens" in masks:
+        masks["cu_seqlens"] = masks["cu_seqlens"].to(device)
     out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode, causal=case.causal,
-                            comm=comm, kernel=case.kernel, strategy=case.strategy)
+                            comm=comm, kernel=case.kernel, strategy=case.strategy, **masks)
     grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
     got = [t.detach().cpu() for t in (out, *grads)]
     errors = {n: rel_err(g, o[:, rows]) for n, g, o in zip(names, got, oracle)}
