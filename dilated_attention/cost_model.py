@@ -1,46 +1,53 @@
 """Cost model for sequence-parallel dilated attention: compute per step vs bytes per step.
 
 Pure arithmetic (no devices, no process groups). It predicts the time of one
-forward+backward on ``K`` GPUs for each strategy (DESIGN.md section 2) and the
+forward+backward on ``K`` GPUs for each strategy (DESIGN.md section 2), the
 per-GPU efficiency ``T1(N) / (K * TK(N))`` against one GPU running the whole
-sequence, and it checks itself against a measured scaling JSON.
+sequence (``T1`` predicted by the same model), and checks itself against
+measured scaling JSONs.
 
-Assumptions (each a CLI option; defaults documented in ``Hardware``):
+Each rank's call is replayed op by op, in the library's order, on two GPU
+streams (compute, communication) and a host thread (``_Timeline``):
 
-- Compute. A pattern ``(w', r)`` over ``n`` query rows costs
-  ``4 * B * H * D * n * w' / r**2`` forward FLOPs (two matmuls per dilated
-  segment of ``w'/r`` rows), half that when causal; backward costs 2.5x forward
-  (flash-attention's accounting), so forward+backward is 3.5x. Every block runs
-  at one achieved rate (``tflops``); calibrate it from the single-GPU time.
-- Ring (per spanning pattern of ring size ``G``, local length ``L``). Each step
-  sends the packed dilated K and V of the pattern, ``2 * B * (L/r) * pairs * D``
-  elements (``pairs`` = distinct (kv head, offset) pairs), in the input dtype.
-  The receive for step ``t+1`` overlaps step ``t``'s compute, so a step costs
-  ``max(compute, transfer)``; the last step's compute is exposed. Backward moves
-  the blocks again plus fp32 dK/dV accumulators of the same shape every step
-  (overlapped with the next step's compute); the last accumulator hop home is
-  exposed. Causal without balancing: at step ``t >= 1`` the last rank of the
-  ring still computes a full block while others skip, so the ring runs at the
-  slowest rank's pace (``c/2 + (G-1) c``); ``balanced=True`` (zigzag order)
-  gives every rank ``c/2`` per step. Local patterns and the pattern combine are
-  pure compute.
-- Head (Ulysses). Four all-to-alls forward (q, k, v, out) and four backward
-  (dout, dq, dk, dv), none overlapped; k/v heads are replicated up to ``K`` when
-  ``Hkv < K``. Compute is exactly ``T1 / K`` (every rank runs the whole sequence
-  for ``H/K`` heads). Needs ``K | H``.
-- Hybrid. All-to-all inside teams of ``A`` ranks (a node when the job spans
-  nodes, else the largest proper divisor of ``K`` that divides ``H``: the
-  library's rule), then the ring across the ``K/A`` teams on the team's ``A*L``
-  rows with ``H/A`` heads.
-- Links. A ring or all-to-all confined to one node uses NVLink (``nvlink_gbps``
-  per GPU per direction); anything crossing nodes is limited by InfiniBand
-  (``ib_gbps`` per GPU: NDR 400 Gb/s = 50 GB/s). Every message pays
-  ``latency_us``.
+- **Attention kernels** (the fused kernel, one launch per pattern forward, three
+  backward). A pattern ``(w', r)`` over ``n`` query rows has ``F = 4 B H D n w'/r^2``
+  forward FLOPs (``w'/r`` keys per segment). Forward: ``F / fwd_tflops``; backward:
+  ``bwd_launch_us + 2.5 F / bwd_tflops`` (the launches' fixed cost does not shrink
+  with the block, so small ring blocks run at a lower rate than big dense ones).
+  Causal: a segment of ``m`` keys costs ``1/2 + causal_keys / (2 m)`` of the unmasked
+  one (diagonal tiles and uneven rows: small causal blocks save far less than half).
+- **Memory-bound passes** at ``hbm_gbps`` plus ``op_us`` per elementwise op: the
+  fp32 pattern combine (``merge.combine_patterns``: bytes ~ tokens x (10 + 10 sum 1/r),
+  ``6 + 5 P`` ops), each ring step's ``merge_two`` (50 bytes per compact output
+  element, 32 ops), K/V packing and unpacking, dK/dV scratch zeroing and adds,
+  dq/dk/dv accumulator zeroing and casts, the head-parallel swap's copies.
+- **Links**: a transfer of ``b`` bytes takes ``b / gbps + latency_us``; NVLink
+  (``nvlink_gbps``) inside a node of ``gpus_per_node``, InfiniBand (``ib_gbps`` per
+  GPU) across nodes. Ring exchanges are posted before the step they overlap (the
+  NCCL stream also waits for compute already queued); all-to-alls are not overlapped.
+- **Waits**: by default (NCCL) a wait only orders the compute stream. With
+  ``host_waits=True`` (NCCL with a timeout set, and every NCCL wait before the
+  stream-ordered waits of commit c3c36b4, i.e. the committed ``scaling_h200_x*.json``)
+  the host blocks in torch's timed wait, which polls completion every ``poll_ms``
+  (``kSynchronizeBusyWaitMillis`` = 1 ms in ProcessGroupNCCL): it wakes on the first
+  poll after the transfer ends, and work it then issues to an idle GPU starts
+  ``dispatch_us`` later.
+- **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; without
+  ``balanced`` it sees every earlier block), head (Ulysses: four all-to-alls and
+  copies, then the whole sequence for ``H/K`` heads), hybrid (all-to-all inside
+  teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
+
+The kernel and memory constants are calibrated on one GPU only (``calibrate``:
+least squares on single-GPU times of ``kernel_<gpu>.json`` and the ``single_gpu``
+entries of ``scaling_<gpu>_x*.json``); link, latency and poll constants are
+documented hardware/software figures. Nothing is fitted to a multi-GPU measurement.
 
 Command line::
 
-    python -m dilated_attention.cost_model --tokens 1e9 --gpus 64,128,256,512,1024
-    python -m dilated_attention.cost_model --validate benchmarks/results/scaling_*.json
+    python -m dilated_attention.cost_model --tokens 1073741824 --gpus 64,128,256,512,1024
+    python -m dilated_attention.cost_model --validate benchmarks/results/scaling_h200_x[24].json --host-waits
+    python -m dilated_attention.cost_model --calibrate benchmarks/results/kernel_nvidia_h200_run5.json \\
+        benchmarks/results/scaling_h200_x*.json
 """
 
 from __future__ import annotations
@@ -48,40 +55,53 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .patterns import hybrid_team_size, longnet_offsets
 
-FWD_BWD = 3.5  # forward + backward FLOPs over forward FLOPs (backward = 2.5x forward)
 STRATEGIES = ("ring", "head", "hybrid")
 LONGNET_SEGMENTS = (2048, 8192, 32768, 131072)  # followed by N itself
 LONGNET_RATES = (1, 2, 4, 8, 16)
+# Problem of the files that carry no meta (strategies_<gpu>_x<K>.json): README's stated set-up.
+DEFAULT_META = {"heads": 16, "kv_heads": 16, "head_dim": 128, "batch": 1, "dtype_bytes": 2,
+                "longnet_segments": list(LONGNET_SEGMENTS), "longnet_rates": list(LONGNET_RATES)}
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """Calibration inputs. Defaults: H200 nodes of 8 GPUs on NVLink (NV18, 450 GB/s per
-    direction nominal, about 350 achievable by NCCL point-to-point), one InfiniBand
-    NDR 400 Gb/s NIC per GPU (50 GB/s), and the library's fused kernel at about
-    300 TFLOP/s forward+backward on long bf16 blocks (measured: 846 ms for full
-    attention over 262144 tokens on 8 x H200 at 97% efficiency)."""
+    """Model constants. Kernel and memory figures: ``calibrate`` on the single-GPU H200 runs
+    (fused kernel, bf16, D=128; see README). Links: H200 nodes of 8 GPUs on NVLink (NV18,
+    450 GB/s per direction nominal, about 350 achievable by NCCL), one InfiniBand NDR
+    400 Gb/s NIC per GPU (50 GB/s), 20 us per message. ``poll_ms``: torch's timed-wait
+    poll (1 ms)."""
 
-    tflops: float = 300.0
+    fwd_tflops: float = 450.0  # fused forward, sustained
+    bwd_tflops: float = 285.5  # fused backward, on 2.5x the forward FLOPs
+    bwd_launch_us: float = 191.0  # fixed GPU time of one pattern's backward (3 launches)
+    causal_keys: float = 350.0  # causal segment of m keys costs 1/2 + causal_keys / (2 m) of unmasked
+    hbm_gbps: float = 4170.0  # elementwise/copy passes
+    op_us: float = 17.5  # per elementwise op of those passes
+    dispatch_us: float = 101.0  # host work before a call's first kernel (or after a host wake-up)
     nvlink_gbps: float = 350.0
     ib_gbps: float = 50.0
     gpus_per_node: int = 8
     latency_us: float = 20.0
+    poll_ms: float = 1.0
     memory_gib: float = 139.0  # usable HBM per GPU (H200: 141 GB nominal)
 
     def __post_init__(self) -> None:
-        for name in ("tflops", "nvlink_gbps", "ib_gbps", "memory_gib"):
+        for name in ("fwd_tflops", "bwd_tflops", "hbm_gbps", "nvlink_gbps", "ib_gbps", "poll_ms", "memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.gpus_per_node < 1 or self.latency_us < 0:
-            raise ValueError(f"gpus_per_node must be >= 1 and latency_us >= 0, got "
-                             f"{self.gpus_per_node} and {self.latency_us}")
+        for name in ("bwd_launch_us", "causal_keys", "op_us", "dispatch_us", "latency_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
 
 @dataclass(frozen=True)
@@ -106,10 +126,10 @@ class Problem:
 class Prediction:
     strategy: str
     gpus: int
-    compute_ms: float  # per rank, forward + backward, including idle steps of an unbalanced causal ring
-    exposed_comm_ms: float  # communication not hidden behind compute
+    compute_ms: float  # busy time of the compute stream (kernels and memory passes), slowest rank
+    exposed_comm_ms: float  # the rest of the call: transfers and waits not hidden behind compute
     ms: float
-    t1_ms: float  # one GPU, whole sequence
+    t1_ms: float  # one GPU, whole sequence (same model)
     efficiency: float
     memory_gib: float
     fits: bool
@@ -142,7 +162,8 @@ def config_patterns(config: str, n: int, segments: Sequence[int] = LONGNET_SEGME
 
 def pattern_flops(rows: float, segment: float, rate: int, *, heads: int, head_dim: int,
                   batch: int = 1, causal: bool = False) -> float:
-    """Forward FLOPs of one pattern over ``rows`` query rows cut in segments of ``segment``."""
+    """Forward FLOPs of one pattern over ``rows`` query rows cut in segments of ``segment`` (unmasked
+    work halved when causal: the FLOP count, not the time; see ``causal_factor``)."""
     flops = 4.0 * batch * heads * head_dim * rows * segment / rate**2
     return flops / 2 if causal else flops
 
@@ -155,14 +176,62 @@ def packed_pairs(heads: int, kv_heads: int, rate: int, head_range: tuple[int, in
     return len({(h // group, offsets[h]) for h in range(h0, h1)})
 
 
-def single_gpu_ms(p: Problem, hw: Hardware) -> float:
-    """T1: the whole sequence on one GPU, all patterns local."""
-    flops = sum(pattern_flops(p.tokens, min(w, p.tokens), r, heads=p.heads, head_dim=p.head_dim,
-                              batch=p.batch, causal=p.causal) for w, r in p.patterns)
-    return FWD_BWD * flops / (hw.tflops * 1e9)
+def offset_runs(heads: int, rate: int, head_range: tuple[int, int] | None = None) -> int:
+    """Runs of consecutive heads sharing an offset (a ring packs and unpacks one chunk per run)."""
+    offsets = longnet_offsets(heads, rate)
+    h0, h1 = head_range or (0, heads)
+    return 1 + sum(offsets[h] != offsets[h - 1] for h in range(h0 + 1, h1))
 
 
-def _transfer_ms(nbytes: float, gbps: float, hw: Hardware) -> float:
+# -- terms -------------------------------------------------------------------------------------------
+
+
+def causal_factor(keys: float, hw: Hardware) -> float:
+    """Time of a causal segment of ``keys`` keys over the unmasked one: ``1/2 + causal_keys / (2 keys)``."""
+    return min(1.0, 0.5 + hw.causal_keys / (2.0 * keys))
+
+
+def kernel_fwd_ms(flops: float, keys: float, causal: bool, hw: Hardware) -> float:
+    """One pattern's forward launch over blocks of ``keys`` keys; ``flops`` unmasked."""
+    return flops * (causal_factor(keys, hw) if causal else 1.0) / (hw.fwd_tflops * 1e9)
+
+
+def kernel_bwd_ms(flops: float, keys: float, causal: bool, hw: Hardware) -> float:
+    """One pattern's backward (delta, dq, dk/dv launches); ``flops`` are the unmasked forward FLOPs."""
+    return hw.bwd_launch_us / 1e3 + 2.5 * flops * (causal_factor(keys, hw) if causal else 1.0) / (hw.bwd_tflops * 1e9)
+
+
+def pass_ms(nbytes: float, ops: int, hw: Hardware) -> float:
+    """Memory-bound elementwise/copy passes: bytes read + written, and the number of ops."""
+    return nbytes / (hw.hbm_gbps * 1e6) + ops * hw.op_us / 1e3
+
+
+def combine_terms(rows: float, heads: int, rates: Sequence[int], head_dim: int, batch: int = 1,
+                  dtype_bytes: int = 2) -> tuple[float, int]:
+    """(bytes, ops) of ``merge.combine_patterns`` over ``rows`` x ``heads``: fp32 lse pass and output
+    pass per pattern (rows ``1/r`` of the output each), the zero fill and the cast."""
+    n = batch * rows * heads
+    o = n * head_dim
+    nbytes = n * (18 + sum(40.0 / r for r in rates)) + o * (4 + (4 + dtype_bytes)
+                                                            + sum((8 + dtype_bytes) / r for r in rates))
+    return nbytes, 6 + 5 * len(rates)
+
+
+def merge_terms(rows: float, heads: int, head_dim: int, batch: int = 1, dtype_bytes: int = 2) -> tuple[float, int]:
+    """(bytes, ops) of one ``merge.merge_two`` of a ring step's partial into the fp32 running one."""
+    n = batch * rows * heads
+    return n * head_dim * (48 + dtype_bytes) + 240 * n, 32
+
+
+def accumulator_terms(rows: float, heads: int, kv_heads: int, head_dim: int, batch: int = 1,
+                      dtype_bytes: int = 2) -> tuple[tuple[float, int], tuple[float, int]]:
+    """((bytes, ops) zeroing fp32 dq/dk/dv, (bytes, ops) casting them to the input dtype)."""
+    e = batch * rows * (heads + 2 * kv_heads) * head_dim
+    return (4 * e, 3), ((4 + dtype_bytes) * e, 3)
+
+
+def transfer_ms(nbytes: float, gbps: float, hw: Hardware) -> float:
+    """One message of ``nbytes`` over a link of ``gbps`` (GB/s), plus the per-message latency."""
     return nbytes / (gbps * 1e6) + hw.latency_us / 1e3
 
 
@@ -181,42 +250,147 @@ def alltoall_ms(nbytes_per_rank: float, ranks: int, hw: Hardware) -> float:
     return max(intra / (hw.nvlink_gbps * 1e6), inter / (hw.ib_gbps * 1e6)) + hw.latency_us / 1e3
 
 
-def ring_ms(p: Problem, hw: Hardware, local_len: float, *, head_shards: int = 1,
-            balanced: bool = False) -> tuple[float, float]:
-    """(compute ms, exposed comm ms) of forward+backward of every pattern on a ring layout.
+class _Timeline:
+    """A compute stream, a communication stream and the host thread of one rank.
 
-    Each rank holds ``local_len`` rows of ``H / head_shards`` query heads; with head
-    shards (the hybrid) ring neighbours are ``head_shards`` global ranks apart.
+    The host issues work instantly except when it blocks in a host-timed wait; work issued
+    after the compute stream ran dry starts ``dispatch_us`` later. A transfer starts when the
+    communication stream is free and the compute work queued before it is done.
     """
-    nh = p.heads // head_shards
-    rate_ms = 1.0 / (hw.tflops * 1e9)
-    compute = exposed = 0.0
+
+    def __init__(self, hw: Hardware, host_waits: bool = False) -> None:
+        self.hw, self.host_waits = hw, host_waits
+        self.compute = hw.dispatch_us / 1e3  # the call's own host work before its first kernel
+        self.comm = 0.0
+        self.host = 0.0
+        self.busy = 0.0
+
+    def run(self, ms: float) -> None:
+        start = self.compute if self.compute >= self.host else self.host + self.hw.dispatch_us / 1e3
+        self.compute = start + ms
+        self.busy += ms
+
+    def send(self, ms: float) -> float:
+        """Post a transfer; returns when it ends."""
+        self.comm = max(self.comm, self.compute, self.host) + ms
+        return self.comm
+
+    def wait(self, end: float) -> None:
+        if self.host_waits and end > self.host:  # first poll at once, then every poll_ms
+            self.host += self.hw.poll_ms * math.ceil((end - self.host) / self.hw.poll_ms - 1e-9)
+        self.compute = max(self.compute, end)
+
+    @property
+    def end(self) -> float:
+        return max(self.compute, self.host)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What one rank computes: ``rows`` query rows of ``heads`` query heads (global heads
+    ``[head0, head0 + heads)``) and ``kv_heads`` kv heads; rings join ``stride``-spaced ranks."""
+
+    rows: float
+    heads: int
+    kv_heads: int
+    head0: int = 0
+    stride: int = 1
+
+
+def _local_kv_heads(p: Problem, team: int) -> int:
+    """``HeadSplit.local_kv_heads``: split, one per rank, or expanded to one per query head."""
+    if p.hkv % team == 0:
+        return p.hkv // team
+    return 1 if team % p.hkv == 0 else p.heads // team
+
+
+def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, balanced: bool) -> None:
+    """Replay forward or backward of every pattern (local, or a ring on the slowest rank)."""
+    d, e, b = p.head_dim, p.dtype_bytes, p.batch
+    if direction == "bwd":
+        tl.run(pass_ms(*accumulator_terms(lay.rows, lay.heads, lay.kv_heads, d, b, e)[0], hw))
     for w, r in p.patterns:
         w = min(w, p.tokens)
-        if w <= local_len:
-            f = pattern_flops(local_len, w, r, heads=nh, head_dim=p.head_dim, batch=p.batch, causal=p.causal)
-            compute += FWD_BWD * f * rate_ms
+        if w <= lay.rows:  # local: one launch over rows / w segments
+            flops = pattern_flops(lay.rows, w, r, heads=lay.heads, head_dim=d, batch=b)
+            kernel = kernel_fwd_ms if direction == "fwd" else kernel_bwd_ms
+            tl.run(kernel(flops, w / r, p.causal, hw))
             continue
-        g = round(w / local_len)
-        block = pattern_flops(local_len, local_len, r, heads=nh, head_dim=p.head_dim, batch=p.batch) * rate_ms
-        if not p.causal:
-            steps = [block] * g
-        elif balanced:
-            steps = [block / 2] * g
-        else:  # own block causal, then the last rank of the ring computes a full block every step
-            steps = [block / 2] + [block] * (g - 1)
-        pairs = max(packed_pairs(p.heads, p.hkv, r, (i * nh, (i + 1) * nh)) for i in range(head_shards))
-        elems = 2 * p.batch * (local_len / r) * pairs * p.head_dim
-        link = _ring_link(g * head_shards, hw)
-        m_kv = _transfer_ms(elems * p.dtype_bytes, link, hw)
-        m_grad = _transfer_ms(elems * 4, link, hw)
-        fwd = sum(max(c, m_kv) for c in steps[:-1]) + steps[-1]
-        bwd_steps = [2.5 * c for c in steps]
-        bwd = sum(max(c, m_kv + m_grad) for c in bwd_steps[:-1]) + bwd_steps[-1] + m_grad
-        busy = sum(steps) + sum(bwd_steps)
-        compute += busy
-        exposed += fwd + bwd - busy
-    return compute, exposed
+        g, m = max(1, round(w / lay.rows)), lay.rows / r  # ring of g ranks, m dilated rows per block
+        heads_range = (lay.head0, lay.head0 + lay.heads)
+        half = b * m * packed_pairs(p.heads, p.hkv, r, heads_range) * d  # elements of K (or V) of a block
+        runs = offset_runs(p.heads, r, heads_range)
+        link = _ring_link(g * lay.stride, hw)
+        block_flops = pattern_flops(m, m, 1, heads=lay.heads, head_dim=d, batch=b)
+        tl.run(pass_ms(2 * half * 2 * e, 2 * runs, hw))  # pack_kv: read + write both halves
+        pos = g - 1  # the last rank of the ring: sees every earlier block when causal
+        seen, grads_end = 0, None
+        for step in range(g):
+            kv_end = tl.send(transfer_ms(2 * half * e, link, hw)) if step < g - 1 else None
+            src = (pos - step) % g
+            own, hidden = src == pos, p.causal and src > pos
+            causal_block = p.causal and own
+            flops = block_flops / 2 if (p.causal and balanced and not own) else block_flops
+            if direction == "fwd":
+                if not hidden:
+                    tl.run(kernel_fwd_ms(flops, m, causal_block, hw))
+                    if seen:
+                        tl.run(pass_ms(*merge_terms(m, lay.heads, d, b, e), hw))
+                    seen += 1
+            else:
+                if not hidden:
+                    tl.run(pass_ms(2 * half * 4, 1, hw))  # scratch.zero_()
+                    tl.run(kernel_bwd_ms(flops, m, causal_block, hw))
+                if step > 0:
+                    tl.wait(grads_end)
+                    if not hidden:
+                        tl.run(pass_ms(2 * half * 12, 1, hw))  # incoming.add_(scratch)
+                grads_end = tl.send(transfer_ms(2 * half * 4, link, hw))  # fp32 dK/dV accumulator
+            if kv_end is not None:
+                tl.wait(kv_end)
+        if direction == "bwd":
+            tl.wait(grads_end)  # our own block's accumulator is home
+            tl.run(pass_ms(2 * half * 12, 2 * runs, hw))  # unpack_add_
+    if direction == "fwd":
+        rates = [r for _, r in p.patterns]
+        tl.run(pass_ms(*combine_terms(lay.rows, lay.heads, rates, d, b, e), hw))
+    else:
+        tl.run(pass_ms(*accumulator_terms(lay.rows, lay.heads, lay.kv_heads, d, b, e)[1], hw))
+
+
+def _swap(tl: _Timeline, nbytes: float, team: int, before: tuple[float, int], after: tuple[float, int],
+          hw: Hardware) -> None:
+    """A head-parallel all-to-all of ``nbytes`` per rank: copies, the exchange (not overlapped), copies."""
+    tl.run(pass_ms(*before, hw))
+    tl.wait(tl.send(alltoall_ms(nbytes, team, hw)))
+    tl.run(pass_ms(*after, hw))
+
+
+def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = False,
+            host_waits: bool = False) -> tuple[float, float]:
+    """(ms, compute-stream busy ms) of one forward+backward on the slowest rank: all-to-all inside
+    teams of ``team`` ranks (1: none), then every pattern locally or as a ring across teams."""
+    tl = _Timeline(hw, host_waits)
+    local = p.tokens / gpus
+    hl, hk = p.heads // team, _local_kv_heads(p, team)
+    lay = _Layout(local * team, hl, hk, head0=(team - 1) * hl, stride=team)  # last lane of the last team
+    qkv = p.batch * local * team * (hl + 2 * hk) * p.head_dim * p.dtype_bytes  # the swap's send buffer
+    out = p.batch * local * p.heads * p.head_dim * p.dtype_bytes
+    if team > 1:  # q/k/v to heads: build the send buffer; received rows reshaped, q/k/v made contiguous
+        _swap(tl, qkv, team, (2 * qkv, 3), (4 * qkv, 4), hw)
+    _attention(tl, p, lay, hw, "fwd", balanced)
+    if team > 1:  # output back to sequence
+        _swap(tl, out, team, (2 * out, 1), (2 * out, 1), hw)
+        _swap(tl, out, team, (2 * out, 1), (2 * out, 1), hw)  # backward: dout to heads
+    _attention(tl, p, lay, hw, "bwd", balanced)
+    if team > 1:  # dq/dk/dv: cat, contiguous; received heads merged
+        _swap(tl, qkv, team, (4 * qkv, 2), (2 * qkv, 3), hw)
+    return tl.end, tl.busy
+
+
+def single_gpu_ms(p: Problem, hw: Hardware) -> float:
+    """T1: the whole sequence on one GPU, all patterns local."""
+    return rank_ms(p, 1, 1, hw)[0]
 
 
 def hybrid_team(gpus: int, heads: int, hw: Hardware) -> int | None:
@@ -233,43 +407,35 @@ def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
 
 
 def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardware(),
-            *, balanced: bool = False) -> Prediction | None:
-    """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run."""
+            *, balanced: bool = False, host_waits: bool = False) -> Prediction | None:
+    """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
+
+    ``balanced``: causal rings in zigzag order (every step half a block; not what the library
+    does today). ``host_waits``: every exchange waited for on the host (see the module doc).
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
     t1 = single_gpu_ms(p, hw)
-    local = p.tokens / gpus
     notes: list[str] = []
     if gpus == 1:
-        compute, exposed = t1, 0.0
-    elif strategy == "ring":
-        compute, exposed = ring_ms(p, hw, local, balanced=balanced)
-    elif strategy == "head":
-        if p.heads % gpus:
-            return None
-        kv = max(p.hkv, gpus)  # kv heads replicated up to one per rank
-        elems = p.batch * local * p.head_dim
-        a2a = 2 * (alltoall_ms(elems * p.heads * p.dtype_bytes, gpus, hw)
-                   + alltoall_ms(elems * p.heads * p.dtype_bytes, gpus, hw)
-                   + 2 * alltoall_ms(elems * kv * p.dtype_bytes, gpus, hw))
-        compute, exposed = t1 / gpus, a2a
+        ms, busy = t1, t1
     else:
-        a = hybrid_team(gpus, p.heads, hw)
-        if a is None:
-            return None
-        notes.append(f"a2a teams of {a}")
-        kv = max(p.hkv, a)
-        elems = p.batch * local * p.head_dim
-        a2a = 2 * (2 * alltoall_ms(elems * p.heads * p.dtype_bytes, a, hw)
-                   + 2 * alltoall_ms(elems * kv * p.dtype_bytes, a, hw))
-        compute, exposed = ring_ms(p, hw, local * a, head_shards=a, balanced=balanced)
-        exposed += a2a
-    ms = compute + exposed
-    mem = memory_gib(p, local)
-    return Prediction(strategy, gpus, compute, exposed, ms, t1, t1 / (gpus * ms), mem,
-                      mem <= hw.memory_gib, notes)
+        if strategy == "ring":
+            team = 1
+        elif strategy == "head":
+            if p.heads % gpus:
+                return None
+            team = gpus
+        else:
+            team = hybrid_team(gpus, p.heads, hw)
+            if team is None:
+                return None
+            notes.append(f"a2a teams of {team}")
+        ms, busy = rank_ms(p, gpus, team, hw, balanced=balanced, host_waits=host_waits)
+    mem = memory_gib(p, p.tokens / gpus)
+    return Prediction(strategy, gpus, busy, ms - busy, ms, t1, t1 / (gpus * ms), mem, mem <= hw.memory_gib, notes)
 
 
 def best(p: Problem, gpus: int, hw: Hardware = Hardware(), *, balanced: bool = False) -> Prediction:
@@ -278,24 +444,163 @@ def best(p: Problem, gpus: int, hw: Hardware = Hardware(), *, balanced: bool = F
     return min(preds, key=lambda x: x.ms)
 
 
-# -- validation against a measured scaling JSON ---------------------------------------------------
+# -- calibration on single-GPU measurements ---------------------------------------------------------
+
+# The constants ``calibrate`` fits (the model is linear in them for a fixed ``causal_keys``).
+_FITTED = ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "hbm_gbps", "op_us", "dispatch_us")
 
 
-def validate(paths: Sequence[str], hw: Hardware = Hardware()) -> list[dict]:
-    """Compare predicted with measured efficiency for every multi-GPU record of ``ours``.
+def _single_terms(p: Problem, causal_keys: float, *, fwd: bool = True, bwd: bool = True, combine: bool = True,
+                  casts: bool = True, dispatch: bool = True) -> list[float]:
+    """Coefficients of (1/fwd_tflops, 1/bwd_tflops, bwd_launch_us, 1/hbm_gbps, op_us, dispatch_us) in the
+    single-GPU time of ``p`` (ms), for the parts of the call a single-GPU benchmark timed."""
+    unit = Hardware(fwd_tflops=1.0, bwd_tflops=1.0, causal_keys=causal_keys)
+    d, e, b, n = p.head_dim, p.dtype_bytes, p.batch, p.tokens
+    t = [0.0] * 6
+    for w, r in p.patterns:
+        w = min(w, n)
+        flops = pattern_flops(n, w, r, heads=p.heads, head_dim=d, batch=b)
+        factor = causal_factor(w / r, unit) if p.causal else 1.0
+        if fwd:
+            t[0] += flops * factor / 1e9
+        if bwd:
+            t[1] += 2.5 * flops * factor / 1e9
+            t[2] += 1e-3
+    passes = []
+    if combine:
+        passes.append(combine_terms(n, p.heads, [r for _, r in p.patterns], d, b, e))
+    if bwd:
+        zero, cast = accumulator_terms(n, p.heads, p.hkv, d, b, e)
+        passes += [zero] + ([cast] if casts else [])
+    for nbytes, ops in passes:
+        t[3] += nbytes / 1e6
+        t[4] += ops / 1e3
+    t[5] = 1e-3 if dispatch else 0.0
+    return t
 
-    The achieved TFLOP/s is calibrated per record from its own single-GPU time
-    ``T1 = efficiency * gpus * ms`` (same run), so what is tested is the
-    communication and balance model, not a guess of the kernel's speed.
-    """
-    rows = []
+
+def _to_hardware(x: Sequence[float], causal_keys: float, base: Hardware) -> Hardware:
+    return replace(base, fwd_tflops=1 / x[0], bwd_tflops=1 / x[1], bwd_launch_us=x[2], hbm_gbps=1 / x[3],
+                   op_us=x[4], dispatch_us=x[5], causal_keys=causal_keys)
+
+
+def _solve(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares of relative errors (each row divided by its measurement), columns scaled."""
+    a = [[v / y for v in row] for row, y in zip(rows, ys)]
+    k = len(a[0])
+    scale = [max(abs(row[j]) for row in a) or 1.0 for j in range(k)]
+    a = [[row[j] / scale[j] for j in range(k)] for row in a]
+    m = [[sum(row[i] * row[j] for row in a) for j in range(k)] + [sum(row[i] for row in a)] for i in range(k)]
+    for col in range(k):  # Gauss-Jordan with partial pivoting on the normal equations
+        piv = max(range(col, k), key=lambda i: abs(m[i][col]))
+        m[col], m[piv] = m[piv], m[col]
+        for i in range(k):
+            if i != col and m[col][col]:
+                f = m[i][col] / m[col][col]
+                m[i] = [vi - f * vc for vi, vc in zip(m[i], m[col])]
+    return [m[i][k] / m[i][i] / scale[i] if m[i][i] else 0.0 for i in range(k)]
+
+
+def single_gpu_samples(paths: Sequence[str]) -> list[tuple[str, Problem, dict, float]]:
+    """(name, problem, timed parts, ms) of every single-GPU measurement of the library in ``paths``:
+    ``single_gpu`` entries of scaling JSONs (whole API calls), and the fused kernel's pipelines and
+    full-attention API rows of a kernel benchmark JSON (``kernel_<gpu>.json``)."""
+    out = []
     for path in paths:
         with open(path) as f:
             data = json.load(f)
-        meta = data["meta"]
-        segs = meta.get("longnet_segments", LONGNET_SEGMENTS)
-        rates = meta.get("longnet_rates", LONGNET_RATES)
-        for rec in data["records"]:
+        if not isinstance(data, dict):
+            continue
+        meta = data.get("meta", {})
+        if "single_gpu" in meta:
+            segs = meta.get("longnet_segments", LONGNET_SEGMENTS)
+            rates = meta.get("longnet_rates", LONGNET_RATES)
+            for s in meta["single_gpu"]:
+                if s.get("impl") != "ours" or s.get("error") or not s.get("ms"):
+                    continue
+                n = s["tokens"]
+                p = Problem(n, tuple(config_patterns(s["config"], n, segs, rates)), heads=meta["heads"],
+                            kv_heads=meta.get("kv_heads"), head_dim=meta["head_dim"], batch=meta["batch"],
+                            dtype_bytes=meta.get("dtype_bytes", 2), causal=s["causal"])
+                out.append((f"{os.path.basename(path)}: {s['config']} causal={s['causal']} N={n}", p, {}, s["ms"]))
+        elif "rows" in data and "shape" in meta:
+            shape = meta["shape"]
+            bsz, n, heads, dim = (shape[k] for k in "BNHD") if isinstance(shape, dict) else shape
+            pats = tuple(zip(meta["segment_lengths"], meta["dilation_rates"]))
+            parts = {"fwd kernel": dict(bwd=False, combine=False, dispatch=False),
+                     "bwd kernel (+acc zero)": dict(fwd=False, combine=False, casts=False, dispatch=False),
+                     "fwd pipeline": dict(bwd=False, dispatch=False),
+                     "fwd+bwd pipeline": dict(casts=False, dispatch=False),
+                     "api fwd+bwd": {}}
+            for r in data["rows"]:
+                if r.get("method") == "fused" and r.get("kind") in parts and r.get("ms"):
+                    p = Problem(n, pats, heads=heads, head_dim=dim, batch=bsz, causal=r["causal"])
+                    out.append((f"{os.path.basename(path)}: longnet {r['kind']} causal={r['causal']}", p,
+                                parts[r["kind"]], r["ms"]))
+            for r in data.get("full_attention", []):
+                if r.get("method") == "full-fused" and r.get("ms"):
+                    p = Problem(n, ((n, 1),), heads=heads, head_dim=dim, batch=bsz, causal=r["causal"])
+                    kind = {"fwd": dict(bwd=False), "fwd+bwd": {}}[r["kind"]]
+                    out.append((f"{os.path.basename(path)}: full {r['kind']} causal={r['causal']}", p, kind, r["ms"]))
+    return out
+
+
+def calibrate(paths: Sequence[str], base: Hardware = Hardware(),
+              causal_keys: Sequence[float] = tuple(range(0, 3001, 25))) -> tuple[Hardware, list[dict]]:
+    """Fit the kernel and memory constants to single-GPU measurements only (see ``single_gpu_samples``).
+
+    Least squares of relative errors; ``causal_keys`` by grid search. Returns the fitted
+    hardware (links and the rest from ``base``) and, per measurement, measured vs modelled ms.
+    """
+    samples = single_gpu_samples(paths)
+    if len(samples) < len(_FITTED) + 1:
+        raise ValueError(f"need at least {len(_FITTED) + 1} single-GPU measurements, found {len(samples)} in {paths}")
+    ys = [ms for *_, ms in samples]
+    fits = []
+    for ck in causal_keys:
+        rows = [_single_terms(p, ck, **parts) for _, p, parts, _ in samples]
+        x = _solve(rows, ys)
+        if min(x[0], x[1], x[3]) <= 0 or min(x[2], x[4], x[5]) < 0:
+            continue  # unphysical (a negative cost): not a candidate
+        err = sum((sum(a * b for a, b in zip(row, x)) / y - 1) ** 2 for row, y in zip(rows, ys))
+        fits.append((err, ck, x, rows))
+    if not fits:
+        raise ValueError("no physical fit (every candidate needs a negative cost)")
+    _, ck, x, rows = min(fits, key=lambda f: f[0])
+    hw = _to_hardware(x, ck, base)
+    report = [{"name": name, "measured_ms": y, "model_ms": sum(a * b for a, b in zip(row, x))}
+              for (name, *_), row, y in zip(samples, rows, ys)]
+    return hw, report
+
+
+# -- validation against measured scaling JSONs ------------------------------------------------------
+
+
+def _records(path: str) -> tuple[dict, list[dict]]:
+    """(meta, multi-GPU records of ours) of a scaling JSON or a strategies JSON (a list without meta)."""
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, list):  # strategies_<gpu>_x<K>.json: {config, causal, strategy, K, L, t1, tk, eff}
+        recs = [{"impl": "ours", "strategy": r["strategy"], "config": r["config"], "causal": r["causal"],
+                 "gpus": r["K"], "tokens_per_gpu": r["L"], "ms": r["tk"], "efficiency": r["eff"]} for r in data]
+        return dict(DEFAULT_META), recs
+    given = data.get("meta", {})
+    meta = dict(DEFAULT_META, kv_heads=given.get("kv_heads"), **{k: v for k, v in given.items() if k != "kv_heads"})
+    return meta, data.get("records", [])
+
+
+def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: bool = False) -> list[dict]:
+    """Compare predicted with measured efficiency (and ms) for every multi-GPU record of ``ours``.
+
+    Efficiency is ``T1 / (K TK)`` on both sides: measured T1 and TK from the file, predicted
+    ones from the model (constants from ``calibrate`` on single-GPU runs: nothing fitted here).
+    ``host_waits``: the files were measured with host-timed waits (see the module doc).
+    """
+    rows = []
+    for path in paths:
+        meta, records = _records(path)
+        segs, rates = meta["longnet_segments"], meta["longnet_rates"]
+        for rec in records:
             if (rec["impl"] != "ours" or rec["gpus"] < 2 or rec.get("efficiency") is None
                     or rec["strategy"] not in STRATEGIES or "max_tokens" in rec):
                 continue
@@ -303,15 +608,16 @@ def validate(paths: Sequence[str], hw: Hardware = Hardware()) -> list[dict]:
             prob = Problem(n, tuple(config_patterns(rec["config"], n, segs, rates)), heads=meta["heads"],
                            kv_heads=meta.get("kv_heads"), head_dim=meta["head_dim"], batch=meta["batch"],
                            dtype_bytes=meta.get("dtype_bytes", 2), causal=rec["causal"])
-            t1 = rec["efficiency"] * rec["gpus"] * rec["ms"]
-            calibrated = replace(hw, tflops=single_gpu_ms(prob, replace(hw, tflops=1.0)) / t1)
-            pred = predict(prob, rec["gpus"], rec["strategy"], calibrated, balanced=bool(meta.get("balanced")))
+            pred = predict(prob, rec["gpus"], rec["strategy"], hw, balanced=bool(meta.get("balanced")),
+                           host_waits=host_waits)
             if pred is None:
                 continue
             rows.append({"file": path, "config": rec["config"], "causal": rec["causal"],
                          "strategy": rec["strategy"], "gpus": rec["gpus"], "tokens_per_gpu": rec["tokens_per_gpu"],
-                         "tflops": calibrated.tflops, "measured": rec["efficiency"], "predicted": pred.efficiency,
-                         "error_pct": 100.0 * (pred.efficiency - rec["efficiency"]) / rec["efficiency"]})
+                         "measured": rec["efficiency"], "predicted": pred.efficiency,
+                         "error_pct": 100.0 * (pred.efficiency - rec["efficiency"]) / rec["efficiency"],
+                         "measured_ms": rec["ms"], "predicted_ms": pred.ms,
+                         "measured_t1_ms": rec["efficiency"] * rec["gpus"] * rec["ms"], "predicted_t1_ms": pred.t1_ms})
     return rows
 
 
@@ -341,10 +647,25 @@ def format_predictions(rows: list[Prediction], tokens: int, causal: bool) -> str
     return "\n".join(lines)
 
 
+def format_validation(rows: list[dict]) -> str:
+    lines = ["| config | causal | strategy | GPUs | tokens/GPU | measured ms | predicted ms | measured eff | "
+             "predicted eff | error |",
+             "| --- | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {'yes' if r['causal'] else 'no'} | {r['strategy']} | {r['gpus']} | "
+                     f"{r['tokens_per_gpu']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
+                     f"{100 * r['measured']:.1f}% | {100 * r['predicted']:.1f}% | {r['error_pct']:+.1f}% |")
+    return "\n".join(lines)
+
+
+def _expand(patterns: Sequence[str]) -> list[str]:
+    return sorted({p for pat in patterns for p in (glob.glob(pat) or [pat])})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     hw0 = Hardware()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=float, default=1e9, help="whole sequence N (default 1e9)")
+    ap.add_argument("--tokens", type=float, default=2**30, help="whole sequence N (default 2^30)")
     ap.add_argument("--gpus", type=_ints, default=[64, 128, 256, 512, 1024])
     ap.add_argument("--config", choices=["longnet", "full"], default="longnet")
     ap.add_argument("--segments", type=_ints, default=list(LONGNET_SEGMENTS), help="LongNet segments before N")
@@ -356,30 +677,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype-bytes", type=int, default=2, help="2 for bf16/fp16")
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     ap.add_argument("--balanced", action="store_true", help="causal rings in zigzag order (equal work per rank)")
+    ap.add_argument("--host-waits", action="store_true",
+                    help="every exchange waited for on the host (NCCL with a timeout, or code before c3c36b4)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--tflops", type=float, default=hw0.tflops, help=f"achieved fwd+bwd TFLOP/s per GPU ({hw0.tflops:g})")
-    ap.add_argument("--nvlink-gbps", type=float, default=hw0.nvlink_gbps, help=f"GB/s per GPU per direction ({hw0.nvlink_gbps:g})")
-    ap.add_argument("--ib-gbps", type=float, default=hw0.ib_gbps, help=f"GB/s per GPU across nodes ({hw0.ib_gbps:g})")
+    for name in ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "hbm_gbps", "op_us", "dispatch_us",
+                 "nvlink_gbps", "ib_gbps", "latency_us", "poll_ms", "memory_gib"):
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(hw0, name),
+                        help=f"default {getattr(hw0, name):g}")
     ap.add_argument("--gpus-per-node", type=int, default=hw0.gpus_per_node)
-    ap.add_argument("--latency-us", type=float, default=hw0.latency_us)
-    ap.add_argument("--memory-gib", type=float, default=hw0.memory_gib)
     ap.add_argument("--validate", nargs="+", default=None, metavar="JSON",
                     help="compare with measured scaling JSONs (globs allowed) instead of predicting")
+    ap.add_argument("--calibrate", nargs="+", default=None, metavar="JSON",
+                    help="fit the kernel and memory constants to the single-GPU runs in these JSONs")
     a = ap.parse_args(argv)
-    hw = Hardware(a.tflops, a.nvlink_gbps, a.ib_gbps, a.gpus_per_node, a.latency_us, a.memory_gib)
+    hw = Hardware(**{name: getattr(a, name) for name in Hardware.__dataclass_fields__})
+    if a.calibrate:
+        fitted, report = calibrate(_expand(a.calibrate), hw)
+        for name in _FITTED + ("causal_keys",):
+            print(f"{name} = {getattr(fitted, name):.4g}")
+        print("\n| single-GPU measurement | measured ms | model ms | error |\n| --- | ---: | ---: | ---: |")
+        for r in report:
+            print(f"| {r['name']} | {r['measured_ms']:.2f} | {r['model_ms']:.2f} | "
+                  f"{100 * (r['model_ms'] / r['measured_ms'] - 1):+.1f}% |")
+        return 0
     if a.validate:
-        paths = sorted({p for pat in a.validate for p in (glob.glob(pat) or [pat])})
-        rows = validate(paths, hw)
-        print("| config | causal | strategy | GPUs | tokens/GPU | calibrated TFLOP/s | measured | predicted | error |")
-        print("| --- | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for r in rows:
-            print(f"| {r['config']} | {'yes' if r['causal'] else 'no'} | {r['strategy']} | {r['gpus']} | "
-                  f"{r['tokens_per_gpu']} | {r['tflops']:.3g} | {100 * r['measured']:.1f}% | "
-                  f"{100 * r['predicted']:.1f}% | {r['error_pct']:+.1f}% |")
+        paths = _expand(a.validate)
+        rows = validate(paths, hw, host_waits=a.host_waits)
         if rows:
+            print(format_validation(rows))
             worst = max(abs(r["error_pct"]) for r in rows)
             mean = sum(abs(r["error_pct"]) for r in rows) / len(rows)
-            print(f"\n{len(rows)} records; mean |error| {mean:.1f}%, worst {worst:.1f}%")
+            print(f"\n{len(rows)} records; mean |error| {mean:.1f}%, worst {worst:.1f}% "
+                  f"({'host-timed' if a.host_waits else 'stream-ordered'} waits)")
         else:
             print("no multi-GPU records of 'ours' with an efficiency in", paths)
         return 0
@@ -391,12 +720,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     pats = config_patterns(a.config, n, a.segments, a.rates)
     print(f"N = {n:,} tokens, {a.config} patterns w={[w for w, _ in pats]} r={[r for _, r in pats]}, "
           f"B={a.batch} H={a.heads} Hkv={a.kv_heads or a.heads} D={a.head_dim}, {a.dtype_bytes}-byte dtype")
-    print(f"assumed: {hw.tflops:g} TFLOP/s achieved per GPU, NVLink {hw.nvlink_gbps:g} GB/s, "
-          f"InfiniBand {hw.ib_gbps:g} GB/s per GPU, {hw.gpus_per_node} GPUs per node, "
-          f"{hw.latency_us:g} us per message, {hw.memory_gib:g} GiB per GPU")
+    print(f"assumed: fused kernel {hw.fwd_tflops:g}/{hw.bwd_tflops:g} TFLOP/s fwd/bwd, HBM passes "
+          f"{hw.hbm_gbps:g} GB/s, NVLink {hw.nvlink_gbps:g} GB/s, InfiniBand {hw.ib_gbps:g} GB/s per GPU, "
+          f"{hw.gpus_per_node} GPUs per node, {hw.latency_us:g} us per message, {hw.memory_gib:g} GiB per GPU"
+          + (", host-timed waits" if a.host_waits else ""))
     for causal in {"no": [False], "yes": [True], "both": [False, True]}[a.causal]:
         prob = Problem(n, tuple(pats), a.heads, a.kv_heads, a.head_dim, a.batch, a.dtype_bytes, causal)
-        rows = [x for k in a.gpus for s in strategies if (x := predict(prob, k, s, hw, balanced=a.balanced))]
+        rows = [x for k in a.gpus for s in strategies
+                if (x := predict(prob, k, s, hw, balanced=a.balanced, host_waits=a.host_waits))]
         print()
         print(format_predictions(rows, n, causal))
     return 0

@@ -99,3 +99,58 @@ def test_bench_ring_smoke(tmp_path):
     assert set(report["median_ms"]) == set(BACKEND_NAMES)
     assert report["ratio_vs_collective"]["collective"] == 1.0
     assert all(len(t) == report["config"]["iters"] for t in report["times_ms"].values())
+
+
+# -- warnings through the backends (issue 12): no FutureWarning from our calls, one message per job --------
+
+
+def _warnings_worker(rank: int, world: int, backend: str) -> list[dict]:
+    """Forward+backward through ``backend`` (ring and head, twice each) on this rank; every warning raised."""
+    import os
+    import warnings
+
+    import torch
+
+    from dilated_attention import dilated_attention
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every occurrence, not once per location
+        for strategy in ("ring", "head", "ring", "head"):
+            g = torch.Generator().manual_seed(rank)
+            q, k, v = (torch.randn(1, 16, 4, 8, generator=g, requires_grad=True) for _ in range(3))
+            out = dilated_attention(q, k, v, [8, 32], [1, 2], comm=backend, strategy=strategy)
+            out.sum().backward()
+    return [{"category": w.category.__name__, "message": str(w.message),
+             "file": os.path.basename(w.filename), "line": w.lineno} for w in caught]
+
+
+@pytest.fixture(scope="module", params=[n for n in ("deepspeed", "fairscale") if n in INSTALLED])
+def warned(request):
+    """(backend, per-rank warnings) of ``_warnings_worker`` on 2 gloo ranks."""
+    from dilated_attention.testing.spawn import spawn_ranks
+
+    if request.param == "deepspeed":
+        from dilated_attention.comm.deepspeed import prebuild_ops
+
+        prebuild_ops()  # the CPU op is compiled once (cached), not inside a rank
+    return request.param, spawn_ranks(_warnings_worker, 2, request.param)
+
+
+def test_no_future_warning_from_our_calls(warned):
+    """deepspeed.comm.all_gather_into_tensor would raise torch's deprecation FutureWarning; we avoid that API."""
+    backend, per_rank = warned
+    for rank, caught in enumerate(per_rank):
+        future = [w for w in caught if w["category"] == "FutureWarning"]
+        assert not future, f"{backend} rank {rank}: {future}"
+
+
+def test_fairscale_warning_once_per_job_at_the_callers_line(warned):
+    """fairscale's implicit initialisation is announced by rank 0 only, pointing at the user's call."""
+    backend, per_rank = warned
+    said = [[w for w in caught if "initialize_model_parallel" in w["message"]] for caught in per_rank]
+    if backend != "fairscale":
+        assert said == [[], []]
+        return
+    assert len(said[0]) == 1 and said[1] == [], said
+    assert said[0][0]["category"] == "RuntimeWarning"
+    assert said[0][0]["file"] == "test_backends.py", said  # the dilated_attention(...) line, not library code

@@ -145,9 +145,9 @@ def test_fairscale_runs_on_its_model_parallel_group(sp_results):
 def test_fairscale_initialises_model_parallel_once_and_says_so(sp_results):
     got = sp_results.get("fairscale-implicit-init", [])
     assert len(got) == 2
-    for r in got:
+    for r in got:  # the warning is said once per job: on rank 0
         assert not r.error, r.error
-        assert r.info == {"warnings": 1, "world": 2, "same_group": True, "mp_size": 2}
+        assert r.info == {"warnings": 1 if r.rank == 0 else 0, "world": 2, "same_group": True, "mp_size": 2}
 
 
 def test_deepspeed_zero2_sp2_dp2_matches_single_process(zero_results):

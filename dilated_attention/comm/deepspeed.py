@@ -15,7 +15,8 @@ Group, first match wins:
 up; with torch.distributed already initialised it only wraps the existing
 process group, so ``comm="deepspeed"`` works right after ``init_process_group``.
 P2P goes through ``deepspeed.comm.P2POp`` + ``batch_isend_irecv`` (global peer
-ranks; DeepSpeed >= 0.14 has both).
+ranks; DeepSpeed >= 0.14 has both); the all-gather through ``deepspeed.comm.all_gather``
+(list form: its ``all_gather_into_tensor`` calls an API torch >= 2.13 deprecates).
 """
 
 from __future__ import annotations
@@ -100,7 +101,11 @@ class DeepSpeedBackend(CommBackend):
         return ds.batch_isend_irecv(ops)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        return self._ds.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
+        # deepspeed.comm.all_gather_into_tensor calls torch.distributed.all_gather_into_tensor, which
+        # torch >= 2.13 deprecates (a FutureWarning per process, pointing into torch). The list form
+        # goes through deepspeed.comm as well and is not deprecated: the blocks are views of ``out``.
+        blocks = list(out.view(-1).split(inp.numel()))
+        return self._ds.all_gather(blocks, inp, group=self.group, async_op=True)
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor):
         return self._ds.all_to_all_single(out, inp, group=self.group, async_op=True)

@@ -9,12 +9,15 @@ primitives on that group. P2P peers are global ranks.
 
 If fairscale's model parallel is not initialised yet, it is initialised over the
 whole world (``initialize_model_parallel(world_size)``), which is a collective
-call: every rank must build the backend. An explicit ``group=`` overrides all of
-this (no fairscale state is touched then).
+call: every rank must build the backend; rank 0 then warns once (pointing at the
+caller's line). An explicit ``group=`` overrides all of this (no fairscale state is
+touched then).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import torch.distributed as dist
@@ -22,6 +25,17 @@ import torch.distributed as dist
 from .collective import CollectiveBackend
 
 _announced = False  # say once per process that we initialised fairscale ourselves
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../dilated_attention
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` in this module's caller that names the first frame
+    outside this package: the user's ``get_backend(...)``/``dilated_attention(..., comm=...)``
+    line, however many library frames lie between (``skip_file_prefixes`` needs Python 3.12)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _fairscale_mp():
@@ -42,13 +56,14 @@ def sequence_parallel_group() -> dist.ProcessGroup:
         _inherit_world_timeout(mp.get_model_parallel_group(), mp.get_data_parallel_group())
         if not _announced:
             _announced = True
-            warnings.warn(
-                f"comm='fairscale': fairscale model parallel was not initialised; initialised it with "
-                f"initialize_model_parallel({world}) (sequence parallel over all {world} ranks). "
-                "Call fairscale.nn.model_parallel.initialize.initialize_model_parallel(k) first to choose k.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            if dist.get_rank() == 0:  # every rank initialises; one message per job
+                warnings.warn(
+                    f"comm='fairscale': fairscale model parallel was not initialised; initialised it with "
+                    f"initialize_model_parallel({world}) (sequence parallel over all {world} ranks). "
+                    "Call fairscale.nn.model_parallel.initialize.initialize_model_parallel(k) first to choose k.",
+                    RuntimeWarning,
+                    stacklevel=_user_stacklevel(),
+                )
     return mp.get_model_parallel_group()
 
 
