@@ -13,6 +13,14 @@ gradients are summed over the ranks (``all_reduce_gradients``) before the
 optimizer step. The losses equal single-process training (``tests/test_hf.py``).
 Rank 0 prints the loss of every step and tokens/s. The data is learnable
 (arithmetic sequences), so the loss falls.
+
+``--packed``: padding-free training on documents of random lengths packed into
+one row of ``batch * seq_len`` tokens (what ``DataCollatorWithFlattening`` makes):
+``position_ids`` restart at each document and the document offsets go in as
+``cu_seq_lens_q``/``cu_seq_lens_k``; each document attends only to itself, its
+segments starting at its first token. Under torchrun each rank feeds its slice of
+the packed row and positions with the *global* offsets (a document may span
+ranks; the heads must divide over the ranks).
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernel", default="auto")
     p.add_argument("--attn", choices=["dilated", "sdpa"], default="dilated",
                    help="sdpa: transformers' dense causal attention, for comparison (one process only)")
+    p.add_argument("--packed", action="store_true",
+                   help="pack documents of random lengths (8 to seq-len tokens) into one row of batch * seq-len")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("steps", "batch", "seq_len", "vocab", "hidden", "layers", "heads", "kv_heads"):
@@ -70,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--attn {args.attn} runs on one process only (sequence parallelism needs dilated attention)")
     if args.seq_len % world:
         p.error(f"--seq-len ({args.seq_len}) must be divisible by the number of ranks ({world})")
+    if args.packed and world > 1 and (args.heads % world or args.kv_heads % world):
+        p.error(f"--packed with {world} ranks needs --heads ({args.heads}) and --kv-heads ({args.kv_heads}) "
+                f"divisible by the number of ranks (documents run head-parallel)")
     from dilated_attention.patterns import validate_patterns
 
     try:  # the patterns' own rules, checked before any process group exists
@@ -106,6 +119,30 @@ def make_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch
     return seq[:, :-1], seq[:, 1:]
 
 
+def make_packed_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """One packed row of ``batch * seq_len`` tokens, the same on every rank: ``(inputs, targets, position_ids)``
+    ``(1, batch * seq_len)`` and the int32 document offsets ``[0, ..., batch * seq_len]``.
+
+    Documents of 8 to ``seq_len`` tokens (the last one what is left), each an arithmetic sequence of its
+    own with positions from 0; a document's targets are its own next tokens.
+    """
+    g = torch.Generator().manual_seed(args.seed * 100003 + step)
+    total, lengths = args.batch * args.seq_len, []
+    while sum(lengths) < total:
+        lengths.append(min(int(torch.randint(min(8, args.seq_len), args.seq_len + 1, (1,), generator=g)),
+                           total - sum(lengths)))
+    inputs, targets = [], []
+    for n in lengths:
+        start, stride = torch.randint(0, args.vocab, (1,), generator=g), torch.randint(1, 8, (1,), generator=g)
+        seq = (start + stride * torch.arange(n + 1)) % args.vocab
+        inputs.append(seq[:-1])
+        targets.append(seq[1:])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    offsets = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    return torch.cat(inputs)[None], torch.cat(targets)[None], positions[None], offsets
+
+
 def train(args: argparse.Namespace, comm: CommBackend | None, device: torch.device,
           log=print, times: list[float] | None = None) -> list[float]:
     """``args.steps`` AdamW steps; returns the global mean loss of each step (the same on every rank).
@@ -121,13 +158,19 @@ def train(args: argparse.Namespace, comm: CommBackend | None, device: torch.devi
         positions = torch.arange(args.seq_len, device=device)[None]
     losses = []
     for step in range(args.steps):
-        inputs, targets = make_batch(args, step)
+        docs = {}
+        if args.packed:  # one row; documents found from the offsets (flash-attention's kwargs in transformers)
+            inputs, targets, positions, offsets = make_packed_batch(args, step)
+            docs = {"cu_seq_lens_q": offsets.to(device), "cu_seq_lens_k": offsets.to(device)}  # global offsets
+            positions = (shard_sequence(positions, comm) if comm is not None else positions).to(device)
+        else:
+            inputs, targets = make_batch(args, step)
         if comm is not None:  # this rank's tokens; the targets were shifted before sharding
             inputs, targets = shard_sequence(inputs, comm), shard_sequence(targets, comm)
         inputs, targets = inputs.to(device), targets.to(device)
         t0 = time.perf_counter()
         with autocast:
-            logits = model(input_ids=inputs, position_ids=positions).logits
+            logits = model(input_ids=inputs, position_ids=positions, **docs).logits
         # this rank's share of the mean over all batch * seq_len tokens
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
         loss = loss / (args.batch * args.seq_len)
@@ -154,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     comm = get_backend("collective") if env.world_size > 1 else None
     say = print if env.is_main else (lambda *a, **k: None)
     say(f"[hf_llama] ranks={env.world_size} device={env.device.type} seq_len={args.seq_len} "
-        f"(local {args.seq_len // env.world_size}) segments={args.segments} rates={args.rates} dtype={args.dtype}",
+        f"(local {args.seq_len // env.world_size}) segments={args.segments} rates={args.rates} dtype={args.dtype}"
+        f"{' packed' if args.packed else ''}",
         flush=True)
     times: list[float] = []
     losses = train(args, comm, env.device, log=lambda msg: say(msg, flush=True), times=times)

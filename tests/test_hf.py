@@ -4,16 +4,19 @@
   same model with transformers' sdpa causal attention, logits and every parameter
   gradient, in float64; the registered function equals the fp64 oracle on real patterns;
   what cannot be honoured raises;
+* packed documents (position_ids restarting, ``DataCollatorWithFlattening``, its
+  ``cu_seq_lens_q/k``) equal each document alone, and sdpa with one full pattern;
+  left and right padding equal sdpa on the real tokens;
 * one 2-rank gloo spawn: sequence-parallel logits and summed gradients equal the
-  single-process ones, and ``examples/hf_llama_train.py``'s training losses equal
-  single-process training step for step.
+  single-process ones (packed documents with their global offsets too; without
+  them every rank raises), and ``examples/hf_llama_train.py``'s training losses
+  equal single-process training step for step (``--packed`` too).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
-import inspect
 import os
 
 import pytest
@@ -21,7 +24,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.integrations.huggingface import register_dilated_attention  # noqa: E402
 from dilated_attention.testing.compare import FLOOR, rel_err  # noqa: E402
 from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
@@ -51,10 +53,11 @@ def _models(family: str, impl: str, seed: int = 0):
     return eager.double(), other.double()
 
 
-def _logits_and_grads(model, ids, **kwargs):
+def _logits_and_grads(model, ids, weight=None, **kwargs):
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, **kwargs).logits
-    weight = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5), dtype=logits.dtype)
+    if weight is None:
+        weight = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5), dtype=logits.dtype)
     (logits * weight).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -105,29 +108,126 @@ def test_attention_function_equals_oracle(causal):
         assert rel_err(a, b) <= TOL
 
 
-@pytest.mark.skipif("key_padding_mask" not in inspect.signature(dilated_attention).parameters,
-                    reason="dilated_attention has no key_padding_mask yet")
-def test_padding_mask_equals_sdpa_on_real_tokens():
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_equals_sdpa_on_real_tokens(side):
     name = register_dilated_attention([N], [1], name="test-dilated-full")
     eager, dilated = _models("llama", name)
     ids = torch.randint(0, 64, (2, N), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, N, dtype=torch.long)
-    mask[1, :5] = 0  # left padding: later queries would see these keys without the mask
+    if side == "left":
+        mask[1, :5] = 0  # later queries would see these keys without the mask
+    else:
+        mask[1, -7:] = 0
     want = eager(input_ids=ids, attention_mask=mask).logits
     got = dilated(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     assert rel_err(got[real], want[real]) <= TOL
+    if side == "right":  # right padding changes nothing before it: the row alone, real patterns included
+        sparse = register_dilated_attention([8, 16], [1, 2], name="test-dilated-sparse")
+        dilated.set_attn_implementation(sparse)
+        alone = dilated(input_ids=ids[1:, :-7]).logits
+        assert rel_err(dilated(input_ids=ids, attention_mask=mask).logits[1, :-7], alone[0]) <= TOL
+
+
+# -- packed documents (padding-free batches) --------------------------------------------------------
+
+DOCS = (13, 24, 11)  # none a multiple of the segments: each document is padded internally on its own
+
+
+def _documents(seed: int = 6) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (1, n), generator=g) for n in DOCS]
+
+
+def _packed(docs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids)`` of the documents packed into one row (positions restart at 0)."""
+    return torch.cat(docs, 1), torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
+
+
+def test_packed_documents_equal_each_document_alone():
+    """Documents found from position_ids: logits and parameter gradients equal separate runs (real patterns)."""
+    name = register_dilated_attention([8, 16], [1, 2], name="test-dilated-sparse")
+    _, dilated = _models("llama", name)
+    docs = _documents()
+    ids, positions = _packed(docs)
+    g = torch.Generator().manual_seed(5)
+    weights = [torch.randn(1, d.shape[1], 64, generator=g, dtype=torch.float64) for d in docs]
+    dilated.zero_grad(set_to_none=True)
+    want = []
+    for d, w in zip(docs, weights):
+        logits = dilated(input_ids=d).logits
+        (logits * w).sum().backward()
+        want.append(logits.detach())
+    want_grads = {n: p.grad.clone() for n, p in dilated.named_parameters()}
+    got, got_grads = _logits_and_grads(dilated, ids, weight=torch.cat(weights, 1), position_ids=positions)
+    assert rel_err(got, torch.cat(want, 1)) <= TOL
+    for n, grad in want_grads.items():
+        assert rel_err(got_grads[n], grad) <= TOL, n
+
+
+def test_packed_documents_full_pattern_equals_sdpa():
+    """One full pattern: the packed row equals sdpa on each document alone, and sdpa on the packed row."""
+    name = register_dilated_attention([sum(DOCS)], [1], name="test-dilated-packed-full")
+    eager, dilated = _models("qwen2", name)
+    docs = _documents()
+    ids, positions = _packed(docs)
+    got = dilated(input_ids=ids, position_ids=positions).logits
+    assert rel_err(got, torch.cat([eager(input_ids=d).logits for d in docs], 1)) <= TOL
+    assert rel_err(got, eager(input_ids=ids, position_ids=positions).logits) <= TOL
+    # rows of a larger batch are documents too (transformers' masks find documents in every row)
+    two = torch.cat([ids[:, :24], ids[:, 24:]]), torch.cat([positions[:, :24], positions[:, 24:]])
+    two_rows = dilated(input_ids=two[0], position_ids=two[1]).logits
+    assert rel_err(two_rows, eager(input_ids=two[0], position_ids=two[1]).logits) <= TOL
+
+
+@pytest.mark.skipif(not hasattr(transformers, "DataCollatorWithFlattening"), reason="no DataCollatorWithFlattening")
+@pytest.mark.parametrize("flash_kwargs", [True, False])
+def test_data_collator_with_flattening(flash_kwargs):
+    """The padding-free collator's batch as it comes (positions, and cu_seq_lens_q/k when asked): loss and logits
+    equal each document alone."""
+    name = register_dilated_attention([8, 16], [1, 2], name="test-dilated-sparse")
+    _, dilated = _models("llama", name)
+    docs = _documents()
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = collator([{"input_ids": d[0].tolist()} for d in docs])
+    assert ("cu_seq_lens_q" in batch) == flash_kwargs
+    out = dilated(**batch)
+    alone = [dilated(input_ids=d, labels=d) for d in docs]
+    assert rel_err(out.logits, torch.cat([a.logits for a in alone], 1)) <= TOL
+    tokens = [d.shape[1] - 1 for d in docs]  # predicted tokens per document (the collator masks each first label)
+    want_loss = sum(a.loss * t for a, t in zip(alone, tokens)) / sum(tokens)
+    assert abs(out.loss.item() - want_loss.item()) <= 1e-12
+
+
+def test_attention_function_takes_collator_offsets():
+    """cu_seq_lens_q/k (flash-attention's kwargs) are used as given, whatever position_ids say; rows flatten."""
+    from transformers import AttentionInterface
+
+    segs, rates = [8, 16], [1, 2]
+    name = register_dilated_attention(segs, rates, name="test-dilated-fn")
+    fn = AttentionInterface()[name]
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 24, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 24, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 10, 30, 48], dtype=torch.int32)  # offsets into the flattened 2 x 24 tokens
+    out, _ = fn(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(),
+                position_ids=torch.arange(24)[None])
+    flat = [t.transpose(1, 2).reshape(1, 48, t.shape[1], 8) for t in (q, k, v)]
+    want = torch.cat([fn(module, *(t[:, a:b].transpose(1, 2) for t in flat), None)[0]
+                      for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], 1)
+    assert rel_err(out.reshape(1, 48, 4, 8), want) <= TOL
+    with pytest.raises(ValueError, match="cu_seq_lens_q must equal cu_seq_lens_k"):
+        fn(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 48], dtype=torch.int32))
 
 
 def test_unsupported_features_raise():
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function, or_masks
+    from transformers.masking_utils import sliding_window_causal_mask_function
 
     name = register_dilated_attention([N], [1], name="test-dilated-full")
-    _, dilated = _models("llama", name)
-    ids = torch.randint(0, 64, (1, N), generator=torch.Generator().manual_seed(4))
-    packed = torch.cat([torch.arange(N // 2), torch.arange(N // 2)])[None]
-    with pytest.raises(ValueError, match="packed sequences"):
-        dilated(input_ids=ids, position_ids=packed)
     fn = AttentionInterface()[name]
     module = torch.nn.Module()
     q = torch.randn(1, 4, N, 8)
@@ -139,6 +239,12 @@ def test_unsupported_features_raise():
         fn(module, q, q, q, torch.zeros(1, 1, N, N))
     with pytest.raises(ValueError, match="sliding-window"):
         fn(module, q, q, q, None, sliding_window=8)
+    mask_fn = AttentionMaskInterface()[name]
+    assert mask_fn(1, N, N, mask_function=causal_mask_function) is None
+    for other in (sliding_window_causal_mask_function(8), chunked_causal_mask_function(8, torch.zeros(1)),
+                  or_masks(causal_mask_function, lambda b, h, i, j: i == j)):
+        with pytest.raises(ValueError, match="sliding-window or chunked attention, or a custom mask overlay"):
+            mask_fn(1, N, N, mask_function=other)
     with pytest.raises(TypeError, match=r"unsupported keyword\(s\) \['causal'\]"):
         register_dilated_attention([N], [1], name="test-bad", causal=True)
     with pytest.raises(ValueError, match="name must be a new attention implementation name"):
@@ -187,9 +293,43 @@ def _sp_worker(rank: int, world_size: int) -> dict:
     except ValueError as exc:
         res["local_positions"] = str(exc)
 
-    # the example's training loop: sequence parallel == single process, step for step
+    # left padding in rank 0's shard only: every rank still passes a mask (the ranks must agree on masking)
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        got = gather_sequence(sp(input_ids=shard_sequence(ids, comm), attention_mask=shard_sequence(mask, comm),
+                                 position_ids=shard_positions(args.seq_len, comm)[None]).logits, comm)
+    res["padded_err"] = rel_err(got[mask.bool()], want[mask.bool()])
+
+    # packed documents (one row, global offsets, a document across the shard boundary): logits and gradients
+    pids, _, ppos, offsets = example.make_packed_batch(args, 1)  # 2 x 64 tokens
+    assert offsets.numel() > 3 and not (offsets == pids.shape[1] // 2).any()
+    pweight = torch.randn((*pids.shape, args.vocab), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    want, want_grads = _logits_and_grads(ref, pids, weight=pweight, position_ids=ppos)
+    sp.zero_grad(set_to_none=True)
+    logits = sp(input_ids=shard_sequence(pids, comm), position_ids=shard_sequence(ppos, comm),
+                cu_seq_lens_q=offsets, cu_seq_lens_k=offsets).logits
+    (logits * shard_sequence(pweight, comm)).sum().backward()
+    all_reduce_gradients(sp, comm)
+    res["packed_logits_err"] = rel_err(gather_sequence(logits, comm), want)
+    res["packed_grad_err"] = max(rel_err(p.grad, want_grads[n]) for n, p in sp.named_parameters())
+
+    # packed without the global offsets: every rank raises (a restart inside a shard; a document starting at one)
+    for case, positions in (("inside", ppos), ("boundary", torch.arange(64).repeat(2)[None])):
+        try:
+            sp(input_ids=shard_sequence(pids, comm), position_ids=shard_sequence(positions, comm))
+            res[f"packed_{case}"] = "no error"
+        except ValueError as exc:
+            res[f"packed_{case}"] = str(exc)
+
+    # the example's training loop: sequence parallel == single process, step for step (packed too)
     res["reference"] = example.train(args, None, cpu, log=quiet)
     res["losses"] = example.train(args, comm, cpu, log=quiet)
+    packed = example.parse_args(["--steps", "3", "--seq-len", "64", "--segments", "16,64", "--rates", "1,2",
+                                 "--packed"])
+    res["packed_reference"] = example.train(packed, None, cpu, log=quiet)
+    res["packed_losses"] = example.train(packed, comm, cpu, log=quiet)
     return res
 
 
@@ -209,8 +349,28 @@ def test_sequence_parallel_rejects_local_positions_on_every_rank(sp_results):
         assert "rank(s) [1] got position_ids starting at 0" in res["local_positions"]
 
 
-def test_example_trains_sequence_parallel_like_single_process(sp_results):
+def test_sequence_parallel_padding_equals_single_process(sp_results):
     for res in sp_results:
-        ref, got = res["reference"], res["losses"]
+        assert res["padded_err"] <= TOL
+
+
+def test_sequence_parallel_packed_documents_equal_single_process(sp_results):
+    for res in sp_results:
+        assert res["packed_logits_err"] <= TOL
+        assert res["packed_grad_err"] <= 1e-9
+
+
+def test_sequence_parallel_packed_without_offsets_raises_on_every_rank(sp_results):
+    for res in sp_results:
+        assert "position_ids restart (packed documents) inside the shard(s) of rank(s)" in res["packed_inside"]
+        assert "cu_seq_lens_q=cu_seq_lens_k=" in res["packed_inside"]
+        assert "rank(s) [1] got position_ids starting at 0" in res["packed_boundary"]
+        assert "If packed documents start there" in res["packed_boundary"]
+
+
+@pytest.mark.parametrize("mode", ["", "packed_"])
+def test_example_trains_sequence_parallel_like_single_process(sp_results, mode):
+    for res in sp_results:
+        ref, got = res[f"{mode}reference"], res[f"{mode}losses"]
         assert len(got) == 3 and ref[-1] < ref[0], ref  # it trains
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, ref)), (got, ref)

@@ -14,24 +14,53 @@ Every model whose attention layers go through transformers' ``AttentionInterface
 ``dilated_attention`` with the registered patterns in each layer: the model's
 own ``scaling`` and causal flag, its GQA heads as they are (no ``repeat_kv``).
 
+Padding: a 2D ``attention_mask`` (1 = token, 0 = padding; left or right) becomes
+``key_padding_mask``; padded rows' outputs are whatever the model makes of a
+zero attention output (ignore them, as for every implementation). With ``comm``
+each rank passes its shard of the mask (``shard_sequence(mask, comm)``), kept
+even where that shard has no padding so that the ranks agree on the call.
+
+Packed documents (padding-free training, transformers' ``DataCollatorWithFlattening``):
+the documents of a row are found as flash-attention does in transformers, and
+each runs alone (``dilated_attention(..., cu_seqlens=...)``: segments restart at
+its first token, nothing attends across a boundary):
+
+* ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keyword arguments of the model call
+  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``; offsets into
+  the flattened ``batch * seq_len`` tokens) are used as they are, else
+* without a padding ``attention_mask``, a document starts wherever ``position_ids``
+  do not continue (``position_ids[t] != position_ids[t - 1] + 1``: the rule of
+  transformers' packed-sequence masks, so the result equals its ``sdpa`` run on
+  each document alone). Rows of a batch larger than one are documents too.
+
 Sequence parallel: register with ``comm=`` (a backend name or object); every rank
 of the group feeds its shard of the sequence and the shard's *global* positions,
 ``model(input_ids=shard_sequence(ids, comm), position_ids=shard_positions(N, comm)[None])``,
 then sums parameter gradients over the group (``all_reduce_gradients``) before
 the optimizer step. Logits, loss and gradients equal single-device training.
+Packed documents under sequence parallelism: one row (batch 1), each rank feeds
+its slice of the packed ``position_ids`` (``shard_sequence(position_ids, comm)``)
+*and* the global document offsets, the same on every rank, as
+``cu_seq_lens_q=cu_seq_lens_k=cu`` (int32, ``[0, ..., N]``): a shard cannot see
+where the documents of the others start. Without them, the ranks check their
+positions together (one small all-gather per new ``position_ids`` tensor) and
+all raise a ``ValueError`` saying so when the positions restart anywhere in the
+global sequence, or when a shard past the first starts at position 0 (local
+positions fed by mistake). Documents need the whole sequence on every rank
+(``dilated_attention``'s ``"head"`` strategy: the heads divide over the ranks).
 
 What the attention cannot do raises a ``ValueError`` naming it: attention-weight
 dropout (``config.attention_dropout`` must be 0), a KV cache that makes the key
 length differ from the query length (generation: pass ``use_cache=False`` for
-training and prefill), 4D or custom masks, packed sequences detected from
-``position_ids``, sliding-window / soft-capping / sink attention. A 2D padding
-``attention_mask`` becomes ``key_padding_mask``.
+training and prefill), 4D or custom masks, sliding-window / chunked / soft-capping
+/ sink attention, ``cu_seq_lens_q != cu_seq_lens_k``.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -46,6 +75,74 @@ _SET_PER_CALL = {"q", "k", "v", "segment_lengths", "dilation_rates", "causal", "
 # Keyword arguments transformers passes for features a dilated pattern cannot express (None = not in use).
 _UNSUPPORTED = {"sliding_window": "sliding-window attention", "softcap": "attention logit soft-capping",
                 "s_aux": "attention sinks"}
+_HASH_MOD = (1 << 61) - 1  # positions of a batch's rows in one int64 (exact for one row)
+_HASH_BASE = 1_000_003
+
+
+class _PerTensor:
+    """One cached result per ``position_ids`` tensor (the model passes the same tensor to every layer):
+    the host reads (and, with ``comm``, the gather) happen once per forward, not once per layer."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[weakref.ref, int, tuple, Any] | None = None
+
+    def get(self, t: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
+        entry = self._entry
+        if entry is not None and entry[0]() is t and entry[1] == t._version and entry[2] == key:
+            return entry[3]
+        value = compute()
+        self._entry = (weakref.ref(t), t._version, key, value)
+        return value
+
+
+def _as_rows(position_ids: Any, bsz: int, n: int) -> torch.Tensor | None:
+    """``position_ids`` as ``(bsz, n)``, or ``None`` when absent or shaped otherwise (e.g. multimodal RoPE)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point():
+        return None
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[1] != n or position_ids.shape[0] not in (1, bsz):
+        return None
+    return position_ids.expand(bsz, n)
+
+
+def _breaks(rows: torch.Tensor) -> torch.Tensor:
+    """``(B, N)`` bool: where the positions do not continue the previous token's (a document starts)."""
+    out = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+    out[:, 1:] = rows[:, 1:] != rows[:, :-1] + 1
+    return out
+
+
+def _offsets_from_positions(rows: torch.Tensor) -> torch.Tensor | None:
+    """int32 document offsets (host) of the flattened ``(B, N)`` rows, or ``None`` when every row is one document."""
+    starts = _breaks(rows)
+    starts[:, 0] = True
+    flat = starts.flatten().nonzero().flatten().cpu()
+    if flat.numel() == rows.shape[0]:
+        return None
+    return torch.cat([flat, torch.tensor([rows.numel()])]).to(torch.int32)
+
+
+def _given_offsets(kwargs: dict) -> torch.Tensor | None:
+    """The collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (flash-attention kwargs) as one int32 host tensor."""
+    given = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k")]
+    given = [torch.as_tensor(t).flatten() for t in given if t is not None]
+    if not given:
+        return None
+    if len(given) == 2 and given[0] is not given[1] and not torch.equal(given[0].cpu(), given[1].cpu()):
+        raise ValueError("dilated attention is self-attention over one sequence: cu_seq_lens_q must equal "
+                         f"cu_seq_lens_k, got {given[0].tolist()} and {given[1].tolist()}")
+    offsets = given[0]
+    if offsets.is_floating_point():
+        raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k must be integer document offsets, got {offsets.dtype}")
+    return offsets.to("cpu", torch.int32)  # read on the host by every call: copied once
+
+
+def _row_hash(values: list[int]) -> int:
+    h = 0
+    for x in reversed(values):
+        h = (h * _HASH_BASE + x % _HASH_MOD) % _HASH_MOD
+    return h
 
 
 class DilatedAttentionForTransformers:
@@ -62,7 +159,8 @@ class DilatedAttentionForTransformers:
         self.dilation_rates = list(dilation_rates)
         self.comm = comm
         self.options = options
-        self._positions_checked = comm is None
+        self._per_positions = _PerTensor()
+        self._per_offsets = _PerTensor()
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
@@ -77,59 +175,160 @@ class DilatedAttentionForTransformers:
             raise ValueError(
                 f"dilated attention needs the whole sequence in every call: query length {query.shape[2]} != "
                 f"key length {key.shape[2]} (a KV cache during generation); pass use_cache=False")
-        extra: dict[str, Any] = {}
+        key_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(f"dilated attention takes only a 2D padding attention_mask (B, N), got shape "
                                  f"{tuple(attention_mask.shape)}")
-            extra["key_padding_mask"] = ~attention_mask.bool()  # transformers: True = attend; ours: True = pad
-        if not self._positions_checked:
-            self._check_positions(kwargs.get("position_ids"), query)
+            key_mask = ~attention_mask.bool()  # transformers: True = attend; ours: True = pad
+        bsz, n = query.shape[0], query.shape[2]
+        cu_seqlens = self._documents(kwargs, bsz, n, padded=key_mask is not None, like=query)
         causal = kwargs.get("is_causal")
         if causal is None:
             causal = getattr(module, "is_causal", True)  # transformers' own rule (see its sdpa_attention_forward)
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if cu_seqlens is not None and bsz > 1:  # documents of every row as one packed row (offsets: flattened)
+            q, k, v = (t.reshape(1, bsz * n, *t.shape[2:]) for t in (q, k, v))
+            key_mask = None if key_mask is None else key_mask.reshape(1, bsz * n)
         out = dilated_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-            self.segment_lengths, self.dilation_rates, causal=causal, softmax_scale=scaling, comm=self.comm,
-            **extra, **self.options,
+            q, k, v, self.segment_lengths, self.dilation_rates, causal=causal, softmax_scale=scaling,
+            key_padding_mask=key_mask, cu_seqlens=cu_seqlens, comm=self.comm, **self.options,
         )
-        return out, None
+        return out.reshape(bsz, n, *out.shape[2:]), None
 
-    def _check_positions(self, position_ids: torch.Tensor | None, like: torch.Tensor) -> None:
-        """First call with ``comm``: catch a shard fed local positions ``0..L-1`` (wrong RoPE, silently).
+    def _documents(self, kwargs: dict, bsz: int, n: int, padded: bool, like: torch.Tensor) -> torch.Tensor | None:
+        """``cu_seqlens`` for this call (``None``: every row is one sequence); with ``comm``, the positions check."""
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if isinstance(cu_q, torch.Tensor):
+            given = self._per_offsets.get(cu_q, ("offsets", id(cu_k), getattr(cu_k, "_version", None)),
+                                          lambda: _given_offsets(kwargs))
+        else:
+            given = _given_offsets(kwargs)
+        positions = kwargs.get("position_ids")
+        rows = _as_rows(positions, bsz, n)
+        if self.comm is None:
+            if given is not None:
+                return given
+            if rows is None or padded:  # transformers' masks look for packed documents only without padding
+                return None
+            return self._per_positions.get(positions, ("docs", bsz, n), lambda: _offsets_from_positions(rows))
+        world = self.comm.world_size
+        if given is not None:  # the global offsets (the same on every rank): trusted, nothing gathered
+            if bsz != 1:
+                raise ValueError(f"packed documents with sequence parallelism need one packed row (batch size 1), "
+                                 f"got batch size {bsz}")
+            if given.numel() < 2 or int(given[-1]) != n * world:
+                raise ValueError(
+                    f"sequence parallel: cu_seq_lens_q/cu_seq_lens_k must be the global document offsets of the "
+                    f"whole packed sequence ({world} shards of {n} = {n * world} tokens, the same on every rank), "
+                    f"got offsets ending at {int(given[-1]) if given.numel() else None}")
+            return given
+        if rows is None:
+            return None
+        self._per_positions.get(positions, ("shards", bsz, n, padded), lambda: self._check_shards(rows, padded, like))
+        return None
 
-        The verdict is gathered so that every rank raises together (none is left waiting in the ring).
+    def _check_shards(self, rows: torch.Tensor, padded: bool, like: torch.Tensor) -> None:
+        """Sequence parallel without document offsets: the shards' positions must continue each other.
+
+        Every rank gathers a summary of every shard (batch size, restarts inside, first and last
+        positions) and raises the same verdict, so none is left waiting in the next exchange:
+        a shard past the first fed local positions ``0..L-1`` (wrong RoPE, silently), or packed
+        documents, which need the global offsets.
         """
         backend = self.comm
-        local = (backend.rank > 0 and position_ids is not None
-                 and bool((position_ids[..., 0] == 0).all()))
-        flags = backend.all_gather(torch.tensor([int(local)], device=backend.collective_device(like)))
-        self._positions_checked = True
-        if flags.any():
-            ranks = [r for r, f in enumerate(flags.flatten().tolist()) if f]
+        first, last = rows[:, 0].tolist(), rows[:, -1].tolist()
+        inside = bool(_breaks(rows).any()) if rows.shape[1] > 1 else False
+        mine = [rows.shape[0], int(inside), int(all(x == 0 for x in first)),
+                _row_hash(first), _row_hash([x + 1 for x in last])]
+        table = backend.all_gather(torch.tensor(mine, dtype=torch.int64, device=backend.collective_device(like)),
+                                   "position_ids check of the shards").cpu().tolist()
+        if len({row[0] for row in table}) != 1:
+            raise ValueError(f"sequence parallel: the ranks' batch sizes differ ({[row[0] for row in table]})")
+        crossed = [r for r in range(1, len(table)) if table[r][3] != table[r - 1][4]]  # position breaks at a shard
+        local = [r for r in crossed if table[r][2]]
+        if local:
             raise ValueError(
-                f"sequence parallel: rank(s) {ranks} got position_ids starting at 0, but their shards start "
+                f"sequence parallel: rank(s) {local} got position_ids starting at 0, but their shards start "
                 "further into the sequence; pass position_ids=shard_positions(seq_len, comm)[None] "
-                "(dilated_attention.distributed)")
+                "(dilated_attention.distributed). If packed documents start there, pass their global offsets as "
+                "cu_seq_lens_q=cu_seq_lens_k=<int32 [0, ..., seq_len], the same on every rank> to the model call")
+        inside_ranks = [r for r, row in enumerate(table) if row[1]]
+        if (inside_ranks or crossed) and not padded:
+            raise ValueError(
+                f"sequence parallel: position_ids restart (packed documents) inside the shard(s) of rank(s) "
+                f"{inside_ranks} and at the start of rank(s) {crossed}, but each rank sees only its shard: pass the "
+                "global document offsets of the packed row, the same on every rank, as "
+                "cu_seq_lens_q=cu_seq_lens_k=<int32 [0, ..., seq_len]> to the model call (e.g. from "
+                "DataCollatorWithFlattening(return_flash_attn_kwargs=True) on the whole batch), with each rank's "
+                "slice of the packed position_ids (shard_sequence(position_ids, comm))")
 
 
-def _padding_only_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                       mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-    """The mask transformers builds for this attention: ``None``, or the 2D padding mask when there is padding.
+_PACKED_CODES: tuple | None = None
 
-    The causal structure comes from the ``causal`` flag; any other structure
-    (packed sequences, sliding windows, chunks, overlays) changes ``mask_function``
-    and cannot be honoured, so it raises instead of being dropped silently.
-    """
-    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, flash_attention_mask
 
-    if mask_function is not None and mask_function not in (causal_mask_function, bidirectional_mask_function):
-        raise ValueError(
-            "dilated attention can apply only causal or full attention plus a 2D padding mask; this model call "
-            "asks for more (packed sequences detected from position_ids, sliding-window or chunked attention, "
-            "or a custom mask overlay)")
-    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
-                                attention_mask=attention_mask)
+def _cells(fn: Callable) -> dict[str, Any]:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return {}
+    try:
+        return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+    except ValueError:  # an empty cell
+        return {}
+
+
+def _packed_base(mask_function: Callable) -> Callable | None:
+    """The mask function under transformers' packed-sequence wrapper
+    (``packed_sequence_compatibility_function``), or ``None`` when ``mask_function`` is not that wrapper."""
+    global _PACKED_CODES
+    if _PACKED_CODES is None:
+        try:
+            from transformers.masking_utils import causal_mask_function, packed_sequence_compatibility_function
+        except ImportError:
+            _PACKED_CODES = ()
+        else:
+            probe = packed_sequence_compatibility_function(causal_mask_function, torch.zeros(1, 1, dtype=torch.long),
+                                                           torch.zeros(1, 1, dtype=torch.long))
+            parts = _cells(probe).get("mask_functions")
+            if isinstance(parts, tuple):
+                _PACKED_CODES = (probe.__code__, tuple(p.__code__ for p in parts))
+            else:
+                _PACKED_CODES = ()
+    if not _PACKED_CODES or getattr(mask_function, "__code__", None) is not _PACKED_CODES[0]:
+        return None
+    parts = _cells(mask_function).get("mask_functions")
+    if not isinstance(parts, tuple) or tuple(getattr(p, "__code__", None) for p in parts) != _PACKED_CODES[1]:
+        return None
+    bases = [b for b in (_cells(p).get("mask_function") for p in parts) if b is not None]
+    return bases[0] if len(bases) == 1 else None
+
+
+def _mask_interface(comm: CommBackend | None) -> Callable:
+    def padding_only_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                          mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+        """The mask transformers builds for this attention: ``None``, or the 2D padding mask.
+
+        The causal structure comes from the ``causal`` flag and packed documents from the
+        positions (see the attention); any other structure (sliding windows, chunks, overlays)
+        changes ``mask_function`` and cannot be honoured, so it raises instead of being dropped
+        silently. With ``comm`` a given mask is kept even without padding, so that every rank
+        passes one (the ranks must agree on whether a call is masked).
+        """
+        from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+        base = _packed_base(mask_function) or mask_function
+        if base is not None and base not in (causal_mask_function, bidirectional_mask_function):
+            raise ValueError(
+                "dilated attention can apply only causal or full attention, a 2D padding mask and packed documents; "
+                "this model call asks for more (sliding-window or chunked attention, or a custom mask overlay)")
+        if attention_mask is None:
+            return None
+        attention_mask = attention_mask[:, -kv_length:]
+        if comm is None and attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+            return None
+        return attention_mask
+
+    return padding_only_mask
 
 
 def register_dilated_attention(
@@ -163,9 +362,10 @@ def register_dilated_attention(
     if unknown:
         raise TypeError(f"register_dilated_attention got unsupported keyword(s) {unknown}; "
                         f"accepted: {sorted(accepted)} (causal, scale and masks come from the model)")
-    fn = DilatedAttentionForTransformers(lengths, rates, resolve_comm(comm), options)
+    backend = resolve_comm(comm)
+    fn = DilatedAttentionForTransformers(lengths, rates, backend, options)
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, _padding_only_mask)
+    AttentionMaskInterface.register(name, _mask_interface(backend))
     return name
 
 
