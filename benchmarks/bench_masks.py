@@ -93,8 +93,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.seq, args.heads, args.dim, args.docs = 256, 2, 16, 4
-        args.segments, args.rates, args.warmup, args.reps, args.kernel = "16,32,64", "1,2,4", 0, 1, "fused"
+        args.seq, args.heads, args.dim, args.docs = 128, 1, 16, 2
+        args.segments, args.rates, args.warmup, args.reps, args.kernel = "16,32", "1,2", 0, 1, "fused"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     segs, rates = [int(x) for x in args.segments.split(",")], [int(x) for x in args.rates.split(",")]

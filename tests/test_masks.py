@@ -6,8 +6,13 @@ patterns and a key mask; the head strategy with documents that span ranks and pa
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the fused kernel (the benchmark smoke) in Triton's interpreter
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's import, as tests/test_fused.py does
 
 from dilated_attention import dilated_attention
 from dilated_attention.testing.compare import LAYOUTS, as_layout, assert_within_rule, rel_err
@@ -267,6 +272,7 @@ def test_ring_strategy_refuses_cu_seqlens_on_every_rank():
 def test_mask_benchmark_smoke(tmp_path):
     import os
     import sys
+
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import bench_masks
