@@ -5,6 +5,11 @@ size ``A``: an all-to-all inside teams of ``A`` consecutive ranks swaps sequence
 (``head_parallel.py``), then every pattern runs locally or as a ring across teams
 (``ring.py``), then a second all-to-all swaps back. ``"ring"`` is ``A = 1``, ``"head"``
 is ``A = P`` (no ring at all), ``"hybrid"`` is in between.
+
+One code path, one autograd boundary: ``_schedule`` validates and plans (no data), ``_prepare``
+adds the cross-rank agreement, ``_forward`` computes and returns what ``_backward`` needs.
+Eager calls wrap the pair in ``_Attention`` (an ``autograd.Function`` that ``torch.func``
+transforms); under ``torch.compile`` the same pair runs inside ``custom_ops.py``'s ops.
 """
 
 from __future__ import annotations
@@ -17,16 +22,19 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch._functorch.utils import unwrap_dead_wrappers
 
 from .comm import CommBackend, resolve_comm
 from .consistency import agree, call_signature
 from .diagnostics import debug as _debug
 from .diagnostics.guard import guard_kernel
-from .head_parallel import HeadSplit, HeadsToSequence, SequenceToHeads
+from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_sequence_backward, sequence_to_heads,
+                            sequence_to_heads_backward)
 from .kernels.base import BlockKernel, PatternKernel
 from .kernels.dispatch import select_kernel
+from .merge import accum_dtype
 from .patterns import PatternPlan, hybrid_team_size, padded_length, plan_patterns
-from .ring import RingDilatedAttention, RingLayout
+from .ring import RingCall, RingLayout, ring_backward, ring_forward
 
 STRATEGIES = ("auto", "ring", "head", "hybrid")
 
@@ -55,11 +63,15 @@ def _check_tensors(q, k, v) -> None:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
 
 
+def _check_scale_type(softmax_scale) -> None:
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+
+
 def _check_scale(softmax_scale, dim: int, dtype: torch.dtype) -> float:
+    _check_scale_type(softmax_scale)
     if softmax_scale is None:
         return dim**-0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
     # Scores are computed in fp32 below float64: a scale that is inf or 0 there would give NaN or
@@ -116,8 +128,9 @@ def _brief(values: Sequence[int]) -> str:
     return str(list(values)) if len(values) <= 8 else f"[{', '.join(map(str, values[:4]))}, ..., {values[-1]}]"
 
 
-def _check_cu_seqlens(cu_seqlens, q: torch.Tensor, total: int) -> tuple[int, ...] | None:
-    """Document offsets as host ints (read once: the schedule depends on them)."""
+def _check_cu_seqlens(cu_seqlens, q: torch.Tensor, total: int, read: bool = True) -> tuple[int, ...] | None:
+    """Document offsets as host ints (read once: the schedule depends on them); ``read=False`` checks
+    only what shapes say (planning for shapes under ``torch.compile``: the values are data there)."""
     if cu_seqlens is None:
         return None
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -128,6 +141,8 @@ def _check_cu_seqlens(cu_seqlens, q: torch.Tensor, total: int) -> tuple[int, ...
     if q.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs the packed documents as one batch row (1, total, H, D), got batch "
                          f"size {q.shape[0]}")
+    if not read:
+        return None
     offsets = tuple(int(x) for x in cu_seqlens.tolist())
     if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the total length {total}, got "
@@ -161,35 +176,95 @@ def _whole_batches(segment_lengths, dilation_rates, n: int, docs, pad: bool, pla
     return tuple(_Batch(length, tuple(spans), plan(length)) for length, spans in sorted(groups.items()))
 
 
-def _attend_whole(q, k, v, key_mask, batches: tuple[_Batch, ...], kernel, causal: bool, scale: float):
-    """Single-device semantics on a whole sequence, with internal padding and packed documents.
+def _rows(x: torch.Tensor, batch: _Batch, fill: float = 0.0) -> torch.Tensor:
+    """``x`` ``(B, N, ...)`` laid out as ``batch`` runs: padded to its length, and with documents one
+    batch row group per span (span-major: span ``i`` is rows ``[i B, (i + 1) B)``)."""
+    pad = (0, 0) * (x.dim() - 2)
+    if batch.spans is None:
+        grow = batch.length - x.shape[1]
+        return x if grow == 0 else F.pad(x, pad + (0, grow), value=fill)
+    return torch.cat([F.pad(x[:, a:b], pad + (0, batch.length - (b - a)), value=fill) for a, b in batch.spans])
+
+
+def _unrows(parts: list[torch.Tensor], batches: tuple[_Batch, ...], n: int, bsz: int,
+            copy: bool = False) -> torch.Tensor:
+    """The inverse of ``_rows`` over every batch: the caller's ``(B, n, ...)`` rows (pad rows dropped).
+
+    ``copy``: a new tensor, never a view (the output: a view made inside an autograd.Function may not
+    be modified in place).
+    """
+    if batches[0].spans is None:
+        if parts[0].shape[1] == n:
+            return parts[0]
+        return parts[0][:, :n].clone(memory_format=torch.contiguous_format) if copy else parts[0][:, :n]
+    pieces = {}
+    for part, batch in zip(parts, batches):
+        for i, (a, b) in enumerate(batch.spans):
+            pieces[a] = part[i * bsz:(i + 1) * bsz, :b - a]
+    return torch.cat([pieces[a] for a in sorted(pieces)], dim=1)
+
+
+def _run_mask(key_mask: torch.Tensor | None, batch: _Batch, q: torch.Tensor) -> torch.Tensor | None:
+    if batch.spans is None and batch.length == q.shape[1]:
+        return key_mask
+    mask = key_mask if key_mask is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
+    return _rows(mask, batch, True)  # pad keys are masked
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """What a call decided before touching data: strategy, plans and kernel, for forward and backward."""
+
+    backend: CommBackend | None
+    strategy: str
+    team: int  # ranks that swap sequence for heads (1: no swap)
+    split: HeadSplit
+    batches: tuple[_Batch, ...] | None  # the whole sequence on this rank (team == world)
+    plans: tuple[PatternPlan, ...] | None  # else this rank's block of rings across teams
+    docs: tuple[int, ...] | None
+    kernel: PatternKernel | None  # None when planned for shapes only
+    causal: bool
+    scale: float
+
+    def ring(self, call: int, plans: tuple[PatternPlan, ...] | None = None) -> RingCall:
+        """Rings across teams, or (``plans`` of a whole-sequence batch) every pattern local."""
+        if plans is not None:
+            return RingCall(plans, None, RingLayout(), 0, self.kernel, self.causal, self.scale)
+        return RingCall(self.plans, self.backend, RingLayout(self.team), call, self.kernel, self.causal, self.scale)
+
+    def swap(self, call: int) -> HeadSwap:
+        first = self.backend.rank - self.backend.rank % self.team
+        return HeadSwap(self.backend, tuple(range(first, first + self.team)), self.split,
+                        f"call {call}, strategy {self.strategy!r} (team of {self.team})")
+
+
+def _attend(spec: _Schedule, call: int, q, k, v, key_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the sequence this rank attends over: its block of rings across teams, or the
+    whole sequence with internal padding and packed documents.
 
     Padded rows are zero queries and keys; their keys are masked and their outputs dropped, so
     results and gradients equal the unpadded ones. Each document runs alone (its segments start
     at its first row; nothing crosses documents); documents of equal padded length share a launch.
     """
-    def run(qb, kb, vb, mask, batch):
-        return RingDilatedAttention.apply(qb, kb, vb, mask, batch.plans, None, RingLayout(), 0, kernel, causal, scale)
+    if spec.batches is None:
+        return ring_forward(q, k, v, key_mask, spec.ring(call))
+    runs = [ring_forward(_rows(q, b), _rows(k, b), _rows(v, b), _run_mask(key_mask, b, q), spec.ring(call, b.plans))
+            for b in spec.batches]
+    bsz, n = q.shape[:2]
+    return (_unrows([o for o, _ in runs], spec.batches, n, bsz, copy=True),
+            _unrows([lse for _, lse in runs], spec.batches, n, bsz))
 
-    n = q.shape[1]
-    if batches[0].spans is None:
-        batch = batches[0]
-        if batch.length == n:
-            return run(q, k, v, key_mask, batch)
-        grow = batch.length - n
-        mask = key_mask if key_mask is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
-        pad = [F.pad(x, (0, 0, 0, 0, 0, grow)) for x in (q, k, v)]
-        return run(*pad, F.pad(mask, (0, grow), value=True), batch)[:, :n]
-    pieces = {}
-    for batch in batches:
-        def rows(x, fill=0.0):
-            return torch.cat([F.pad(x[:, a:b], (0, 0) * (x.dim() - 2) + (0, batch.length - (b - a)), value=fill)
-                              for a, b in batch.spans])
-        mask = key_mask if key_mask is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
-        out = run(rows(q), rows(k), rows(v), rows(mask, True), batch)
-        for i, (a, b) in enumerate(batch.spans):
-            pieces[a] = out[i : i + 1, : b - a]
-    return torch.cat([pieces[a] for a in sorted(pieces)], dim=1)
+
+def _attend_backward(spec: _Schedule, call: int, q, k, v, key_mask, out, lse, dout):
+    """The gradient of ``_attend``. Pad rows' outputs were dropped, so ``(0, -inf)`` (an uncovered row)
+    stands in for them: their ``dout`` is 0, so they add nothing either way."""
+    if spec.batches is None:
+        return ring_backward(q, k, v, key_mask, out, lse, dout, spec.ring(call))
+    grads = [ring_backward(_rows(q, b), _rows(k, b), _rows(v, b), _run_mask(key_mask, b, q), _rows(out, b),
+                           _rows(lse, b, float("-inf")), _rows(dout, b), spec.ring(call, b.plans))
+             for b in spec.batches]
+    bsz, n = q.shape[:2]
+    return tuple(_unrows([g[i] for g in grads], spec.batches, n, bsz) for i in range(3))
 
 
 def _gather_mask(backend: CommBackend, mask: torch.Tensor | None, call: int) -> torch.Tensor | None:
@@ -236,51 +311,75 @@ def dilated_attention(
     segments do not tile is padded internally (masked pad keys) unless
     ``pad_to_segments=False``; with ``comm`` only the ``"head"`` strategy pads.
     ``head_offsets="torchscale"`` selects torchscale's head-offset rule.
-    Returns ``(B, N, H, D)``; differentiable once (double backward raises).
+    Returns ``(B, N, H, D)``; differentiable once (double backward raises). Under
+    ``torch.compile`` the call is one custom op (``custom_ops.py``); ``torch.func.grad``/``vjp``
+    work, ``vmap`` works without ``comm``, forward-mode AD (``jvp``) raises.
     """
+    options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+                   cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
+                   strategy=strategy, kernel=kernel)
+    if torch.compiler.is_compiling() and _ops.AVAILABLE:
+        # One opaque op: no graph break, and what talks to other ranks runs inside it, never in the graph.
+        return _ops.attend(q, k, v, segment_lengths, dilation_rates, comm=comm, **options)
     backend = resolve_comm(comm)
+    spec, call = _prepare(q, k, v, segment_lengths, dilation_rates, backend, None, **options)
+    return _Attention.apply(q, k, v, key_padding_mask, spec, call)[0]
+
+
+def _check_flags(causal, pad_to_segments, strategy) -> None:
+    for name, flag in (("causal", causal), ("pad_to_segments", pad_to_segments)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend | None, mode, causal,
+              softmax_scale, key_padding_mask, cu_seqlens, pad_to_segments, head_offsets, strategy, kernel,
+              shapes_only: bool = False, record: bool = True) -> _Schedule:
+    """Validate a call and decide everything but the data: raises ``ValueError``/``TypeError``.
+
+    ``shapes_only``: what output shapes need, from shapes alone (no ``cu_seqlens`` values, no kernel):
+    a custom op's fake implementation. ``record``: debug mode records the call (once per call, not
+    again when a compiled backward plans it anew).
+    """
     world = backend.world_size if backend is not None else 1
-    error: BaseException | None = None
-    docs = None
-    try:
-        _check_tensors(q, k, v)
-        for name, flag in (("causal", causal), ("pad_to_segments", pad_to_segments)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        scale = _check_scale(softmax_scale, q.shape[-1], q.dtype)
-        bsz, local, heads, _ = q.shape
-        team = _team_size(strategy, world, heads)
-        split = HeadSplit(heads, k.shape[2], team)
-        reason = split.check()
-        if reason is not None:
-            raise ValueError(f"strategy={strategy!r}: {reason}")
-        lane = backend.rank % team if backend is not None else 0
-        key_mask = _check_key_padding_mask(key_padding_mask, q)
-        docs = _check_cu_seqlens(cu_seqlens, q, local * world)
+    _check_tensors(q, k, v)
+    _check_flags(causal, pad_to_segments, strategy)
+    scale = _check_scale(softmax_scale, q.shape[-1], q.dtype)
+    bsz, local, heads, _ = q.shape
+    team = _team_size(strategy, world, heads)
+    split = HeadSplit(heads, k.shape[2], team)
+    reason = split.check()
+    if reason is not None:
+        raise ValueError(f"strategy={strategy!r}: {reason}")
+    lane = backend.rank % team if backend is not None else 0
+    key_mask = _check_key_padding_mask(key_padding_mask, q)
+    docs = _check_cu_seqlens(cu_seqlens, q, local * world, read=not shapes_only)
 
-        def plan(length: int, local_len: int | None = None) -> tuple[PatternPlan, ...]:
-            return plan_patterns(
-                segment_lengths, dilation_rates, seq_len=length, local_len=local_len or length,
-                num_heads=split.local_heads, num_kv_heads=split.local_kv_heads, mode=mode,
-                head_offsets=head_offsets, head_start=lane * split.local_heads, total_heads=heads,
-            )
+    def plan(length: int, local_len: int | None = None) -> tuple[PatternPlan, ...]:
+        return plan_patterns(
+            segment_lengths, dilation_rates, seq_len=length, local_len=local_len or length,
+            num_heads=split.local_heads, num_kv_heads=split.local_kv_heads, mode=mode,
+            head_offsets=head_offsets, head_start=lane * split.local_heads, total_heads=heads,
+        )
 
-        batches = None
-        if team == world:  # the whole sequence on this rank: padding and documents are local matters
-            batches = _whole_batches(segment_lengths, dilation_rates, local * world, docs, pad_to_segments, plan)
-        elif docs is not None:
-            raise ValueError(f"cu_seqlens with comm needs each rank to hold whole documents: strategy='head' (or "
-                             f"'auto' with the {heads} heads divisible by the {world} ranks); got "
-                             f"strategy={strategy!r} with a ring over {world // team} shards")
-        else:
-            plans = plan(local * world, local * team)
-        if backend is not None:
-            for name, t in (("q", q), ("k", k), ("v", v), ("key_padding_mask", key_mask)):
-                reason = backend.check_device(name, t) if t is not None else None
-                if reason is not None:
-                    raise ValueError(reason)
+    batches = plans = None
+    if team == world:  # the whole sequence on this rank: padding and documents are local matters
+        batches = _whole_batches(segment_lengths, dilation_rates, local * world, docs, pad_to_segments, plan)
+    elif cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens with comm needs each rank to hold whole documents: strategy='head' (or "
+                         f"'auto' with the {heads} heads divisible by the {world} ranks); got "
+                         f"strategy={strategy!r} with a ring over {world // team} shards")
+    else:
+        plans = plan(local * world, local * team)
+    if backend is not None:
+        for name, t in (("q", q), ("k", k), ("v", v), ("key_padding_mask", key_mask)):
+            reason = backend.check_device(name, t) if t is not None else None
+            if reason is not None:
+                raise ValueError(reason)
+    chosen = None
+    if not shapes_only:
         masked = key_mask is not None or (batches is not None and (
             batches[0].spans is not None or batches[0].length != local * world))
         chosen = select_kernel(kernel, q, k, masked)
@@ -288,40 +387,193 @@ def dilated_attention(
         if _debug.enabled():  # off by default: one module-global check
             meta = _debug.call_meta(q, k, v, segment_lengths, dilation_rates, mode=mode, causal=causal,
                                     softmax_scale=softmax_scale, kernel=kernel, comm=backend, strategy=strategy)
-            _debug.record_call(meta, {"q": q, "k": k, "v": v})
+            if record:
+                _debug.record_call(meta, {"q": q, "k": k, "v": v})
             chosen = _debug.wrap_kernel(chosen, meta)
         chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
+    return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale)
+
+
+def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | None,
+             requires_grad: list[bool] | None, **options) -> tuple[_Schedule, int]:
+    """Plan the call and, with ``comm``, count it and agree on it across ranks: ``(schedule, call number)``.
+
+    With ``comm`` a rank's own invalid inputs are raised in the agreement, so every rank raises together.
+    ``requires_grad``: what the caller's inputs had (a compiled graph's op sees detached tensors).
+    """
+    error: BaseException | None = None
+    spec = None
+    try:
+        spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)
     except (ValueError, TypeError) as exc:
         if backend is None:
             raise
         error = exc
     if backend is None:
-        q, k, v = _unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)
-        return _attend_whole(q, k, v, key_mask, batches, chosen, causal, scale)
+        return spec, 0
     backend.calls += 1
-    call = backend.calls
     if backend.check_calls:
-        sig = call_signature(q, k, v, segment_lengths, dilation_rates, mode=mode, causal=causal,
-                             softmax_scale=softmax_scale, head_offsets=head_offsets, strategy=strategy,
+        kernel, docs = options["kernel"], spec.docs if spec is not None else None
+        same = {name: options[name] for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
+                                                 "pad_to_segments")}
+        sig = call_signature(q, k, v, segment_lengths, dilation_rates, **same,
                              kernel=kernel if isinstance(kernel, str) else type(kernel).__name__,
-                             key_padding_mask=key_padding_mask is not None, pad_to_segments=pad_to_segments,
+                             key_padding_mask=options["key_padding_mask"] is not None,
                              cu_seqlens=None if docs is None else
                              f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
+        if requires_grad is not None:
+            sig["requires_grad"] = dict(zip("qkv", requires_grad))
         agree(backend, sig, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
     elif error is not None:
         raise error
+    return spec, backend.calls
+
+
+def _forward(spec: _Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The computation: ``(out, saved)``, ``saved`` being the tensors it made that ``_backward`` needs
+    (the q/k/v/mask/out/lse the attention saw, where they are not the caller's)."""
     q, k, v = _unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)
-    key_mask = _gather_mask(backend, key_mask, call)
-    if world == 1:  # a group of one: the single-device computation
-        return _attend_whole(q, k, v, key_mask, batches, chosen, causal, scale)
-    if team == 1:
-        return RingDilatedAttention.apply(q, k, v, key_mask, plans, backend, RingLayout(), call, chosen, causal, scale)
-    members = tuple(range(backend.rank - lane, backend.rank - lane + team))
-    what = f"call {call}, strategy {strategy!r} (team of {team})"
-    qh, kh, vh = SequenceToHeads.apply(q, k, v, backend, members, split, what)
-    if batches is not None:
-        out = _attend_whole(qh, kh, vh, key_mask, batches, chosen, causal, scale)
-    else:
-        out = RingDilatedAttention.apply(qh, kh, vh, key_mask, plans, backend, RingLayout(team), call, chosen,
-                                         causal, scale)
-    return HeadsToSequence.apply(out, backend, members, what)
+    saved, mask = [], key_padding_mask
+    if spec.backend is not None and mask is not None:
+        mask = _gather_mask(spec.backend, mask, call)
+        saved.append(mask)
+    if spec.team == 1:
+        out, lse = _attend(spec, call, q, k, v, mask)
+        return out, saved + [lse]
+    swap = spec.swap(call)
+    qh, kh, vh = sequence_to_heads(q, k, v, swap)
+    out_h, lse = _attend(spec, call, qh, kh, vh, mask)
+    return heads_to_sequence(out_h, swap), saved + [qh, kh, vh, out_h, lse]
+
+
+def _backward(spec: _Schedule, call: int, q, k, v, key_padding_mask, out, saved: list[torch.Tensor], dout
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``_forward``'s ``out`` for ``dout`` (exact: the kernels' backward on the final out/lse)."""
+    saved = list(saved)
+    mask = saved.pop(0) if spec.backend is not None and key_padding_mask is not None else key_padding_mask
+    if spec.team == 1:
+        (lse,) = saved
+        q, k, v = _unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)
+        return _attend_backward(spec, call, q, k, v, mask, out, lse, dout)
+    qh, kh, vh, out_h, lse = saved
+    swap = spec.swap(call)
+    dq, dk, dv = _attend_backward(spec, call, qh, kh, vh, mask, out_h, lse, heads_to_sequence_backward(dout, swap))
+    return sequence_to_heads_backward(dq, dk, dv, swap, k.shape)
+
+
+def _saved_like(spec: _Schedule, q, k, key_padding_mask) -> list[torch.Tensor]:
+    """Empty tensors shaped as ``_forward``'s ``saved`` (for a custom op's fake implementation)."""
+    bsz, local, heads, dim = q.shape
+    acc = accum_dtype(q.dtype)
+    saved = []
+    if spec.backend is not None and key_padding_mask is not None:
+        saved.append(key_padding_mask.new_empty((bsz, local * spec.backend.world_size)))
+    if spec.team == 1:
+        return saved + [q.new_empty((bsz, local, heads), dtype=acc)]
+    n, hl, hk = local * spec.team, spec.split.local_heads, spec.split.local_kv_heads
+    return saved + [q.new_empty((bsz, n, hl, dim)), k.new_empty((bsz, n, hk, dim)), k.new_empty((bsz, n, hk, dim)),
+                    q.new_empty((bsz, n, hl, dim)), q.new_empty((bsz, n, hl), dtype=acc)]
+
+
+def _double_backward_error() -> RuntimeError:
+    return RuntimeError(
+        "dilated_attention does not support double backward (backward with create_graph=True, e.g. "
+        "gradient penalties or torch.autograd.grad(..., create_graph=True)): its backward is hand-written "
+        "and not itself differentiable"
+    )
+
+
+def _vmap_folded(apply, info, in_dims, spec: _Schedule, *args):
+    """A vmap rule: rows of a batch are independent, so the vmapped dim folds into the batch dim
+    (one call, no loop); tensors not vmapped are repeated."""
+    if spec.backend is not None:
+        raise RuntimeError("torch.func.vmap over dilated_attention with comm is not supported (every rank must "
+                           "exchange whole calls): vmap single-device calls, or fold the vmapped dim into the "
+                           "batch dim yourself")
+    size = info.batch_size
+
+    def fold(x, dim):
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = x.movedim(dim, 0) if dim is not None else x.unsqueeze(0).expand(size, *x.shape)
+        return x.flatten(0, 1)
+
+    outs = apply(*(fold(x, d) for x, d in zip(args, in_dims)))
+    return tuple(t.unflatten(0, (size, -1)) for t in outs), (0,) * len(outs)
+
+
+class _Attention(torch.autograd.Function):
+    """The one autograd boundary of an eager call: ``_forward``, and ``_backward`` as its gradient.
+
+    ``forward`` + ``setup_context`` (what ``torch.func`` needs): the tensors ``_forward`` makes for the
+    backward are outputs, marked non-differentiable.
+    """
+
+    @classmethod
+    def apply(cls, *args):
+        # Function.apply re-binds arguments with inspect.signature on every call of a setup_context
+        # Function (~30 us); forward has no defaults to bind, so outside torch.func go straight to C++.
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
+
+    @staticmethod
+    def forward(q, k, v, key_padding_mask, spec: _Schedule, call: int):
+        out, saved = _forward(spec, call, q, k, v, key_padding_mask)
+        return (out, *saved)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, key_padding_mask, spec, call = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero "gradients" for the saved outputs: only out's is used
+        ctx.save_for_backward(q, k, v, key_padding_mask, *output)
+        # torch.func transforms run every backward with grad mode on: remember whether one is active
+        ctx.spec, ctx.call, ctx.under_torch_func = spec, call, torch._C._are_functorch_transforms_active()
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        q, k, v, key_padding_mask, out, *saved = ctx.saved_tensors
+        if ctx.under_torch_func:  # a Function, so vmap batches it; differentiating it raises
+            grads = _AttentionBackward.apply(dout, q, k, v, key_padding_mask, out, ctx.spec, ctx.call, *saved)
+        elif torch.is_grad_enabled():  # plain autograd: only create_graph=True runs a backward with grad mode on
+            raise _double_backward_error()
+        else:
+            grads = _backward(ctx.spec, ctx.call, q, k, v, key_padding_mask, out, saved, dout)
+        return (*grads, None, None, None)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(
+            "dilated_attention does not support forward-mode AD (torch.func.jvp, torch.autograd.forward_ad): "
+            "its derivative is a hand-written backward; use reverse mode (backward, torch.func.grad / vjp)"
+        )
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, key_padding_mask, spec: _Schedule, call: int):
+        return _vmap_folded(_Attention.apply, info, in_dims, spec, q, k, v, key_padding_mask, spec, call)
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """``_backward`` as a Function of its own under ``torch.func`` (which runs every backward with grad
+    mode on): ``vmap`` batches it too (per-sample gradients), and differentiating it raises."""
+
+    @staticmethod
+    def forward(dout, q, k, v, key_padding_mask, out, spec: _Schedule, call: int, *saved):
+        return _backward(spec, call, q, k, v, key_padding_mask, out, saved, dout)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise _double_backward_error()
+
+    @staticmethod
+    def vmap(info, in_dims, dout, q, k, v, key_padding_mask, out, spec: _Schedule, call: int, *saved):
+        return _vmap_folded(_AttentionBackward.apply, info, in_dims, spec, dout, q, k, v, key_padding_mask, out,
+                            spec, call, *saved)
+
+
+from . import custom_ops as _ops  # noqa: E402  (it wraps this module's functions: imported once they exist)

@@ -4,8 +4,8 @@ Inside a team of ``A`` ranks holding consecutive sequence shards, an all-to-all
 gives each rank the team's whole block of ``A * L`` rows for ``H / A`` of the
 query heads (and the kv heads those need), the attention runs on that block
 (locally, or as a ring across teams: the hybrid strategy), and a second
-all-to-all brings the output rows home. Both swaps are autograd Functions whose
-backward is the reverse swap, so gradients are exact.
+all-to-all brings the output rows home. Each swap's gradient is the reverse swap
+(``*_backward``; ``functional.py`` pairs them), so gradients are exact.
 
 K/V heads travel no more than needed: with ``A | Hkv`` each rank gets its
 ``Hkv / A`` kv heads; with ``Hkv | A`` each rank gets the one kv head its query
@@ -98,46 +98,52 @@ def _merge_heads(recv: torch.Tensor) -> torch.Tensor:
     return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, a * c, dim)
 
 
-class SequenceToHeads(torch.autograd.Function):
-    """``(B, L, H, D)`` q/k/v shards of ``A`` team ranks -> ``(B, A L, H/A, D)`` q and the kv heads it reads."""
+@dataclass(frozen=True)
+class HeadSwap:
+    """One call's swaps: the team's group ranks (consecutive, this rank among them), how heads are dealt,
+    and what timeout messages name."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, comm: CommBackend, team: tuple[int, ...], split: HeadSplit, what: str):
-        rows = _to_heads(_send_buffer(q, k, v, split), comm, team, what + ", sequence-to-heads all-to-all")
-        hl, hk = split.local_heads, split.local_kv_heads
-        ctx.args = comm, team, split, what, k.shape
-        return rows[:, :, :hl].contiguous(), rows[:, :, hl:hl + hk].contiguous(), rows[:, :, hl + hk:].contiguous()
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        comm, team, split, what, kv_shape = ctx.args
-        recv = _to_sequence(torch.cat([dq, dk, dv], dim=2), comm, team,
-                            what + ", backward of sequence-to-heads all-to-all")
-        hl, hk = split.local_heads, split.local_kv_heads
-        gq = _merge_heads(recv[:, :, :, :hl])
-        if split.kv_heads % len(team) == 0:  # each kv head came from exactly one member
-            return gq, _merge_heads(recv[:, :, :, hl:hl + hk]), _merge_heads(recv[:, :, :, hl + hk:]), \
-                None, None, None, None
-        gk = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
-        gv = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
-        for m in range(len(team)):  # several members may have read one kv head: their gradients add
-            for i, src in enumerate(split.kv_sources(m)):
-                gk[:, :, src].add_(recv[m, :, :, hl + i])
-                gv[:, :, src].add_(recv[m, :, :, hl + hk + i])
-        return gq, gk, gv, None, None, None, None
+    comm: CommBackend
+    team: tuple[int, ...]
+    split: HeadSplit
+    what: str
 
 
-class HeadsToSequence(torch.autograd.Function):
+def sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, swap: HeadSwap
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(B, L, H, D)`` q/k/v shards of the team -> ``(B, A L, H/A, D)`` q and the kv heads it reads."""
+    rows = _to_heads(_send_buffer(q, k, v, swap.split), swap.comm, swap.team,
+                     swap.what + ", sequence-to-heads all-to-all")
+    hl, hk = swap.split.local_heads, swap.split.local_kv_heads
+    return rows[:, :, :hl].contiguous(), rows[:, :, hl:hl + hk].contiguous(), rows[:, :, hl + hk:].contiguous()
+
+
+def sequence_to_heads_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, swap: HeadSwap,
+                               kv_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of ``sequence_to_heads``: the reverse swap (kv heads several members read add up)."""
+    comm, team, split = swap.comm, swap.team, swap.split
+    recv = _to_sequence(torch.cat([dq, dk, dv], dim=2), comm, team,
+                        swap.what + ", backward of sequence-to-heads all-to-all")
+    hl, hk = split.local_heads, split.local_kv_heads
+    gq = _merge_heads(recv[:, :, :, :hl])
+    if split.kv_heads % len(team) == 0:  # each kv head came from exactly one member
+        return gq, _merge_heads(recv[:, :, :, hl:hl + hk]), _merge_heads(recv[:, :, :, hl + hk:])
+    gk = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
+    gv = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
+    for m in range(len(team)):  # several members may have read one kv head: their gradients add
+        for i, src in enumerate(split.kv_sources(m)):
+            gk[:, :, src].add_(recv[m, :, :, hl + i])
+            gv[:, :, src].add_(recv[m, :, :, hl + hk + i])
+    return gq, gk, gv
+
+
+def heads_to_sequence(out: torch.Tensor, swap: HeadSwap) -> torch.Tensor:
     """``(B, A L, H/A, D)`` output of a team rank -> this rank's ``(B, L, H, D)`` rows, all heads."""
+    return _merge_heads(_to_sequence(out, swap.comm, swap.team, swap.what + ", heads-to-sequence all-to-all"))
 
-    @staticmethod
-    def forward(ctx, out, comm: CommBackend, team: tuple[int, ...], what: str):
-        ctx.args = comm, team, what
-        return _merge_heads(_to_sequence(out, comm, team, what + ", heads-to-sequence all-to-all"))
 
-    @staticmethod
-    def backward(ctx, dout):
-        comm, team, what = ctx.args
-        a = len(team)
-        send = dout.unflatten(2, (a, dout.shape[2] // a)).permute(2, 0, 1, 3, 4).contiguous()  # block m: its heads
-        return _to_heads(send, comm, team, what + ", backward of heads-to-sequence all-to-all"), None, None, None
+def heads_to_sequence_backward(dout: torch.Tensor, swap: HeadSwap) -> torch.Tensor:
+    """The gradient of ``heads_to_sequence``: the reverse swap."""
+    a = len(swap.team)
+    send = dout.unflatten(2, (a, dout.shape[2] // a)).permute(2, 0, 1, 3, 4).contiguous()  # block m: its heads
+    return _to_heads(send, swap.comm, swap.team, swap.what + ", backward of heads-to-sequence all-to-all")

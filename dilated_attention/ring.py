@@ -1,4 +1,4 @@
-"""The ring schedule and its autograd.Function: the one place the ring algorithm lives.
+"""The ring schedule, forward and backward: the one place the ring algorithm lives.
 
 Every pattern is either local (its segments fit a rank's sequence block) or a
 ring over ``G`` ranks holding consecutive blocks. On a ring each rank packs its
@@ -129,55 +129,60 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     unpack_add_(dk, dv, incoming, plan)
 
 
-class RingDilatedAttention(torch.autograd.Function):
-    """Dilated attention over this rank's block; spanning patterns run as rings (exact; no double backward).
+@dataclass(frozen=True)
+class RingCall:
+    """What one call's attention on this rank's block needs besides tensors (forward and backward)."""
+
+    plans: tuple[PatternPlan, ...]
+    comm: CommBackend | None
+    layout: RingLayout
+    call: int
+    kernel: PatternKernel
+    causal: bool
+    scale: float
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                 ring: RingCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dilated attention over this rank's block: ``(out, lse)``; spanning patterns run as rings.
 
     ``key_mask``: ``None`` or bool ``(B, blocks * L)`` over the whole sequence, ``True`` = excluded key.
+    Not differentiable itself: ``ring_backward`` is its exact gradient (``functional.py`` pairs them).
     """
+    comm, layout = ring.comm, ring.layout
+    own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
+    partials = []
+    for plan in ring.plans:
+        if not plan.chunks:  # no local head uses this pattern (grouped mode, head-parallel)
+            continue
+        if plan.ring_size == 1:
+            out, lse = ring.kernel.forward_pattern(q, k, v, plan, packed=False, causal=ring.causal,
+                                                   scale=ring.scale, **own)
+        else:
+            out, lse = _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal,
+                                     ring.scale)
+        partials.append((plan, out, lse))
+    return combine_patterns(partials, q)
 
-    @staticmethod
-    def forward(ctx, q, k, v, key_mask: torch.Tensor | None, plans: tuple[PatternPlan, ...],
-                comm: CommBackend | None, layout: RingLayout, call: int, kernel: PatternKernel, causal: bool,
-                scale: float):
-        own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
-        partials = []
-        for plan in plans:
-            if not plan.chunks:  # no local head uses this pattern (grouped mode, head-parallel)
-                continue
-            if plan.ring_size == 1:
-                out, lse = kernel.forward_pattern(q, k, v, plan, packed=False, causal=causal, scale=scale, **own)
-            else:
-                out, lse = _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale)
-            partials.append((plan, out, lse))
-        out, lse = combine_patterns(partials, q)
-        del partials
-        ctx.save_for_backward(q, k, v, key_mask, out, lse)
-        ctx.args = plans, comm, layout, call, kernel, causal, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        if torch.is_grad_enabled():  # create_graph=True: a second derivative would be silently wrong or zero
-            raise RuntimeError(
-                "dilated_attention does not support double backward (backward with create_graph=True, e.g. "
-                "gradient penalties or torch.autograd.grad(..., create_graph=True)): its backward is hand-written "
-                "and not itself differentiable"
-            )
-        q, k, v, key_mask, out, lse = ctx.saved_tensors
-        plans, comm, layout, call, kernel, causal, scale = ctx.args
-        own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
-        dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
-        acc = accum_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for plan in plans:
-            if not plan.chunks:
-                continue
-            if plan.ring_size == 1:
-                kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv,
-                                        packed=False, causal=causal, scale=scale, **own)
-            else:
-                _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale,
-                               dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, ring: RingCall
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``ring_forward``'s ``out`` for ``dout``, from its final ``out`` and ``lse``."""
+    comm, layout = ring.comm, ring.layout
+    own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
+    acc = accum_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for plan in ring.plans:
+        if not plan.chunks:
+            continue
+        if plan.ring_size == 1:
+            ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv,
+                                         packed=False, causal=ring.causal, scale=ring.scale, **own)
+        else:
+            _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, ring.call, ring.kernel,
+                           ring.causal, ring.scale, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

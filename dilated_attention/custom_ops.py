@@ -1,0 +1,137 @@
+"""``torch.library`` custom ops: what ``torch.compile`` sees of ``dilated_attention``.
+
+Under ``torch.compile`` a call is one opaque op, ``dilated_attention::attend``, whose arguments are
+tensors and primitives, and its gradient a second one, ``dilated_attention::attend_backward``
+(``torch.library.register_autograd``). Both are thin wrappers around ``functional``'s one code path
+(``_prepare`` / ``_forward`` / ``_backward``): at run time they plan the call, agree on it across
+ranks, gather key masks and run the rings and all-to-alls, none of which enters the traced graph.
+Their fake implementations plan from shapes alone (so invalid shapes raise while tracing) and
+return empty tensors.
+
+The forward op returns ``out`` and what the backward needs beyond the op's inputs and ``out``
+(``lse``; the gathered key mask; for head-parallel strategies the swapped q/k/v and their output;
+the call number for timeout messages): the eager path saves the same tensors. ``cu_seqlens``
+values are data, read inside the ops at run time (so a compiled graph serves any document split;
+the backward op reads them again: one small host copy).
+
+A ``CommBackend`` or kernel object travels as a string key into ``_OBJECTS`` (held for the life of
+the process, as the compiled graph is); names (``"collective"``, ``"auto"``) travel as themselves.
+"""
+
+import torch
+
+from . import functional as _f
+from .comm import CommBackend, resolve_comm
+
+# torch.library.custom_op and register_autograd arrived in torch 2.4; without them a compiled call
+# runs the eager path (graph breaks around it).
+AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
+_OBJECTS: dict[str, object] = {}
+
+
+def _key(obj) -> str:
+    """A primitive standing for ``obj``: ``""`` for None, a name as itself, an object by a registry key."""
+    if obj is None:
+        return ""
+    if isinstance(obj, str):
+        return obj
+    key = f"#{type(obj).__name__}@{id(obj):x}"
+    _OBJECTS[key] = obj
+    return key
+
+
+def _lookup(key: str):
+    return None if key == "" else _OBJECTS.get(key, key)
+
+
+if AVAILABLE:
+    # Run at trace time (its registry write must happen before the graph runs), result baked in;
+    # Dynamo guards on the objects themselves, so another backend or kernel recompiles.
+    _key = torch.compiler.assume_constant_result(_key)
+
+
+def _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, key_padding_mask,
+             cu_seqlens) -> dict:
+    return dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+                cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
+                strategy=strategy, kernel=_lookup(kernel))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, dilation_rates, *, mode: str,
+           causal: bool, softmax_scale: float | None, key_padding_mask: torch.Tensor | None,
+           cu_seqlens: torch.Tensor | None, pad_to_segments: bool, head_offsets: str, comm, strategy: str,
+           kernel) -> torch.Tensor:
+    """``dilated_attention`` under ``torch.compile``: the op call (traced), everything else inside it."""
+    # Type errors the op's schema would blur (a bool is not a scale; an int is not a flag), as eager raises them.
+    _f._check_flags(causal, pad_to_segments, strategy)
+    _f._check_scale_type(softmax_scale)
+    softmax_scale = None if softmax_scale is None else float(softmax_scale)
+    for name, t in (("key_padding_mask", key_padding_mask), ("cu_seqlens", cu_seqlens)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if comm is not None and not isinstance(comm, (str, CommBackend)):
+        resolve_comm(comm)  # raises its TypeError
+    requires_grad = [torch.is_grad_enabled() and t.requires_grad for t in (q, k, v)]
+    out, _ = torch.ops.dilated_attention.attend(
+        q, k, v, key_padding_mask, cu_seqlens, list(segment_lengths), list(dilation_rates), mode, causal,
+        softmax_scale, pad_to_segments, head_offsets, _key(comm), strategy, _key(kernel), requires_grad)
+    return out
+
+
+if AVAILABLE:
+    @torch.library.custom_op("dilated_attention::attend", mutates_args=())
+    def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None, segment_lengths: list[int], dilation_rates: list[int],
+                   mode: str, causal: bool, softmax_scale: float | None, pad_to_segments: bool, head_offsets: str,
+                   comm: str, strategy: str, kernel: str, requires_grad: list[bool]
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
+                           key_padding_mask, cu_seqlens)
+        backend = resolve_comm(_lookup(comm))
+        spec, call = _f._prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
+        out, saved = _f._forward(spec, call, q, k, v, key_padding_mask)
+        # Contiguous, as the fake implementation promises (inductor asserts output strides).
+        return out.contiguous(), [t.contiguous() for t in saved] + [torch.tensor(call, dtype=torch.int64)]
+
+    @_attend_op.register_fake
+    def _(q, k, v, key_padding_mask, cu_seqlens, segment_lengths, dilation_rates, mode, causal, softmax_scale,
+          pad_to_segments, head_offsets, comm, strategy, kernel, requires_grad):
+        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
+                           key_padding_mask, cu_seqlens)
+        spec = _f._schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
+                            shapes_only=True, **options)
+        saved = _f._saved_like(spec, q, k, key_padding_mask)
+        return q.new_empty(q.shape), saved + [torch.empty((), dtype=torch.int64, device="cpu")]
+
+    @torch.library.custom_op("dilated_attention::attend_backward", mutates_args=())
+    def _attend_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            key_padding_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                            out: torch.Tensor, saved: list[torch.Tensor], segment_lengths: list[int],
+                            dilation_rates: list[int], mode: str, causal: bool, softmax_scale: float | None,
+                            pad_to_segments: bool, head_offsets: str, comm: str, strategy: str, kernel: str,
+                            requires_grad: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
+                           key_padding_mask, cu_seqlens)
+        # The forward planned this call successfully: the same plan (no new agreement, no debug record).
+        spec = _f._schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
+                            record=False, **options)
+        grads = _f._backward(spec, int(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
+        return tuple(g.contiguous() for g in grads)
+
+    @_attend_backward_op.register_fake
+    def _(dout, q, k, v, key_padding_mask, cu_seqlens, out, saved, *options):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def _setup_context(ctx, inputs, output) -> None:
+        q, k, v, key_padding_mask, cu_seqlens, *options = inputs
+        out, saved = output
+        ctx.save_for_backward(q, k, v, key_padding_mask, cu_seqlens, out, *saved)
+        ctx.options = options
+
+    def _attend_grad(ctx, dout, _saved_grads):
+        q, k, v, key_padding_mask, cu_seqlens, out, *saved = ctx.saved_tensors
+        grads = torch.ops.dilated_attention.attend_backward(dout, q, k, v, key_padding_mask, cu_seqlens, out,
+                                                            saved, *ctx.options)
+        return (*grads, None, None) + (None,) * len(ctx.options)
+
+    torch.library.register_autograd("dilated_attention::attend", _attend_grad, setup_context=_setup_context)
