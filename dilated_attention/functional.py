@@ -176,6 +176,12 @@ def _whole_batches(segment_lengths, dilation_rates, n: int, docs, pad: bool, pla
     return tuple(_Batch(length, tuple(spans), plan(length)) for length, spans in sorted(groups.items()))
 
 
+def _back_to_back(batch: _Batch) -> bool:
+    """Documents (batch size 1) that need no padding and follow each other: rows are a view, no mask."""
+    spans = batch.spans
+    return all(b - a == batch.length for a, b in spans) and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+
+
 def _rows(x: torch.Tensor, batch: _Batch, fill: float = 0.0) -> torch.Tensor:
     """``x`` ``(B, N, ...)`` laid out as ``batch`` runs: padded to its length, and with documents one
     batch row group per span (span-major: span ``i`` is rows ``[i B, (i + 1) B)``)."""
@@ -183,6 +189,8 @@ def _rows(x: torch.Tensor, batch: _Batch, fill: float = 0.0) -> torch.Tensor:
     if batch.spans is None:
         grow = batch.length - x.shape[1]
         return x if grow == 0 else F.pad(x, pad + (0, grow), value=fill)
+    if _back_to_back(batch):  # documents of exactly the batch length, one after another: a view
+        return x[0, batch.spans[0][0]:batch.spans[-1][1]].unflatten(0, (len(batch.spans), batch.length))
     return torch.cat([F.pad(x[:, a:b], pad + (0, batch.length - (b - a)), value=fill) for a, b in batch.spans])
 
 
@@ -207,6 +215,8 @@ def _unrows(parts: list[torch.Tensor], batches: tuple[_Batch, ...], n: int, bsz:
 def _run_mask(key_mask: torch.Tensor | None, batch: _Batch, q: torch.Tensor) -> torch.Tensor | None:
     if batch.spans is None and batch.length == q.shape[1]:
         return key_mask
+    if key_mask is None and batch.spans is not None and _back_to_back(batch):
+        return None  # whole documents without padding: separate batch rows keep them apart
     mask = key_mask if key_mask is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
     return _rows(mask, batch, True)  # pad keys are masked
 

@@ -283,3 +283,14 @@ def test_mask_benchmark_smoke(tmp_path):
     for r in result["records"]:
         assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["ratio"] == round(r["ms"] / r["baseline_ms"], 4)
     assert (tmp_path / "masks_smoke.json").exists()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_back_to_back_documents_run_as_a_view_and_match_the_oracle(masked):
+    cu = _docs(16, 16, 16, 8)  # three whole 16-row documents in a row: a (3, 16) view, no mask
+    q, k, v, dout, gen = _inputs(10, 1, 56, 2, 2, 8)
+    mask = (torch.rand(1, 56, generator=gen) < 0.3) if masked else None
+    kw = dict(cu_seqlens=cu, key_padding_mask=mask, causal=True)
+    got = _fwd_bwd(dilated_attention, q, k, v, dout, [8, 16], [1, 2], **kw)
+    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, [8, 16], [1, 2], **kw)
+    _assert_same(got, want)
