@@ -395,8 +395,12 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
         chosen = select_kernel(kernel, q, k, masked)
         meta = {}
         if _debug.enabled():  # off by default: one module-global check
+            from .diagnostics.repro import call_extras
+
             meta = _debug.call_meta(q, k, v, segment_lengths, dilation_rates, mode=mode, causal=causal,
-                                    softmax_scale=softmax_scale, kernel=kernel, comm=backend, strategy=strategy)
+                                    softmax_scale=softmax_scale, kernel=kernel, comm=backend, strategy=strategy,
+                                    pad_to_segments=pad_to_segments, head_offsets=head_offsets)
+            meta.update(call_extras(key_padding_mask, cu_seqlens, rank=meta["rank"], world=meta["world_size"]))
             if record:
                 _debug.record_call(meta, {"q": q, "k": k, "v": v})
             chosen = _debug.wrap_kernel(chosen, meta)

@@ -6,9 +6,12 @@
   python scripts/fuzz.py --device cuda --kernels fused,auto --dtypes bfloat16,float16,float32 --seconds 60
 
 Valid cases: random shapes, GQA, 1-3 patterns (local, spanning ranks, clamped), both
-modes, causal, scales, dtypes, kernels and, for each of q/k/v, a random memory
-layout (transposed, head-sliced, storage offset, zero stride, strided head dim...),
-judged forward and backward by the project's tolerance rule. Invalid cases break
+modes, causal, scales, dtypes, kernels, strategies (several ranks) and, for each of
+q/k/v, a random memory layout (transposed, head-sliced, storage offset, zero stride,
+strided head dim...); about 30% each (--option-rate) with a key_padding_mask, packed
+documents (cu_seqlens, zero-length and untiled documents) and a sequence length the
+segments do not tile (internal padding); judged forward and backward by the
+project's tolerance rule. Invalid cases break
 one rule and must raise ValueError/TypeError. Exit 0: no finding; 1: a finding
 (printed, with the repro file to replay: python scripts/repro.py replay FILE).
 """
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list; above 1 spawns gloo ranks on CPU")
     p.add_argument("--backend", default="collective", choices=["collective", "fairscale", "deepspeed"])
     p.add_argument("--invalid-fraction", type=float, default=0.2)
+    p.add_argument("--option-rate", type=float, default=None,
+                   help="how often each of key_padding_mask, cu_seqlens, an untiled length is used (default 0.3)")
     p.add_argument("--out", default="fuzz_repro", help="where the repro of a finding goes")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -57,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # the fused kernel on CPU runs in Triton's interpreter (slow)
     cases = a.cases if a.cases is not None or a.seconds is not None else 200
     common = dict(cases=cases, seconds=a.seconds, seed=a.seed, kernels=kernels, dtypes=dtypes,
-                  invalid_fraction=a.invalid_fraction, out_dir=a.out, progress=not a.no_progress)
+                  invalid_fraction=a.invalid_fraction, out_dir=a.out, progress=not a.no_progress,
+                  option_rate=fuzz.OPTION_RATE if a.option_rate is None else a.option_rate)
     if max(a.world_sizes) > 1:
         res = fuzz.fuzz_spawned(a.world_sizes, backend=a.backend, **common)
     else:
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     declined = f", {res.skipped} declined by the named kernel" if res.skipped else ""
     print(f"{res.cases} cases ({res.valid} valid{declined}, {res.invalid} invalid) in {res.seconds:.0f} s, "
           f"kernels {','.join(kernels)}, dtypes {','.join(dtypes)}, world sizes {a.world_sizes}, seed {a.seed}")
+    if res.options:
+        print("valid cases by option: " + ", ".join(f"{name} {count}" for name, count in sorted(res.options.items())))
     if res.ok:
         print("no finding: every valid case matched the oracle, every invalid one raised ValueError/TypeError")
         return 0

@@ -7,7 +7,12 @@
   torchrun --nproc_per_node=8 scripts/repro.py replay bad_call.rank0.json --backend deepspeed
 
 Repro files come from debug mode (DILATED_ATTENTION_DEBUG=1 writes one when a call
-fails) or from user code: dilated_attention.diagnostics.repro.capture(q, k, v, ...).
+fails), from the fuzzer (scripts/fuzz.py) or from user code:
+dilated_attention.diagnostics.repro.capture(q, k, v, ..., key_padding_mask=..., cu_seqlens=...).
+They record key_padding_mask (exact padded runs, or a seeded density), cu_seqlens (the
+offsets), strategy and pad_to_segments; version 1 files (before masks) replay as before.
+A multi-rank capture is one file per rank (NAME.rank<r>.json): replaying one merges the
+mask rows its siblings recorded.
 Exit status 0: output and gradients match the oracle; 1: something differs or the
 call raised (the lines say which output, pattern, kernel and rank); 2: bad usage.
 """

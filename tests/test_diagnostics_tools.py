@@ -38,6 +38,18 @@ class WrongRow(ReferenceKernel):
         return out, lse
 
 
+class MaskBlind(ReferenceKernel):
+    """Planted bug: a kernel that says it takes key masks and ignores them (padding, documents, pad keys)."""
+
+    name = "mask-blind"
+
+    def forward(self, q, k, v, *, causal, scale, key_mask=None):
+        return super().forward(q, k, v, causal=causal, scale=scale)
+
+    def backward(self, q, k, v, out, lse, dout, *, causal, scale, key_mask=None):
+        return super().backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+
+
 class Faulting:
     """A PatternKernel whose launches fail with a given message."""
 
@@ -221,6 +233,89 @@ def test_repro_multi_rank_replays_on_spawned_ranks():
     assert [r.rank for r in reports] == [0, 1] and all(r.ok for r in reports), [r.text() for r in reports]
 
 
+def test_repro_records_mask_documents_and_padding_and_finds_a_mask_blind_kernel(tmp_path):
+    q, k, v = _inputs(dtype=torch.float32, n=30)  # 30: [8, 16] does not tile it (internal padding)
+    pad = torch.zeros(2, 30, dtype=torch.bool)
+    pad[0, 3:7] = pad[0, 11] = True
+    pad[1, 20:] = True
+    path = repro.capture(q, k, v, [8, 16], [1, 2], causal=True, key_padding_mask=pad, pad_to_segments=True,
+                         strategy="head", path=tmp_path / "m.json")
+    spec = repro.load(path)
+    assert spec["version"] == repro.VERSION and spec["cu_seqlens"] is None
+    assert spec["kwargs"] == {"pad_to_segments": True, "strategy": "head"}
+    assert spec["key_padding_mask"]["exact"][0]["padded"] == [[[3, 7], [11, 12]], [[20, 30]]]
+    mask, whole = repro.build_mask(spec, 0, "cpu")
+    assert torch.equal(mask, pad) and torch.equal(whole, pad)
+    rep = repro.run_spec(spec)
+    assert rep.ok, rep.text()
+    rep = repro.run_spec(spec, kernel=MaskBlind())
+    text = rep.text()
+    assert not rep.ok and "DIFFERS" in text and "the fault is in kernel 'mask-blind'" in text, text
+    assert "key_padding_mask bool [2, 30]" in text and "keys padded in batch row" in text
+
+    x = torch.randn(1, 37, 4, 8, generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 5, 5, 20, 37], dtype=torch.int32)  # a zero-length document, none tiled by [8, 16]
+    spec = repro.load(repro.capture(x, x[:, :, :2], x[:, :, :2], [8, 16], [1, 2], cu_seqlens=cu,
+                                    path=tmp_path / "d.json"))
+    assert spec["cu_seqlens"] == [0, 5, 5, 20, 37] and spec["key_padding_mask"] is None
+    assert repro.run_spec(spec).ok
+    rep = repro.run_spec(spec, kernel=MaskBlind(), narrow=False)
+    assert not rep.ok and "(document 3, its position" in rep.text(), rep.text()
+    spec = repro.load(repro.capture(x, x, x, [8], [1], cu_seqlens=cu.long(), path=tmp_path / "bad.json"))
+    assert spec["cu_seqlens_dtype"] == "int64"
+    assert "cu_seqlens must be a 1-D int32 tensor" in (repro.run_spec(spec).raised or "")
+
+
+def test_repro_reads_version_1_files_and_refuses_newer_ones(tmp_path):
+    q, k, v = _inputs(dtype=torch.float32)
+    spec = json.loads(json.dumps(debug.call_meta(q, k, v, [8, 16, 32], [1, 2, 4], causal=True)))
+    spec.update(version=1, seed=3)  # as written before masks and documents: neither key
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps(spec))
+    loaded = repro.load(old)
+    assert loaded["key_padding_mask"] is None and loaded["cu_seqlens"] is None
+    assert repro.run_spec(loaded).ok
+    assert _script("repro").main(["replay", str(old)]) == 0
+    newer = tmp_path / "v99.json"
+    newer.write_text(json.dumps({**spec, "version": 99}))
+    with pytest.raises(ValueError, match="version 99"):
+        repro.load(newer)
+
+
+def test_repro_judges_a_rank_s_rows_on_the_whole_result_s_scale():
+    # 4 ranks of one row each (an untiled length, strategy "head"): rank 0's dq nearly cancels (0.01) while
+    # other rows reach 5; bf16 rounding of 0.025 there is fine for the whole tensor, a wrong value is not
+    spec = {"floor": {"bfloat16": 2e-2}}
+    oracle = [torch.tensor([0.01, 5.0, -4.0, 3.0], dtype=torch.float64).view(1, 4, 1, 1)] * 4
+    plain = [o + 1e-3 for o in oracle]
+    rounded = [o[:, :1].float() + 0.025 for o in oracle]
+    _, _, bad = repro._judge(spec, None, 0, rounded, oracle, plain, torch.bfloat16, 1)
+    assert bad == []
+    wrong = [o[:, :1].float() + 1.0 for o in oracle]
+    _, _, bad = repro._judge(spec, None, 0, wrong, oracle, plain, torch.bfloat16, 1)
+    assert bad == list(repro.NAMES)
+
+
+def test_repro_multi_rank_capture_merges_rank_files_and_replays_masks_and_documents(tmp_path):
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 2 * 13, 4, 8, generator=g)  # 2 ranks x 13 rows: [8, 16] does not tile 26
+    pad = torch.rand(1, 26, generator=g) < 0.3
+    cu = torch.tensor([0, 9, 9, 26], dtype=torch.int32)  # global offsets; document 2 spans both ranks
+    for r in range(2):
+        rows = slice(13 * r, 13 * (r + 1))
+        repro.capture(x[:, rows], x[:, rows], x[:, rows], [8, 16], [1, 2], causal=True, strategy="head",
+                      key_padding_mask=pad[:, rows], cu_seqlens=cu, seed=9, path=tmp_path / "call.json",
+                      comm=SimpleNamespace(world_size=2, rank=r, name="collective"))
+    assert sorted(os.listdir(tmp_path)) == ["call.rank0.json", "call.rank1.json"]
+    spec = repro.load(tmp_path / "call.rank1.json")
+    assert spec["world_size"] == 2 and spec["cu_seqlens"] == [0, 9, 9, 26]
+    assert torch.equal(repro.build_mask(spec, 1, "cpu")[1], pad)  # rank 0's rows from its sibling file
+    reports = repro.replay_spawned(spec)
+    assert all(r.ok for r in reports), [r.text() for r in reports]
+
+
 # -- fuzz --------------------------------------------------------------------------------------------
 
 
@@ -240,6 +335,27 @@ def test_fuzz_finds_a_planted_wrong_row_and_writes_a_replayable_repro(tmp_path):
     assert repro.run_spec(repro.load(res.repro_path), kernel="reference", narrow=False).ok
 
 
+def test_fuzz_exercises_masks_documents_and_untiled_lengths(tmp_path):
+    res = fuzz.fuzz(cases=30, seed=5, out_dir=str(tmp_path), invalid_fraction=0.0)
+    assert res.ok, (res.failure, res.lines)
+    for option in ("key_padding_mask", "cu_seqlens", "zero-length document", "padded document", "untiled length"):
+        assert res.options.get(option, 0) > 0, (option, res.options)
+    assert res.options["world 1"] == 30 and res.options["key_padding_mask"] < 30  # the plain mix stays
+
+
+def test_fuzz_finds_a_planted_mask_blind_kernel(tmp_path):
+    res = fuzz.fuzz(cases=40, seed=2, out_dir=str(tmp_path), invalid_fraction=0.0,
+                    kernel_override=ChunkLoop(MaskBlind()))
+    assert not res.ok and res.cases < 40, res
+    spec = repro.load(res.repro_path)
+    assert spec["kernel"] == "mask-blind" and "masked" not in res.failure
+    assert spec["key_padding_mask"] is not None or spec["cu_seqlens"] is not None or \
+        "untiled length" in fuzz.spec_options(spec), spec
+    assert any("the fault is in kernel 'mask-blind'" in line for line in res.lines), res.lines
+    assert not repro.run_spec(spec, kernel=MaskBlind(), narrow=False).ok
+    assert repro.run_spec(spec, kernel="reference", narrow=False).ok
+
+
 def test_fuzz_invalid_calls_raise_value_or_type_errors():
     import random
 
@@ -255,9 +371,12 @@ def test_fuzz_invalid_calls_raise_value_or_type_errors():
 
 
 def test_fuzz_spawned_ranks_cover_ring_cases(tmp_path):
-    res = fuzz.fuzz_spawned((1, 2), cases=16, seed=4, out_dir=str(tmp_path), kernels=("reference", "auto"))
+    # seed 8: within 16 cases, ring cases and masks, documents and untiled lengths on 2 ranks
+    res = fuzz.fuzz_spawned((1, 2), cases=16, seed=8, out_dir=str(tmp_path), kernels=("reference", "auto"))
     assert res.ok, (res.failure, res.lines)
-    assert res.cases == 16
+    assert res.cases == 16 and res.options.get("strategy ring", 0) > 0
+    for option in ("key_padding_mask", "cu_seqlens", "untiled length"):  # on 2 ranks (strategy "head")
+        assert res.options.get(f"{option} (world > 1)", 0) > 0, (option, res.options)
 
 
 # -- kernel-failure guard ----------------------------------------------------------------------------

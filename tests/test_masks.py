@@ -294,3 +294,19 @@ def test_back_to_back_documents_run_as_a_view_and_match_the_oracle(masked):
     got = _fwd_bwd(dilated_attention, q, k, v, dout, [8, 16], [1, 2], **kw)
     want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, [8, 16], [1, 2], **kw)
     _assert_same(got, want)
+
+
+def test_debug_mode_records_masks_and_documents_for_the_repro():
+    from dilated_attention.diagnostics import debug
+
+    q = torch.randn(1, 24, 2, 8)
+    mask = torch.zeros(1, 24, dtype=torch.bool)
+    mask[0, 3:7] = True
+    with debug.debug(shadow=0.0, sync=False):
+        debug.clear_history()
+        dilated_attention(q, q, q, [8, 16], [1, 2], key_padding_mask=mask, pad_to_segments=True,
+                          cu_seqlens=torch.tensor([0, 10, 24], dtype=torch.int32))
+        meta = debug.last_calls()[-1]
+    assert meta["cu_seqlens"] == [0, 10, 24]
+    assert meta["key_padding_mask"]["shape"] == [1, 24]
+    assert meta["kwargs"]["pad_to_segments"] is True

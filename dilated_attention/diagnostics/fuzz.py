@@ -2,9 +2,16 @@
 
 A valid case is a repro spec (``repro.py``): random batch, shards, heads, GQA,
 head dim, 1-3 patterns (local, shard-sized, spanning ranks, clamped), both modes,
-causal or not, a scale, a dtype, a kernel, a world size, and for each of q/k/v a
-layout from ``testing/compare.LAYOUTS`` (transposed, head-sliced, storage
-offsets, zero strides, strided head dim, ...). It is run through
+causal or not, a scale, a dtype, a kernel, a world size (with a strategy), and for
+each of q/k/v a layout from ``testing/compare.LAYOUTS`` (transposed, head-sliced,
+storage offsets, zero strides, strided head dim, ...). Independently, about 30% of
+cases each (``OPTION_RATE``) add a ``key_padding_mask`` (a density, random padded
+runs, a padded tail: whole rows or segments padded at times), packed documents
+(``cu_seqlens`` with random lengths, zero-length ones and lengths the segments do
+not tile; batch 1; with several ranks the ``"head"`` strategy with the heads
+divisible by the ranks) and a sequence length the segments do not tile (internal
+padding; one device, or several ranks with the ``"head"`` strategy). Those cases
+run on the kernels that take key masks (``MASK_KERNELS``). It is run through
 ``repro.run_spec``, so the first mismatch is already a repro file: replaying it
 runs the very same tensors (same strides, offsets and seeded values).
 
@@ -43,6 +50,10 @@ CPU_KERNELS = ("auto", "reference", "sdpa")
 # can then exceed 2x plain bf16 torch. A wrong row, head, scale or mask is off by O(0.1-1).
 FLOORS = {"float32": 1e-5, "bfloat16": 2e-2}
 CPU_DTYPES = ("float64", "float32", "bfloat16")
+OPTION_RATE = 0.3  # each of: key_padding_mask, packed documents, an untiled length (independently)
+MASK_KERNELS = ("auto", "reference", "fused")  # take key masks; sdpa/cudnn raise ValueError on masked calls
+SEGMENTS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)  # free choices for untiled lengths (64: often clamped)
+MAX_PADDED = 160  # keep the dense oracle small: a padded length (sequence or document) at most this
 
 
 @dataclass
@@ -55,6 +66,7 @@ class FuzzResult:
     failure: str | None = None  # plain-language finding of the first failing case
     repro_path: str | None = None
     lines: list[str] = field(default_factory=list)
+    options: dict[str, int] = field(default_factory=dict)  # valid cases per option (spec_options)
 
     @property
     def ok(self) -> bool:
@@ -72,45 +84,157 @@ def _layout_desc(shape, layout: str, dtype: torch.dtype, rng: random.Random) -> 
     return describe_tensor(t)
 
 
+def _tiles(segs, rates, n: int) -> bool:
+    from ..patterns import validate_patterns
+
+    try:
+        validate_patterns(segs, rates, n)
+        return True
+    except ValueError:
+        return False
+
+
+def _padded(segs, rates, n: int) -> int:
+    from ..patterns import padded_length
+
+    return padded_length(segs, rates, n) if n > 0 else 0
+
+
+def _free_patterns(rng: random.Random, m: int) -> tuple[list[int], list[int]]:
+    segs = [rng.choice(SEGMENTS) for _ in range(m)]
+    return segs, [rng.choice([r for r in _divisors(w) if r <= 8]) for w in segs]
+
+
+def _documents(rng: random.Random, n: int) -> list[int]:
+    """Random global document offsets ``[0, ..., n]``: 1-5 documents, zero-length ones at times."""
+    cu = [0] + sorted(rng.randint(0, n) for _ in range(rng.randint(0, 4))) + [n]
+    if rng.random() < 0.3:  # a zero-length document (possibly first or last)
+        i = rng.randrange(len(cu))
+        cu.insert(i, cu[i])
+    return cu
+
+
+def spec_options(spec: dict[str, Any]) -> list[str]:
+    """The options a valid spec exercises (``FuzzResult.options`` counts them)."""
+    world = int(spec.get("world_size") or 1)
+    kwargs = spec.get("kwargs") or {}
+    segs, rates = spec["segment_lengths"], spec["dilation_rates"]
+    n = spec["q"]["shape"][1] * world
+    found = [f"world {world}"]
+    if world > 1:
+        found.append(f"strategy {kwargs.get('strategy', 'auto')}")
+    if spec.get("key_padding_mask") is not None:
+        found.append("key_padding_mask")
+    cu = spec.get("cu_seqlens")
+    if cu is not None:
+        found.append("cu_seqlens")
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        if 0 in lengths:
+            found.append("zero-length document")
+        if any(d and not _tiles(segs, rates, d) for d in lengths):
+            found.append("padded document")
+    elif not _tiles(segs, rates, n):
+        found.append("untiled length")
+    if kwargs.get("pad_to_segments") is False:
+        found.append("pad_to_segments=False")
+    if world > 1:
+        found += [f"{o} (world > 1)" for o in ("key_padding_mask", "cu_seqlens", "untiled length") if o in found]
+    return found
+
+
 def random_spec(rng: random.Random, *, world: int = 1, kernels=CPU_KERNELS, dtypes=CPU_DTYPES,
-                device: str = "cpu", backend: str | None = None, max_local: int = 32) -> dict[str, Any]:
+                device: str = "cpu", backend: str | None = None, max_local: int = 32,
+                option_rate: float = OPTION_RATE) -> dict[str, Any]:
     """A random valid call for ``world`` ranks, as a repro spec."""
-    kernel = rng.choice(list(kernels))
+    from ..patterns import hybrid_team_size
+
+    use_mask, use_docs, untiled = (rng.random() < option_rate for _ in range(3))
+    mask_kernels = [k for k in kernels if k in MASK_KERNELS]
+    if not mask_kernels:  # e.g. --kernels sdpa: no kernel takes masks, so no masked case
+        use_mask = use_docs = untiled = False
+    kernel = rng.choice(mask_kernels if use_mask or use_docs or untiled else list(kernels))
     dtype = rng.choice(list(dtypes))
     if kernel == "fused" and dtype == "float64":
         dtype = "float32"  # the fused kernel has no fp64 path (auto would pick another kernel)
-    heads = rng.choice([1, 2, 3, 4, 6, 8])
+    low = dtype in ("bfloat16", "float16")
+    whole = world > 1 and (use_docs or untiled)  # the whole sequence on each rank: strategy "head"
+    heads = rng.choice([h for h in (1, 2, 3, 4, 6, 8) if not whole or h % world == 0])
     kv_heads = rng.choice(_divisors(heads))
     dim = rng.choice([32, 64] if kernel == "fused" else [8, 16, 32])
-    batch = rng.choice([1, 2])
-    local = rng.choice([x for x in (4, 6, 8, 12, 16, 24, 32) if x <= max_local])
-    n = world * local
+    batch = 1 if use_docs else rng.choice([1, 2])
     mode = rng.choice(["longnet", "longnet", "grouped"])
     m = rng.randint(1, min(3, heads) if mode == "grouped" else 3)
-    # effective segments: tiles of the shard (w' | L) or whole-shard multiples spanning ranks (L | w', w' | N)
-    choices = [w for w in _divisors(local)] + [local * g for g in _divisors(world) if g > 1]
-    segs, rates = [], []
-    for _ in range(m):
-        w = rng.choice(choices)
-        spans = w > local
-        rate_choices = [r for r in _divisors(w) if r <= 8 and (not spans or local % r == 0)]
-        r = rng.choice(rate_choices)
-        if w == n and rng.random() < 0.3:
-            w = n * rng.choice([2, 3])  # longer than the sequence: clamped to N
-        segs.append(w)
-        rates.append(r)
-    if dtype in ("bfloat16", "float16") and max(min(w, n) // r for w, r in zip(segs, rates)) < 4:
-        # every set of 1-2 keys: the gradients are almost pure cancellation, and "2x plain torch" in
-        # low precision becomes a coin toss; keep one pattern with at least 4 keys per set
-        segs[-1], rates[-1] = local, 1
+    kwargs: dict[str, Any] = {}
+    if world > 1:
+        if whole:
+            strategy = rng.choice(["head", "auto"])  # auto is "head" when the heads divide over the ranks
+        else:
+            strategy = rng.choice(["auto", "auto", "ring"] + (["head"] if heads % world == 0 else [])
+                                  + (["hybrid"] if hybrid_team_size(world, heads) else []))
+        kwargs["strategy"] = strategy
+    segs: list[int] = []
+    if untiled:
+        # free segments, then a length they do not tile (internal padding), the padded length kept small
+        shortest = -(-4 // world) if low else 1  # low precision: at least 4 keys in some set (below)
+        for _ in range(20):
+            segs, rates = _free_patterns(rng, m)
+            lengths = [x for x in range(shortest, max_local + 1) if not _tiles(segs, rates, world * x)
+                       and _padded(segs, rates, world * x) <= MAX_PADDED]
+            if lengths:
+                local = rng.choice(lengths)
+                break
+            segs = []
+    free = bool(segs)
+    if not free:
+        local = rng.choice([x for x in (4, 6, 8, 12, 16, 24, 32) if x <= max_local])
+        # effective segments: tiles of the shard (w' | L) or whole-shard multiples spanning ranks (L | w', w' | N)
+        choices = [w for w in _divisors(local)] + [local * g for g in _divisors(world) if g > 1]
+        segs, rates = [], []
+        for _ in range(m):
+            w = rng.choice(choices)
+            spans = w > local
+            rate_choices = [r for r in _divisors(w) if r <= 8 and (not spans or local % r == 0)]
+            r = rng.choice(rate_choices)
+            if w == world * local and rng.random() < 0.3:
+                w = world * local * rng.choice([2, 3])  # longer than the sequence: clamped to N
+            segs.append(w)
+            rates.append(r)
+    n = world * local
+    # Sets of 1-2 keys: the gradients are almost pure cancellation, and "2x plain torch" in low precision
+    # becomes a coin toss. Keep at least 4 keys per set in one pattern every head sees (longnet), or in
+    # every pattern (grouped: each head sees only its group's pattern).
+    few = [i for i, (w, r) in enumerate(zip(segs, rates)) if min(w, n) // r < 4]
+    if low and few and (mode == "grouped" or len(few) == len(segs)):
+        for i in (few if mode == "grouped" else few[-1:]):
+            if min(segs[i], n) >= 4:
+                rates[i] = 1  # the same segment (tiling unchanged), every key in it
+            else:
+                segs[i], rates[i] = (4 if free else local), 1  # free patterns: n >= 4 (shortest above)
+    cu_seqlens = None
+    if use_docs:
+        for _ in range(20):
+            cu_seqlens = _documents(rng, n)
+            if all(_padded(segs, rates, b - a) <= MAX_PADDED for a, b in zip(cu_seqlens, cu_seqlens[1:])):
+                break
+        else:
+            cu_seqlens = [0, n]
+    if untiled or use_docs:
+        if rng.random() < 0.3:
+            kwargs["pad_to_segments"] = True  # the default, named
+    elif rng.random() < 0.1:
+        kwargs["pad_to_segments"] = False  # the length is tiled: no padding needed, none done
     torch_dtype = repro._DTYPES[dtype]
     spec: dict[str, Any] = {
         "version": repro.VERSION, "seed": rng.randrange(10**6),
         "segment_lengths": segs, "dilation_rates": rates, "mode": mode, "causal": rng.random() < 0.5,
         "softmax_scale": None if rng.random() < 0.6 else round(rng.uniform(0.05, 1.0), 4),
-        "kernel": kernel, "backend": backend if world > 1 else None, "world_size": world, "rank": 0, "kwargs": {},
-        "floor": dict(FLOORS),
+        "kernel": kernel, "backend": backend if world > 1 else None, "world_size": world, "rank": 0,
+        "kwargs": kwargs, "floor": dict(FLOORS), "key_padding_mask": None, "cu_seqlens": cu_seqlens,
     }
+    if use_mask:  # drawn from the seed over the whole sequence; each rank takes its rows
+        spec["key_padding_mask"] = {"shape": [batch, local], "dtype": "bool",
+                                    "density": rng.choice([0.0, 0.1, 0.25, 0.5, 0.9]),
+                                    "runs": rng.choice([0, 0, 1, 2]), "tail": rng.random() < 0.5}
     for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
         desc = _layout_desc((batch, local, h, dim), rng.choice(LAYOUTS), torch_dtype, rng)
         desc.update(device=device, requires_grad=True)
@@ -146,6 +270,22 @@ def random_invalid(rng: random.Random) -> tuple[str, Callable[[], Any]]:
          lambda: dilated_attention(q, k, k, segs, rates, key_padding_mask=torch.zeros(b, n + 1, dtype=torch.bool))),
         ("int64 cu_seqlens", lambda: dilated_attention(q[:1], k[:1], k[:1], segs, rates,
                                                        cu_seqlens=torch.tensor([0, n]))),
+        ("2-D cu_seqlens", lambda: dilated_attention(q[:1], k[:1], k[:1], segs, rates,
+                                                     cu_seqlens=torch.tensor([[0, n]], dtype=torch.int32))),
+        ("cu_seqlens with batch 2", lambda: dilated_attention(
+            t(2, n, h, d), t(2, n, h, d), t(2, n, h, d), segs, rates,
+            cu_seqlens=torch.tensor([0, n], dtype=torch.int32))),
+        ("decreasing cu_seqlens", lambda: dilated_attention(
+            q[:1], k[:1], k[:1], segs, rates, cu_seqlens=torch.tensor([0, n // 2 + 1, n // 2, n], dtype=torch.int32))),
+        ("cu_seqlens as a list", lambda: dilated_attention(q[:1], k[:1], k[:1], segs, rates, cu_seqlens=[0, n])),
+        ("int64 key_padding_mask", lambda: dilated_attention(q, k, k, segs, rates,
+                                                             key_padding_mask=torch.zeros(b, n, dtype=torch.int64))),
+        ("1-D key_padding_mask", lambda: dilated_attention(q, k, k, segs, rates,
+                                                           key_padding_mask=torch.zeros(b * n, dtype=torch.bool))),
+        ("non-bool pad_to_segments", lambda: dilated_attention(q, k, k, segs, rates, pad_to_segments=1)),
+        ("unknown strategy", lambda: dilated_attention(q, k, k, segs, rates, strategy="ulysses")),
+        ("sdpa named for a masked call", lambda: dilated_attention(
+            q, k, k, segs, rates, kernel="sdpa", key_padding_mask=torch.zeros(b, n, dtype=torch.bool))),
         ("cu_seqlens not ending at the length", lambda: dilated_attention(
             q[:1], k[:1], k[:1], segs, rates, cu_seqlens=torch.tensor([0, n - 1], dtype=torch.int32))),
         (f"dilation {n // 2 + 1} does not divide segment {n // 2}",
@@ -197,8 +337,10 @@ def _finding(spec, rep) -> str:
     summary = rep.raised or ", ".join(
         f"{n} rel err {rep.errors[n]:.1e} > {rep.tolerance[n]:.1e}" for n in rep.errors
         if not rep.errors[n] <= rep.tolerance[n])
+    more = repro.describe_call(spec)
     return (f"kernel {spec['kernel']!r}, {spec['q']['dtype']}, world {spec['world_size']}, {spec['mode']} "
-            f"causal={spec['causal']} patterns {spec['segment_lengths']} x {spec['dilation_rates']}: {summary}")
+            f"causal={spec['causal']} patterns {spec['segment_lengths']} x {spec['dilation_rates']}"
+            f"{', ' + more if more else ''}: {summary}")
 
 
 def _progress(total: int | None, enabled: bool):
@@ -211,18 +353,19 @@ def _progress(total: int | None, enabled: bool):
 
 def fuzz(cases: int | None = 100, seconds: float | None = None, *, seed: int = 0, kernels=CPU_KERNELS,
          dtypes=CPU_DTYPES, device: str = "cpu", invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
-         progress: bool = False, kernel_override: Any = None) -> FuzzResult:
+         progress: bool = False, kernel_override: Any = None, option_rate: float = OPTION_RATE) -> FuzzResult:
     """Single process: ``cases`` cases or ``seconds`` of them (whichever ends first), stop at the first failure.
 
     ``kernel_override``: run every valid case with this kernel object instead (used
-    to show that the fuzzer finds a planted bug).
+    to show that the fuzzer finds a planted bug). ``option_rate``: how often each of
+    mask, documents and an untiled length is used (``OPTION_RATE``).
     """
     return _loop(None, {1: None}, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
-                 progress, kernel_override, "collective")
+                 progress, kernel_override, "collective", option_rate)
 
 
 def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
-          progress, kernel_override, backend) -> FuzzResult:
+          progress, kernel_override, backend, option_rate=OPTION_RATE) -> FuzzResult:
     import torch.distributed as dist
 
     distributed = world_group is not None
@@ -257,11 +400,13 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
             continue
         world = rng.choice(worlds)
         spec = random_spec(rng, world=world, kernels=kernels, dtypes=dtypes, device=device,
-                           backend=backend if world > 1 else None)
+                           backend=backend if world > 1 else None, option_rate=option_rate)
         res.valid += 1
+        for option in spec_options(spec):
+            res.options[option] = res.options.get(option, 0) + 1
         failed, finding, lines = False, None, []
+        comm = comms_by_world[world] if rank < world else None
         if rank < world:
-            comm = comms_by_world[world]
             rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=False)
             declined = rep.raised is not None and rep.raised.startswith("ValueError: kernel=") and \
                 "cannot run on these inputs" in rep.raised
@@ -269,12 +414,12 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
             failed = not rep.ok and not declined
             if failed:
                 finding = _finding(spec, rep)
-                # narrow down on the failing case only (collective inside the case's group)
+        if _agree(failed, world_group):
+            # narrow down on the failing case only, on every rank of the case's group: replay is collective
+            # there, and one rank may fail where the others pass (deciding per rank left them waiting)
+            if rank < world:
                 rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=True)
                 lines = rep.text().splitlines()
-        elif distributed:
-            failed = False
-        if _agree(failed, world_group):
             res.failure, res.lines = _collect(finding, lines, world_group)
             if rank == 0:
                 spec = {**spec, "error": res.failure}
@@ -354,7 +499,7 @@ def _spawn_worker(rank, world, port, kwargs, out_dir_results):
 
 def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float | None = None, *, seed: int = 0,
                  kernels=CPU_KERNELS, dtypes=CPU_DTYPES, invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
-                 progress: bool = False, backend: str = "collective") -> FuzzResult:
+                 progress: bool = False, backend: str = "collective", option_rate: float = OPTION_RATE) -> FuzzResult:
     """Fuzz over several world sizes on ``max(world_sizes)`` gloo ranks spawned on this machine (CPU)."""
     from ..testing.spawn import run_spawned
 
@@ -363,7 +508,8 @@ def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float 
         raise ValueError(f"world_sizes must be positive ints, got {world_sizes}")
     kwargs = dict(world_sizes=world_sizes, cases=cases, seconds=seconds, seed=seed, kernels=tuple(kernels),
                   dtypes=tuple(dtypes), device="cpu", invalid_fraction=invalid_fraction,
-                  out_dir=os.path.abspath(out_dir), progress=progress, kernel_override=None, backend=backend)
+                  out_dir=os.path.abspath(out_dir), progress=progress, kernel_override=None, backend=backend,
+                  option_rate=option_rate)
     results_dir = run_spawned(_spawn_worker, world_sizes[-1], kwargs)
     with open(os.path.join(results_dir, "rank0.json")) as f:
         res = FuzzResult(**json.load(f))
@@ -375,4 +521,4 @@ def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float 
     return res
 
 
-__all__ = ["FuzzResult", "check_invalid", "fuzz", "fuzz_spawned", "random_invalid", "random_spec"]
+__all__ = ["FuzzResult", "check_invalid", "fuzz", "fuzz_spawned", "random_invalid", "random_spec", "spec_options"]
