@@ -21,6 +21,19 @@ In-tile row offsets (``row * stride``) are int32 unless ``IDX`` is ``tl.int64``
 (chosen by the host when a segment's extent does not fit in int32); per-program
 bases are always int64.
 
+Key padding (``HAS_MASK``; ``False`` compiles the unmasked kernels unchanged).
+``KM``: uint8, nonzero = the key is excluded, read as ``(b, s, m, off)`` through
+four strides like ``K`` (no head dim) at the head's *query* offset (a packed ring
+half stores k at offset 0, but its mask is in the full layout). ``LT`` (int32,
+written by ``tiles_kernel``): for each ``(b, s, offset)`` row (``n_off`` offsets)
+the key tiles of ``BLOCK_N`` keys holding a real key, as ``n_tiles + 1`` prefix
+counts then entries ``2 * tile + (1 if it holds some padding)``. The forward and
+dQ loops run over that list: a tile of padding only is never visited (no loads,
+dots or exp), the loop stays software-pipelined (a branch around the dots is
+not: 1.8x slower forward on an H100), and only a tile with some padding loads
+its mask bytes and sets their scores to ``-inf`` (P = 0 in the backward). A dK/dV
+program whose key block is padding only returns at once (it adds nothing).
+
 Head table ``HT`` (4, NH): query head, query offset, kv head, kv offset.
 Unit table ``UT`` (5, NU): kv head, kv offset, first and end query head of the
 (contiguous) query heads reading it, their query offset. Each (kv head, kv
@@ -31,17 +44,18 @@ import triton.language as tl
 
 
 def fwd_kernel(
-    Q, K, V, O, LSE, HT,
+    Q, K, V, O, LSE, HT, KM, LT,
     sqb, sqs, sqm, sqh, sqo,
     skb, sks, skm, skh, sko,
     svb, svs, svm, svh, svo,
     sob, sos, som, soh,
     slb, sls, slm, slh,
+    smb, sms, smm, smo, n_off,
     NH, S, M, MK, n_mblocks,
     qk_scale,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i = tl.program_id(1)
@@ -63,6 +77,10 @@ def fwd_kernel(
     q_ptrs = Q + (b * sqb + s * sqs + h * sqh + qo * sqo) + offs_m.to(IDX)[:, None] * sqm + offs_d[None, :]
     k_base = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_d[None, :]
     v_base = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_d[None, :]
+    if HAS_MASK:
+        m_base = KM + (b * smb + s * sms + qo * smo)
+        n_tiles = tl.cdiv(MK, BLOCK_N)
+        tiles = LT + ((b * S + s) * n_off + qo) * (2 * n_tiles + 1)
     if EVEN_M & EVEN_D:
         q = tl.load(q_ptrs)
     else:
@@ -86,7 +104,15 @@ def fwd_kernel(
         else:
             lo = 0
             hi = MK
-        for start_n in range(lo, hi, BLOCK_N):
+        if HAS_MASK:  # positions in the list of the live tiles of [lo, hi)
+            lo = tl.load(tiles + lo // BLOCK_N)
+            hi = tl.load(tiles + tl.cdiv(hi, BLOCK_N))
+        for it in range(lo, hi, 1 if HAS_MASK else BLOCK_N):
+            if HAS_MASK:
+                tile = tl.load(tiles + n_tiles + 1 + it)  # 2 * index + (1 if it holds some padding)
+                start_n = (tile >> 1) * BLOCK_N
+            else:
+                start_n = it
             cols = start_n + offs_n
             if EVEN_N & EVEN_D:
                 k = tl.load(k_base + cols.to(IDX)[:, None] * skm)
@@ -98,7 +124,11 @@ def fwd_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            if not EVEN_N:
+            if HAS_MASK:
+                if (tile & 1) != 0:  # some padding here (keys past MK count as padding)
+                    key_ok = tl.load(m_base + cols.to(IDX) * smm, mask=cols < MK, other=1) == 0
+                    qk = tl.where(key_ok[None, :], qk, float("-inf"))
+            elif not EVEN_N:
                 qk = tl.where(cols[None, :] < MK, qk, float("-inf"))
             if CAUSAL and stage == 1:
                 qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
@@ -155,7 +185,7 @@ def delta_kernel(
 
 
 def dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, HT,
+    Q, K, V, DO, LSE, DELTA, DQ, HT, KM, LT,
     sqb, sqs, sqm, sqh, sqo,
     skb, sks, skm, skh, sko,
     svb, svs, svm, svh, svo,
@@ -163,11 +193,12 @@ def dq_kernel(
     slb, sls, slm, slh, slo,
     sdb, sds, sdm, sdh,
     sab, sas, sam, sah, sao,
+    smb, sms, smm, smo, n_off,
     NH, S, M, MK, n_mblocks,
     qk_scale, scale,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """dQ of one row block of one head; adds into DQ (each element owned by one program)."""
     pid = tl.program_id(0)
@@ -210,6 +241,10 @@ def dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     k_base = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_d[None, :]
     v_base = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_d[None, :]
+    if HAS_MASK:
+        m_base = KM + (b * smb + s * sms + qo * smo)
+        n_tiles = tl.cdiv(MK, BLOCK_N)
+        tiles = LT + ((b * S + s) * n_off + qo) * (2 * n_tiles + 1)
     dq = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
     for stage in tl.static_range(2 if CAUSAL else 1):
         if CAUSAL:
@@ -222,7 +257,15 @@ def dq_kernel(
         else:
             lo = 0
             hi = MK
-        for start_n in range(lo, hi, BLOCK_N):
+        if HAS_MASK:  # positions in the list of the live tiles of [lo, hi)
+            lo = tl.load(tiles + lo // BLOCK_N)
+            hi = tl.load(tiles + tl.cdiv(hi, BLOCK_N))
+        for it in range(lo, hi, 1 if HAS_MASK else BLOCK_N):
+            if HAS_MASK:
+                tile = tl.load(tiles + n_tiles + 1 + it)  # 2 * index + (1 if it holds some padding)
+                start_n = (tile >> 1) * BLOCK_N
+            else:
+                start_n = it
             cols = start_n + offs_n
             if EVEN_N & EVEN_D:
                 k = tl.load(k_base + cols.to(IDX)[:, None] * skm)
@@ -235,7 +278,11 @@ def dq_kernel(
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             p = tl.math.exp2(qk - lse2[:, None])
-            if not EVEN_N:
+            if HAS_MASK:
+                if (tile & 1) != 0:  # some padding here (keys past MK count as padding)
+                    key_ok = tl.load(m_base + cols.to(IDX) * smm, mask=cols < MK, other=1) == 0
+                    p = tl.where(key_ok[None, :], p, 0.0)
+            elif not EVEN_N:
                 p = tl.where(cols[None, :] < MK, p, 0.0)
             if CAUSAL and stage == 1:
                 p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
@@ -253,7 +300,7 @@ def dq_kernel(
 
 
 def dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, UT,
+    Q, K, V, DO, LSE, DELTA, DK, DV, UT, KM,
     sqb, sqs, sqm, sqh, sqo,
     skb, sks, skm, skh, sko,
     svb, svs, svm, svh, svo,
@@ -262,11 +309,12 @@ def dkdv_kernel(
     sdb, sds, sdm, sdh,
     skab, skas, skam, skah, skao,
     svab, svas, svam, svah, svao,
+    smb, sms, smm, smo,
     NU, S, M, MK, n_nblocks,
     qk_scale, scale,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """dK, dV of one key block of one (kv head, offset) unit, summed over its query heads."""
     pid = tl.program_id(0)
@@ -287,6 +335,10 @@ def dkdv_kernel(
     offs_d = tl.arange(0, DP)
     d_ok = offs_d[None, :] < D
     col_ok = offs_n < MK
+    if HAS_MASK:
+        key_ok = tl.load(KM + (b * smb + s * sms + qo * smo) + offs_n.to(IDX) * smm, mask=col_ok, other=1) == 0
+        if tl.sum(key_ok.to(tl.int32), 0) == 0:  # a block of padding only: its dK/dV get nothing added
+            return
     k_ptrs = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_n.to(IDX)[:, None] * skm + offs_d[None, :]
     v_ptrs = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_n.to(IDX)[:, None] * svm + offs_d[None, :]
     if EVEN_N & EVEN_D:
@@ -340,7 +392,9 @@ def dkdv_kernel(
                 lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
                 qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
                 pT = tl.math.exp2(qkT - lse2[None, :])
-                if not EVEN_N:
+                if HAS_MASK:
+                    pT = tl.where(key_ok[:, None], pT, 0.0)
+                elif not EVEN_N:
                     pT = tl.where(col_ok[:, None], pT, 0.0)
                 if CAUSAL and stage == 0:
                     pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
@@ -363,9 +417,35 @@ def dkdv_kernel(
         tl.store(va_ptrs, (pv + dv).to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok)
 
 
+def tiles_kernel(
+    KM, LT,
+    smb, sms, smm, smo, n_off,
+    S, MK,
+    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, IDX: tl.constexpr,
+):
+    """The live key tiles ``LT`` of one ``(b, s, offset)`` mask row (layout in the module docstring)."""
+    row = tl.program_id(0).to(tl.int64)  # (b * S + s) * n_off + offset
+    bs = row // n_off
+    m_base = KM + ((bs // S) * smb + (bs % S) * sms + (row % n_off) * smo)
+    n_tiles = tl.cdiv(MK, BLOCK_N)
+    out = LT + row * (2 * n_tiles + 1)
+    tl.store(out, 0)
+    count = 0
+    for t0 in range(0, n_tiles, CHUNK):
+        t = t0 + tl.arange(0, CHUNK)
+        cols = t[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        n_pad = tl.sum(tl.load(m_base + cols.to(IDX) * smm, mask=cols < MK, other=1).to(tl.int32), 1)
+        live = (n_pad < BLOCK_N) & (t < n_tiles)
+        seen = count + tl.cumsum(live.to(tl.int32), 0)  # live tiles up to and including t
+        tl.store(out + 1 + t, seen, mask=t < n_tiles)
+        tl.store(out + n_tiles + seen, 2 * t + (n_pad > 0).to(tl.int32), mask=live)
+        count += tl.sum(live.to(tl.int32), 0)
+
+
 KERNEL_FUNCS = {
     "fwd": fwd_kernel,
     "delta": delta_kernel,
     "dq": dq_kernel,
     "dkdv": dkdv_kernel,
+    "tiles": tiles_kernel,
 }

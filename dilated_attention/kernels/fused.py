@@ -14,6 +14,14 @@ into ``dk``/``dv``). Every accumulated element is owned by exactly one program:
 no atomics, and the configs are pinned (``FusedConfig``); nothing is autotuned
 here (the benchmark sweeps configs by constructing kernels with other configs).
 
+Key padding: every method takes ``key_mask=None`` or a bool mask (``True`` = the key
+is excluded; any strides), read in place through a uint8 view of the same memory
+(block seam: ``(B, S, Mk)``; pattern methods: ``(B, Lk)`` in the full layout of
+the key block, see ``pattern.py``). A masked forward and a masked dQ each launch
+one small kernel first (``tiles``) that lists the key tiles holding a real key;
+their main loops visit only those. ``None`` launches the unmasked kernels
+(``HAS_MASK=False``), unchanged.
+
 Head dims: any multiple of 8 up to 256. ``tl.arange`` needs a power of two, so a
 tile is ``padded_dim(D)`` wide (the next power of two, at least 16) and loads and
 stores of the extra columns are masked (zeros in, nothing out); the pinned config
@@ -217,8 +225,30 @@ def _view_strides(x: torch.Tensor) -> tuple[int, ...]:
     return (x.stride(0), x.stride(1), x.stride(2), x.stride(3), 0)
 
 
+# A key mask has no head dim: it is read as (b, s, m, off) element strides; n_off offsets per segment.
+_NO_MASK = (None, (0, 0, 0, 0), 0)
+
+
+def _key_mask(key_mask: torch.Tensor | None, shape, device: torch.device, plan: PatternPlan | None = None):
+    """``(uint8 view, strides, offsets)`` of a bool key mask of ``shape``: a ``(B, S, Mk)`` view as it
+    is (one offset), or with ``plan`` a full ``(B, Lk)`` mask read dilated like k at the head's offset."""
+    if key_mask is None:
+        return _NO_MASK
+    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(shape) or key_mask.device != device:
+        raise ValueError(
+            f"key_mask must be a torch.bool tensor of shape {tuple(shape)} on {device}, "
+            f"got {key_mask.dtype} of shape {tuple(key_mask.shape)} on {key_mask.device}"
+        )
+    km = key_mask.view(torch.uint8)  # the same bytes and strides (no copy), loaded as plain bytes
+    if plan is None:
+        return km, (km.stride(0), km.stride(1), km.stride(2), 0), 1
+    sn = km.stride(1)
+    return km, (km.stride(0), plan.local_segment * sn, plan.dilation * sn, sn), plan.dilation
+
+
 class FusedKernel:
     name = "fused"
+    key_masks = True
 
     def __init__(self, config: FusedConfig | None = None, *, dkdv: bool = True) -> None:
         """``dkdv=False``: the backward adds dQ only (``cudnn.CudnnDkdvKernel`` takes dK/dV from cuDNN)."""
@@ -274,6 +304,18 @@ class FusedKernel:
             "DOT_PREC": "ieee" if (q.dtype == torch.float32 or interp) else "tf32",
         }
 
+    def _live_tiles(self, mask, bsz: int, S: int, MK: int, block: int, idx) -> torch.Tensor | None:
+        """The list of key tiles (``block`` keys) that hold a real key, per mask row (``tiles_kernel``):
+        the forward and dQ loops visit only those, so a tile of padding only is never visited and the
+        loop keeps its software pipelining (a branch around its dots would not)."""
+        km, sm, n_off = mask
+        if km is None:
+            return None
+        rows = bsz * S * n_off
+        lt = torch.empty((rows, 2 * triton.cdiv(MK, block) + 1), dtype=torch.int32, device=km.device)
+        self._launch("tiles", (rows,), (km, lt, *sm, n_off, S, MK), dict(BLOCK_N=block, CHUNK=32, IDX=idx), 4, 1)
+        return lt
+
     @staticmethod
     def _launch(kernel: str, grid, args, meta, warps: int, stages: int) -> None:
         fn = _kernel(kernel)
@@ -289,23 +331,28 @@ class FusedKernel:
 
     # -- generic launchers ------------------------------------------------------
 
-    def _forward(self, q, k, v, out, lse, ht, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg):
+    def _forward(self, q, k, v, out, lse, ht, mask, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg):
         nh = ht.shape[1]
         if nh == 0 or M == 0 or S == 0 or q.shape[0] == 0:
             return
+        km, sm, n_off = mask
         bm, bn = cfg.fwd_m, cfg.fwd_n
         nmb = triton.cdiv(M, bm)
+        idx = _idx_type(max(M, MK), sq, sk, sv, so, sl, sm)
+        lt = self._live_tiles(mask, q.shape[0], S, MK, bn, idx)
         meta = dict(
             **_dims(q.shape[-1]), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-            EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **self._common(q, cfg),
-            IDX=_idx_type(max(M, MK), sq, sk, sv, so, sl),
+            EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **self._common(q, cfg), IDX=idx, HAS_MASK=km is not None,
         )
-        args = (q, k, v, out, lse, ht, *sq, *sk, *sv, *so[:4], *sl[:4], nh, S, M, MK, nmb, scale * LOG2E)
+        args = (q, k, v, out, lse, ht, km, lt, *sq, *sk, *sv, *so[:4], *sl[:4], *sm, n_off,
+                nh, S, M, MK, nmb, scale * LOG2E)
         self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages)
 
-    def _backward(self, q, k, v, out, lse, dout, dq, dk, dv, ht, ut, strides, S, M, MK, causal, scale, cfg):
+    def _backward(self, q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, MK, causal, scale,
+                  cfg):
         sq, sk, sv, so, sl, sg, sdq, sdk, sdv = strides
-        idx = _idx_type(max(M, MK), *strides)
+        km, sm, n_off = mask
+        idx = _idx_type(max(M, MK), *strides, sm)
         nh, nu = ht.shape[1], ut.shape[1]
         bsz = q.shape[0]
         if nh == 0 or M == 0 or S == 0 or bsz == 0 or MK == 0:
@@ -324,12 +371,14 @@ class FusedKernel:
         )
         bm, bn = cfg.dq_m, cfg.dq_n
         nmb = triton.cdiv(M, bm)
+        lt = self._live_tiles(mask, bsz, S, MK, bn, idx)
         self._launch(
             "dq",
             (bsz * S * nmb, nh),
-            (q, k, v, dout, lse, delta, dq, ht, *sq, *sk, *sv, *sg, *sl, *sd, *sdq, nh, S, M, MK, nmb, scale * LOG2E, scale),
+            (q, k, v, dout, lse, delta, dq, ht, km, lt, *sq, *sk, *sv, *sg, *sl, *sd, *sdq, *sm, n_off,
+             nh, S, M, MK, nmb, scale * LOG2E, scale),
             dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
-                 IDX=idx, **common),
+                 IDX=idx, HAS_MASK=km is not None, **common),
             cfg.bwd_warps, cfg.bwd_stages,
         )
         if not self.dkdv:
@@ -339,10 +388,10 @@ class FusedKernel:
         self._launch(
             "dkdv",
             (bsz * S * nnb, nu),
-            (q, k, v, dout, lse, delta, dk, dv, ut, *sq, *sk, *sv, *sg, *sl, *sd, *sdk, *sdv,
+            (q, k, v, dout, lse, delta, dk, dv, ut, km, *sq, *sk, *sv, *sg, *sl, *sd, *sdk, *sdv, *sm,
              nu, S, M, MK, nnb, scale * LOG2E, scale),
             dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
-                 IDX=idx, **common),
+                 IDX=idx, HAS_MASK=km is not None, **common),
             cfg.bwd_warps, cfg.bwd_stages,
         )
 
@@ -356,10 +405,11 @@ class FusedKernel:
         _check_view("v", v, k.shape)
         return cfg
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
+    def forward(self, q, k, v, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None):
         cfg = self._check_block(q, k, v, causal)
         bsz, S, M, hq, dim = q.shape
         MK, hk = k.shape[2], k.shape[3]
+        mask = _key_mask(key_mask, k.shape[:3], k.device)
         v = _unit_last(v)
         out = torch.empty((bsz, S, M, hq, dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((bsz, S, M, hq), dtype=torch.float32, device=q.device)
@@ -369,17 +419,18 @@ class FusedKernel:
             return out, lse
         ht, _ = _tables(("dense", hq, hk), lambda: _dense_rows(hq, hk), q.device)
         self._forward(
-            q, k, v, out, lse, ht, _view_strides(q), _view_strides(k), _view_strides(v),
+            q, k, v, out, lse, ht, mask, _view_strides(q), _view_strides(k), _view_strides(v),
             _view_strides(out), _view_strides(lse), S, M, MK, causal, scale, cfg,
         )
         return out, lse
 
-    def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float):
+    def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None):
         cfg = self._check_block(q, k, v, causal)
         bsz, S, M, hq, dim = q.shape
         MK, hk = k.shape[2], k.shape[3]
         for name, x, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("lse", lse, q.shape[:4])):
             _check_view(name, x, shape)
+        mask = _key_mask(key_mask, k.shape[:3], k.device)
         v, out, dout = _unit_last(v), _unit_last(out), _unit_last(dout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -387,7 +438,7 @@ class FusedKernel:
         ht, ut = _tables(("dense", hq, hk), lambda: _dense_rows(hq, hk), q.device)
         vs = _view_strides
         strides = (vs(q), vs(k), vs(v), vs(out), vs(lse), vs(dout), vs(dq), vs(dk), vs(dv))
-        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, strides, S, M, MK, causal, scale, cfg)
+        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, MK, causal, scale, cfg)
         return dq, dk, dv
 
     # -- whole pattern, one launch ----------------------------------------------------
@@ -408,24 +459,33 @@ class FusedKernel:
     def _kv_strides(self, x, plan, packed, M):
         return _compact_strides(x, M) if packed else _dilated_strides(x, plan)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
+    @staticmethod
+    def _pattern_mask(key_mask, k, plan, packed):
+        """A ``(B, Lk)`` mask in the key block's full layout: a packed half holds ``Lk // r`` rows."""
+        keys = k.shape[1] * plan.dilation if packed else k.shape[1]
+        return _key_mask(key_mask, (k.shape[0], keys), k.device, plan)
+
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
+                        key_mask: torch.Tensor | None = None):
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
+        mask = self._pattern_mask(key_mask, k, plan, packed)
         v = _unit_last(v)
         rows = q.shape[1] // plan.dilation
         out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((bsz, rows, heads), dtype=torch.float32, device=q.device)
         ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
         self._forward(
-            q, k, v, out, lse, ht, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
+            q, k, v, out, lse, ht, mask, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
             self._kv_strides(v, plan, packed, M), _compact_strides(out, M), _compact_strides(lse, M),
             S, M, M, causal, scale, cfg,
         )
         return out, lse
 
     def backward_pattern(
-        self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool, scale: float
+        self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool, scale: float,
+        key_mask: torch.Tensor | None = None,
     ) -> None:
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
@@ -436,6 +496,7 @@ class FusedKernel:
         _check_acc("dq", dq, q.shape)
         _check_acc("dk", dk, k.shape)
         _check_acc("dv", dv, k.shape)
+        mask = self._pattern_mask(key_mask, k, plan, packed)
         v, out, dout = _unit_last(v), _unit_last(out), _unit_last(dout)
         ht, ut = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
         ds, kvs = _dilated_strides, self._kv_strides
@@ -443,7 +504,7 @@ class FusedKernel:
             ds(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), ds(out, plan), ds(lse, plan),
             ds(dout, plan), ds(dq, plan), kvs(dk, plan, packed, M), kvs(dv, plan, packed, M),
         )
-        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, strides, S, M, M, causal, scale, cfg)
+        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, M, causal, scale, cfg)
 
 
 def _check_view(name: str, x: torch.Tensor, shape) -> None:
