@@ -29,8 +29,9 @@ is the one of the padded width.
 
 Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU; there
 ``tl.dot`` operands are cast to fp32 (bf16 dots give garbage in the interpreter).
-The kernels are wrapped with ``triton.jit`` at first launch, so the environment
-variable may be set any time before that.
+Set the variable before Triton is imported (before importing this library, which may
+import Triton through torch): Triton decides at its import whether its own library
+functions (``tl.sum``, ``tl.zeros``, ...) are interpreted.
 """
 
 from __future__ import annotations
