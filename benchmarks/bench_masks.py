@@ -32,30 +32,13 @@ if "--smoke" in sys.argv:  # before triton is imported anywhere
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_kernel import timed  # noqa: E402  (median of CUDA-event timings, one definition)
 
 from dilated_attention import dilated_attention  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def timed(fn, warmup: int, reps: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn`` after ``warmup`` calls (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def fwd_bwd(q, k, v, dout, segs, rates, **kw):
