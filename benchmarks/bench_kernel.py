@@ -1,8 +1,8 @@
 """Single-GPU kernel benchmark: every implementation ``kernel="auto"`` can choose, the library path, the ceilings.
 
 Drives the patterns itself, as the ring does with world size 1: for each plan
-``forward_pattern`` then the library's pattern combination (``merge.combine_patterns``)
-into full-layout fp32 accumulators; backward: ``backward_pattern`` of every plan with the
+``forward_pattern_into`` (each pattern merged into the running full-layout fp32 result,
+``ring.ring_forward`` itself); backward: ``backward_pattern`` of every plan with the
 final merged ``out``/``lse`` into fp32 ``dq``/``dk``/``dv``.
 
 Methods (``--methods``): ``fused`` (Triton, one launch per pattern), ``cudnn``
@@ -44,6 +44,7 @@ import pprint
 import re
 import sys
 import time
+from dataclasses import replace
 
 if "--smoke" in sys.argv:  # before triton is imported anywhere
     os.environ["TRITON_INTERPRET"] = "1"
@@ -55,12 +56,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import AutoKernel, table_key  # noqa: E402
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel  # noqa: E402
-from dilated_attention.kernels.fused import FusedConfig, FusedKernel, default_config  # noqa: E402
+from dilated_attention.kernels.fused import FusedKernel, default_config  # noqa: E402
 from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
 from dilated_attention.kernels.sdpa import SdpaKernel  # noqa: E402
-from dilated_attention.merge import combine_patterns  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
+from dilated_attention.ring import RingCall, RingLayout, ring_forward  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TABLE_FILE = os.path.join(ROOT, "dilated_attention", "kernels", "auto_table.py")
@@ -107,9 +108,8 @@ def flops_fwd(plans, bsz: int, seq: int, dim: int, causal: bool) -> float:
 def fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=True):
     if not merge:
         return [kernel.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
-    # exactly what the library's forward does around the kernels
-    parts = [(p, *kernel.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)) for p in plans]
-    return combine_patterns(parts, q)
+    # exactly what the library's forward does around the kernels (the ring schedule on one device)
+    return ring_forward(q, k, v, None, RingCall(tuple(plans), None, RingLayout(), 0, kernel, causal, scale))
 
 
 def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):
@@ -257,8 +257,12 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                     grads.append(acc)
                 r["rel_vs_fused"] = max([_rel(rows_o, rows_r)] + [_rel(a, b) for a, b in zip(grads[0], ref_b)])
                 r["bwd_reproducible"] = all(torch.equal(a, b) for a, b in zip(*grads))
-                r["fwd_ms"] = timed(lambda: impl.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale),
-                                    warmup, reps, dev)
+                # what the library calls: the pattern merged into a running result (fused: in its epilogue)
+                run_o = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+                run_l = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=dev)
+                r["fwd_ms"] = timed(lambda: impl.forward_pattern_into(q, k, v, p, run_o, run_l, packed=False,
+                                                                      causal=causal, scale=scale), warmup, reps, dev)
+                del run_o, run_l
                 acc = grads[0]
                 r["bwd_ms"] = timed(lambda: impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False,
                                                                   causal=causal, scale=scale), warmup, reps, dev)
@@ -297,41 +301,37 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
 # ---------------------------------------------------------------------------
 
 
-FWD_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 8, 3)]
-BWD_SWEEP = [  # dq_m, dq_n, dkdv_m, dkdv_n, warps, stages
-    (64, 64, 32, 64, 8, 2),
-    (128, 64, 32, 64, 8, 2),
-    (64, 64, 64, 64, 8, 1),
-    (64, 64, 32, 64, 8, 3),
-    (64, 32, 32, 64, 4, 2),
-]
+# (block_m, block_n, warps, stages) of one kernel; the others keep the pinned config.
+SWEEP = {
+    "fwd": [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
+            (64, 128, 4, 3)],
+    "dq": [(64, 32, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4), (128, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 3),
+           (128, 64, 8, 3), (64, 64, 4, 3)],
+    "dkdv": [(32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 64, 4, 4), (32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3),
+             (64, 128, 8, 3), (16, 64, 4, 3), (64, 64, 4, 3)],
+}
 
 
 def sweep(q, k, v, dout, plans, causal, scale, warmup, reps):
-    """Time fused configs (fwd and bwd separately); no Triton autotuner: accumulation buffers are re-zeroed."""
+    """Time fused configs, one kernel at a time (forward kernels; backward = delta + dQ + dK/dV with fresh
+    accumulators); no Triton autotuner, so every configuration is a pinned, reproducible launch."""
     base = default_config(q.shape[-1], q.dtype)
-    results = []
-    for fc in FWD_SWEEP:
-        cfg = FusedConfig(*fc, base.dq_m, base.dq_n, base.dkdv_m, base.dkdv_n, base.bwd_warps, base.bwd_stages)
-        kern = FusedKernel(cfg)
-        try:
-            ms = timed(lambda: fwd_pipeline(kern, q, k, v, plans, causal, scale, merge=False), warmup, reps)
-        except Exception as exc:  # a config that does not compile/fit
-            ms = None
-            print(f"  sweep fwd {fc}: failed {type(exc).__name__}: {str(exc)[:200]}")
-        results.append({"causal": causal, "part": "fwd", "config": fc, "ms": ms})
-        print(f"  sweep fwd causal={causal} {fc}: {ms}", flush=True)
     out, lse = fwd_pipeline(FusedKernel(), q, k, v, plans, causal, scale)
-    for bc in BWD_SWEEP:
-        cfg = FusedConfig(base.fwd_m, base.fwd_n, base.fwd_warps, base.fwd_stages, *bc)
-        kern = FusedKernel(cfg)
-        try:
-            ms = timed(lambda: bwd_pipeline(kern, q, k, v, plans, out, lse, dout, causal, scale), warmup, reps)
-        except Exception as exc:
-            ms = None
-            print(f"  sweep bwd {bc}: failed {type(exc).__name__}: {str(exc)[:200]}")
-        results.append({"causal": causal, "part": "bwd", "config": bc, "ms": ms})
-        print(f"  sweep bwd causal={causal} {bc}: {ms}", flush=True)
+    results = []
+    for part, configs in SWEEP.items():
+        for m, n, warps, stages in configs:
+            try:
+                cfg = replace(base, **{f"{part}_m": m, f"{part}_n": n, f"{part}_warps": warps, f"{part}_stages": stages})
+                kern = FusedKernel(cfg)
+                if part == "fwd":
+                    ms = timed(lambda: fwd_pipeline(kern, q, k, v, plans, causal, scale, merge=False), warmup, reps)
+                else:
+                    ms = timed(lambda: bwd_pipeline(kern, q, k, v, plans, out, lse, dout, causal, scale), warmup, reps)
+            except Exception as exc:  # a config that does not compile or fit
+                ms = None
+                print(f"  sweep {part} {(m, n, warps, stages)}: failed {type(exc).__name__}: {str(exc)[:200]}")
+            results.append({"causal": causal, "part": part, "config": [m, n, warps, stages], "ms": ms})
+            print(f"  sweep {part} causal={causal} {(m, n, warps, stages)}: {ms}", flush=True)
     return results
 
 

@@ -37,6 +37,12 @@ streams (compute, communication) and a host thread (``_Timeline``):
   copies, then the whole sequence for ``H/K`` heads), hybrid (all-to-all inside
   teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
 
+The memory-pass terms describe the code the committed records were measured on:
+since then every pattern and ring step merges into the running result in the fused
+kernel's epilogue (``forward_pattern_into``), which removes the separate combine
+and ``merge_two`` passes, so the model overestimates today's forward by them. The
+terms stay as measured until new single-GPU records re-fit them (``--calibrate``).
+
 The kernel and memory constants are calibrated on one GPU only (``calibrate``:
 least squares on single-GPU times of ``kernel_<gpu>.json`` and the ``single_gpu``
 entries of ``scaling_<gpu>_x*.json``); link, latency and poll constants are

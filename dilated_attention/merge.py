@@ -1,7 +1,7 @@
 """fp32 log-sum-exp merging of partial attention results, safe for empty rows: all of it lives here.
 
-``merge_two`` merges two partials (ring steps); ``combine_patterns`` combines every
-pattern's partial into the final ``(out, lse)`` in two passes.
+``merge_two`` merges two partials; ``merge_into_`` and ``merge_pattern_`` merge a partial
+(a block's, or a whole pattern's in compact layout) into the running fp32 result in place.
 
 A partial is ``(out, lse)`` with ``out`` of shape ``(..., D)`` and ``lse`` of
 shape ``(...)`` in natural log. An empty row has ``lse = -inf``. Merging is the
@@ -52,25 +52,18 @@ def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(w == 0, torch.zeros((), dtype=w.dtype, device=out.device), out.to(w.dtype) * w)
 
 
-def combine_patterns(partials, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over every pattern's keys: the total LSE first, then one weighted add per region.
+def merge_into_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Merge a partial into the running ``(out, lse)`` (fp32 views, possibly strided) in place."""
+    merged, total = merge_two(out, lse, part_out, part_lse)
+    out.copy_(merged)
+    lse.copy_(total)
 
-    ``partials`` holds ``(plan, out, lse)`` in compact layout (``lse`` as a kernel gave it). Two passes of a few ops
-    per pattern (``views.region_views``) beat merging pattern by pattern (a dozen ops
-    over the whole fp32 accumulator each time). Rows no pattern covers keep
-    ``lse = -inf`` and ``out = 0``.
-    """
-    bsz, n, heads, dim = like.shape
-    acc = accum_dtype(like.dtype)
-    total = torch.full((bsz, n, heads), float("-inf"), dtype=acc, device=like.device)
-    partials = [(plan, out, normalize_lse(lse)) for plan, out, lse in partials]
-    for plan, _, lse in partials:
-        for rows, part in region_views(total, lse, plan):
-            rows.copy_(torch.logaddexp(rows, part))
-    safe = torch.where(torch.isfinite(total), total, torch.zeros((), dtype=acc, device=like.device))
-    out = torch.zeros((bsz, n, heads, dim), dtype=acc, device=like.device)
-    for plan, part_out, lse in partials:
-        weights = [torch.exp(part - rows) for rows, part in region_views(safe, lse, plan)]
-        for (rows, part), weight in zip(region_views(out, part_out, plan), weights):
-            rows.addcmul_(part, weight.unsqueeze(-1))
-    return out.to(like.dtype), total
+
+def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Merge one pattern's partial in compact layout (``kernels/pattern.py``) into the running full-layout
+    ``(out, lse)`` in place: the generic ``PatternKernel.forward_pattern_into`` (the fused kernel merges
+    in its epilogue instead)."""
+    whole = out.is_contiguous() and lse.is_contiguous()  # both views whole, or both chunk by chunk
+    lse_regions = region_views(lse, part_lse, plan, whole)
+    for (rows, part), (rows_lse, part_l) in zip(region_views(out, part_out, plan, whole), lse_regions):
+        merge_into_(rows, rows_lse, part, part_l)

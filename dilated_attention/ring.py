@@ -3,9 +3,9 @@
 Every pattern is either local (its segments fit a rank's sequence block) or a
 ring over ``G`` ranks holding consecutive blocks. On a ring each rank packs its
 dilated K/V once, then ``G - 1`` steps pass the packed block to the next rank;
-the receive for step ``t + 1`` is posted before step ``t`` is computed. Ring
-steps merge in the pattern's compact layout; patterns are then combined in
-fp32 (``merge.combine_patterns``).
+the receive for step ``t + 1`` is posted before step ``t`` is computed. Every
+pattern and ring step merges into one running fp32 result (``forward_pattern_into``:
+the fused kernel does it in its epilogue), so there is no separate combine pass.
 
 Backward reuses the final ``out`` and ``lse`` (exact gradients without
 differentiating the merge). K/V blocks go round again, and so do fp32 dK/dV
@@ -28,7 +28,7 @@ import torch
 
 from .comm.base import CommBackend
 from .kernels.base import PatternKernel
-from .merge import accum_dtype, combine_patterns, merge_two
+from .merge import accum_dtype
 from .patterns import PatternPlan
 from .views import pack_kv, unpack_add_
 
@@ -93,14 +93,12 @@ def _ring_blocks(k, v, plan, comm, layout, call, direction, causal):
             block, spare = spare, block
 
 
-def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale):
-    merged = None  # the pattern's partial in compact layout: steps merge there in one op each
+def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale, out, lse):
     for _, block, seen, src in _ring_blocks(k, v, plan, comm, layout, call, "forward", causal):
         if seen is not Visibility.HIDDEN:
-            part = kernel.forward_pattern(q, block[0], block[1], plan, packed=True, causal=seen is Visibility.CAUSAL,
-                                          scale=scale, **_block_mask(key_mask, src, q.shape[1]))
-            merged = part if merged is None else merge_two(*merged, *part)
-    return merged  # never None: every rank sees at least its own block
+            kernel.forward_pattern_into(q, block[0], block[1], plan, out, lse, packed=True,
+                                        causal=seen is Visibility.CAUSAL, scale=scale,
+                                        **_block_mask(key_mask, src, q.shape[1]))
 
 
 def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv):
@@ -151,18 +149,19 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     """
     comm, layout = ring.comm, ring.layout
     own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
-    partials = []
+    acc = accum_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)  # rows no pattern covers stay (0, -inf)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     for plan in ring.plans:
         if not plan.chunks:  # no local head uses this pattern (grouped mode, head-parallel)
             continue
         if plan.ring_size == 1:
-            out, lse = ring.kernel.forward_pattern(q, k, v, plan, packed=False, causal=ring.causal,
-                                                   scale=ring.scale, **own)
+            ring.kernel.forward_pattern_into(q, k, v, plan, out, lse, packed=False, causal=ring.causal,
+                                             scale=ring.scale, **own)
         else:
-            out, lse = _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal,
-                                     ring.scale)
-        partials.append((plan, out, lse))
-    return combine_patterns(partials, q)
+            _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal, ring.scale,
+                          out, lse)
+    return out.to(q.dtype), lse
 
 
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,

@@ -53,15 +53,16 @@ def _affine_heads(plan: PatternPlan) -> tuple[int, int, int, int, int] | None:
     return runs[0][1], len(runs), lengths.pop(), runs[0][0], steps.pop() if steps else 0
 
 
-def region_views(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def region_views(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan, whole: bool = True
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Matching ``(full-layout rows, compact rows)`` view pairs that together cover a pattern.
 
     One pair for the whole pattern when its head offsets are affine and ``full`` is
     contiguous (``as_strided`` on a tensor we allocated: one op per pattern instead of
-    one per chunk), else one pair per chunk. Shapes ``(B, S, M, A, h, *rest)``.
+    one per chunk) and ``whole`` allows it, else one pair per chunk. Shapes ``(B, S, M, A, h, *rest)``.
     """
     affine = _affine_heads(plan)
-    if affine is None or not full.is_contiguous():
+    if affine is None or not full.is_contiguous() or not whole:
         return [
             (dilated_view(full, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1).unsqueeze(3),
              compact_view(compact, plan, c.h0, c.h1).unsqueeze(3))

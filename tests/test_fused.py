@@ -37,7 +37,8 @@ from dilated_attention.kernels.fused import (  # noqa: E402
 )
 from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel, _expand_kv  # noqa: E402
-from dilated_attention.merge import combine_patterns  # noqa: E402
+from dilated_attention.merge import merge_pattern_  # noqa: E402
+from dilated_attention.ring import RingCall, RingLayout, ring_forward  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.testing.compare import as_layout, assert_within_rule, rel_err  # noqa: E402
 from dilated_attention.views import chunk_views, compact_view, dilated_view, pack_kv  # noqa: E402
@@ -188,7 +189,7 @@ def test_padded_dim():
 
 
 def test_shared_memory_reason():
-    huge = FusedConfig(256, 256, 8, 4, 256, 256, 256, 256, 8, 4)
+    huge = FusedConfig(256, 256, 8, 4, 256, 256, 8, 4, 256, 256, 8, 4)
     reason = shared_memory_reason(huge, 256, torch.float32, 232448)
     assert reason is not None and "out of resource: shared memory" in reason and "232448" in reason
     for dim in (32, 40, 64, 96, 128, 200):
@@ -327,9 +328,8 @@ def plans_for(mode, heads, kv_heads, local_len, seq_len, segs=None, rates=None):
 
 def final_out_lse(q, k, v, plans, causal, scale):
     """Merged (out, lse) of all local plans, the way the library combines them, fp64 kernel."""
-    parts = [(p, *REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=causal, scale=scale))
-             for p in plans]
-    out, lse = combine_patterns(parts, d64(q))
+    out, lse = ring_forward(d64(q), d64(k), d64(v), None, RingCall(tuple(plans), None, RingLayout(), 0, REF_P,
+                                                                   causal, scale))
     return out, lse.float()
 
 
@@ -361,7 +361,43 @@ def check_pattern_forward(kern, q, k, v, p, packed, causal, scale, seed, what):
     lows = [kk.forward_pattern(q, k, v, p, packed=packed, causal=causal, scale=scale) for kk in (REF_P, LOWP_P)]
     judge(f"{what} out", chunk_rows(o, p), chunk_rows(o64, p), [chunk_rows(x[0], p) for x in lows], seed)
     judge(f"{what} lse", chunk_rows(s, p), chunk_rows(s64, p), [chunk_rows(x[1], p) for x in lows], seed)
+    check_pattern_merge(kern, q, k, v, p, packed, causal, scale, seed, what)
     return o, s
+
+
+def check_pattern_merge(kern, q, k, v, p, packed, causal, scale, seed, what):
+    """``forward_pattern_into`` merges into a running fp32 result that already holds random values (every
+    fifth row empty), read through head-sliced strides, against merging the fp64 oracle's partial; rows
+    the pattern does not cover stay bit-for-bit unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    bsz, n, heads, dim = q.shape
+    out0 = torch.randn((bsz, n, heads + 1, dim), generator=g)[:, :, 1:]
+    lse0 = (3 * torch.randn((bsz, n, heads + 2), generator=g))[:, :, 2:]
+    out0[:, ::5], lse0[:, ::5] = 0.0, float("-inf")
+    kw = dict(packed=packed, causal=causal, scale=scale)
+
+    def head_sliced(x):  # a fresh copy that is a head slice of a wider tensor, like out0/lse0
+        wide = torch.empty((*x.shape[:2], x.shape[2] + 1, *x.shape[3:]), device=DEVICE)
+        wide[:, :, 1:].copy_(x)
+        return wide[:, :, 1:]
+
+    def merged(kernel):
+        out, lse = head_sliced(out0), head_sliced(lse0)
+        kernel.forward_pattern_into(q, k, v, p, out, lse, **kw)
+        return out, lse
+
+    got_o, got_l = merged(kern)
+    want_o, want_l = d64(out0), d64(lse0)
+    merge_pattern_(want_o, want_l, p, *REF_P.forward_pattern(d64(q), d64(k), d64(v), p, **kw))
+    lows = [merged(kk) for kk in (REF_P, LOWP_P)]
+    fin = torch.isfinite(want_l)
+    assert torch.equal(torch.isfinite(got_l.cpu()), fin), f"{what} merged lse: empty rows differ"
+    judge(f"{what} merged out", got_o, want_o, [o for o, _ in lows], seed)
+    judge(f"{what} merged lse", got_l.cpu()[fin], want_l[fin], [s.cpu()[fin] for _, s in lows], seed)
+    covered = torch.zeros(lse0.shape, dtype=torch.bool)
+    for c in p.chunks:
+        dilated_view(covered, p.local_segment, p.dilation, c.offset, c.h0, c.h1).fill_(True)
+    assert torch.equal(got_o.cpu()[~covered], out0[~covered]), f"{what} merged out: uncovered rows changed"
 
 
 def check_pattern_local(kern, mode, heads, kv_heads, layout, causal, dtype, seed, dim, n, segs=None, rates=None,

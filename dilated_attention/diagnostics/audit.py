@@ -284,6 +284,12 @@ class _AuditedKernel:
             _check(self.audit, f"{self.name}.forward_pattern (pattern {plan.index})", n, t, must_be_contiguous=False)
         return self.kernel.forward_pattern(q, k, v, plan, **kw)
 
+    def forward_pattern_into(self, q, k, v, plan, out, lse, **kw):
+        for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+            _check(self.audit, f"{self.name}.forward_pattern_into (pattern {plan.index})", n, t,
+                   must_be_contiguous=False)
+        return self.kernel.forward_pattern_into(q, k, v, plan, out, lse, **kw)
+
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, **kw):
         for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout), ("dq", dq),
                      ("dk", dk), ("dv", dv)):

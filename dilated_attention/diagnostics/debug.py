@@ -359,6 +359,27 @@ class DebugKernel:
             self._shadow_forward(meta, q, k, v, plan, packed, causal, scale, out, lse, heads, mask)
         return out, lse
 
+    def forward_pattern_into(self, q, k, v, plan, out, lse, *, packed: bool, causal: bool, scale: float,
+                             **mask) -> None:
+        meta = self._meta("forward_pattern_into", plan)
+        self._inputs(meta, q, k, v, plan, packed)
+        check_tensor("out", out, meta, shape=q.shape, device=q.device, accumulator=True)
+        check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
+        before = (out.detach().clone(), lse.detach().clone()) if _shadow_due() else None
+        self._call(meta, q, self.kernel.forward_pattern_into, q, k, v, plan, out, lse,
+                   packed=packed, causal=causal, scale=scale, **mask)
+        check_tensor("out (after)", out, meta)
+        check_tensor("lse (after)", lse, meta, allow_inf=True)
+        if before is not None:
+            from ..merge import merge_pattern_
+
+            d = [t.detach().double() for t in (q, k, v)]
+            want_out, want_lse = (t.double() for t in before)
+            merge_pattern_(want_out, want_lse, plan, *self._reference().forward_pattern(
+                *d, plan, packed=packed, causal=causal, scale=scale, **mask))
+            _compare(meta, "out", out, want_out, q.dtype)
+            _compare_lse(meta, lse, want_lse, q.dtype)
+
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
                          scale: float, **mask) -> None:
         meta = self._meta("backward_pattern", plan)
@@ -392,12 +413,7 @@ class DebugKernel:
         ref_out, ref_lse = self._reference().forward_pattern(*d, plan, packed=packed, causal=causal, scale=scale,
                                                              **mask)
         _compare(meta, "out", out[:, :, heads], ref_out[:, :, heads], q.dtype)
-        # lse is checked in absolute terms: it is a log, its relative error means little
-        got, want = lse[:, :, heads].double(), ref_lse[:, :, heads]
-        fin = torch.isfinite(want)
-        err = (got[fin] - want[fin]).abs().max().item() if bool(fin.any()) else 0.0
-        if not err <= 20 * SHADOW_TOL[q.dtype]:
-            raise ShadowMismatch(f"lse differs from the reference kernel by {err:.3e}{_where(meta)}")
+        _compare_lse(meta, lse[:, :, heads], ref_lse[:, :, heads], q.dtype)
 
     def _shadow_backward(self, meta, q, k, v, plan, out, lse, dout, accs, before, packed, causal, scale, mask):
         d = [t.detach().double() for t in (q, k, v, out, lse, dout)]
@@ -406,6 +422,17 @@ class DebugKernel:
                                            **mask)
         for name, acc, b, r in zip(("dq", "dk", "dv"), accs, before, ref):
             _compare(meta, name, acc.detach().double() - b.double(), r, q.dtype)
+
+
+def _compare_lse(meta, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """lse in absolute terms (a log: its relative error means little); infinite entries must match."""
+    got = got.double()
+    fin = torch.isfinite(want)
+    if not torch.equal(fin, torch.isfinite(got)):
+        raise ShadowMismatch(f"lse is finite where the reference kernel's is not (or the reverse){_where(meta)}")
+    err = (got[fin] - want[fin]).abs().max().item() if bool(fin.any()) else 0.0
+    if not err <= 20 * SHADOW_TOL[dtype]:
+        raise ShadowMismatch(f"lse differs from the reference kernel by {err:.3e}{_where(meta)}")
 
 
 def _compare(meta, name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

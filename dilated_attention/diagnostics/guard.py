@@ -118,7 +118,7 @@ class GuardedKernel:
         key = self._key(q)
         if key in _fallen_back:
             return getattr(self.fallback_kernel(q, k, "key_mask" in kwargs), op)(*args, **kwargs)
-        accs = args[7:] if op == "backward_pattern" else ()
+        accs = {"backward_pattern": args[7:], "forward_pattern_into": args[4:6]}.get(op, ())
         snapshot = [a.clone() for a in accs] if accs and key not in _proven else None
         try:
             result = getattr(self.kernel, op)(*args, **kwargs)
@@ -153,6 +153,11 @@ class GuardedKernel:
     def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float, **mask):
         return self._run("forward_pattern", q, k, plan, (q, k, v, plan),
                          dict(packed=packed, causal=causal, scale=scale, **mask), ("q", "k", "v"))
+
+    def forward_pattern_into(self, q, k, v, plan, out, lse, *, packed: bool, causal: bool, scale: float,
+                             **mask) -> None:
+        return self._run("forward_pattern_into", q, k, plan, (q, k, v, plan, out, lse),
+                         dict(packed=packed, causal=causal, scale=scale, **mask), ("q", "k", "v", "plan", "out", "lse"))
 
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
                          scale: float, **mask) -> None:

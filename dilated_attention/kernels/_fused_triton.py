@@ -48,15 +48,19 @@ def fwd_kernel(
     sqb, sqs, sqm, sqh, sqo,
     skb, sks, skm, skh, sko,
     svb, svs, svm, svh, svo,
-    sob, sos, som, soh,
-    slb, sls, slm, slh,
+    sob, sos, som, soh, soo,
+    slb, sls, slm, slh, slo,
     smb, sms, smm, smo, n_off,
     NH, S, M, MK, n_mblocks,
     qk_scale,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr, HAS_MASK: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
+    """One row block of one head. ``MERGE``: ``O``/``LSE`` hold the running normalized fp32 result of the
+    patterns so far (any layout, read through their strides); this block's result is merged into it
+    (online softmax: both weighted by ``exp(lse_part - lse_total)``) instead of stored alone."""
     pid = tl.program_id(0)
     i = tl.program_id(1)
     start_m = pid % n_mblocks
@@ -145,8 +149,24 @@ def fwd_kernel(
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     acc = acc * inv[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = O + (b * sob + s * sos + h * soh) + offs_m.to(IDX)[:, None] * som + offs_d[None, :]
-    l_ptrs = LSE + (b * slb + s * sls + h * slh) + offs_m.to(IDX) * slm
+    o_ptrs = O + (b * sob + s * sos + h * soh + qo * soo) + offs_m.to(IDX)[:, None] * som + offs_d[None, :]
+    l_ptrs = LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(IDX) * slm
+    if MERGE:  # merge_two's arithmetic (merge.py): empty rows stay empty, NaN stays NaN
+        row_ok = offs_m < M
+        old_lse = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
+        old = tl.load(o_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
+        top = tl.maximum(old_lse, lse)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        w_old = tl.exp(old_lse - shift)
+        w_new = tl.exp(lse - shift)
+        total = w_old + w_new
+        nonempty = total != 0.0
+        safe = tl.where(nonempty, total, 1.0)
+        lse = tl.where(nonempty, shift + tl.log(safe), float("-inf"))
+        w_old = tl.where(nonempty, w_old / safe, 0.0)
+        w_new = tl.where(nonempty, w_new / safe, 0.0)
+        acc = tl.where(w_old[:, None] == 0.0, 0.0, old * w_old[:, None]) + tl.where(
+            w_new[:, None] == 0.0, 0.0, acc * w_new[:, None])
     if EVEN_M & EVEN_D:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty))
     else:

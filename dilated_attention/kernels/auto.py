@@ -77,6 +77,11 @@ class AutoKernel:
         impl = self.pick("fwd", plan, causal, q, k, bool(mask))
         return impl.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, **mask)
 
+    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
+                             scale: float, **mask) -> None:
+        impl = self.pick("fwd", plan, causal, q, k, bool(mask))
+        impl.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale, **mask)
+
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float, **mask) -> None:
         impl = self.pick("bwd", plan, causal, q, k, bool(mask))

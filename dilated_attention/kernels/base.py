@@ -76,6 +76,14 @@ class PatternKernel(Protocol):
         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def forward_pattern_into(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+        out: torch.Tensor, lse: torch.Tensor, *,
+        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
+    ) -> None:
+        """``forward_pattern`` merged into the running fp32 result ``out`` ``(B, L, H, D)``, ``lse``
+        ``(B, L, H)`` (full layout) in place: what the strategies call."""
+
     def backward_pattern(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
         out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..merge import merge_pattern_
 from ..patterns import HeadChunk, PatternPlan
 from ..views import compact_view, dilated_view, packed_view
 
@@ -319,6 +320,11 @@ class CudnnKernel:
             raise ValueError(f"packed k must have L // r = {n // r} rows and one local segment, "
                              f"got {k.shape[1]} rows and segment {w} of {n}")
 
+    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
+                             scale: float) -> None:
+        merge_pattern_(out, lse, plan, *self.forward_pattern(q, k, v, plan, packed=packed, causal=causal,
+                                                             scale=scale))
+
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
         self._check(q, k)
         self._geometry(q, k, plan, packed)
@@ -452,6 +458,10 @@ class CudnnDkdvKernel:
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
         return self.cudnn.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
+
+    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
+                             scale: float) -> None:
+        self.cudnn.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale)
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float) -> None:

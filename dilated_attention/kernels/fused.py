@@ -68,7 +68,8 @@ def interpreting() -> bool:
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Pinned launch parameters. ``*_m``/``*_n``: query/key block rows of each kernel."""
+    """Pinned launch parameters of each kernel: ``*_m``/``*_n`` query/key block rows, then warps and
+    software-pipelining stages (the three kernels are tuned independently)."""
 
     fwd_m: int
     fwd_n: int
@@ -76,10 +77,12 @@ class FusedConfig:
     fwd_stages: int
     dq_m: int
     dq_n: int
+    dq_warps: int
+    dq_stages: int
     dkdv_m: int
     dkdv_n: int
-    bwd_warps: int
-    bwd_stages: int
+    dkdv_warps: int
+    dkdv_stages: int
 
     def __post_init__(self) -> None:
         for name in ("fwd_m", "fwd_n", "dq_m", "dq_n", "dkdv_m", "dkdv_n"):
@@ -93,13 +96,13 @@ class FusedConfig:
     def smem_bytes(self, dim: int, elem: int) -> dict[str, int]:
         """Estimated shared memory per program of each kernel (pipelined tiles + layout scratch)."""
         fwd = elem * (self.fwd_m * dim + self.fwd_stages * 2 * self.fwd_n * dim) + 4 * self.fwd_m * self.fwd_n
-        dq = elem * (2 * self.dq_m * dim + self.bwd_stages * 2 * self.dq_n * dim) + 4 * self.dq_m * self.dq_n
-        dkdv = elem * (2 * self.dkdv_n * dim + self.bwd_stages * 2 * self.dkdv_m * dim) + 4 * self.dkdv_m * self.dkdv_n
+        dq = elem * (2 * self.dq_m * dim + self.dq_stages * 2 * self.dq_n * dim) + 4 * self.dq_m * self.dq_n
+        dkdv = elem * (2 * self.dkdv_n * dim + self.dkdv_stages * 2 * self.dkdv_m * dim) + 4 * self.dkdv_m * self.dkdv_n
         return {"forward": fwd, "dq": dq, "dkdv": dkdv}
 
 
 # Interpreter: tiny tiles (the interpreter's cost is per program and per op, not per element).
-_INTERPRET_CONFIG = FusedConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
+_INTERPRET_CONFIG = FusedConfig(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
 
 
 def default_config(dim: int, dtype: torch.dtype) -> FusedConfig:
@@ -117,11 +120,11 @@ def gpu_config(dim: int, dtype: torch.dtype) -> FusedConfig:
     big = dtype == torch.float32
     dim = padded_dim(dim)
     if dim <= 64:
-        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 64, 64, 128, 8, 2)
+        return FusedConfig(64, 32, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 64, 8, 2, 64, 128, 8, 2)
     if dim == 128:
-        return FusedConfig(64, 32, 4, 2, 64, 32, 32, 64, 8, 2) if big else FusedConfig(64, 64, 4, 3, 64, 32, 32, 64, 4, 2)
+        return FusedConfig(64, 32, 4, 2, 64, 32, 8, 2, 32, 64, 8, 2) if big else FusedConfig(64, 64, 4, 3, 128, 64, 8, 3, 32, 64, 4, 3)
     # head dim 256
-    return FusedConfig(32, 32, 4, 1, 32, 32, 16, 32, 8, 1) if big else FusedConfig(64, 64, 8, 2, 64, 32, 16, 32, 8, 1)
+    return FusedConfig(32, 32, 4, 1, 32, 32, 8, 1, 16, 32, 8, 1) if big else FusedConfig(64, 64, 8, 2, 64, 32, 8, 1, 16, 32, 8, 1)
 
 
 def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: int) -> str | None:
@@ -332,7 +335,7 @@ class FusedKernel:
 
     # -- generic launchers ------------------------------------------------------
 
-    def _forward(self, q, k, v, out, lse, ht, mask, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg):
+    def _forward(self, q, k, v, out, lse, ht, mask, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg, merge=False):
         nh = ht.shape[1]
         if nh == 0 or M == 0 or S == 0 or q.shape[0] == 0:
             return
@@ -344,8 +347,9 @@ class FusedKernel:
         meta = dict(
             **_dims(q.shape[-1]), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
             EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0, **self._common(q, cfg), IDX=idx, HAS_MASK=km is not None,
+            MERGE=merge,
         )
-        args = (q, k, v, out, lse, ht, km, lt, *sq, *sk, *sv, *so[:4], *sl[:4], *sm, n_off,
+        args = (q, k, v, out, lse, ht, km, lt, *sq, *sk, *sv, *so, *sl, *sm, n_off,
                 nh, S, M, MK, nmb, scale * LOG2E)
         self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages)
 
@@ -380,7 +384,7 @@ class FusedKernel:
              nh, S, M, MK, nmb, scale * LOG2E, scale),
             dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
                  IDX=idx, HAS_MASK=km is not None, **common),
-            cfg.bwd_warps, cfg.bwd_stages,
+            cfg.dq_warps, cfg.dq_stages,
         )
         if not self.dkdv:
             return
@@ -393,7 +397,7 @@ class FusedKernel:
              nu, S, M, MK, nnb, scale * LOG2E, scale),
             dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
                  IDX=idx, HAS_MASK=km is not None, **common),
-            cfg.bwd_warps, cfg.bwd_stages,
+            cfg.dkdv_warps, cfg.dkdv_stages,
         )
 
     # -- the block seam -----------------------------------------------------------
@@ -484,6 +488,26 @@ class FusedKernel:
         )
         return out, lse
 
+    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
+                             scale: float, key_mask: torch.Tensor | None = None) -> None:
+        """The pattern merged into the running fp32 ``out``/``lse`` (full layout) in the kernel's epilogue:
+        no compact partial, no separate combine pass."""
+        cfg = self._check(q, k)
+        bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
+        _check_view("v", v, k.shape)
+        _check_acc("out", out, q.shape)
+        _check_acc("lse", lse, q.shape[:3])
+        if out.dtype != torch.float32 or lse.dtype != torch.float32:
+            raise TypeError(f"out and lse (the running result) must be float32, got {out.dtype} and {lse.dtype}")
+        mask = self._pattern_mask(key_mask, k, plan, packed)
+        v = _unit_last(v)
+        ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
+        self._forward(
+            q, k, v, out, lse, ht, mask, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
+            self._kv_strides(v, plan, packed, M), _dilated_strides(out, plan), _dilated_strides(lse, plan),
+            S, M, M, causal, scale, cfg, merge=True,
+        )
+
     def backward_pattern(
         self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool, scale: float,
         key_mask: torch.Tensor | None = None,
@@ -522,7 +546,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def _check_acc(name: str, x: torch.Tensor, shape) -> None:
     _check_view(name, x, shape)
-    if x.stride(-1) != 1:
+    if x.dim() == 4 and x.stride(-1) != 1:
         raise ValueError(f"{name} (an accumulator the kernel writes) must have unit stride in its head dim, "
                          f"got strides {tuple(x.stride())}")
 

@@ -11,7 +11,8 @@ Layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
 * ``q``: ``(B, L, H, D)`` local queries.
 * ``k``, ``v``: ``packed=False``: local ``(B, L, Hk, D)``, dilated on the fly;
   ``packed=True``: a ring buffer half ``(B, L // r, Hp, D)`` from ``views.pack_kv``.
-* forward returns the pattern's partial in *compact* layout: ``out``
+* ``forward_pattern_into`` merges the pattern into the running fp32 ``out``/``lse`` in full
+  layout (what strategies call); ``forward_pattern`` returns it alone in *compact* layout: ``out``
   ``(B, L // r, H, D)`` and ``lse`` ``(B, L // r, H)`` fp32 where row
   ``s * M + j`` of head ``h`` is local position ``s * w + offset(h) + r * j``.
   Heads outside the plan's chunks are left unspecified.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..merge import accum_dtype
+from ..merge import accum_dtype, merge_pattern_
 from ..patterns import PatternPlan
 from ..views import chunk_views, compact_view, dilated_view, packed_view
 from .base import BlockKernel
@@ -71,6 +72,11 @@ class ChunkLoop:
             compact_view(out, plan, c.h0, c.h1).copy_(o)
             compact_view(lse, plan, c.h0, c.h1).copy_(s)
         return out, lse
+
+    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
+                             scale: float, key_mask: torch.Tensor | None = None) -> None:
+        merge_pattern_(out, lse, plan, *self.forward_pattern(q, k, v, plan, packed=packed, causal=causal,
+                                                             scale=scale, key_mask=key_mask))
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None) -> None:
