@@ -67,6 +67,12 @@ class Faulting:
             raise self.error(self.message)
         return self.inner.forward_pattern(*args, **kwargs)
 
+    def forward_pattern_into(self, q, k, v, plan, out, lse, **kwargs):
+        if not self.backward_only:
+            out.add_(1.0)  # a launch wrote before the failing one
+            raise self.error(self.message)
+        return self.inner.forward_pattern_into(q, k, v, plan, out, lse, **kwargs)
+
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, **kwargs):
         dq.add_(1.0)  # one launch succeeded and wrote before the next failed
         raise self.error(self.message)
@@ -126,6 +132,21 @@ def test_debug_kernel_passes_valid_calls_forward_and_backward():
                               *accs, packed=False, causal=True, scale=0.3)
     want = ChunkLoop(ReferenceKernel()).forward_pattern(q, k, v, plan, packed=False, causal=True, scale=0.3)
     assert torch.equal(out, want[0]) and all(bool(a.abs().sum() > 0) for a in accs)
+
+
+def test_debug_shadow_checks_the_merge_into_the_running_result():
+    q, k, v = _inputs()
+    g = torch.Generator().manual_seed(7)
+    run = (torch.randn(q.shape, generator=g, dtype=torch.float64), torch.randn(q.shape[:3], generator=g,
+                                                                            dtype=torch.float64))
+    with debug.debug(shadow=1.0, repro_dir=None):
+        good = [t.clone() for t in run]
+        debug.wrap_kernel(ChunkLoop(ReferenceKernel()), {}).forward_pattern_into(
+            q, k, v, _plan(), *good, packed=False, causal=True, scale=0.3)
+        assert not torch.equal(good[0], run[0])
+        with pytest.raises(debug.ShadowMismatch, match="out differs from the reference kernel"):
+            debug.wrap_kernel(ChunkLoop(WrongRow()), {}).forward_pattern_into(
+                q, k, v, _plan(), *[t.clone() for t in run], packed=False, causal=False, scale=0.3)
 
 
 def test_debug_shadow_check_names_a_kernel_that_returns_a_wrong_row():

@@ -111,16 +111,19 @@ def default_config(dim: int, dtype: torch.dtype) -> FusedConfig:
 
 
 def gpu_config(dim: int, dtype: torch.dtype) -> FusedConfig:
-    """The pinned GPU config (sm_90 ptxas reports + the H200 sweep of benchmarks/bench_kernel.py).
+    """The pinned GPU config: ``bench_kernel.py --sweep`` on an H200 and an H100 (one kernel varied at a
+    time, LongNet B=1 N=32768 H=16; ``benchmarks/results/fused_sweep_*.log``).
 
-    Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a dot's M dim, so a
-    tile whose dots have 64 rows runs with 4 warps (8 warps measured 2x slower
-    for the backward at D=128; see benchmarks/results/kernel_nvidia_h200.md).
+    Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a dot's M dim. 16-bit D=128: the forward's
+    64x64 tile with 4 warps and 3 stages is fastest; the dQ kernel runs 128 query rows on 8 warps, dK/dV
+    32 query rows per step on 4 warps (its 128-key tile spills registers at D=128, not at D=64), both
+    3-stage pipelined (1.2-1.3x faster backward than 2 stages on both GPUs). D=64 was swept on an H100
+    only; fp32 and D=256 keep their earlier configs (not re-swept).
     """
     big = dtype == torch.float32
     dim = padded_dim(dim)
     if dim <= 64:
-        return FusedConfig(64, 32, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 64, 8, 2, 64, 128, 8, 2)
+        return FusedConfig(64, 32, 4, 2, 64, 32, 4, 2, 32, 64, 4, 2) if big else FusedConfig(128, 64, 4, 3, 128, 64, 8, 3, 32, 128, 4, 3)
     if dim == 128:
         return FusedConfig(64, 32, 4, 2, 64, 32, 8, 2, 32, 64, 8, 2) if big else FusedConfig(64, 64, 4, 3, 128, 64, 8, 3, 32, 64, 4, 3)
     # head dim 256
