@@ -31,8 +31,9 @@ class Recorder:
 
     key_masks = False
 
-    def __init__(self, name: str, refuse: str | None = None) -> None:
+    def __init__(self, name: str, refuse: str | None = None, deterministic: bool = True) -> None:
         self.name, self.refuse, self.seen = name, refuse, []
+        self.deterministic_backward = deterministic
 
     def supports(self, q, k):
         return self.refuse
@@ -75,6 +76,16 @@ def test_auto_follows_the_table_per_pattern_and_direction():
     _run(kern, causal=True)
     assert other.seen == [("fwd", 1, False), ("bwd", 2, False), ("fwd", 2, True)]
     assert fused.seen == [("bwd", 1, False), ("fwd", 2, False), ("fwd", 1, True), ("bwd", 1, True), ("bwd", 2, True)]
+
+
+def test_deterministic_entries_never_name_a_racy_backward():
+    racy = Recorder("cudnn", deterministic=False)
+    with pytest.raises(ValueError, match="not deterministic.*bwd/dense/causal/D128/float16 -> cudnn"):
+        AutoKernel({"fused": Recorder("fused"), "cudnn": racy},
+                   {table_key("bwd", 1, True, 128, torch.float16): "cudnn"})
+    AutoKernel({"fused": Recorder("fused"), "cudnn": racy},  # the nondeterministic entry may
+               {table_key("bwd-any", 1, True, 128, torch.float16): "cudnn"})
+    assert not CudnnKernel().deterministic_backward and FusedKernel().deterministic_backward
 
 
 def test_nondeterministic_backward_only_when_allowed():
@@ -123,11 +134,11 @@ def test_named_cudnn_kernel_refuses_cpu():
 # the library end to end with a mixed AutoKernel
 
 
-MIXES = {
+MIXES = {  # cuDNN's backward is not deterministic: it can only be a bwd-any entry (AutoKernel allows it here)
     "cudnn-dense-fused-dilated": lambda d, dt: {
-        table_key(direction, 1, causal, d, dt): "cudnn" for direction in ("fwd", "bwd") for causal in (False, True)},
+        table_key(direction, 1, causal, d, dt): "cudnn" for direction in ("fwd", "bwd-any") for causal in (False, True)},
     "fused-fwd-cudnn-bwd": lambda d, dt: {
-        table_key("bwd", r, causal, d, dt): "cudnn" for r in (1, 2) for causal in (False, True)},
+        table_key("bwd-any", r, causal, d, dt): "cudnn" for r in (1, 2) for causal in (False, True)},
     "cudnn-dkdv-everywhere": lambda d, dt: {
         table_key(direction, r, causal, d, dt): "cudnn-dkdv"
         for direction in ("fwd", "bwd") for r in (1, 2) for causal in (False, True)},
@@ -143,7 +154,7 @@ def test_library_with_mixed_auto_kernel(mix, causal):
     segs, rates = ([256, 1024], [1, 4]) if CUDA else ([8, 16], [1, 2])
     ops = None if CUDA else MathOps()
     kern = AutoKernel({"fused": FusedKernel(), "cudnn": CudnnKernel(ops), "cudnn-dkdv": CudnnDkdvKernel(ops)},
-                      MIXES[mix](dim, dtype))
+                      MIXES[mix](dim, dtype), allow_nondeterministic=True)
     q = torch.randn(2, n, heads, dim, device=DEVICE, dtype=dtype).requires_grad_()
     k = torch.randn(2, n, kv_heads, dim, device=DEVICE, dtype=dtype).requires_grad_()
     v = torch.randn(2, n, kv_heads, dim, device=DEVICE, dtype=dtype).requires_grad_()

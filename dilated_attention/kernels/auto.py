@@ -10,7 +10,11 @@ configuration always runs the same implementation, on every rank and every run.
 Determinism: backward entries come in two flavours. ``bwd/...`` holds the
 fastest implementation whose backward gave bitwise-equal results run to run in
 the measurement (the fused kernel always does); ``bwd-any/...`` the fastest of
-all (cuDNN's backward accumulates dQ with atomics). ``AutoKernel`` uses the
+all (cuDNN's backward accumulates dQ with atomics). Implementations declare
+``deterministic_backward``; a ``bwd/...`` entry naming one that is not is refused
+(cuDNN's backward once gave two equal runs in a measurement, yet it is not
+reproducible: 5 of 5 repeats differed on an H100, with and without
+``torch.use_deterministic_algorithms``). ``AutoKernel`` uses the
 deterministic entry unless built with ``allow_nondeterministic`` (or the
 environment sets ``DILATED_ATTENTION_NONDETERMINISTIC=1``): the library's
 communication backends promise bitwise-identical results, which holds only when
@@ -52,6 +56,13 @@ class AutoKernel:
         unknown = sorted({c for c in choices.values() if c not in impls})
         if unknown:
             raise ValueError(f"auto table names implementations {unknown} not among {sorted(impls)}")
+        # Two equal runs in a measurement do not prove a backward deterministic: implementations
+        # declare it (cuDNN's adds dQ with atomics), and a deterministic entry may only name those.
+        racy = sorted({f"{key} -> {name}" for key, name in choices.items()
+                       if key.startswith("bwd/") and not impls[name].deterministic_backward})
+        if racy:
+            raise ValueError(f"auto table's deterministic backward entries name implementations whose backward "
+                             f"is not deterministic: {racy}")
         self.impls, self.choices = impls, dict(choices)
         self.key_masks = impls["fused"].key_masks
         self.allow_nondeterministic = allow_nondeterministic

@@ -281,6 +281,7 @@ class CudnnKernel:
 
     name = "cudnn"
     key_masks = False  # masked work runs on the fused kernel (AutoKernel routes it there)
+    deterministic_backward = False  # dQ is accumulated with atomics
 
     def __init__(self, ops: CudnnOps | None = None, *, grads: tuple[str, ...] = ("dq", "dk", "dv")) -> None:
         """``grads``: which gradients the backward adds (``CudnnDkdvKernel`` keeps dK/dV only)."""
@@ -446,6 +447,7 @@ class CudnnDkdvKernel:
 
     name = "cudnn-dkdv"
     key_masks = False
+    deterministic_backward = True  # one program per key block for dK/dV; dQ from the fused kernel
 
     def __init__(self, ops: CudnnOps | None = None, fused=None) -> None:
         from .fused import FusedKernel

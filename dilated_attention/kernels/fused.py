@@ -256,6 +256,7 @@ def _key_mask(key_mask: torch.Tensor | None, shape, device: torch.device, plan: 
 class FusedKernel:
     name = "fused"
     key_masks = True
+    deterministic_backward = True  # every gradient element is owned by one program: no atomics
 
     def __init__(self, config: FusedConfig | None = None, *, dkdv: bool = True) -> None:
         """``dkdv=False``: the backward adds dQ only (``cudnn.CudnnDkdvKernel`` takes dK/dV from cuDNN)."""
