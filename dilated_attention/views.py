@@ -106,3 +106,16 @@ def unpack_add_(dk: torch.Tensor, dv: torch.Tensor, buf: torch.Tensor, plan: Pat
         chunk_views(dk, plan, c, kv=True).add_(packed_view(buf[0], c))
         chunk_views(dv, plan, c, kv=True).add_(packed_view(buf[1], c))
 
+
+ALIGN_BYTES = 16  # what fused attention ops (cuDNN's TMA loads, flash's vector loads) assume of addresses and strides
+
+
+def readable(v: torch.Tensor) -> bool:
+    """Whether a fused attention op (cuDNN, torch's flash) can read this view in place: unit-stride last
+    dim, every other stride (of a dim longer than 1) a positive multiple of 16 bytes, 16-byte aligned start."""
+    if v.numel() == 0:
+        return True
+    if v.stride(-1) != 1 or v.data_ptr() % ALIGN_BYTES:
+        return False
+    unit = ALIGN_BYTES // v.element_size()
+    return all(st > 0 and st % unit == 0 for n, st in zip(v.shape[:-1], v.stride()[:-1]) if n > 1)

@@ -152,6 +152,29 @@ def test_every_layout_every_kernel(layout, kernel, dtype):
         assert_within_rule(name, got[i], oracle[i], None if plain is None else plain[i], context=f"{layout} {kernel}")
 
 
+@pytest.mark.parametrize("kernel", ["auto", "sdpa", "fused"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_misaligned_views_on_the_device(kernel, causal):
+    """Views starting at an odd element (not 16-byte aligned), on the GPU when there is one: a CUDA attention
+    op fed such a view faults "misaligned address" (the fuzzer's finding: kernel 'sdpa', fp16, offset 7)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(31 + causal)
+
+    def view(heads, offset):
+        flat = torch.randn(offset + 2 * 32 * heads * 8, generator=gen).to(device, dtype)
+        return flat[offset:].view(2, 32, heads, 8)
+
+    q, k, v = view(4, 7), view(2, 3), view(2, 5)
+    dout = torch.randn(2, 32, 4, 8, generator=gen, dtype=torch.float64)
+    kw = dict(segment_lengths=[8, 32], dilation_rates=[1, 4], causal=causal)
+    oracle = _run(dense_dilated_attention, *(t.double().cpu() for t in (q, k, v)), dout, **kw)
+    plain = _run(dense_dilated_attention, *(t.cpu() for t in (q, k, v)), dout.to(dtype), **kw)
+    got = [t.cpu() for t in _run(dilated_attention, q, k, v, dout.to(device, dtype), kernel=kernel, **kw)]
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        assert_within_rule(name, got[i], oracle[i], plain[i], context=f"{kernel} causal={causal} {device}")
+
+
 def test_issue_unbind_and_permuted_inputs_are_right():
     """The reported silent-wrong cases: ``randn(..., 3).unbind(-1)`` and a (B, D, N, H) buffer permuted."""
     gen = torch.Generator().manual_seed(9)

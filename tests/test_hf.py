@@ -75,6 +75,20 @@ def test_one_full_pattern_equals_sdpa_causal_attention(family):
         assert rel_err(got_grads[n], g) <= TOL, n
 
 
+def test_bf16_autocast_runs_attention_in_the_autocast_dtype():
+    """Under autocast RoPE leaves q, k in fp32 while v is bf16: attention runs in bf16, as SDPA does, and the
+    logits agree with sdpa's to bf16 rounding (one full pattern; float32 weights)."""
+    name = register_dilated_attention([N], [1], name="test-dilated-autocast")
+    eager, dilated = (m.float() for m in _models("llama", name))
+    ids = torch.randint(0, 64, (2, N), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = eager(input_ids=ids).logits.float()
+        got = dilated(input_ids=ids).logits.float()
+    with torch.no_grad():
+        exact = eager.double()(input_ids=ids).logits
+    assert rel_err(got, exact) <= 3 * max(rel_err(want, exact), 1e-3), (rel_err(got, exact), rel_err(want, exact))
+
+
 def test_real_patterns_differ_from_dense_attention():
     """The integration really routes through the registered patterns (a pattern that is not dense changes logits)."""
     name = register_dilated_attention([8, N], [1, 4], name="test-dilated-sparse")

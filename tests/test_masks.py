@@ -269,6 +269,8 @@ def test_ring_strategy_refuses_cu_seqlens_on_every_rank():
         assert msg is not None and "strategy='head'" in msg
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke of the benchmark script (Triton's interpreter "
+                    "is off on CUDA machines); there the benchmark itself runs")
 def test_mask_benchmark_smoke(tmp_path):
     import os
     import sys
@@ -310,3 +312,13 @@ def test_debug_mode_records_masks_and_documents_for_the_repro():
     assert meta["cu_seqlens"] == [0, 10, 24]
     assert meta["key_padding_mask"]["shape"] == [1, 24]
     assert meta["kwargs"]["pad_to_segments"] is True
+
+
+def test_fuzzer_does_not_replay_after_a_sticky_cuda_fault():
+    """A fault that leaves the CUDA context unusable is reported as found (no narrowing replay, which would
+    die on the next CUDA call before writing the repro)."""
+    from dilated_attention.diagnostics.fuzz import _sticky
+
+    assert _sticky("KernelError: CUDA error: misaligned address in kernel 'fused'.forward_pattern_into")
+    assert _sticky("RuntimeError: an illegal memory access was encountered")
+    assert not _sticky("ValueError: segment_lengths[0]=3 must divide 16") and not _sticky(None)

@@ -416,9 +416,11 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
                 finding = _finding(spec, rep)
         if _agree(failed, world_group):
             # narrow down on the failing case only, on every rank of the case's group: replay is collective
-            # there, and one rank may fail where the others pass (deciding per rank left them waiting)
+            # there, and one rank may fail where the others pass (deciding per rank left them waiting).
+            # Not after a fault that leaves the CUDA context unusable: every later CUDA call fails too.
             if rank < world:
-                rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=True)
+                if not _sticky(rep.raised):
+                    rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=True)
                 lines = rep.text().splitlines()
             res.failure, res.lines = _collect(finding, lines, world_group)
             if rank == 0:
@@ -432,6 +434,12 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
     if bar is not None:
         bar.close()
     return res
+
+
+def _sticky(raised: str | None) -> bool:
+    from .guard import STICKY
+
+    return raised is not None and STICKY.search(raised) is not None
 
 
 def _tick(bar) -> None:

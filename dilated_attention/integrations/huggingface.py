@@ -187,6 +187,10 @@ class DilatedAttentionForTransformers:
         if causal is None:
             causal = getattr(module, "is_causal", True)  # transformers' own rule (see its sdpa_attention_forward)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):
+            # as SDPA under autocast: attention runs in the autocast dtype (RoPE leaves q and k in fp32)
+            q, k, v = (t.to(torch.get_autocast_dtype(device_type)) for t in (q, k, v))
         if cu_seqlens is not None and bsz > 1:  # documents of every row as one packed row (offsets: flattened)
             q, k, v = (t.reshape(1, bsz * n, *t.shape[2:]) for t in (q, k, v))
             key_mask = None if key_mask is None else key_mask.reshape(1, bsz * n)

@@ -47,10 +47,9 @@ import torch
 
 from ..merge import merge_pattern_
 from ..patterns import HeadChunk, PatternPlan
-from ..views import compact_view, dilated_view, packed_view
+from ..views import ALIGN_BYTES, compact_view, dilated_view, packed_view, readable
 
 DTYPES = (torch.float16, torch.bfloat16)
-ALIGN_BYTES = 16  # cuDNN's (TMA) alignment for addresses and strides
 
 
 class CudnnOps:
@@ -172,17 +171,6 @@ def _group_view(x: torch.Tensor, plan: PatternPlan, g: _Group, role: str) -> tor
     size = (*base.shape[:2], len(g.chunks), *base.shape[2:])
     stride = (*base.stride()[:2], delta, *base.stride()[2:])
     return x.as_strided(size, stride, base.storage_offset())
-
-
-def readable(v: torch.Tensor) -> bool:
-    """Whether cuDNN can read this view in place: unit-stride last dim, every other
-    stride (of a dim longer than 1) a positive multiple of 16 bytes, 16-byte aligned start."""
-    if v.numel() == 0:
-        return True
-    if v.stride(-1) != 1 or v.data_ptr() % ALIGN_BYTES:
-        return False
-    unit = ALIGN_BYTES // v.element_size()
-    return all(st > 0 and st % unit == 0 for n, st in zip(v.shape[:-1], v.stride()[:-1]) if n > 1)
 
 
 def _merge_order(sizes: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:

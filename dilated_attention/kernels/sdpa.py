@@ -5,8 +5,9 @@ CUDA: ``aten._scaled_dot_product_flash_attention`` (fp16/bf16, head dim <= 256)
 or, with ``backend="cudnn"``, ``aten._scaled_dot_product_cudnn_attention``.
 Their backward ops take ``out`` and ``lse`` as inputs, so passing the final
 merged values gives the exact per-block gradient the ring needs.
-Inputs are copied into the ``(B*S, H, M, D)`` layout these ops want; GQA kv
-heads are expanded (the composed path; the fused kernel avoids both copies).
+Inputs are viewed (or, when not 16-byte aligned, copied) in the ``(B*S, H, M, D)``
+layout these ops want; GQA kv heads are expanded (the composed path; the fused
+kernel avoids both copies).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from einops import rearrange
 
 from ..merge import accum_dtype
+from ..views import readable
 
 
 def _empty(device: torch.device) -> torch.Tensor:
@@ -25,7 +27,14 @@ def _to_bhmd(x: torch.Tensor, heads: int) -> torch.Tensor:
     group = heads // x.shape[-2]
     if group > 1:
         x = x.repeat_interleave(group, dim=-2)
-    return rearrange(x, "b s m h d -> (b s) h m d")
+    return _op_ready(rearrange(x, "b s m h d -> (b s) h m d"))
+
+
+def _op_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or an aligned copy: ``rearrange`` returns a view when it can, and the CUDA ops read with 16-byte
+    vector loads (a view with a storage offset of 7 fp16 elements faulted "misaligned address", found by
+    ``scripts/fuzz.py --device cuda``). ``contiguous()`` would keep an already contiguous, misaligned view."""
+    return x if not x.is_cuda or readable(x) else x.clone(memory_format=torch.contiguous_format)
 
 
 def _from_bhmd(x: torch.Tensor, bsz: int) -> torch.Tensor:
@@ -74,7 +83,7 @@ class SdpaKernel:
         bsz, heads, kv_heads = q.shape[0], q.shape[-2], k.shape[-2]
         qb, kb, vb = _to_bhmd(q, heads), _to_bhmd(k, heads), _to_bhmd(v, heads)
         ob, gb = _to_bhmd(out.to(q.dtype), heads), _to_bhmd(dout.to(q.dtype), heads)
-        lb = rearrange(lse, "b s m h -> (b s) h m").to(accum_dtype(q.dtype)).contiguous()
+        lb = _op_ready(rearrange(lse, "b s m h -> (b s) h m").to(accum_dtype(q.dtype)).contiguous())
         dev = q.device
         if dev.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
