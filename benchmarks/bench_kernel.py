@@ -262,7 +262,6 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                 run_l = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=dev)
                 r["fwd_ms"] = timed(lambda: impl.forward_pattern_into(q, k, v, p, run_o, run_l, packed=False,
                                                                       causal=causal, scale=scale), warmup, reps, dev)
-                del run_o, run_l
                 acc = grads[0]
                 r["bwd_ms"] = timed(lambda: impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False,
                                                                   causal=causal, scale=scale), warmup, reps, dev)
