@@ -228,27 +228,32 @@ def test_scale_outside_compute_range_is_refused():
     assert out.dtype == torch.float64  # fp64 computes in fp64: accepted
 
 
-def test_inf_and_nan_inputs_behave_like_plain_attention():
+@pytest.mark.parametrize("kernel, dtype", [("auto", torch.float64), ("fused", torch.float32)])
+def test_inf_and_nan_inputs_behave_like_plain_attention(kernel, dtype):
+    """fp64 runs the reference kernel; fused (fp32) merges patterns in its epilogue, which must keep NaN."""
     gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 16, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     k[0, 5, 0, 1] = float("inf")
     v[0, 9, 1, 2] = float("nan")
     kw = dict(segment_lengths=[8, 16], dilation_rates=[1, 2], causal=True)
-    got = dilated_attention(q, k, v, **kw)
+    device = "cuda" if kernel == "fused" and torch.cuda.is_available() else "cpu"
+    got = dilated_attention(*(t.to(device, dtype) for t in (q, k, v)), kernel=kernel, **kw).cpu().double()
     # Plain softmax attention over each row's keys: a +inf score (q . k_inf > 0) makes the whole row NaN,
     # a -inf score just drops that key; a NaN value makes that value dim NaN in every row that sees it.
     # (Rows that share a block with the bad key but mask it may be NaN too, as with any dense kernel: 0 * NaN.)
     from dilated_attention.testing.oracle import pattern_masks
 
     sees = torch.stack(pattern_masks(16, 2, kw["segment_lengths"], kw["dilation_rates"], "longnet", True)).any(0)
-    want_nan = torch.zeros(1, 16, 2, 4, dtype=torch.bool)
+    want_nan = torch.zeros(1, 16, 2, 8, dtype=torch.bool)
     want_nan[0, :, 0, :] = (sees[0, :, 5] & (q[0, :, 0, 1] > 0)).unsqueeze(-1)
     want_nan[0, :, 1, 2] = sees[1, :, 9]
     assert want_nan.any() and not (want_nan & ~torch.isnan(got)).any()
     assert not torch.isnan(got[0, sees[0, :, 5] & (q[0, :, 0, 1] < 0), 0]).any()  # a -inf score only drops the key
     clean = dense_dilated_attention(q, k.nan_to_num(posinf=0.0), v.nan_to_num(), **kw)
     apart = torch.tensor([0, 2, 4, 6])  # head 1 rows in no block with key 9; head 0 rows 8.. in none with key 5
-    assert torch.allclose(got[0, apart, 1], clean[0, apart, 1]) and torch.allclose(got[0, 8:, 0], clean[0, 8:, 0])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    assert torch.allclose(got[0, apart, 1], clean[0, apart, 1], **tol)
+    assert torch.allclose(got[0, 8:, 0], clean[0, 8:, 0], **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
