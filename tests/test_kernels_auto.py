@@ -123,6 +123,22 @@ def test_dispatch_wraps_fused_only_for_measured_gpus(monkeypatch):
     assert dispatch._measured(torch.device("cpu"), fused) is chosen  # one kernel per GPU model
 
 
+def test_dispatch_skips_the_lookup_when_every_applicable_choice_is_fused(monkeypatch):
+    """A table that only picks another implementation for nondeterministic backward entries (the H200's)
+    gives the plain fused kernel unless nondeterminism is allowed; a bad table is refused either way."""
+    fused, racy = Recorder("fused"), Recorder("cudnn", deterministic=False)
+    impls = {"fused": fused, "cudnn": racy}
+    choices = {table_key("fwd", 1, False, 32, torch.bfloat16): "fused",
+               table_key("bwd", 1, False, 32, torch.bfloat16): "fused",
+               table_key("bwd-any", 1, False, 32, torch.bfloat16): "cudnn"}
+    assert dispatch.auto_for(choices, impls, allow_nondeterministic=False) is fused
+    chosen = dispatch.auto_for(choices, impls, allow_nondeterministic=True)
+    assert isinstance(chosen, AutoKernel) and chosen.pick("bwd", PLANS[0], False, Q, Q) is racy
+    with pytest.raises(ValueError, match="not deterministic"):
+        dispatch.auto_for({table_key("bwd", 1, False, 32, torch.bfloat16): "cudnn"}, impls,
+                          allow_nondeterministic=False)
+
+
 def test_named_cudnn_kernel_refuses_cpu():
     x = torch.randn(1, 16, 2, 32)
     with pytest.raises(ValueError, match="kernel='cudnn' cannot run"):

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from .auto import AutoKernel, device_choices, nondeterministic_allowed
 from .base import BlockKernel, PatternKernel
 from .pattern import ChunkLoop
 from .reference import ReferenceKernel
@@ -102,14 +103,23 @@ def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:
 
 
 def _measured(device: torch.device, fused: PatternKernel) -> PatternKernel:
-    """The fused kernel, inside an ``AutoKernel`` when this GPU model has measured choices."""
-    from .auto import AutoKernel, device_choices, nondeterministic_allowed
-
+    """The fused kernel, inside an ``AutoKernel`` when this GPU model's measured choices name another
+    implementation for some pattern (with the nondeterministic entries only when they are allowed)."""
     key = (torch.cuda.get_device_name(device), nondeterministic_allowed())
     chosen = _auto_kernels.get(key)
     if chosen is None:
-        choices = device_choices(device)
         impls = {"fused": fused, "cudnn": _make("cudnn"), "cudnn-dkdv": _make("cudnn-dkdv")}
-        chosen = fused if not choices else AutoKernel(impls, choices, allow_nondeterministic=key[1])
+        chosen = auto_for(device_choices(device), impls, allow_nondeterministic=key[1])
         _auto_kernels[key] = chosen
     return chosen
+
+
+def auto_for(choices: dict[str, str], impls: dict[str, PatternKernel], *, allow_nondeterministic: bool
+             ) -> PatternKernel:
+    """``impls["fused"]`` itself when every choice that can apply names it (no per-call lookup), else an
+    ``AutoKernel`` over ``impls`` (which validates the table)."""
+    applicable = {k: v for k, v in choices.items() if allow_nondeterministic or not k.startswith("bwd-any/")}
+    if all(name == "fused" for name in applicable.values()):
+        AutoKernel(impls, choices, allow_nondeterministic=allow_nondeterministic)  # still refuse a bad table
+        return impls["fused"]
+    return AutoKernel(impls, choices, allow_nondeterministic=allow_nondeterministic)
