@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .patterns import PatternPlan
 from .views import region_views
 
 
@@ -59,7 +60,8 @@ def merge_into_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, pa
     lse.copy_(total)
 
 
-def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part_out: torch.Tensor,
+                   part_lse: torch.Tensor) -> None:
     """Merge one pattern's partial in compact layout (``kernels/pattern.py``) into the running full-layout
     ``(out, lse)`` in place: the generic ``PatternKernel.forward_pattern_into`` (the fused kernel merges
     in its epilogue instead)."""
