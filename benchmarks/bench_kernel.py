@@ -720,7 +720,7 @@ def write_table(path: str) -> int:
     with open(path) as f:
         result = json.load(f)
     table = {k: dict(v) for k, v in TABLE.items()}
-    deterministic = {k.name: k.deterministic_backward for k in (FusedKernel(), CudnnKernel(), CudnnDkdvKernel())}
+    deterministic = {k.name: k.deterministic_backward for k in (FusedKernel, CudnnKernel, CudnnDkdvKernel)}
     for gpu, entry in result["auto_table"].items():
         choices = {k: c for k, c in entry["choices"].items() if c in deterministic}
         for key, name in sorted(choices.items()):  # a measurement before the declared rule could list one

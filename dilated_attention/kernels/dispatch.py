@@ -118,8 +118,6 @@ def auto_for(choices: dict[str, str], impls: dict[str, PatternKernel], *, allow_
              ) -> PatternKernel:
     """``impls["fused"]`` itself when every choice that can apply names it (no per-call lookup), else an
     ``AutoKernel`` over ``impls`` (which validates the table)."""
-    applicable = {k: v for k, v in choices.items() if allow_nondeterministic or not k.startswith("bwd-any/")}
-    if all(name == "fused" for name in applicable.values()):
-        AutoKernel(impls, choices, allow_nondeterministic=allow_nondeterministic)  # still refuse a bad table
-        return impls["fused"]
-    return AutoKernel(impls, choices, allow_nondeterministic=allow_nondeterministic)
+    auto = AutoKernel(impls, choices, allow_nondeterministic=allow_nondeterministic)  # refuses a bad table
+    applicable = [v for k, v in choices.items() if allow_nondeterministic or not k.startswith("bwd-any/")]
+    return impls["fused"] if all(name == "fused" for name in applicable) else auto

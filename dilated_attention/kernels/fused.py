@@ -476,41 +476,40 @@ class FusedKernel:
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
                         key_mask: torch.Tensor | None = None):
-        cfg = self._check(q, k)
-        bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
-        _check_view("v", v, k.shape)
-        mask = self._pattern_mask(key_mask, k, plan, packed)
-        v = _unit_last(v)
-        rows = q.shape[1] // plan.dilation
-        out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
-        lse = torch.empty((bsz, rows, heads), dtype=torch.float32, device=q.device)
-        ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
-        self._forward(
-            q, k, v, out, lse, ht, mask, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
-            self._kv_strides(v, plan, packed, M), _compact_strides(out, M), _compact_strides(lse, M),
-            S, M, M, causal, scale, cfg,
-        )
-        return out, lse
+        return self._pattern_forward(q, k, v, plan, None, None, packed, causal, scale, key_mask)
 
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
                              scale: float, key_mask: torch.Tensor | None = None) -> None:
         """The pattern merged into the running fp32 ``out``/``lse`` (full layout) in the kernel's epilogue:
         no compact partial, no separate combine pass."""
+        self._pattern_forward(q, k, v, plan, out, lse, packed, causal, scale, key_mask)
+
+    def _pattern_forward(self, q, k, v, plan, out, lse, packed, causal, scale, key_mask):
+        """One launch for the pattern: with ``out``/``lse`` ``None`` into new compact tensors (returned),
+        else merged into the given running result."""
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
-        _check_acc("out", out, q.shape)
-        _check_acc("lse", lse, q.shape[:3])
-        if out.dtype != torch.float32 or lse.dtype != torch.float32:
-            raise TypeError(f"out and lse (the running result) must be float32, got {out.dtype} and {lse.dtype}")
+        merge = out is not None
+        if merge:
+            _check_acc("out", out, q.shape)
+            _check_acc("lse", lse, q.shape[:3])
+            if out.dtype != torch.float32 or lse.dtype != torch.float32:
+                raise TypeError(f"out and lse (the running result) must be float32, got {out.dtype} and {lse.dtype}")
+            so, sl = _dilated_strides(out, plan), _dilated_strides(lse, plan)
+        else:
+            rows = q.shape[1] // plan.dilation
+            out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
+            lse = torch.empty((bsz, rows, heads), dtype=torch.float32, device=q.device)
+            so, sl = _compact_strides(out, M), _compact_strides(lse, M)
         mask = self._pattern_mask(key_mask, k, plan, packed)
         v = _unit_last(v)
         ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
         self._forward(
             q, k, v, out, lse, ht, mask, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
-            self._kv_strides(v, plan, packed, M), _dilated_strides(out, plan), _dilated_strides(lse, plan),
-            S, M, M, causal, scale, cfg, merge=True,
+            self._kv_strides(v, plan, packed, M), so, sl, S, M, M, causal, scale, cfg, merge=merge,
         )
+        return out, lse
 
     def backward_pattern(
         self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool, scale: float,
