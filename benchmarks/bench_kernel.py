@@ -273,10 +273,9 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                      f"reproducible fwd {r['fwd_reproducible']} bwd {r['bwd_reproducible']}"
                      if "error" not in r else r["error"]), flush=True)
     choices = {}
-    for dense in (True, False):
-        cls = [x for x in rows if (x["r"] == 1) == dense]
-        if not cls:
-            continue
+    rows_of = {p.index: p.local_segment // p.dilation for p in plans}
+    for dense, m in sorted({(x["r"] == 1, rows_of[x["plan"]]) for x in rows}):
+        cls = [x for x in rows if (x["r"] == 1) == dense and rows_of[x["plan"]] == m]
         r0 = cls[0]["r"]
         for direction in ("fwd", "bwd", "bwd-any"):
             best, best_ms = None, None
@@ -293,7 +292,7 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                 if best_ms is None or ms < best_ms:
                     best, best_ms = name, ms
             if best is not None:
-                choices[table_key(direction, r0, causal, dim, dtype)] = best
+                choices[table_key(direction, r0, causal, dim, dtype, m)] = best
     return rows, choices
 
 
@@ -489,6 +488,16 @@ def main(argv=None):
             choices.update(t_choices)
         except Exception as exc:
             print(f"  table failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        if not args.no_full:  # one long dense segment (full attention): the table's long-rows entries
+            full_plan = plan_patterns([args.seq], [1], seq_len=args.seq, local_len=args.seq, num_heads=args.heads,
+                                      num_kv_heads=args.heads, mode="longnet")
+            try:
+                t_rows, t_choices = measure_table(table_impls, q, k, v, dout, full_plan, causal, scale, 1,
+                                                  max(3, args.reps // 2))
+                table_rows += t_rows
+                choices.update(t_choices)
+            except Exception as exc:
+                print(f"  full-attention table failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         print(f"  auto choices so far: {json.dumps(choices)}", flush=True)
         kernels = {}
         for name in args.methods.split(","):
@@ -729,7 +738,9 @@ def write_table(path: str) -> int:
                 del choices[key]
         if not choices:
             continue
-        merged = dict(table.get(gpu, {}).get("choices", {}))
+        # a fresh measurement supersedes entries written before keys had rows (they would shadow nothing,
+        # but a stale row-less entry still answers for row counts below every measured one)
+        merged = {k: v for k, v in table.get(gpu, {}).get("choices", {}).items() if re.search(r"/M\d+$", k)}
         merged.update(choices)
         table[gpu] = {**{k: v for k, v in entry.items() if k != "choices"}, "choices": dict(sorted(merged.items()))}
     with open(TABLE_FILE) as f:

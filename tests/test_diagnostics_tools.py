@@ -54,6 +54,7 @@ class Faulting:
     """A PatternKernel whose launches fail with a given message."""
 
     key_masks = False
+    deterministic_backward = True
 
     def __init__(self, message: str, backward_only: bool = False, error=RuntimeError) -> None:
         self.name, self.message, self.backward_only, self.error = "faulting", message, backward_only, error

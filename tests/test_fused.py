@@ -51,6 +51,7 @@ class LowpTorch:
 
     name = "lowp-torch"
     key_masks = False
+    deterministic_backward = True
 
     def supports(self, q, k):
         return None

@@ -59,8 +59,26 @@ def _run(kern: AutoKernel, causal: bool) -> None:
 def test_table_key():
     assert table_key("fwd", 1, False, 128, torch.bfloat16) == "fwd/dense/full/D128/bfloat16"
     assert table_key("bwd-any", 4, True, 40, torch.float16) == "bwd-any/dilated/causal/D40/float16"
+    assert table_key("fwd", 1, True, 128, torch.float16, 2048) == "fwd/dense/causal/D128/float16/M2048"
     with pytest.raises(ValueError, match="direction"):
         table_key("sideways", 1, False, 64, torch.float16)
+
+
+def test_rows_class_takes_the_entry_measured_at_the_nearest_shorter_segment():
+    """Entries measured at 8 and 32 rows: a pattern uses the largest measured row count not above its own
+    rows (below them all: the smallest); a key without rows stands for 0 rows."""
+    fused, other = Recorder("fused"), Recorder("cudnn")
+    key = lambda rows: table_key("fwd", 1, False, 32, torch.bfloat16, rows)  # noqa: E731
+    kern = AutoKernel({"fused": fused, "cudnn": other}, {key(8): "fused", key(32): "cudnn"})
+    for n, want in ((4, fused), (8, fused), (16, fused), (31, fused), (32, other), (64, other)):
+        plan = plan_patterns([n], [1], seq_len=n, local_len=n, num_heads=4, num_kv_heads=4)[0]
+        assert kern.pick("fwd", plan, False, Q, Q) is want, n
+    dilated = plan_patterns([64], [2], seq_len=64, local_len=64, num_heads=4, num_kv_heads=4)[0]
+    assert kern.pick("fwd", dilated, False, Q, Q) is fused  # 32 rows, but a dilated pattern: not listed
+    legacy = AutoKernel({"fused": fused, "cudnn": other},
+                        {table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn", key(32): "fused"})
+    plan16, plan32 = (plan_patterns([n], [1], seq_len=n, local_len=n, num_heads=4, num_kv_heads=4)[0] for n in (16, 32))
+    assert legacy.pick("fwd", plan16, False, Q, Q) is other and legacy.pick("fwd", plan32, False, Q, Q) is fused
 
 
 def test_auto_follows_the_table_per_pattern_and_direction():

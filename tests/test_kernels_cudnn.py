@@ -37,6 +37,7 @@ class MathOps:
     """cuDNN's two ops in float64 plain torch, with cuDNN's input rules asserted."""
 
     name = "math"
+    deterministic_backward = True
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []

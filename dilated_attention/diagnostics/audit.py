@@ -275,6 +275,7 @@ class _AuditedKernel:
     def __init__(self, kernel, audit: RuntimeAudit) -> None:
         self.kernel, self.audit, self.name = kernel, audit, kernel.name
         self.key_masks = kernel.key_masks
+        self.deterministic_backward = kernel.deterministic_backward
 
     def supports(self, q, k):
         return self.kernel.supports(q, k)

@@ -303,6 +303,7 @@ class DebugKernel:
         self.meta = meta if meta is not None else {}
         self.name = kernel.name
         self.key_masks = kernel.key_masks
+        self.deterministic_backward = kernel.deterministic_backward
 
     def supports(self, q, k):
         return self.kernel.supports(q, k)

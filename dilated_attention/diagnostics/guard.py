@@ -94,6 +94,7 @@ class GuardedKernel:
         self.meta = meta if meta is not None else {}
         self.name = kernel.name
         self.key_masks = kernel.key_masks
+        self.deterministic_backward = kernel.deterministic_backward
         self._fallback = fallback
 
     def supports(self, q, k):

@@ -4,8 +4,16 @@ The choice is a table lookup, never a guess: ``benchmarks/bench_kernel.py``
 times every implementation on each pattern class of its configuration and
 writes the winners into ``auto_table.py`` under the GPU's name
 (``--write-table``). The key is (direction, dense ``r = 1`` or dilated, causal,
-head dim, dtype); a key the table does not list runs the fused kernel. So one
-configuration always runs the same implementation, on every rank and every run.
+head dim, dtype, rows per segment ``M = w / r``); a key the table does not list
+runs the fused kernel. So one configuration always runs the same implementation,
+on every rank and every run.
+
+Rows: the winner depends on the segment length (on an H200 the fused forward wins
+on LongNet's 2048-row segments, cuDNN's on one 32768-row segment). Entries are
+measured at some row counts; a pattern with ``M`` rows uses the entry measured at
+the largest row count not above ``M`` (the smallest one when ``M`` is below them
+all). A key without rows (tables written before rows were measured) stands for
+row count 0.
 
 Determinism: backward entries come in two flavours. ``bwd/...`` holds the
 fastest implementation whose backward gave bitwise-equal results run to run in
@@ -33,11 +41,34 @@ from .base import PatternKernel
 DIRECTIONS = ("fwd", "bwd", "bwd-any")
 
 
-def table_key(direction: str, dilation: int, causal: bool, dim: int, dtype: torch.dtype) -> str:
+def table_key(direction: str, dilation: int, causal: bool, dim: int, dtype: torch.dtype,
+              rows: int | None = None) -> str:
+    """``direction/dense|dilated/full|causal/D<dim>/<dtype>[/M<rows>]``."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    return (f"{direction}/{'dense' if dilation == 1 else 'dilated'}/{'causal' if causal else 'full'}"
-            f"/D{dim}/{str(dtype).removeprefix('torch.')}")
+    key = (f"{direction}/{'dense' if dilation == 1 else 'dilated'}/{'causal' if causal else 'full'}"
+           f"/D{dim}/{str(dtype).removeprefix('torch.')}")
+    return key if rows is None else f"{key}/M{rows}"
+
+
+def _by_rows(choices: dict[str, str]) -> dict[str, list[tuple[int, str]]]:
+    """Choices grouped by their key without rows: ``{key: [(rows, implementation), ...]}``, rows ascending."""
+    grouped: dict[str, list[tuple[int, str]]] = {}
+    for key, name in choices.items():
+        base, _, last = key.rpartition("/")
+        if last.startswith("M") and last[1:].isdigit():
+            grouped.setdefault(base, []).append((int(last[1:]), name))
+        else:
+            grouped.setdefault(key, []).append((0, name))
+    return {k: sorted(v) for k, v in grouped.items()}
+
+
+def _nearest_below(entries: list[tuple[int, str]] | None, rows: int) -> str | None:
+    """The entry measured at the largest row count not above ``rows`` (else the smallest)."""
+    if not entries:
+        return None
+    below = [name for r, name in entries if r <= rows]
+    return below[-1] if below else entries[0][1]
 
 
 def nondeterministic_allowed() -> bool:
@@ -64,8 +95,11 @@ class AutoKernel:
             raise ValueError(f"auto table's deterministic backward entries name implementations whose backward "
                              f"is not deterministic: {racy}")
         self.impls, self.choices = impls, dict(choices)
+        self._rows = _by_rows(self.choices)
         self.key_masks = impls["fused"].key_masks
         self.allow_nondeterministic = allow_nondeterministic
+        self.deterministic_backward = not allow_nondeterministic or all(
+            impls[name].deterministic_backward for key, name in choices.items() if key.startswith("bwd-any/"))
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return self.impls["fused"].supports(q, k)
@@ -75,12 +109,13 @@ class AutoKernel:
         """The implementation for this pattern and direction (``"fwd"`` or ``"bwd"``); masked work runs fused."""
         if masked:
             return self.impls["fused"]
-        dim, dtype = q.shape[-1], q.dtype
+        dim, dtype, rows = q.shape[-1], q.dtype, plan.local_segment // plan.dilation
         name = None
         if direction == "bwd" and self.allow_nondeterministic:
-            name = self.choices.get(table_key("bwd-any", plan.dilation, causal, dim, dtype))
+            name = _nearest_below(self._rows.get(table_key("bwd-any", plan.dilation, causal, dim, dtype)), rows)
         if name is None:
-            name = self.choices.get(table_key(direction, plan.dilation, causal, dim, dtype), "fused")
+            name = _nearest_below(self._rows.get(table_key(direction, plan.dilation, causal, dim, dtype)), rows)
+        name = name or "fused"
         impl = self.impls[name]
         return impl if impl.supports(q, k) is None else self.impls["fused"]
 

@@ -37,6 +37,7 @@ from ..patterns import PatternPlan
 class BlockKernel(Protocol):
     name: str
     key_masks: bool  # accepts ``key_mask=`` (key padding, packed documents)
+    deterministic_backward: bool  # the same inputs give bitwise-equal gradients on every run
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         """``None`` if this kernel can run on these inputs, else the reason it cannot."""
@@ -67,6 +68,7 @@ class PatternKernel(Protocol):
 
     name: str
     key_masks: bool  # accepts ``key_mask=`` (see ``kernels/pattern.py``)
+    deterministic_backward: bool  # the same inputs give bitwise-equal gradients on every run
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         """``None`` if this kernel can run on these inputs, else the reason it cannot."""

@@ -52,6 +52,7 @@ def _make(name: str) -> PatternKernel:
 
 class _Unavailable:
     key_masks = False
+    deterministic_backward = False
 
     def __init__(self, name: str, reason: str) -> None:
         self.name, self.reason = name, reason

@@ -55,6 +55,7 @@ class ChunkLoop:
         self.block = block
         self.name = block.name
         self.key_masks = block.key_masks
+        self.deterministic_backward = block.deterministic_backward
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return self.block.supports(q, k)

@@ -40,6 +40,7 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 class ReferenceKernel:
     name = "reference"
     key_masks = True
+    deterministic_backward = True
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return None

@@ -52,6 +52,7 @@ class SdpaKernel:
             raise ValueError(f'SdpaKernel backend must be "flash" or "cudnn", got {backend!r}')
         self.backend = backend
         self.key_masks = False  # the aten ops with log-sum-exp take no key mask on CUDA
+        self.deterministic_backward = False  # flash's and cuDNN's backwards accumulate dQ with atomics
         self.name = "sdpa" if backend == "flash" else "sdpa-cudnn"
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
