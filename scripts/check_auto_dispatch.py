@@ -12,6 +12,8 @@ from dilated_attention import dilated_attention
 from dilated_attention.kernels import dispatch
 from dilated_attention.patterns import plan_patterns
 
+if not torch.cuda.is_available():
+    raise SystemExit("check_auto_dispatch.py needs a CUDA GPU (one that kernels/auto_table.py lists)")
 torch.manual_seed(0)
 n, h, d = 32768, 16, 128
 q, k, v, g = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
