@@ -47,6 +47,15 @@ class PatternPlan:
     def packed_heads(self) -> int:
         return sum(c.k1 - c.k0 for c in self.chunks)
 
+    def covers_all(self, num_heads: int, num_kv_heads: int) -> bool:
+        """Whether this pattern, run locally, reads every row of every query and kv head (``r = 1``, its
+        chunks span all heads): then it may write a fresh result instead of merging into one."""
+        if self.ring_size != 1 or self.dilation != 1:
+            return False
+        heads = {h for c in self.chunks for h in range(c.h0, c.h1)}
+        kv_heads = {h for c in self.chunks for h in range(c.k0, c.k1)}
+        return heads == set(range(num_heads)) and kv_heads == set(range(num_kv_heads))
+
 
 def _check_int_list(name: str, values: Sequence[int]) -> list[int]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):

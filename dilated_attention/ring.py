@@ -127,6 +127,12 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     unpack_add_(dk, dv, incoming, plan)
 
 
+def _fresh_first(plans: list[PatternPlan], q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the first pattern covers every row and head: it then writes the running result and the
+    gradient accumulators fresh (``fresh=True``), so they need no fill and it reads nothing."""
+    return bool(plans) and plans[0].covers_all(q.shape[2], k.shape[2])
+
+
 @dataclass(frozen=True)
 class RingCall:
     """What one call's attention on this rank's block needs besides tensors (forward and backward)."""
@@ -150,14 +156,17 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     comm, layout = ring.comm, ring.layout
     own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
     acc = accum_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)  # rows no pattern covers stay (0, -inf)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    for plan in ring.plans:
-        if not plan.chunks:  # no local head uses this pattern (grouped mode, head-parallel)
-            continue
+    plans = [p for p in ring.plans if p.chunks]  # (no local head may use a pattern: grouped mode, head-parallel)
+    fresh = _fresh_first(plans, q, k)
+    out = torch.empty(q.shape, dtype=acc, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    if not fresh:  # rows no pattern covers stay (0, -inf)
+        out.zero_()
+        lse.fill_(float("-inf"))
+    for i, plan in enumerate(plans):
         if plan.ring_size == 1:
             ring.kernel.forward_pattern_into(q, k, v, plan, out, lse, packed=False, causal=ring.causal,
-                                             scale=ring.scale, **own)
+                                             scale=ring.scale, fresh=fresh and i == 0, **own)
         else:
             _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal, ring.scale,
                           out, lse)
@@ -172,15 +181,16 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
     acc = accum_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for plan in ring.plans:
-        if not plan.chunks:
-            continue
+    plans = [p for p in ring.plans if p.chunks]
+    fresh = _fresh_first(plans, q, k)
+    new = torch.empty if fresh else torch.zeros
+    dq = new(q.shape, dtype=acc, device=q.device)
+    dk = new(k.shape, dtype=acc, device=k.device)
+    dv = new(v.shape, dtype=acc, device=v.device)
+    for i, plan in enumerate(plans):
         if plan.ring_size == 1:
-            ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv,
-                                         packed=False, causal=ring.causal, scale=ring.scale, **own)
+            ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=False,
+                                         causal=ring.causal, scale=ring.scale, fresh=fresh and i == 0, **own)
         else:
             _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, ring.call, ring.kernel,
                            ring.causal, ring.scale, dq, dk, dv)

@@ -528,6 +528,48 @@ def test_pattern_fills_exactly_the_chunks():
     assert rel_err(rows, chunk_rows(s64, p)) < 1e-5, f"seed {seed}"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kern", [FUSED, REF_P], ids=["fused", "reference"])
+def test_fresh_first_pattern_writes_what_merging_into_empty_gives(kern, causal):
+    """``fresh=True`` (the first pattern, covering every row and head) ignores the running result and the
+    accumulators, here NaN-filled, and gives bit for bit what merging/adding into (0, -inf)/zeros gives,
+    with a key mask whose first key tile is all padding (the dK/dV kernel's early exit must write zeros).
+    A pattern that does not cover every head or row is refused."""
+    seed = seeded("fresh", kern.name, causal)
+    heads, kv_heads, n, d = 4, 2, PAT_N, 40 if not CUDA else 96
+    dtype = torch.float16
+    plans = plans_for("longnet", heads, kv_heads, n, n)
+    p = plans[0]
+    assert p.dilation == 1 and p.covers_all(heads, kv_heads)
+    q, k, v, dout = (rand((2, n, h, d), dtype, "transposed") for h in (heads, kv_heads, kv_heads, heads))
+    mask = torch.rand(2, n, device=DEVICE) < 0.3
+    mask[0, :64] = True  # at least one whole key tile of padding (64 keys on a GPU, 16 interpreted)
+    kw = dict(packed=False, causal=causal, scale=d**-0.5, key_mask=mask)
+
+    def nan(shape):
+        return torch.full(shape, float("nan"), device=DEVICE)
+
+    out, lse = torch.zeros(q.shape, device=DEVICE), torch.full(q.shape[:3], float("-inf"), device=DEVICE)
+    kern.forward_pattern_into(q, k, v, p, out, lse, **kw)
+    out_f, lse_f = nan(q.shape), nan(q.shape[:3])
+    kern.forward_pattern_into(q, k, v, p, out_f, lse_f, **kw, fresh=True)
+    assert torch.equal(out_f, out) and torch.equal(lse_f, lse), f"fresh forward differs (seed {seed})"
+    o = out.to(dtype)
+    grads = [torch.zeros(x.shape, device=DEVICE) for x in (q, k, v)]
+    kern.backward_pattern(q, k, v, p, o, lse, dout, *grads, **kw)
+    fresh = [nan(x.shape) for x in (q, k, v)]
+    kern.backward_pattern(q, k, v, p, o, lse, dout, *fresh, **kw, fresh=True)
+    for name, got, want in zip(("dq", "dk", "dv"), fresh, grads):
+        assert torch.equal(got, want), f"fresh {name} differs (seed {seed})"
+    if kern is FUSED:  # writing fresh where the pattern does not reach would leave garbage: refused
+        with pytest.raises(ValueError, match="covers every row and head"):
+            kern.forward_pattern_into(q, k, v, plans[1], out_f, lse_f, **kw, fresh=True)
+        some_heads = plans_for("grouped", heads, kv_heads, n, n)[0]  # r = 1, but only its head group
+        assert some_heads.dilation == 1 and not some_heads.covers_all(heads, kv_heads)
+        with pytest.raises(ValueError, match="covers every row and head"):
+            kern.backward_pattern(q, k, v, some_heads, o, lse, dout, *fresh, **kw, fresh=True)
+
+
 # ---------------------------------------------------------------------------
 # through the library: ring of 2 gloo ranks, fused vs reference kernel
 

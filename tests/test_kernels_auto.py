@@ -42,7 +42,7 @@ class Recorder:
         self.seen.append(("fwd", plan.dilation, causal))
         return None
 
-    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed, causal, scale):
+    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed, causal, scale, fresh=False):
         self.seen.append(("bwd", plan.dilation, causal))
 
 

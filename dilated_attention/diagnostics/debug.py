@@ -361,14 +361,18 @@ class DebugKernel:
         return out, lse
 
     def forward_pattern_into(self, q, k, v, plan, out, lse, *, packed: bool, causal: bool, scale: float,
-                             **mask) -> None:
+                             fresh: bool = False, **mask) -> None:
         meta = self._meta("forward_pattern_into", plan)
         self._inputs(meta, q, k, v, plan, packed)
-        check_tensor("out", out, meta, shape=q.shape, device=q.device, accumulator=True)
-        check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
-        before = (out.detach().clone(), lse.detach().clone()) if _shadow_due() else None
+        # a fresh result's contents are ignored (any values): only its shape is checked
+        check_tensor("out", out, meta, shape=q.shape, device=q.device, accumulator=True, finite=not fresh)
+        check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True, finite=not fresh)
+        before = None
+        if _shadow_due():
+            before = (torch.zeros_like(out), torch.full_like(lse, float("-inf"))) if fresh else (
+                out.detach().clone(), lse.detach().clone())
         self._call(meta, q, self.kernel.forward_pattern_into, q, k, v, plan, out, lse,
-                   packed=packed, causal=causal, scale=scale, **mask)
+                   packed=packed, causal=causal, scale=scale, fresh=fresh, **mask)
         check_tensor("out (after)", out, meta)
         check_tensor("lse (after)", lse, meta, allow_inf=True)
         if before is not None:
@@ -382,18 +386,18 @@ class DebugKernel:
             _compare_lse(meta, lse, want_lse, q.dtype)
 
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
-                         scale: float, **mask) -> None:
+                         scale: float, fresh: bool = False, **mask) -> None:
         meta = self._meta("backward_pattern", plan)
         self._inputs(meta, q, k, v, plan, packed)
         check_tensor("out", out, meta, shape=q.shape, device=q.device)
         check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
         check_tensor("dout", dout, meta, shape=q.shape, device=q.device)
         for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-            check_tensor(name, acc, meta, shape=like.shape, device=q.device, accumulator=True)
+            check_tensor(name, acc, meta, shape=like.shape, device=q.device, accumulator=True, finite=not fresh)
         shadow = _shadow_due()
-        before = [a.detach().clone() for a in (dq, dk, dv)] if shadow else None
+        before = [torch.zeros_like(a) if fresh else a.detach().clone() for a in (dq, dk, dv)] if shadow else None
         self._call(meta, q, self.kernel.backward_pattern, q, k, v, plan, out, lse, dout, dq, dk, dv,
-                   packed=packed, causal=causal, scale=scale, **mask)
+                   packed=packed, causal=causal, scale=scale, fresh=fresh, **mask)
         for name, acc in (("dq", dq), ("dk", dk), ("dv", dv)):
             check_tensor(name + " (after)", acc, meta)
         if shadow:

@@ -156,14 +156,15 @@ class GuardedKernel:
                          dict(packed=packed, causal=causal, scale=scale, **mask), ("q", "k", "v"))
 
     def forward_pattern_into(self, q, k, v, plan, out, lse, *, packed: bool, causal: bool, scale: float,
-                             **mask) -> None:
+                             fresh: bool = False, **mask) -> None:
         return self._run("forward_pattern_into", q, k, plan, (q, k, v, plan, out, lse),
-                         dict(packed=packed, causal=causal, scale=scale, **mask), ("q", "k", "v", "plan", "out", "lse"))
+                         dict(packed=packed, causal=causal, scale=scale, fresh=fresh, **mask),
+                         ("q", "k", "v", "plan", "out", "lse"))
 
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
-                         scale: float, **mask) -> None:
+                         scale: float, fresh: bool = False, **mask) -> None:
         return self._run("backward_pattern", q, k, plan, (q, k, v, plan, out, lse, dout, dq, dk, dv),
-                         dict(packed=packed, causal=causal, scale=scale, **mask),
+                         dict(packed=packed, causal=causal, scale=scale, fresh=fresh, **mask),
                          ("q", "k", "v", "plan", "out", "lse", "dout", "dq", "dk", "dv"))
 
 

@@ -219,8 +219,10 @@ def dq_kernel(
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr, HAS_MASK: tl.constexpr,
+    ADD: tl.constexpr,
 ):
-    """dQ of one row block of one head; adds into DQ (each element owned by one program)."""
+    """dQ of one row block of one head; adds into DQ (each element owned by one program), or with ``ADD``
+    false stores it (DQ's contents ignored: the first pattern, which covers every row)."""
     pid = tl.program_id(0)
     i = tl.program_id(1)
     start_m = pid % n_mblocks
@@ -312,11 +314,13 @@ def dq_kernel(
     dq = dq * scale
     a_ptrs = DQ + (b * sab + s * sas + h * sah + qo * sao) + offs_m.to(IDX)[:, None] * sam + offs_d[None, :]
     if EVEN_M & EVEN_D:
-        prev = tl.load(a_ptrs).to(tl.float32)
-        tl.store(a_ptrs, (prev + dq).to(DQ.dtype.element_ty))
+        if ADD:
+            dq += tl.load(a_ptrs).to(tl.float32)
+        tl.store(a_ptrs, dq.to(DQ.dtype.element_ty))
     else:
-        prev = tl.load(a_ptrs, mask=row_ok[:, None] & d_ok, other=0.0).to(tl.float32)
-        tl.store(a_ptrs, (prev + dq).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+        if ADD:
+            dq += tl.load(a_ptrs, mask=row_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+        tl.store(a_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok)
 
 
 def dkdv_kernel(
@@ -335,8 +339,10 @@ def dkdv_kernel(
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr, IDX: tl.constexpr, HAS_MASK: tl.constexpr,
+    ADD: tl.constexpr,
 ):
-    """dK, dV of one key block of one (kv head, offset) unit, summed over its query heads."""
+    """dK, dV of one key block of one (kv head, offset) unit, summed over its query heads; added into
+    DK/DV, or with ``ADD`` false stored (their contents ignored)."""
     pid = tl.program_id(0)
     u = tl.program_id(1)
     start_n = pid % n_nblocks
@@ -355,9 +361,15 @@ def dkdv_kernel(
     offs_d = tl.arange(0, DP)
     d_ok = offs_d[None, :] < D
     col_ok = offs_n < MK
+    ka_ptrs = DK + (b * skab + s * skas + kvh * skah + kvo * skao) + offs_n.to(IDX)[:, None] * skam + offs_d[None, :]
+    va_ptrs = DV + (b * svab + s * svas + kvh * svah + kvo * svao) + offs_n.to(IDX)[:, None] * svam + offs_d[None, :]
     if HAS_MASK:
         key_ok = tl.load(KM + (b * smb + s * sms + qo * smo) + offs_n.to(IDX) * smm, mask=col_ok, other=1) == 0
         if tl.sum(key_ok.to(tl.int32), 0) == 0:  # a block of padding only: its dK/dV get nothing added
+            if not ADD:  # (or are zero)
+                zero = tl.zeros([BLOCK_N, DP], dtype=tl.float32)
+                tl.store(ka_ptrs, zero.to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok)
+                tl.store(va_ptrs, zero.to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok)
             return
     k_ptrs = K + (b * skb + s * sks + kvh * skh + kvo * sko) + offs_n.to(IDX)[:, None] * skm + offs_d[None, :]
     v_ptrs = V + (b * svb + s * svs + kvh * svh + kvo * svo) + offs_n.to(IDX)[:, None] * svm + offs_d[None, :]
@@ -423,18 +435,18 @@ def dkdv_kernel(
                 dsT = pT * (dpT - delta[None, :])
                 dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
     dk = dk * scale
-    ka_ptrs = DK + (b * skab + s * skas + kvh * skah + kvo * skao) + offs_n.to(IDX)[:, None] * skam + offs_d[None, :]
-    va_ptrs = DV + (b * svab + s * svas + kvh * svah + kvo * svao) + offs_n.to(IDX)[:, None] * svam + offs_d[None, :]
     if EVEN_N & EVEN_D:
-        pk = tl.load(ka_ptrs).to(tl.float32)
-        pv = tl.load(va_ptrs).to(tl.float32)
-        tl.store(ka_ptrs, (pk + dk).to(DK.dtype.element_ty))
-        tl.store(va_ptrs, (pv + dv).to(DV.dtype.element_ty))
+        if ADD:
+            dk += tl.load(ka_ptrs).to(tl.float32)
+            dv += tl.load(va_ptrs).to(tl.float32)
+        tl.store(ka_ptrs, dk.to(DK.dtype.element_ty))
+        tl.store(va_ptrs, dv.to(DV.dtype.element_ty))
     else:
-        pk = tl.load(ka_ptrs, mask=col_ok[:, None] & d_ok, other=0.0).to(tl.float32)
-        pv = tl.load(va_ptrs, mask=col_ok[:, None] & d_ok, other=0.0).to(tl.float32)
-        tl.store(ka_ptrs, (pk + dk).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok)
-        tl.store(va_ptrs, (pv + dv).to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok)
+        if ADD:
+            dk += tl.load(ka_ptrs, mask=col_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+            dv += tl.load(va_ptrs, mask=col_ok[:, None] & d_ok, other=0.0).to(tl.float32)
+        tl.store(ka_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok)
+        tl.store(va_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok)
 
 
 def tiles_kernel(

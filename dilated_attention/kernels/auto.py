@@ -124,15 +124,16 @@ class AutoKernel:
         return impl.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, **mask)
 
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, **mask) -> None:
+                             scale: float, fresh: bool = False, **mask) -> None:
         impl = self.pick("fwd", plan, causal, q, k, bool(mask))
-        impl.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale, **mask)
+        impl.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale, fresh=fresh,
+                                  **mask)
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float, **mask) -> None:
+                         packed: bool, causal: bool, scale: float, fresh: bool = False, **mask) -> None:
         impl = self.pick("bwd", plan, causal, q, k, bool(mask))
         impl.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=packed, causal=causal, scale=scale,
-                              **mask)
+                              fresh=fresh, **mask)
 
 
 def device_choices(device: torch.device) -> dict[str, str]:

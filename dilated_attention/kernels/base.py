@@ -81,14 +81,18 @@ class PatternKernel(Protocol):
     def forward_pattern_into(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
         out: torch.Tensor, lse: torch.Tensor, *,
-        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
+        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False,
     ) -> None:
         """``forward_pattern`` merged into the running fp32 result ``out`` ``(B, L, H, D)``, ``lse``
-        ``(B, L, H)`` (full layout) in place: what the strategies call."""
+        ``(B, L, H)`` (full layout) in place: what the strategies call. ``fresh``: ``out``/``lse`` hold no
+        result yet (their contents are ignored, as if 0 and ``-inf``); callers pass it only for a pattern
+        that ``covers_all`` heads, which may then write instead of merge (no fill, no read)."""
 
     def backward_pattern(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
         out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
         dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
-    ) -> None: ...
+        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False,
+    ) -> None:
+        """Adds this pattern's gradients into ``dq``/``dk``/``dv``. ``fresh``: they hold nothing yet
+        (contents ignored, as if zeros); only for a pattern that ``covers_all`` heads."""

@@ -48,6 +48,7 @@ import torch
 from ..merge import merge_pattern_
 from ..patterns import HeadChunk, PatternPlan
 from ..views import ALIGN_BYTES, compact_view, dilated_view, packed_view, readable
+from .pattern import clear_grads_, clear_result_
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -310,9 +311,11 @@ class CudnnKernel:
                              f"got {k.shape[1]} rows and segment {w} of {n}")
 
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float) -> None:
-        merge_pattern_(out, lse, plan, *self.forward_pattern(q, k, v, plan, packed=packed, causal=causal,
-                                                             scale=scale))
+                             scale: float, fresh: bool = False) -> None:
+        part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
+        if fresh:
+            clear_result_(out, lse)
+        merge_pattern_(out, lse, plan, *part)
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
         self._check(q, k)
@@ -371,7 +374,7 @@ class CudnnKernel:
         return {"out": _group_view(buffers[0], plan, g, "compact"), "lse": _group_view(buffers[1], plan, g, "compact")}
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float) -> None:
+                         packed: bool, causal: bool, scale: float, fresh: bool = False) -> None:
         self._check(q, k)
         self._geometry(q, k, plan, packed)
         for name, x, like in (("out", out, q), ("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k), ("v", v, k)):
@@ -379,6 +382,8 @@ class CudnnKernel:
                 raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
         if tuple(lse.shape) != tuple(q.shape[:3]):
             raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {tuple(q.shape[:3])}")
+        if fresh:
+            clear_grads_(*(g for name, g in (("dq", dq), ("dk", dk), ("dv", dv)) if name in self.grads))
         kv = self._kv_role(packed)
         same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
         key = _config_key(q, k, plan, packed, causal)
@@ -450,12 +455,13 @@ class CudnnDkdvKernel:
         return self.cudnn.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
 
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float) -> None:
-        self.cudnn.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale)
+                             scale: float, fresh: bool = False) -> None:
+        self.cudnn.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale,
+                                        fresh=fresh)
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float) -> None:
-        kw = dict(packed=packed, causal=causal, scale=scale)
+                         packed: bool, causal: bool, scale: float, fresh: bool = False) -> None:
+        kw = dict(packed=packed, causal=causal, scale=scale, fresh=fresh)  # each part starts its own grads
         self.cudnn.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
         self.fused.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
 

@@ -358,7 +358,7 @@ class FusedKernel:
         self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages)
 
     def _backward(self, q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, MK, causal, scale,
-                  cfg):
+                  cfg, add=True):
         sq, sk, sv, so, sl, sg, sdq, sdk, sdv = strides
         km, sm, n_off = mask
         idx = _idx_type(max(M, MK), *strides, sm)
@@ -387,7 +387,7 @@ class FusedKernel:
             (q, k, v, dout, lse, delta, dq, ht, km, lt, *sq, *sk, *sv, *sg, *sl, *sd, *sdq, *sm, n_off,
              nh, S, M, MK, nmb, scale * LOG2E, scale),
             dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
-                 IDX=idx, HAS_MASK=km is not None, **common),
+                 IDX=idx, HAS_MASK=km is not None, **common, ADD=add),
             cfg.dq_warps, cfg.dq_stages,
         )
         if not self.dkdv:
@@ -400,7 +400,7 @@ class FusedKernel:
             (q, k, v, dout, lse, delta, dk, dv, ut, km, *sq, *sk, *sv, *sg, *sl, *sd, *sdk, *sdv, *sm,
              nu, S, M, MK, nnb, scale * LOG2E, scale),
             dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
-                 IDX=idx, HAS_MASK=km is not None, **common),
+                 IDX=idx, HAS_MASK=km is not None, **common, ADD=add),
             cfg.dkdv_warps, cfg.dkdv_stages,
         )
 
@@ -479,19 +479,20 @@ class FusedKernel:
         return self._pattern_forward(q, k, v, plan, None, None, packed, causal, scale, key_mask)
 
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, key_mask: torch.Tensor | None = None) -> None:
+                             scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False) -> None:
         """The pattern merged into the running fp32 ``out``/``lse`` (full layout) in the kernel's epilogue:
-        no compact partial, no separate combine pass."""
-        self._pattern_forward(q, k, v, plan, out, lse, packed, causal, scale, key_mask)
+        no compact partial, no separate combine pass. ``fresh``: the epilogue writes (no fill, no read)."""
+        _check_fresh(fresh, plan, q, k, packed)
+        self._pattern_forward(q, k, v, plan, out, lse, packed, causal, scale, key_mask, fresh)
 
-    def _pattern_forward(self, q, k, v, plan, out, lse, packed, causal, scale, key_mask):
+    def _pattern_forward(self, q, k, v, plan, out, lse, packed, causal, scale, key_mask, fresh=False):
         """One launch for the pattern: with ``out``/``lse`` ``None`` into new compact tensors (returned),
-        else merged into the given running result."""
+        else merged into the given running result (written, if ``fresh``)."""
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
-        merge = out is not None
-        if merge:
+        full = out is not None
+        if full:
             _check_acc("out", out, q.shape)
             _check_acc("lse", lse, q.shape[:3])
             if out.dtype != torch.float32 or lse.dtype != torch.float32:
@@ -507,14 +508,16 @@ class FusedKernel:
         ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
         self._forward(
             q, k, v, out, lse, ht, mask, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
-            self._kv_strides(v, plan, packed, M), so, sl, S, M, M, causal, scale, cfg, merge=merge,
+            self._kv_strides(v, plan, packed, M), so, sl, S, M, M, causal, scale, cfg, merge=full and not fresh,
         )
         return out, lse
 
     def backward_pattern(
         self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool, scale: float,
-        key_mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None, fresh: bool = False,
     ) -> None:
+        """``fresh``: the kernels store their gradients (no zero fill, no read of the accumulators)."""
+        _check_fresh(fresh, plan, q, k, packed)
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
@@ -532,7 +535,16 @@ class FusedKernel:
             ds(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), ds(out, plan), ds(lse, plan),
             ds(dout, plan), ds(dq, plan), kvs(dk, plan, packed, M), kvs(dv, plan, packed, M),
         )
-        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, M, causal, scale, cfg)
+        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, M, causal, scale, cfg,
+                       add=not fresh)
+
+
+def _check_fresh(fresh: bool, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, packed: bool) -> None:
+    """A fresh write leaves whatever it does not cover as it was (garbage): only a covering pattern may."""
+    if fresh and (packed or not plan.covers_all(q.shape[2], k.shape[2])):
+        raise ValueError(f"fresh=True needs a local pattern that covers every row and head (r = 1, all "
+                         f"{q.shape[2]} query and {k.shape[2]} kv heads); pattern {plan.index} "
+                         f"(w={plan.segment}, r={plan.dilation}, {len(plan.chunks)} chunks, packed={packed}) does not")
 
 
 def _check_view(name: str, x: torch.Tensor, shape) -> None:

@@ -35,6 +35,18 @@ from ..views import chunk_views, compact_view, dilated_view, packed_view
 from .base import BlockKernel
 
 
+def clear_result_(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The empty running result (0, ``-inf``): how a kernel without a write-once path honours ``fresh``."""
+    out.zero_()
+    lse.fill_(float("-inf"))
+
+
+def clear_grads_(*grads: torch.Tensor) -> None:
+    """Zeroed accumulators: how a kernel without a write-once path honours ``fresh`` in the backward."""
+    for g in grads:
+        g.zero_()
+
+
 def _mask_view(key_mask, plan, chunk):
     if key_mask is None:
         return {}
@@ -75,12 +87,17 @@ class ChunkLoop:
         return out, lse
 
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, key_mask: torch.Tensor | None = None) -> None:
-        merge_pattern_(out, lse, plan, *self.forward_pattern(q, k, v, plan, packed=packed, causal=causal,
-                                                             scale=scale, key_mask=key_mask))
+                             scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False) -> None:
+        part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, key_mask=key_mask)
+        if fresh:
+            clear_result_(out, lse)
+        merge_pattern_(out, lse, plan, *part)
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None) -> None:
+                         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
+                         fresh: bool = False) -> None:
+        if fresh:
+            clear_grads_(dq, dk, dv)
         for c in plan.chunks:
             kc, vc = _kv_views(k, v, plan, c, packed)
             gq, gk, gv = self.block.backward(
