@@ -61,7 +61,7 @@ from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
 from dilated_attention.kernels.sdpa import SdpaKernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
-from dilated_attention.ring import RingCall, RingLayout, ring_forward  # noqa: E402
+from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TABLE_FILE = os.path.join(ROOT, "dilated_attention", "kernels", "auto_table.py")
@@ -110,6 +110,12 @@ def fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=True):
         return [kernel.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
     # exactly what the library's forward does around the kernels (the ring schedule on one device)
     return ring_forward(q, k, v, None, RingCall(tuple(plans), None, RingLayout(), 0, kernel, causal, scale))
+
+
+def library_backward(kernel, q, k, v, plans, out, lse, dout, causal, scale):
+    # exactly what the library's backward does around the kernels (the ring schedule on one device)
+    return ring_backward(q, k, v, None, out, lse, dout, RingCall(tuple(plans), None, RingLayout(), 0, kernel,
+                                                                 causal, scale))
 
 
 def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):
@@ -164,7 +170,7 @@ def measure_method(name, kernel, q, k, v, dout, plans, causal, scale, warmup, re
 
     def step():
         o_, l_ = fwd_pipeline(kernel, q, k, v, plans, causal, scale)
-        bwd_pipeline(kernel, q, k, v, plans, o_, l_, dout, causal, scale)
+        library_backward(kernel, q, k, v, plans, o_, l_, dout, causal, scale)
 
     peak, _ = peak_extra(step, dev)
     ms = timed(step, warmup, reps, dev)
