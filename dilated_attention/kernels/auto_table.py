@@ -8,11 +8,11 @@ a key without rows stands for row count 0).
 
 TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/causal/D128/bfloat16/M2048': 'fused',
                                        'bwd-any/dense/causal/D128/bfloat16/M32768': 'cudnn',
-                                       'bwd-any/dense/causal/D128/float16/M2048': 'fused',
+                                       'bwd-any/dense/causal/D128/float16/M2048': 'cudnn',
                                        'bwd-any/dense/causal/D64/bfloat16/M2048': 'fused',
                                        'bwd-any/dense/full/D128/bfloat16/M2048': 'cudnn',
                                        'bwd-any/dense/full/D128/bfloat16/M32768': 'cudnn',
-                                       'bwd-any/dense/full/D128/float16/M2048': 'fused',
+                                       'bwd-any/dense/full/D128/float16/M2048': 'cudnn',
                                        'bwd-any/dense/full/D64/bfloat16/M2048': 'fused',
                                        'bwd-any/dilated/causal/D128/bfloat16/M2048': 'fused',
                                        'bwd-any/dilated/causal/D128/float16/M2048': 'fused',
@@ -49,8 +49,8 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                                        'fwd/dilated/full/D128/float16/M2048': 'fused',
                                        'fwd/dilated/full/D64/bfloat16/M2048': 'fused'},
                            'cudnn': 91900,
-                           'source': 'benchmarks/results/kernel_nvidia_h100_80gb_hbm3.json '
-                                     '(2026-11-22T18:11:12Z)',
+                           'source': 'benchmarks/results/kernel_nvidia_h100_run8.json '
+                                     '(2026-11-22T18:53:12Z)',
                            'torch': '2.11.0+cu130'},
  'NVIDIA H200': {'choices': {'bwd-any/dense/causal/D128/bfloat16/M2048': 'cudnn',
                              'bwd-any/dense/causal/D128/bfloat16/M32768': 'cudnn',
@@ -95,5 +95,5 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                              'fwd/dilated/full/D128/float16/M2048': 'fused',
                              'fwd/dilated/full/D64/bfloat16/M2048': 'fused'},
                  'cudnn': 91900,
-                 'source': 'benchmarks/results/kernel_nvidia_h200.json (2026-11-22T18:06:12Z)',
+                 'source': 'benchmarks/results/kernel_nvidia_h200_run8.json (2026-11-22T18:42:42Z)',
                  'torch': '2.11.0+cu130'}}
