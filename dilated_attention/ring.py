@@ -5,7 +5,9 @@ ring over ``G`` ranks holding consecutive blocks. On a ring each rank packs its
 dilated K/V once, then ``G - 1`` steps pass the packed block to the next rank;
 the receive for step ``t + 1`` is posted before step ``t`` is computed. Every
 pattern and ring step merges into one running fp32 result (``forward_pattern_into``:
-the fused kernel does it in its epilogue), so there is no separate combine pass.
+the fused kernel does it in its epilogue), so there is no separate combine pass. A
+first pattern that covers every row and head (``PatternPlan.covers_all``) writes that
+result, and in the backward the gradient accumulators, fresh: no fill, no read.
 
 Backward reuses the final ``out`` and ``lse`` (exact gradients without
 differentiating the merge). K/V blocks go round again, and so do fp32 dK/dV
