@@ -30,6 +30,7 @@ import torch
 
 from .comm.base import CommBackend
 from .kernels.base import PatternKernel
+from .kernels.pattern import clear_result_
 from .merge import accum_dtype
 from .patterns import PatternPlan
 from .views import pack_kv, unpack_add_
@@ -163,8 +164,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     out = torch.empty(q.shape, dtype=acc, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
     if not fresh:  # rows no pattern covers stay (0, -inf)
-        out.zero_()
-        lse.fill_(float("-inf"))
+        clear_result_(out, lse)
     for i, plan in enumerate(plans):
         if plan.ring_size == 1:
             ring.kernel.forward_pattern_into(q, k, v, plan, out, lse, packed=False, causal=ring.causal,
