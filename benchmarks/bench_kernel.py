@@ -9,7 +9,9 @@ Methods (``--methods``): ``fused`` (Triton, one launch per pattern), ``cudnn``
 (zero-copy strided cuDNN calls, ``kernels/cudnn.py``), ``auto`` (per pattern and
 direction the implementation measured fastest in *this* run, deterministic
 backward only), ``auto-any`` (the same, cuDNN's non-deterministic backward
-allowed), ``cudnn-dkdv`` (cuDNN forward and dK/dV, the fused kernel's dQ),
+allowed), ``cudnn-det`` (cuDNN forward, cuDNN's deterministic backward through the
+cuDNN frontend, when ``nvidia-cudnn-frontend`` is installed), ``cudnn-dkdv`` (cuDNN
+forward and dK/dV, the fused kernel's dQ),
 ``sdpa-flash``/``sdpa-cudnn`` (the composed chunk loop, copies),
 ``reference``. Ceilings: ``dense-cudnn``/``dense-flash``, torch SDPA on dense
 attention of exactly the same unmasked work (every pattern is ``N/r / M`` blocks
@@ -56,6 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import AutoKernel, table_key  # noqa: E402
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel  # noqa: E402
+from dilated_attention.kernels.cudnn_frontend import CudnnFrontendOps  # noqa: E402
 from dilated_attention.kernels.fused import FusedKernel, default_config  # noqa: E402
 from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
@@ -408,6 +411,8 @@ def make_kernel(name, table_impls, choices):
         return FusedKernel()
     if name == "cudnn":
         return CudnnKernel()
+    if name == "cudnn-det":
+        return CudnnKernel(CudnnFrontendOps())
     if name == "cudnn-dkdv":
         return CudnnDkdvKernel()
     if name in ("auto", "auto-any"):
@@ -431,7 +436,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="time a few fused configs too")
-    ap.add_argument("--methods", default="fused,cudnn,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
+    ap.add_argument("--methods", default="fused,cudnn,cudnn-det,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
     ap.add_argument("--table-extra", default="", help="more table entries, 'dim:dtype,...' (e.g. 64:bfloat16,128:float16)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-attention comparison")
     ap.add_argument("--no-md", action="store_true", help="write only JSON and PNG (the markdown is in the JSON)")
@@ -477,7 +482,8 @@ def main(argv=None):
     print(json.dumps(meta, indent=1), flush=True)
     # the implementations auto may choose between (on CPU the reference stands in for cuDNN)
     if device.type == "cuda":
-        table_impls = {"fused": FusedKernel(), "cudnn": CudnnKernel(), "cudnn-dkdv": CudnnDkdvKernel()}
+        table_impls = {"fused": FusedKernel(), "cudnn": CudnnKernel(), "cudnn-det": CudnnKernel(CudnnFrontendOps()),
+                       "cudnn-dkdv": CudnnDkdvKernel()}
     else:
         table_impls = {"fused": FusedKernel(), "reference": ChunkLoop(ReferenceKernel())}
     scale = args.dim ** -0.5
@@ -517,7 +523,7 @@ def main(argv=None):
             print(f"  check failed: {type(exc).__name__}: {exc}", flush=True)
         for name, kern in kernels.items():
             w, r = (1, 3) if name == "reference" and device.type == "cuda" else (args.warmup, args.reps)
-            api = (segs, rates) if name in ("fused", "auto", "auto-any", "cudnn", "cudnn-dkdv") else None
+            api = (segs, rates) if name in ("fused", "auto", "auto-any", "cudnn", "cudnn-det", "cudnn-dkdv") else None
             try:
                 rows += measure_method(name, kern, q, k, v, dout, plans, causal, scale, w, r, fl, api)
             except Exception as exc:
@@ -601,7 +607,7 @@ def summarize(rows, full_rows=()):
         s = {}
         dense = _get(rows, "dense-cudnn", causal, "fwd+bwd kernel")
         densef = _get(rows, "dense-cudnn", causal, "fwd kernel")
-        for method in ("auto", "auto-any", "fused", "cudnn", "cudnn-dkdv"):
+        for method in ("auto", "auto-any", "fused", "cudnn", "cudnn-det", "cudnn-dkdv"):
             tag = "library" if method == "auto" else f"library_{method.replace('-', '_')}"
             pipe = _get(rows, method, causal, "fwd+bwd pipeline")
             fwd = _get(rows, method, causal, "fwd pipeline")

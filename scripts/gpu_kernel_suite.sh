@@ -33,6 +33,7 @@ stamp() { echo "[$(( $(date +%s) - START ))s] $*"; }
   nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), torch.cuda.get_device_name())"
   python3 -c "import xdist" 2>/dev/null && echo "pytest-xdist available" || echo "pytest-xdist missing: tests run in one process"
+  python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__)" 2>/dev/null || echo "cudnn frontend missing: cudnn-det not measured"
   CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || echo "")
   echo "compute-sanitizer: ${CS:-not found}"
 } > "$LOG" 2>&1
@@ -46,7 +47,7 @@ run_tests() {
   python3 -c "import xdist" 2>/dev/null && xdist="-n $WORKERS"
   stamp "pytest (GPU $T_GPU)"
   CUDA_VISIBLE_DEVICES=$T_GPU OMP_NUM_THREADS=2 timeout -s INT -k 15 "$T_TESTS" python3 -m pytest -q -p no:cacheprovider $xdist \
-    tests/test_fused.py tests/test_kernels_cudnn.py tests/test_kernels_auto.py -rfE 2>&1 | tail -60
+    tests/test_fused.py tests/test_kernels_cudnn.py tests/test_kernels_cudnn_frontend.py tests/test_kernels_auto.py -rfE 2>&1 | tail -60
   echo "pytest exit ${PIPESTATUS[0]} (130 or 124 = timed out: the failures so far are listed above)"
 }
 

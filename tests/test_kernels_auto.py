@@ -8,6 +8,8 @@ fused kernel and the cuDNN pattern kernel (real on a GPU, the float64 stand-in
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -119,7 +121,11 @@ def test_nondeterministic_backward_only_when_allowed():
 def test_unsupported_choice_falls_back_to_fused_and_bad_tables_raise():
     fused, other = Recorder("fused"), Recorder("cudnn", refuse="needs a CUDA device")
     kern = AutoKernel({"fused": fused, "cudnn": other}, {table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn"})
-    assert kern.pick("fwd", PLANS[0], False, Q, Q) is fused
+    with pytest.warns(UserWarning, match="'cudnn' for fwd .* cannot run here \\(needs a CUDA device\\)"):
+        assert kern.pick("fwd", PLANS[0], False, Q, Q) is fused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not on every call
+        assert kern.pick("fwd", PLANS[0], False, Q, Q) is fused
     with pytest.raises(ValueError, match="not among"):
         AutoKernel({"fused": fused}, {table_key("fwd", 1, False, 32, torch.bfloat16): "flash"})
     with pytest.raises(ValueError, match="'fused'"):
@@ -138,6 +144,7 @@ def test_dispatch_wraps_fused_only_for_measured_gpus(monkeypatch):
     chosen = dispatch._measured(torch.device("cpu"), fused)
     assert isinstance(chosen, AutoKernel) and chosen.impls["fused"] is fused
     assert isinstance(chosen.impls["cudnn"], CudnnKernel) and isinstance(chosen.impls["cudnn-dkdv"], CudnnDkdvKernel)
+    assert chosen.impls["cudnn-det"].name == "cudnn-det" and chosen.impls["cudnn-det"].deterministic_backward
     assert dispatch._measured(torch.device("cpu"), fused) is chosen  # one kernel per GPU model
 
 

@@ -32,6 +32,7 @@ the kernel is deterministic.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -96,6 +97,7 @@ class AutoKernel:
                              f"is not deterministic: {racy}")
         self.impls, self.choices = impls, dict(choices)
         self._rows = _by_rows(self.choices)
+        self._skipped: set[tuple[str, str]] = set()
         self.key_masks = impls["fused"].key_masks
         self.allow_nondeterministic = allow_nondeterministic
         self.deterministic_backward = not allow_nondeterministic or all(
@@ -115,9 +117,15 @@ class AutoKernel:
             name = _nearest_below(self._rows.get(table_key("bwd-any", plan.dilation, causal, dim, dtype)), rows)
         if name is None:
             name = _nearest_below(self._rows.get(table_key(direction, plan.dilation, causal, dim, dtype)), rows)
-        name = name or "fused"
-        impl = self.impls[name]
-        return impl if impl.supports(q, k) is None else self.impls["fused"]
+        impl = self.impls[name or "fused"]
+        reason = impl.supports(q, k)
+        if reason is None:
+            return impl
+        if (name, reason) not in self._skipped:  # e.g. the table names cudnn-det and the frontend is missing
+            self._skipped.add((name, reason))
+            warnings.warn(f"auto: the measured choice {name!r} for {direction} of w={plan.local_segment}, "
+                          f"r={plan.dilation} cannot run here ({reason}); running 'fused'", stacklevel=3)
+        return self.impls["fused"]
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float, **mask):
         impl = self.pick("fwd", plan, causal, q, k, bool(mask))

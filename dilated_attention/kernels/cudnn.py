@@ -56,6 +56,7 @@ class CudnnOps:
     """``torch.ops.aten``'s cuDNN attention, forward and backward, on 4D ``(B', h, M, D)`` views."""
 
     name = "cudnn"
+    deterministic_backward = False  # cuDNN accumulates dQ with atomics (torch exposes no deterministic mode)
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         if q.device.type != "cuda":
@@ -267,13 +268,14 @@ def _adopt(res: torch.Tensor, tsz, merged: list[int], plan: PatternPlan, g: _Gro
 class CudnnKernel:
     """``PatternKernel`` on cuDNN's fused attention with zero-copy strided views (see module doc)."""
 
-    name = "cudnn"
     key_masks = False  # masked work runs on the fused kernel (AutoKernel routes it there)
-    deterministic_backward = False  # dQ is accumulated with atomics
 
     def __init__(self, ops: CudnnOps | None = None, *, grads: tuple[str, ...] = ("dq", "dk", "dv")) -> None:
-        """``grads``: which gradients the backward adds (``CudnnDkdvKernel`` keeps dK/dV only)."""
+        """``grads``: which gradients the backward adds (``CudnnDkdvKernel`` keeps dK/dV only).
+        Name and determinism are the ops': ``"cudnn"`` on torch's ops, ``"cudnn-det"`` on the frontend's."""
         self.ops = ops if ops is not None else CudnnOps()
+        self.name = self.ops.name
+        self.deterministic_backward = self.ops.deterministic_backward
         bad = [g for g in grads if g not in ("dq", "dk", "dv")]
         if bad or not grads:
             raise ValueError(f"grads must be a non-empty subset of ('dq', 'dk', 'dv'), got {grads}")

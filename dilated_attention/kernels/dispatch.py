@@ -4,7 +4,8 @@
 inputs: fused (CUDA + Triton), then SDPA, then the reference. On a GPU model
 with measurements in ``auto_table.py`` the fused kernel comes wrapped in
 ``auto.AutoKernel``, which runs each pattern and direction on the implementation
-measured fastest there (fused, zero-copy cuDNN, or cuDNN with the fused dQ). Falling back from fused warns
+measured fastest there (fused, zero-copy cuDNN, cuDNN with its deterministic
+backward through the cuDNN frontend, or cuDNN with the fused dQ). Falling back from fused warns
 once with the reason (shared memory, alignment, dtype, ...), so a configuration
 that would fail at launch never reaches the GPU. Naming a kernel forces it and
 raises ``ValueError`` with the reason when it cannot run. Masked calls (``key_padding_mask``,
@@ -23,7 +24,7 @@ from .pattern import ChunkLoop
 from .reference import ReferenceKernel
 from .sdpa import SdpaKernel
 
-KERNEL_NAMES = ("auto", "fused", "cudnn", "cudnn-dkdv", "sdpa", "sdpa-cudnn", "reference")
+KERNEL_NAMES = ("auto", "fused", "cudnn", "cudnn-det", "cudnn-dkdv", "sdpa", "sdpa-cudnn", "reference")
 _warned: set[str] = set()
 _auto_kernels: dict[tuple[str, bool], PatternKernel] = {}
 
@@ -39,6 +40,11 @@ def _make(name: str) -> PatternKernel:
         from .cudnn import CudnnKernel
 
         return CudnnKernel()
+    if name == "cudnn-det":
+        from .cudnn import CudnnKernel
+        from .cudnn_frontend import CudnnFrontendOps
+
+        return CudnnKernel(CudnnFrontendOps())
     if name == "cudnn-dkdv":
         from .cudnn import CudnnDkdvKernel
 
@@ -109,7 +115,7 @@ def _measured(device: torch.device, fused: PatternKernel) -> PatternKernel:
     key = (torch.cuda.get_device_name(device), nondeterministic_allowed())
     chosen = _auto_kernels.get(key)
     if chosen is None:
-        impls = {"fused": fused, "cudnn": _make("cudnn"), "cudnn-dkdv": _make("cudnn-dkdv")}
+        impls = {"fused": fused, **{name: _make(name) for name in ("cudnn", "cudnn-det", "cudnn-dkdv")}}
         chosen = auto_for(device_choices(device), impls, allow_nondeterministic=key[1])
         _auto_kernels[key] = chosen
     return chosen

@@ -1,0 +1,152 @@
+"""cuDNN's deterministic attention backward, through NVIDIA's cuDNN frontend (``pip install nvidia-cudnn-frontend``).
+
+torch's cuDNN attention backward (``CudnnOps``) accumulates dQ with atomics, so
+its bits change run to run and the library's bitwise-identical promise cannot
+use it. cuDNN also has a deterministic backward (dQ partials per key tile in a
+workspace, reduced in a fixed order); torch does not expose it, the frontend's
+graph API does (``sdpa_backward(..., use_deterministic_algorithm=True)``).
+``CudnnFrontendOps`` is ``CudnnOps`` with that backward: ``CudnnKernel`` on it is
+the ``"cudnn-det"`` implementation (cuDNN forward, deterministic cuDNN backward).
+
+Measured on an H200 with cuDNN 9.19 (``benchmarks/results/cudnn_frontend_probe_h200.log``):
+bitwise equal over repeated runs where torch's backward differed, 3-13% slower
+than the atomic one, gradients within bf16 rounding of it. Its workspace is
+about ``ceil(keys / 256)`` times the fp32 size of dQ (32 GiB for one 32768-row
+segment of 16 heads), so a call is split, batch first, then keys, to stay
+under ``workspace_limit``. Splitting keys is exact: each key chunk's dK/dV are
+complete, and its dQ part (from the final ``out``/``lse``, as every backward
+here) is summed in fp32 in a fixed order. Causal key chunk ``[k0, k1)`` pairs
+with queries ``[k0, M)``: its mask is then cuDNN's top-left one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from .cudnn import CudnnOps
+
+WORKSPACE_LIMIT = 2 << 30  # bytes per call; measured: 2 GiB costs 10% against an unsplit full-attention call
+_KEY_TILE = 256  # the workspace holds one fp32 dQ per this many keys (cuDNN 9.19, measured)
+_GRAPHS_KEPT = 256
+
+
+def _frontend():
+    """The ``cudnn`` frontend module, or ``None`` when it is not installed or cannot load."""
+    try:
+        import cudnn
+    except (ImportError, OSError):
+        return None
+    # another package may own the name ``cudnn``: the frontend is the one with the graph API
+    return cudnn if getattr(cudnn, "pygraph", None) is not None else None
+
+
+def _empty_in_layout(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor of ``x``'s shape whose strides keep ``x``'s dim order (what torch's op allocates)."""
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    dense = torch.empty([x.shape[d] for d in order], dtype=dtype or x.dtype, device=x.device)
+    return dense.permute(*[order.index(d) for d in range(x.dim())])
+
+
+def workspace_estimate(batch: int, heads: int, q_rows: int, k_rows: int, dim: int) -> int:
+    """Bytes of cuDNN's deterministic-backward workspace for one call (measured rule, see module doc)."""
+    return math.ceil(k_rows / _KEY_TILE) * batch * heads * q_rows * dim * 4
+
+
+def split_plan(batch: int, heads: int, rows: int, dim: int, limit: int) -> tuple[int, int]:
+    """``(batch items per call, keys per call)`` keeping ``workspace_estimate`` under ``limit``
+    (at least one item and one key tile, whatever the limit)."""
+    per_item = workspace_estimate(1, heads, rows, rows, dim)
+    if per_item <= limit:
+        return max(1, min(batch, limit // per_item)), rows
+    tiles = max(1, limit // workspace_estimate(1, heads, rows, _KEY_TILE, dim))
+    return 1, min(rows, tiles * _KEY_TILE)
+
+
+class CudnnFrontendOps(CudnnOps):
+    """``CudnnOps`` whose backward is cuDNN's deterministic one, built with the frontend's graph API."""
+
+    name = "cudnn-det"
+    deterministic_backward = True
+
+    def __init__(self, workspace_limit: int = WORKSPACE_LIMIT) -> None:
+        if workspace_limit <= 0:
+            raise ValueError(f"workspace_limit must be a positive byte count, got {workspace_limit}")
+        self.workspace_limit = workspace_limit
+        self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self._handles: dict[int, object] = {}
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        reason = super().supports(q, k)
+        if reason is None and _frontend() is None:
+            reason = "needs NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend"
+        return reason
+
+    def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float):
+        batch, heads, rows, dim = q.shape
+        if k.shape[2] != rows:
+            raise ValueError(f"q and k must have equal rows, got {rows} and {k.shape[2]}")
+        dq, dk, dv = (_empty_in_layout(x) for x in (q, k, v))
+        per_call, keys = split_plan(batch, heads, rows, dim, self.workspace_limit)
+        for b0 in range(0, batch, per_call):
+            b = slice(b0, b0 + per_call)
+            if keys == rows:
+                self._run(dout[b], q[b], k[b], v[b], out[b], lse4[b], dq[b], dk[b], dv[b], causal, scale)
+                continue
+            dq_sum = torch.zeros(dq[b].shape, dtype=torch.float32, device=q.device)
+            for k0 in range(0, rows, keys):
+                ks, qs = slice(k0, k0 + keys), slice(k0 if causal else 0, rows)
+                part = _empty_in_layout(q[b][:, :, qs])
+                self._run(dout[b][:, :, qs], q[b][:, :, qs], k[b][:, :, ks], v[b][:, :, ks], out[b][:, :, qs],
+                          lse4[b][:, :, qs].contiguous(), part, dk[b][:, :, ks], dv[b][:, :, ks], causal, scale)
+                dq_sum[:, :, qs] += part
+            dq[b].copy_(dq_sum)
+        return dq, dk, dv
+
+    def _run(self, dout, q, k, v, out, lse4, dq, dk, dv, causal: bool, scale: float) -> None:
+        cudnn = _frontend()
+        tensors = (q, k, v, out, dout, lse4, dq, dk, dv)
+        graph, nodes, workspace_bytes = self._graph(cudnn, tensors, causal, scale)
+        handle = self._handles[q.device.index]
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
+        graph.execute(dict(zip(nodes, tensors)), workspace, handle=handle)
+
+    def _graph(self, cudnn, tensors, causal: bool, scale: float):
+        q = tensors[0]
+        key = (q.device.index, causal, scale, *((x.dtype, tuple(x.shape), x.stride()) for x in tensors))
+        hit = self._graphs.get(key)
+        if hit is not None:
+            self._graphs.move_to_end(key)
+            return hit
+        if q.device.index not in self._handles:
+            with torch.cuda.device(q.device):
+                self._handles[q.device.index] = cudnn.create_handle()
+        io = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[q.dtype]
+        graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT, handle=self._handles[q.device.index])
+        inputs = [graph.tensor_like(x) for x in tensors[:6]]
+        grads = graph.sdpa_backward(q=inputs[0], k=inputs[1], v=inputs[2], o=inputs[3], dO=inputs[4],
+                                    stats=inputs[5], attn_scale=scale, use_causal_mask=causal,
+                                    use_deterministic_algorithm=True)
+        for node, x in zip(grads, tensors[6:]):
+            node.set_output(True).set_dim(list(x.shape)).set_stride(list(x.stride())).set_data_type(io)
+        try:
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.check_support()
+            graph.build_plans()
+        except Exception as exc:  # the frontend raises its own types: a refusal is a RuntimeError here
+            raise RuntimeError(f"cuDNN frontend refused the deterministic backward for q {tuple(q.shape)} "
+                               f"strides {q.stride()}: {exc}") from exc
+        entry = (graph, [*inputs, *grads], graph.get_workspace_size())
+        self._graphs[key] = entry
+        if len(self._graphs) > _GRAPHS_KEPT:
+            self._graphs.popitem(last=False)
+        return entry
+
+
+__all__ = ["CudnnFrontendOps", "WORKSPACE_LIMIT", "split_plan", "workspace_estimate"]

@@ -1,0 +1,179 @@
+"""cuDNN's deterministic backward through the cuDNN frontend (``kernels/cudnn_frontend.py``).
+
+On CPU the frontend's graph call (``_run``) is replaced by the float64 math of
+``MathOps`` writing into the output views it is handed: that checks what the
+library adds around cuDNN (splitting a call by batch and by key chunks to bound
+the workspace, the causal query offset of a key chunk, summing dQ parts,
+output layouts) against one unsplit call and the fp64 oracle. With CUDA and
+``nvidia-cudnn-frontend`` installed the real graph runs: oracle checks on the
+pattern cases, bitwise reproducibility, split equals unsplit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# first: test_fused sets TRITON_INTERPRET on CPU, which must precede triton's import
+from test_fused import CUDA, DEVICE, check_packed_ring_block, check_pattern_local, seeded  # noqa: I001
+from test_kernels_cudnn import DIM, LOW, MathOps, N
+
+from dilated_attention.kernels.cudnn import CudnnKernel
+from dilated_attention.kernels.cudnn_frontend import (
+    CudnnFrontendOps,
+    _empty_in_layout,
+    _frontend,
+    split_plan,
+    workspace_estimate,
+)
+from dilated_attention.kernels.dispatch import select_kernel
+
+HAVE_FRONTEND = CUDA and _frontend() is not None
+
+
+class MathFrontendOps(CudnnFrontendOps):
+    """``CudnnFrontendOps`` with the graph call done in float64 torch; records every call's shapes."""
+
+    def __init__(self, workspace_limit: int = 1 << 40) -> None:
+        super().__init__(workspace_limit)
+        self.math = MathOps()
+        self.runs: list[tuple] = []
+
+    def supports(self, q, k):
+        return None
+
+    def forward(self, q, k, v, *, causal, scale):
+        return self.math.forward(q, k, v, causal=causal, scale=scale)
+
+    def _run(self, dout, q, k, v, out, lse4, dq, dk, dv, causal, scale):
+        assert lse4.is_contiguous() and lse4.shape == (*q.shape[:3], 1)
+        self.runs.append((tuple(q.shape), tuple(k.shape)))
+        for target, grad in zip((dq, dk, dv), self.math.backward(dout, q, k, v, out, lse4, causal=causal,
+                                                                  scale=scale)):
+            target.copy_(grad)
+
+
+def frontend_ops(limit: int = 1 << 40) -> CudnnFrontendOps:
+    return CudnnFrontendOps(limit) if CUDA else MathFrontendOps(limit)
+
+
+def test_workspace_estimate_and_split_plan():
+    # the measured rule: ceil(keys / 256) fp32 copies of dQ (H200, cuDNN 9.19: 16 x 16 x 2048 x 128 -> 2 GiB)
+    assert workspace_estimate(16, 16, 2048, 2048, 128) == 8 * 16 * 16 * 2048 * 128 * 4
+    assert workspace_estimate(1, 16, 32768, 300, 128) == 2 * 16 * 32768 * 128 * 4
+    whole = workspace_estimate(16, 16, 2048, 2048, 128)
+    assert split_plan(16, 16, 2048, 128, whole) == (16, 2048)  # fits: one call
+    assert split_plan(16, 16, 2048, 128, whole // 4) == (4, 2048)  # batch split first
+    one = workspace_estimate(1, 16, 32768, 32768, 128)
+    assert split_plan(1, 16, 32768, 128, one // 8) == (1, 4096)  # then keys, whole key tiles
+    assert split_plan(3, 16, 32768, 128, 1) == (1, 256)  # never below one item and one key tile
+    with pytest.raises(ValueError, match="workspace_limit"):
+        CudnnFrontendOps(0)
+
+
+def test_empty_in_layout_keeps_dim_order():
+    x = torch.randn(2, 64, 4, 16).transpose(1, 2)[:, :, ::2]  # (B, h, M, D) view of (B, M, h, D) rows
+    y = _empty_in_layout(x)
+    assert y.shape == x.shape
+    assert sorted(range(4), key=lambda d: -y.stride(d)) == sorted(range(4), key=lambda d: -x.stride(d))
+    assert y.is_contiguous() or y.permute(0, 2, 1, 3).is_contiguous()
+
+
+def test_kernel_name_and_determinism_come_from_the_ops():
+    kern = CudnnKernel(MathFrontendOps())
+    assert kern.name == "cudnn-det" and kern.deterministic_backward
+    plain = CudnnKernel(MathOps())
+    assert plain.name == "math" and plain.deterministic_backward
+    real = CudnnKernel()
+    assert real.name == "cudnn" and not real.deterministic_backward
+
+
+def test_supports_names_the_missing_package(monkeypatch):
+    import dilated_attention.kernels.cudnn_frontend as cf
+    from dilated_attention.kernels.cudnn import CudnnOps
+
+    monkeypatch.setattr(CudnnOps, "supports", lambda self, q, k: None)
+    monkeypatch.setattr(cf, "_frontend", lambda: None)
+    x = torch.randn(1, 8, 2, 64)
+    reason = CudnnFrontendOps().supports(x, x)
+    assert reason is not None and "nvidia-cudnn-frontend" in reason
+    if not CUDA:
+        with pytest.raises(ValueError, match="cudnn-det"):
+            select_kernel("cudnn-det", x, x)
+
+
+def _bwd_inputs(batch, heads, kv_heads, rows, dim, dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def view(h):  # (B', h, M, D) views of (B', M, h, D) storage: the library's strided layout
+        return torch.randn(batch, rows, h, dim, generator=g).to(device, dtype).transpose(1, 2)
+
+    q, k, v, out, dout = view(heads), view(kv_heads), view(kv_heads), view(heads), view(heads)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)  # q's strides, as CudnnKernel guarantees
+    lse4 = (torch.randn(batch, heads, rows, 1, generator=g) * 0.5 + 3.0).to(device)
+    return dout, q, k, v, out, lse4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_split_calls_equal_one_call(causal, heads, kv_heads):
+    """Batch split and key chunks (causal: queries from the chunk's first key) give one call's gradients."""
+    batch, rows, dim = 3, (512 if CUDA else 48), (64 if CUDA else 8)
+    dtype = LOW[0]
+    seed = seeded("frontend-split", causal, heads, kv_heads)
+    args = _bwd_inputs(batch, heads, kv_heads, rows, dim, dtype, DEVICE, seed)
+    whole = frontend_ops().backward(*args, causal=causal, scale=0.3)
+    # room for one batch item with 2 key tiles of 256: batch split, then 2 (CPU: 1) key chunks per item
+    limit = workspace_estimate(1, heads, rows, 512, dim)
+    ops = frontend_ops(limit)
+    if not CUDA:
+        import dilated_attention.kernels.cudnn_frontend as cf
+
+        cf_tile, cf._KEY_TILE = cf._KEY_TILE, 16  # small key tiles so that CPU-sized rows split
+        try:
+            limit = workspace_estimate(1, heads, rows, 16, dim)
+            ops = frontend_ops(limit)
+            split = ops.backward(*args, causal=causal, scale=0.3)
+        finally:
+            cf._KEY_TILE = cf_tile
+        assert len(ops.runs) == batch * (rows // 16)
+        # causal key chunk j pairs with queries from its first key on
+        want_q = [rows - (j * 16 if causal else 0) for j in range(rows // 16)] * batch
+        assert [r[0][2] for r in ops.runs] == want_q and all(r[1][2] == 16 for r in ops.runs)
+    else:
+        split = ops.backward(*args, causal=causal, scale=0.3)
+    for name, a, b in zip(("dq", "dk", "dv"), split, whole):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        tol = 0 if name != "dq" else (1e-2 if dtype != torch.float32 else 1e-5)  # dq parts are rounded once more
+        assert torch.allclose(a.float(), b.float(), atol=tol * b.float().abs().max().item(), rtol=0), name
+
+
+@pytest.mark.skipif(CUDA and not HAVE_FRONTEND, reason="nvidia-cudnn-frontend not installed")
+@pytest.mark.parametrize("case", [("longnet", 4, 2, "transposed", True), ("grouped", 6, 3, "contiguous", False),
+                                  ("longnet", 8, 8, "storage_offset", False), ("longnet", 6, 2, "permuted", True)],
+                         ids=lambda c: f"{c[0]}-H{c[1]}-{c[2]}-causal{c[4]}")
+def test_pattern_local(case):
+    mode, heads, kv_heads, layout, causal = case
+    seed = seeded("frontend-pattern", case)
+    n = N if CUDA else 32
+    check_pattern_local(CudnnKernel(frontend_ops()), mode, heads, kv_heads, layout, causal, LOW[0], seed, DIM, n)
+
+
+@pytest.mark.skipif(CUDA and not HAVE_FRONTEND, reason="nvidia-cudnn-frontend not installed")
+def test_pattern_packed_ring_block():
+    n = N if CUDA else 32
+    check_packed_ring_block(CudnnKernel(frontend_ops()), "longnet", 4, 2, True, LOW[0], seeded("frontend-ring"),
+                            DIM, n)
+
+
+@pytest.mark.skipif(not HAVE_FRONTEND, reason="needs CUDA and nvidia-cudnn-frontend")
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_is_bitwise_reproducible(causal):
+    """The reason the implementation exists: torch's cuDNN backward differs run to run, this one must not."""
+    seeded("frontend-repro", causal)
+    args = _bwd_inputs(4, 8, 8, 2048, 128, torch.bfloat16, DEVICE, 7)
+    ops = CudnnFrontendOps()
+    first = ops.backward(*args, causal=causal, scale=0.1)
+    for _ in range(3):
+        again = ops.backward(*args, causal=causal, scale=0.1)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
