@@ -266,14 +266,18 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                     grads.append(acc)
                 r["rel_vs_fused"] = max([_rel(rows_o, rows_r)] + [_rel(a, b) for a, b in zip(grads[0], ref_b)])
                 r["bwd_reproducible"] = all(torch.equal(a, b) for a, b in zip(*grads))
-                # what the library calls: the pattern merged into a running result (fused: in its epilogue)
+                # what the library calls: the pattern merged into a running result (fused: in its epilogue),
+                # the first one written fresh when it covers every row and head (ring.py)
+                fresh = p is plans[0] and p.covers_all(q.shape[2], k.shape[2])
                 run_o = torch.zeros(q.shape, dtype=torch.float32, device=dev)
                 run_l = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=dev)
                 r["fwd_ms"] = timed(lambda: impl.forward_pattern_into(q, k, v, p, run_o, run_l, packed=False,
-                                                                      causal=causal, scale=scale), warmup, reps, dev)
+                                                                      causal=causal, scale=scale, fresh=fresh),
+                                    warmup, reps, dev)
                 acc = grads[0]
                 r["bwd_ms"] = timed(lambda: impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False,
-                                                                  causal=causal, scale=scale), warmup, reps, dev)
+                                                                  causal=causal, scale=scale, fresh=fresh),
+                                    warmup, reps, dev)
             except Exception as exc:  # an implementation that cannot run this plan is never chosen
                 r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(r)

@@ -10,7 +10,9 @@ if [ ! -f "$stamp" ]; then
   echo "[setup] installing into .venv (first run takes a minute or two)..."
   # torch first, or deepspeed/fairscale pull in a multi-GB CUDA build on CPU machines.
   python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-  python -m pip install -q -e ".[all]"
+  extras=all  # a GPU machine also gets the cuDNN frontend (kernel "cudnn-det")
+  python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" && extras=all,cudnn
+  python -m pip install -q -e ".[$extras]"
   touch "$stamp"
 fi
 export DS_ACCELERATOR=${DS_ACCELERATOR:-$(python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}

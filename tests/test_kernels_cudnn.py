@@ -337,3 +337,63 @@ def test_refused_stacking_runs_chunk_by_chunk():
                            packed=False, causal=False, scale=0.25)
     for name, got, w in zip("qkv", acc2, want2):
         assert_within_rule(f"d{name} (refused in backward)", got, w, w.float(), context=f"(seed {seed})")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("which", ["cudnn", "cudnn-dkdv"])
+def test_fresh_backward_writes_what_adding_into_zeros_gives(which, causal):
+    """``fresh=True`` on a pattern covering every row and head writes cuDNN's gradients into the accumulators
+    (here NaN-filled: nothing may be read or left) and gives bit for bit what adding into zeros gives; on a
+    pattern that does not cover them it fills and adds (NaN would survive otherwise)."""
+    seed = seeded("cudnn-fresh", which, causal)
+    heads, kv_heads, n = 4, 2, N
+    plans = plans_for("longnet", heads, kv_heads, n, n)
+    assert plans[0].covers_all(heads, kv_heads) and not plans[1].covers_all(heads, kv_heads)
+    dtype = LOW[0]
+    q, dout = rand((2, n, heads, DIM), dtype, "transposed"), rand((2, n, heads, DIM), dtype, "transposed")
+    k, v = rand((2, n, kv_heads, DIM), dtype), rand((2, n, kv_heads, DIM), dtype)
+    kern = kernel() if which == "cudnn" else dkdv_kernel()
+    if which == "cudnn" and CUDA:  # torch's cuDNN backward is not reproducible: compare the deterministic one
+        from dilated_attention.kernels.cudnn_frontend import CudnnFrontendOps, _frontend
+
+        if _frontend() is None:
+            pytest.skip("nvidia-cudnn-frontend not installed")
+        kern = CudnnKernel(CudnnFrontendOps())
+    out, lse = torch.zeros(q.shape, device=DEVICE), torch.full(q.shape[:3], float("-inf"), device=DEVICE)
+    for i, p in enumerate(plans):
+        kern.forward_pattern_into(q, k, v, p, out, lse, packed=False, causal=causal, scale=0.2, fresh=i == 0)
+    o = out.to(dtype)
+    for p in plans[:2] if which == "cudnn" else plans[:1]:  # the fused dQ refuses a fresh non-covering pattern
+        kw = dict(packed=False, causal=causal, scale=0.2)
+        want = [torch.zeros(x.shape, device=DEVICE) for x in (q, k, v)]
+        kern.backward_pattern(q, k, v, p, o, lse, dout, *want, **kw)
+        got = [torch.full(x.shape, float("nan"), device=DEVICE) for x in (q, k, v)]
+        kern.backward_pattern(q, k, v, p, o, lse, dout, *got, **kw, fresh=True)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(g, w), f"fresh {name} differs on plan {p.index} (seed {seed})"
+
+
+def test_fresh_backward_adds_where_two_groups_share_a_kv_head():
+    """A covering pattern split into two head chunks on one kv head: the first group writes dK/dV, the second
+    adds (written twice, the first group's gradients would be lost)."""
+    import dataclasses
+
+    from dilated_attention.patterns import HeadChunk
+
+    seed = seeded("cudnn-fresh-shared-kv")
+    heads, n, dim = 4, 32, 16
+    base = plans_for("longnet", heads, 1, n, n, [n], [1])[0]
+    # the second chunk starts at the same kv head (step 0): never stacked with the first, so two groups
+    plan = dataclasses.replace(base, chunks=(HeadChunk(0, 0, 2, 0, 1, 0), HeadChunk(0, 2, 4, 0, 1, 0)))
+    assert plan.covers_all(heads, 1)
+    kern = CudnnKernel(MathOps())
+    q, dout = torch.randn(1, n, heads, dim), torch.randn(1, n, heads, dim)
+    k, v = torch.randn(1, n, 1, dim), torch.randn(1, n, 1, dim)
+    out, lse = torch.randn(1, n, heads, dim), torch.randn(1, n, heads) + 3.0
+    kw = dict(packed=False, causal=True, scale=0.25)
+    want = [torch.zeros(x.shape) for x in (q, k, v)]
+    kern.backward_pattern(q, k, v, plan, out, lse, dout, *want, **kw)
+    got = [torch.full(x.shape, float("nan")) for x in (q, k, v)]
+    kern.backward_pattern(q, k, v, plan, out, lse, dout, *got, **kw, fresh=True)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(g, w), f"fresh {name} differs (seed {seed})"

@@ -381,8 +381,12 @@ class CudnnKernel:
                 raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
         if tuple(lse.shape) != tuple(q.shape[:3]):
             raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {tuple(q.shape[:3])}")
-        if fresh:
-            clear_grads_(*(g for name, g in (("dq", dq), ("dk", dk), ("dv", dv)) if name in self.grads))
+        mine = tuple(g for name, g in (("dq", dq), ("dk", dk), ("dv", dv)) if name in self.grads)
+        # fresh and covering every row and head: cuDNN's gradients are *written* into the accumulators, no
+        # fill and no read (a kv head two groups share gets the second one added); otherwise fill, then add
+        written: set[int] | None = set() if fresh and not packed and plan.covers_all(q.shape[2], k.shape[2]) else None
+        if fresh and written is None:
+            clear_grads_(*mine)
         kv = self._kv_role(packed)
         same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
         key = _config_key(q, k, plan, packed, causal)
@@ -390,7 +394,7 @@ class CudnnKernel:
         tensors = (q, k, v, out, lse, dout, dq, dk, dv)
         for g in _groups(plan) if stacked else _singles(plan):
             try:
-                self._backward_group(tensors, plan, g, kv, same, causal, scale)
+                self._backward_group(tensors, plan, g, kv, same, causal, scale, written)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError as exc:  # nothing of this group was added yet: its chunks one by one
@@ -398,11 +402,13 @@ class CudnnKernel:
                     raise
                 _refuse(key, exc)
                 for c in g.chunks:
-                    self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale)
+                    self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale,
+                                         written)
 
     def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, causal: bool,
-                        scale: float) -> None:
-        """One group's calls; its gradients are added only once every call succeeded."""
+                        scale: float, written: set[int] | None) -> None:
+        """One group's calls; its gradients are stored only once every call succeeded. ``written``: the kv
+        heads already holding gradients in a fresh backward (``None``: accumulate everything)."""
         q, k, v, out, lse, dout, dq, dk, dv = tensors
         src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv),
                "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
@@ -422,9 +428,16 @@ class CudnnKernel:
             gq, gk, gv = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale)
             for name, grad in (("dq", gq), ("dk", gk), ("dv", gv)):
                 if name in self.grads:
-                    pending.append((_out_view(sub[name], nt), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))
-        for target, grad in pending:
-            target.add_(grad)
+                    pending.append((name, _out_view(sub[name], nt), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))
+        kv_heads = {h for c in g.chunks for h in range(c.k0, c.k1)}
+        first_kv = written is not None and not kv_heads & written
+        for name, target, grad in pending:
+            if written is not None and (name == "dq" or first_kv):  # each query row and head once
+                target.copy_(grad)
+            else:
+                target.add_(grad)
+        if written is not None:
+            written |= kv_heads
 
 
 class CudnnDkdvKernel:
