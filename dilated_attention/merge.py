@@ -7,14 +7,26 @@ A partial is ``(out, lse)`` with ``out`` of shape ``(..., D)`` and ``lse`` of
 shape ``(...)`` in natural log. An empty row has ``lse = -inf``. Merging is the
 online softmax combination; it never produces NaN from empty rows (two empty
 rows stay empty), and NaN/inf inputs give NaN where plain attention gives NaN.
+
+On CUDA, ``merge_into_`` runs one fused Triton kernel (``merge_kernel``: each element of the running
+result read and written once, through any strides) instead of ``merge_two``'s dozen elementwise passes;
+``merge_two`` stays the torch path (CPU, fp64 oracle, anything the kernel does not take) and the
+semantics the kernel is tested against (``merge_into_triton_`` runs it on CPU under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .kernels.fused import interpreting, triton  # (Triton or None: the fused kernel's import of it)
 from .patterns import PatternPlan
 from .views import region_views
+
+tl = None if triton is None else triton.language
+
+NEG_INF = float("-inf")
+MAX_LEADING = 5  # leading (row) dims the kernel decomposes; out has at most 6 dims
+INT32_LIMIT = 2**31 - 1  # offsets at or past it: the kernel indexes in int64
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,19 +65,175 @@ def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(w == 0, torch.zeros((), dtype=w.dtype, device=out.device), out.to(w.dtype) * w)
 
 
-def merge_into_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """Merge a partial into the running ``(out, lse)`` (fp32 views, possibly strided) in place."""
-    merged, total = merge_two(out, lse, part_out, part_lse)
-    out.copy_(merged)
-    lse.copy_(total)
+def fresh_weight(lse: torch.Tensor) -> torch.Tensor:
+    """A partial's weight when merged into the empty result (0, ``-inf``), as ``merge_two`` gives it: 1 for a
+    finite lse (out = the partial's, lse = its own), 0 for ``-inf`` (an empty row stays 0 whatever its out
+    holds), NaN for ``+inf``/NaN (out NaN; the lse, ``+inf``/NaN, is kept). So ``fresh`` is not a plain copy."""
+    empty_or_nan = torch.where(lse == NEG_INF, 0.0, float("nan")).to(lse.dtype)  # (0 and NaN are exact in any dtype)
+    return torch.where(torch.isfinite(lse), 1.0, empty_or_nan)
+
+
+def merge_into_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, *,
+                fresh: bool = False) -> None:
+    """Merge a partial into the running ``(out, lse)`` (fp32 views, possibly strided) in place. ``fresh``: the
+    running result is empty (its contents are ignored and never read, as if 0 and ``-inf``): it is written.
+    CUDA tensors the Triton kernel takes (``triton_reason``) go through it, the rest through ``merge_two``."""
+    if out.is_cuda and triton_reason(out, lse, part_out, part_lse) is None:
+        _launch(out, lse, part_out, part_lse, fresh)
+    elif fresh:
+        part_lse = normalize_lse(part_lse)
+        out.copy_(_weighted(part_out, fresh_weight(part_lse)))
+        lse.copy_(part_lse)
+    else:
+        merged, total = merge_two(out, lse, part_out, part_lse)
+        out.copy_(merged)
+        lse.copy_(total)
 
 
 def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part_out: torch.Tensor,
-                   part_lse: torch.Tensor) -> None:
+                   part_lse: torch.Tensor, *, fresh: bool = False) -> None:
     """Merge one pattern's partial in compact layout (``kernels/pattern.py``) into the running full-layout
     ``(out, lse)`` in place: the generic ``PatternKernel.forward_pattern_into`` (the fused kernel merges
-    in its epilogue instead)."""
+    in its epilogue instead). ``fresh``: see ``merge_into_``; rows the pattern does not cover are left as
+    they were, so only a pattern that ``covers_all`` may pass it."""
     whole = out.is_contiguous() and lse.is_contiguous()  # both views whole, or both chunk by chunk
     lse_regions = region_views(lse, part_lse, plan, whole)
     for (rows, part), (rows_lse, part_l) in zip(region_views(out, part_out, plan, whole), lse_regions):
-        merge_into_(rows, rows_lse, part, part_l)
+        merge_into_(rows, rows_lse, part, part_l, fresh=fresh)
+
+
+# ---------------------------------------------------------------------------
+# The fused kernel
+
+
+def merge_kernel(
+    O, L, PO, PL, n_rows, D, n1, n2, n3, n4,
+    so0, so1, so2, so3, so4, sod,
+    sl0, sl1, sl2, sl3, sl4,
+    sp0, sp1, sp2, sp3, sp4, spd,
+    sq0, sq1, sq2, sq3, sq4,
+    FRESH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IDX: tl.constexpr,
+):
+    """``BLOCK_R`` rows of the running result ``O``/``L`` merged with the partial ``PO``/``PL``; a flat row
+    index is ``(i0, .., i4)`` of the leading dims (sizes ``n0..n4``) and every tensor is read through its
+    own strides (``s*d``: the head dim's). ``merge_two``'s arithmetic, in fp32 and in the same order."""
+    rows = tl.program_id(0).to(IDX) * BLOCK_R + tl.arange(0, BLOCK_R).to(IDX)
+    row_ok = rows < n_rows
+    i4 = rows % n4
+    r = rows // n4
+    i3 = r % n3
+    r = r // n3
+    i2 = r % n2
+    r = r // n2
+    i1 = r % n1
+    i0 = r // n1
+    o_row = i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3 + i4 * so4
+    p_row = i0 * sp0 + i1 * sp1 + i2 * sp2 + i3 * sp3 + i4 * sp4
+    l_ptrs = L + (i0 * sl0 + i1 * sl1 + i2 * sl2 + i3 * sl3 + i4 * sl4)
+    lse_b = tl.load(PL + (i0 * sq0 + i1 * sq1 + i2 * sq2 + i3 * sq3 + i4 * sq4), mask=row_ok,
+                    other=float("-inf")).to(tl.float32)
+    if FRESH:  # fresh_weight: 1 (finite), 0 (-inf: empty), NaN (+inf/NaN)
+        w_b = tl.where(tl.abs(lse_b) < float("inf"), 1.0, tl.where(lse_b == float("-inf"), 0.0, float("nan")))
+        lse = lse_b
+    else:
+        lse_a = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
+        top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
+        shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
+        w_a = tl.exp(lse_a - shift)
+        w_b = tl.exp(lse_b - shift)
+        total = w_a + w_b
+        nonempty = total != 0.0  # True for a NaN total: it stays NaN
+        safe = tl.where(nonempty, total, 1.0)
+        lse = tl.where(nonempty, shift + tl.log(safe), float("-inf"))
+        inv = tl.where(nonempty, 1.0 / safe, 0.0)
+        w_a = w_a * inv
+        w_b = w_b * inv
+    tl.store(l_ptrs, lse, mask=row_ok)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D).to(IDX)
+        ok = row_ok[:, None] & (cols < D)[None, :]
+        new = tl.load(PO + p_row[:, None] + cols[None, :] * spd, mask=ok, other=0.0).to(tl.float32)
+        # A zero weight silences its side even where it holds NaN (an empty row's garbage).
+        acc = tl.where(w_b[:, None] == 0.0, 0.0, new * w_b[:, None])
+        o_ptrs = O + o_row[:, None] + cols[None, :] * sod
+        if not FRESH:
+            old = tl.load(o_ptrs, mask=ok, other=0.0)
+            acc = tl.where(w_a[:, None] == 0.0, 0.0, old * w_a[:, None]) + acc
+        tl.store(o_ptrs, acc, mask=ok)
+
+
+PART_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_JIT: dict[bool, object] = {}
+
+
+def triton_reason(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
+                  ) -> str | None:
+    """``None`` if ``merge_kernel`` takes these tensors (CUDA, or CPU under ``TRITON_INTERPRET=1``), else why
+    not: then ``merge_into_`` takes the torch path, which handles (or rejects) everything."""
+    ts = (out, lse, part_out, part_lse)
+    if triton is None:
+        return "Triton is not importable"
+    if any(t.device != out.device for t in ts) or (out.device.type != "cuda" and not interpreting()):
+        return f"needs all four on one CUDA device (or TRITON_INTERPRET=1), got {[str(t.device) for t in ts]}"
+    if out.dtype != torch.float32 or lse.dtype != torch.float32 or part_out.dtype not in PART_DTYPES \
+            or part_lse.dtype not in PART_DTYPES:
+        return f"dtypes: fp32 running result, fp16/bf16/fp32 partial, got {[t.dtype for t in ts]}"
+    if not 1 <= out.dim() <= MAX_LEADING + 1 or part_out.shape != out.shape \
+            or lse.shape != out.shape[:-1] or part_lse.shape != lse.shape:
+        return f"shapes: (..., D) and (...) alike, at most 6 dims, got {[tuple(t.shape) for t in ts]}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return "autograd: the kernel is not differentiable"
+    for t in (out, lse):  # a written element stored twice: torch's copy_ raises, a kernel would race
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            return "the running result has internal overlap (a zero stride)"
+    if {p.untyped_storage().data_ptr() for p in (part_out, part_lse)} & {
+            t.untyped_storage().data_ptr() for t in (out, lse)}:
+        return "the partial shares memory with the running result"
+    if any(t.data_ptr() % t.element_size() for t in ts):
+        return "a data pointer is not aligned to its element size"
+    return None
+
+
+def merge_into_triton_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, *,
+                       fresh: bool = False) -> None:
+    """``merge_into_`` through ``merge_kernel`` always (raises ``ValueError`` where it cannot run); what tests
+    call on CPU tensors under ``TRITON_INTERPRET=1``."""
+    reason = triton_reason(out, lse, part_out, part_lse)
+    if reason is not None:
+        raise ValueError(f"merge kernel cannot run: {reason}")
+    _launch(out, lse, part_out, part_lse, fresh)
+
+
+def _leading(t: torch.Tensor, rank: int) -> list[int]:
+    """The strides of ``t``'s first ``rank`` dims, padded in front to ``MAX_LEADING`` with 0 (size-1 dims)."""
+    return [0] * (MAX_LEADING - rank) + list(t.stride()[:rank])
+
+
+def _launch(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+            fresh: bool) -> None:
+    if out.numel() == 0:
+        return
+    ts = (out, lse, part_out, part_lse)
+    rank, dim = out.dim() - 1, out.shape[-1]
+    sizes = [1] * (MAX_LEADING - rank) + list(out.shape[:-1])
+    n_rows = lse.numel()
+    block_d = min(128, max(16, triton.next_power_of_2(dim)))
+    block_r = max(1, 4096 // block_d)
+    # int32 index arithmetic unless a row index or an element offset (masked rows and columns past the end
+    # included) may pass 2**31; int64 then: any real tensor's offsets fit, so no size goes to the torch path.
+    worst = max(n_rows + block_r, *(sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+                                    + (block_r + block_d) * max(t.stride(), default=0) for t in ts))
+    idx = tl.int64 if worst >= INT32_LIMIT else tl.int32
+    fn = _JIT.get(interpreting())
+    if fn is None:  # jitted at first use, so TRITON_INTERPRET is read then, not at import
+        fn = _JIT[interpreting()] = triton.jit(merge_kernel)
+    args = (out, lse, part_out, part_lse, n_rows, dim, *sizes[1:],
+            *_leading(out, rank), out.stride(-1), *_leading(lse, rank),
+            *_leading(part_out, rank), part_out.stride(-1), *_leading(part_lse, rank))
+    meta = dict(FRESH=fresh, BLOCK_R=block_r, BLOCK_D=block_d, IDX=idx)
+    grid = (triton.cdiv(n_rows, block_r),)
+    if interpreting():
+        fn[grid](*args, **meta)
+    else:
+        with torch.cuda.device(out.device):  # Triton launches on the current device, not the tensors'
+            fn[grid](*args, **meta, num_warps=4)

@@ -36,17 +36,15 @@ from .base import BlockKernel
 
 
 def clear_result_(out: torch.Tensor, lse: torch.Tensor) -> None:
-    """The empty running result (0, ``-inf``): how a kernel without a write-once path honours ``fresh``."""
+    """The empty running result (0, ``-inf``): what rows no pattern covers hold (``ring.py``)."""
     out.zero_()
     lse.fill_(float("-inf"))
 
 
 def merge_partial_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part, *, fresh: bool) -> None:
     """The generic ``forward_pattern_into``: the compact partial ``part = (out, lse)`` merged into the running
-    result, which ``fresh`` first empties."""
-    if fresh:
-        clear_result_(out, lse)
-    merge_pattern_(out, lse, plan, *part)
+    result, or (``fresh``: a covering pattern) written over it, as if merged into (0, ``-inf``), in one pass."""
+    merge_pattern_(out, lse, plan, *part, fresh=fresh)
 
 
 def clear_grads_(*grads: torch.Tensor) -> None:
