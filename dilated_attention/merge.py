@@ -116,8 +116,12 @@ def merge_kernel(
 ):
     """``BLOCK_R`` rows of the running result ``O``/``L`` merged with the partial ``PO``/``PL``; a flat row
     index is ``(i0, .., i4)`` of the leading dims (sizes ``n0..n4``) and every tensor is read through its
-    own strides (``s*d``: the head dim's). ``merge_two``'s arithmetic, in fp32 and in the same order."""
-    rows = tl.program_id(0).to(IDX) * BLOCK_R + tl.arange(0, BLOCK_R).to(IDX)
+    own strides (``s*d``: the head dim's). ``merge_two``'s arithmetic, in fp32 and in the same order.
+
+    Row quantities live in ``(BLOCK_R, 1)`` tiles, already in the 2D tile's layout: Triton 3.6 on an H200
+    garbled some rows' ``out`` when per-row vectors were broadcast from 1D tiles (``[:, None]``), nondeter-
+    ministically and only in compiled code (``benchmarks/results/merge_kernel_layouts_h200.log``)."""
+    rows = tl.program_id(0).to(IDX) * BLOCK_R + tl.arange(0, BLOCK_R).to(IDX)[:, None]
     row_ok = rows < n_rows
     i4 = rows % n4
     r = rows // n4
@@ -135,6 +139,7 @@ def merge_kernel(
     if FRESH:  # fresh_weight: 1 (finite), 0 (-inf: empty), NaN (+inf/NaN)
         w_b = tl.where(tl.abs(lse_b) < float("inf"), 1.0, tl.where(lse_b == float("-inf"), 0.0, float("nan")))
         lse = lse_b
+        w_a = w_b  # unused
     else:
         lse_a = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
         top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
@@ -148,18 +153,18 @@ def merge_kernel(
         inv = tl.where(nonempty, 1.0 / safe, 0.0)
         w_a = w_a * inv
         w_b = w_b * inv
-    tl.store(l_ptrs, lse, mask=row_ok)
     for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D).to(IDX)
-        ok = row_ok[:, None] & (cols < D)[None, :]
-        new = tl.load(PO + p_row[:, None] + cols[None, :] * spd, mask=ok, other=0.0).to(tl.float32)
+        cols = d0 + tl.arange(0, BLOCK_D).to(IDX)[None, :]
+        ok = row_ok & (cols < D)
+        new = tl.load(PO + p_row + cols * spd, mask=ok, other=0.0).to(tl.float32)
         # A zero weight silences its side even where it holds NaN (an empty row's garbage).
-        acc = tl.where(w_b[:, None] == 0.0, 0.0, new * w_b[:, None])
-        o_ptrs = O + o_row[:, None] + cols[None, :] * sod
+        acc = tl.where(w_b == 0.0, 0.0, new * w_b)
+        o_ptrs = O + o_row + cols * sod
         if not FRESH:
             old = tl.load(o_ptrs, mask=ok, other=0.0)
-            acc = tl.where(w_a[:, None] == 0.0, 0.0, old * w_a[:, None]) + acc
+            acc = tl.where(w_a == 0.0, 0.0, old * w_a) + acc
         tl.store(o_ptrs, acc, mask=ok)
+    tl.store(l_ptrs, lse, mask=row_ok)
 
 
 PART_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

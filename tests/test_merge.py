@@ -159,6 +159,11 @@ def _check(build, seed, fresh=False, specials=True):
             _assert_same(_storage(g), _storage(w))
 
 
+def _layout_gen(gen):
+    """A generator on ``DEVICE`` (what ``as_layout`` draws its padding with), seeded from the CPU one."""
+    return torch.Generator(device=DEVICE).manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+
+
 def _rand(gen, *shape, dtype=torch.float32):
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(DEVICE, dtype)
 
@@ -179,8 +184,8 @@ def test_kernel_merges_region_views_like_merge_two(heads, kv_heads, segs, rates,
     r, dim = plan.dilation, 16
 
     def build(gen):
-        out = as_layout(_rand(gen, 2, 64, heads, dim), layout, generator=gen)
-        lse = as_layout(_rand(gen, 2, 64, heads, 1), layout, generator=gen).squeeze(-1)
+        out = as_layout(_rand(gen, 2, 64, heads, dim), layout, generator=_layout_gen(gen))
+        lse = as_layout(_rand(gen, 2, 64, heads, 1), layout, generator=_layout_gen(gen)).squeeze(-1)
         part_out, part_lse = _rand(gen, 2, 64 // r, heads, dim, dtype=dtype), _rand(gen, 2, 64 // r, heads)
         whole = out.is_contiguous() and lse.is_contiguous()
         pairs = zip(region_views(out, part_out, plan, whole), region_views(lse, part_lse, plan, whole))
@@ -200,10 +205,10 @@ def test_kernel_takes_any_strides(layout, dim):
     offsets); a zero-stride running result is refused (``test_kernel_refuses...``), so only the partial is."""
     def build(gen):
         run = "contiguous" if layout == "zero_stride" else layout
-        out = as_layout(_rand(gen, 2, 12, 3, dim), run, generator=gen)
-        lse = as_layout(_rand(gen, 2, 12, 3, 1), run, generator=gen).squeeze(-1)
-        part_out = as_layout(_rand(gen, 2, 12, 3, dim, dtype=torch.bfloat16), layout, generator=gen)
-        part_lse = as_layout(_rand(gen, 2, 12, 3, 1), layout, generator=gen).squeeze(-1)
+        out = as_layout(_rand(gen, 2, 12, 3, dim), run, generator=_layout_gen(gen))
+        lse = as_layout(_rand(gen, 2, 12, 3, 1), run, generator=_layout_gen(gen)).squeeze(-1)
+        part_out = as_layout(_rand(gen, 2, 12, 3, dim, dtype=torch.bfloat16), layout, generator=_layout_gen(gen))
+        part_lse = as_layout(_rand(gen, 2, 12, 3, 1), layout, generator=_layout_gen(gen)).squeeze(-1)
         return [(out, lse, part_out, part_lse)]
 
     _check(build, seed=dim + len(layout), specials=layout != "zero_stride")  # (specials write the parts)
@@ -227,7 +232,7 @@ def test_kernel_int64_indexing(monkeypatch):
     monkeypatch.setattr(merge_mod, "INT32_LIMIT", 0)
 
     def build(gen):
-        out = as_layout(_rand(gen, 2, 16, 3, 8), "transposed", generator=gen)
+        out = as_layout(_rand(gen, 2, 16, 3, 8), "transposed", generator=_layout_gen(gen))
         return [(out, _rand(gen, 2, 16, 3), _rand(gen, 2, 16, 3, 8), _rand(gen, 2, 16, 3))]
 
     _check(build, seed=7)
