@@ -299,6 +299,7 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                     ok = ok and impls[name].deterministic_backward and all(x.get("bwd_reproducible") for x in mine)
                 if direction == "fwd":  # the library's backends promise bitwise-equal results
                     ok = ok and all(x.get("fwd_reproducible") for x in mine)
+                    ok = ok and name not in SAME_FORWARD  # timed twice, one forward: name the plainer one
                 if not ok or not mine:
                     continue
                 ms = sum(x["fwd_ms" if direction == "fwd" else "bwd_ms"] for x in mine)
@@ -738,16 +739,23 @@ def render(path: str) -> int:
     return 0
 
 
+# implementations whose forward is another's (cudnn-det only changes the backward): a forward entry names
+# the other one, which needs no extra package
+SAME_FORWARD = {"cudnn-det": "cudnn"}
+
+
 def write_table(path: str) -> int:
-    """Merge a result JSON's measured choices (fused/cuDNN only) into ``kernels/auto_table.py``."""
+    """Merge a result JSON's measured choices (fused and the cuDNN kernels) into ``kernels/auto_table.py``."""
     from dilated_attention.kernels.auto_table import TABLE
 
     with open(path) as f:
         result = json.load(f)
     table = {k: dict(v) for k, v in TABLE.items()}
-    deterministic = {k.name: k.deterministic_backward for k in (FusedKernel, CudnnKernel, CudnnDkdvKernel)}
+    deterministic = {k.name: k.deterministic_backward for k in (
+        FusedKernel(), CudnnKernel(), CudnnKernel(CudnnFrontendOps()), CudnnDkdvKernel())}
     for gpu, entry in result["auto_table"].items():
-        choices = {k: c for k, c in entry["choices"].items() if c in deterministic}
+        choices = {k: SAME_FORWARD.get(c, c) if k.startswith("fwd/") else c
+                   for k, c in entry["choices"].items() if c in deterministic}
         for key, name in sorted(choices.items()):  # a measurement before the declared rule could list one
             if key.startswith("bwd/") and not deterministic[name]:
                 print(f"dropping {key} -> {name}: {name}'s backward is not deterministic (the fused kernel runs it)")
