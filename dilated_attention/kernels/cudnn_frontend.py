@@ -107,7 +107,8 @@ class CudnnFrontendOps(CudnnOps):
 
     def _run(self, dout, q, k, v, out, lse4, dq, dk, dv, causal: bool, scale: float) -> None:
         cudnn = _frontend()
-        tensors = (q, k, v, out, dout, lse4, dq, dk, dv)
+        # the frontend reads tensors through DLPack, which refuses ones that require grad (autograd's inputs)
+        tensors = tuple(x.detach() for x in (q, k, v, out, dout, lse4, dq, dk, dv))
         graph, nodes, workspace_bytes = self._graph(cudnn, tensors, causal, scale)
         handle = self._handles[q.device.index]
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
