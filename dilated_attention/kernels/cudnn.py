@@ -28,6 +28,8 @@ What is copied, and why (everything else is read in place):
 GQA runs natively (a call has ``h`` query heads and ``h / g`` kv heads).
 cuDNN's backward is not deterministic (dQ is accumulated with atomics; torch
 warns so under ``torch.use_deterministic_algorithms``), its forward is.
+``CudnnKernel(CudnnFrontendOps())`` (``cudnn_frontend.py``, kernel ``"cudnn-det"``) runs
+cuDNN's deterministic backward instead, through NVIDIA's cuDNN frontend.
 ``CudnnDkdvKernel`` keeps cuDNN's forward and dK/dV and takes dQ from the fused
 Triton kernel, a reproducible backward when cuDNN's dK/dV are (measured).
 
