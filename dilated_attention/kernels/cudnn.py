@@ -49,7 +49,8 @@ import torch
 
 from ..patterns import HeadChunk, PatternPlan
 from ..views import ALIGN_BYTES, compact_view, dilated_view, packed_view, readable
-from .pattern import clear_grads_, merge_partial_
+from ..merge import merge_pattern_
+from .pattern import clear_grads_
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -316,7 +317,7 @@ class CudnnKernel:
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
                              scale: float, fresh: bool = False) -> None:
         part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
-        merge_partial_(out, lse, plan, part, fresh=fresh)
+        merge_pattern_(out, lse, plan, *part, fresh=fresh)
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
         self._check(q, k)

@@ -41,12 +41,6 @@ def clear_result_(out: torch.Tensor, lse: torch.Tensor) -> None:
     lse.fill_(float("-inf"))
 
 
-def merge_partial_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part, *, fresh: bool) -> None:
-    """The generic ``forward_pattern_into``: the compact partial ``part = (out, lse)`` merged into the running
-    result, or (``fresh``: a covering pattern) written over it, as if merged into (0, ``-inf``), in one pass."""
-    merge_pattern_(out, lse, plan, *part, fresh=fresh)
-
-
 def clear_grads_(*grads: torch.Tensor) -> None:
     """Zeroed accumulators: how a kernel without a write-once path honours ``fresh`` in the backward."""
     for g in grads:
@@ -95,7 +89,7 @@ class ChunkLoop:
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
                              scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False) -> None:
         part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, key_mask=key_mask)
-        merge_partial_(out, lse, plan, part, fresh=fresh)
+        merge_pattern_(out, lse, plan, *part, fresh=fresh)
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
