@@ -1,0 +1,188 @@
+"""Where the library path's time goes on one GPU: a kernel-level profile of forward + backward.
+
+Runs the library's ring schedule on one device (``ring_forward`` + ``ring_backward``, as
+``bench_kernel.py``'s pipeline rows) under ``torch.profiler`` and reports, per kernel choice and
+causal flag: wall time per step (CUDA events, no profiler), GPU busy time per step (sum of kernel
+and memory-op durations), the gap between them (launch and Python overhead the GPU waits on), and
+the kernels grouped by what they are (attention kernels, merge, elementwise, copies, fills), with
+the top kernels by name; the CPU time to issue one step, the top CPU operators by self time, and
+the runtime calls that block the CPU on the GPU.
+
+    python benchmarks/profile_pipeline.py [--methods auto,fused,cudnn-det] [--out results/profile.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dilated_attention.kernels.dispatch import select_kernel  # noqa: E402
+from dilated_attention.patterns import plan_patterns  # noqa: E402
+from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
+
+GROUPS = [  # (group, pattern on the kernel name), first match wins
+    ("fused forward", r"fwd_kernel"),
+    ("fused dK/dV", r"dkdv_kernel"),
+    ("fused dQ", r"dq_kernel"),
+    ("fused delta", r"delta_kernel"),
+    ("merge", r"merge_kernel"),
+    ("cuDNN attention", r"cudnn|sm90|sdpa|flash|fmha|xmma|cutlass"),
+    ("fill", r"fill|memset|Memset"),
+    ("copy", r"copy|Memcpy|memcpy"),
+    ("reduce", r"reduce"),
+    ("elementwise", r"elementwise|vectorized|unrolled"),
+]
+
+
+def group_of(name: str) -> str:
+    for group, pattern in GROUPS:
+        if re.search(pattern, name):
+            return group
+    return "other"
+
+
+def wall_ms(step, reps: int) -> float:
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[2:])
+
+
+def profile_step(step, reps: int) -> dict:
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(evt.name, []).append(evt.time_range.elapsed_us() / 1000.0)
+    by_name = {n: {"ms_per_step": sum(t) / reps, "calls_per_step": len(t) / reps, "group": group_of(n)}
+               for n, t in kernels.items()}
+    groups: dict[str, dict] = {}
+    for n, row in by_name.items():
+        g = groups.setdefault(row["group"], {"ms_per_step": 0.0, "calls_per_step": 0.0})
+        g["ms_per_step"] += row["ms_per_step"]
+        g["calls_per_step"] += row["calls_per_step"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1]["ms_per_step"])[:15]
+    cpu = [{"name": e.key[:120], "self_ms_per_step": e.self_cpu_time_total / 1000.0 / reps,
+            "calls_per_step": e.count / reps}
+           for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    cpu.sort(key=lambda r: -r["self_ms_per_step"])
+    return {"busy_ms": sum(r["ms_per_step"] for r in by_name.values()), "groups": groups,
+            "top": [{"name": n[:120], **r} for n, r in top], "cpu_top": cpu[:20],
+            "blocking_calls": [r for r in cpu if re.search(SYNCS, r["name"])]}
+
+
+# runtime calls that make the CPU wait for the GPU (the GPU then idles while the CPU issues the next work)
+SYNCS = r"Synchronize|cudaMalloc|cudaFree|cudaMemcpy(?!Async)|cudaHostAlloc"
+
+
+def cpu_issue_ms(step, reps: int) -> float:
+    """Median CPU time to issue one step (the GPU is drained first, so the queue never blocks the CPU)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def python_profile(step, reps: int, lines: int) -> str:
+    """cProfile of ``reps`` steps (GPU drained before each): where the CPU issue time goes, by function."""
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        prof.enable()
+        step()
+        prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(lines)
+    return buf.getvalue()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--segments", default="2048,4096,8192,16384,32768")
+    ap.add_argument("--rates", default="1,2,4,8,16")
+    ap.add_argument("--methods", default="auto,fused,cudnn-det")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    ap.add_argument("--python-profile", type=int, default=0, metavar="LINES",
+                    help="also print cProfile's top LINES functions by own time per method and causal flag")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_pipeline.py needs a GPU")
+    segs = [int(x) for x in args.segments.split(",")]
+    rates = [int(x) for x in args.rates.split(",")]
+    shape = (1, args.seq, args.heads, args.dim)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    plans = tuple(plan_patterns(segs, rates, seq_len=args.seq, local_len=args.seq, num_heads=args.heads,
+                                num_kv_heads=args.heads, mode="longnet"))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B=1 N={args.seq} H={args.heads} "
+          f"D={args.dim} bf16, segments {segs}, rates {rates}", flush=True)
+    results = []
+    for method in args.methods.split(","):
+        kernel = select_kernel(method, q, k)
+        for causal in (False, True):
+            call = RingCall(plans, None, RingLayout(), 0, kernel, causal, args.dim ** -0.5)
+
+            def step():
+                out, lse = ring_forward(q, k, v, None, call)
+                ring_backward(q, k, v, None, out.to(q.dtype), lse, dout, call)
+
+            row = {"method": method, "kernel": kernel.name, "causal": causal, "wall_ms": wall_ms(step, args.reps),
+                   **profile_step(step, args.reps)}
+            row["gap_ms"] = row["wall_ms"] - row["busy_ms"]
+            row["cpu_issue_ms"] = cpu_issue_ms(step, args.reps)
+            if args.python_profile:
+                row["python_profile"] = python_profile(step, args.reps, args.python_profile)
+            results.append(row)
+            print(f"\n{method} causal={causal}: wall {row['wall_ms']:.2f} ms, GPU busy {row['busy_ms']:.2f} ms, "
+                  f"gap {row['gap_ms']:.2f} ms, CPU issue {row['cpu_issue_ms']:.2f} ms", flush=True)
+            for name, grp in sorted(row["groups"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
+                print(f"  {name:16s} {grp['ms_per_step']:7.3f} ms  {grp['calls_per_step']:6.1f} calls", flush=True)
+            for t in row["top"][:8]:
+                print(f"    {t['ms_per_step']:7.3f} ms {t['calls_per_step']:5.1f}x  {t['name'][:90]}", flush=True)
+            for t in row["cpu_top"][:10]:
+                print(f"    CPU {t['self_ms_per_step']:7.3f} ms {t['calls_per_step']:5.1f}x  {t['name'][:80]}", flush=True)
+            for t in row["blocking_calls"]:
+                print(f"    BLOCKING {t['self_ms_per_step']:7.3f} ms {t['calls_per_step']:5.1f}x  {t['name']}", flush=True)
+            if args.python_profile:
+                print(f"  cProfile over {args.reps} steps:\n{row['python_profile']}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+                       "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
