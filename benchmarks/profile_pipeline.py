@@ -33,15 +33,15 @@ from dilated_attention.kernels.dispatch import select_kernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
 
-GROUPS = [  # (group, pattern on the kernel name), first match wins
+GROUPS = [  # (group, pattern on the kernel name, any case), first match wins
     ("fused forward", r"fwd_kernel"),
     ("fused dK/dV", r"dkdv_kernel"),
     ("fused dQ", r"dq_kernel"),
     ("fused delta", r"delta_kernel"),
     ("merge", r"merge_kernel"),
     ("cuDNN attention", r"cudnn|sm90|sdpa|flash|fmha|xmma|cutlass"),
-    ("fill", r"fill|memset|Memset"),
-    ("copy", r"copy|Memcpy|memcpy"),
+    ("fill", r"fill|memset"),
+    ("copy", r"copy|memcpy"),
     ("reduce", r"reduce"),
     ("elementwise", r"elementwise|vectorized|unrolled"),
 ]
@@ -49,7 +49,7 @@ GROUPS = [  # (group, pattern on the kernel name), first match wins
 
 def group_of(name: str) -> str:
     for group, pattern in GROUPS:
-        if re.search(pattern, name):
+        if re.search(pattern, name, re.IGNORECASE):
             return group
     return "other"
 

@@ -37,3 +37,37 @@ def test_bench_kernel_smoke(tmp_path):
     for causal in ("False", "True"):
         assert summary[causal]["library_fwd_bwd_vs_dense_cudnn"] > 0
     assert (tmp_path / "kernel_smoke.png").exists()
+
+
+def _profile_pipeline():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import profile_pipeline
+    finally:
+        sys.path.pop(0)
+    return profile_pipeline
+
+
+def test_profile_pipeline_groups_kernels_by_what_they_are():
+    """The profile's kernel groups (names as the H200 profile recorded them)."""
+    prof = _profile_pipeline()
+    names = {
+        "dkdv_kernel": "fused dK/dV", "dq_kernel": "fused dQ", "fwd_kernel": "fused forward",
+        "delta_kernel": "fused delta", "merge_kernel": "merge",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1": "cuDNN attention",
+        "void cudnn::fusion::matmul_dq<true, 128>(void const*, void const*, void*)": "cuDNN attention",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda(at": "copy",
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl<at::native::CUDAFu": "elementwise",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "fill",
+        "Memcpy DtoD (Device -> Device)": "copy",
+        "some_unknown_kernel": "other",
+    }
+    assert {n: prof.group_of(n) for n in names} == names
+    assert prof.re.search(prof.SYNCS, "cudaDeviceSynchronize") and prof.re.search(prof.SYNCS, "cudaMalloc")
+    assert not prof.re.search(prof.SYNCS, "cudaMemcpyAsync")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_profile_pipeline_needs_a_gpu():
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        _profile_pipeline().main([])
