@@ -397,3 +397,53 @@ def test_fresh_backward_adds_where_two_groups_share_a_kv_head():
     kern.backward_pattern(q, k, v, plan, out, lse, dout, *got, **kw, fresh=True)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(g, w), f"fresh {name} differs (seed {seed})"
+
+
+def test_call_plans_replay_per_geometry():
+    """Views are planned once per geometry (shapes, strides, dtype, address alignment) and replayed:
+    a second call on new tensors of the same geometry gives bit for bit what planning afresh gives, and
+    a geometry that differs only in its alignment (a 2-byte offset: not readable in place) gets its own
+    plan, which copies where the aligned one read in place."""
+    from dilated_attention.kernels import cudnn as cudnn_mod
+
+    seeded("cudnn-plans")
+    heads, n, dim = 8, 64, 16
+    ops = MathOps()
+    kern = CudnnKernel(ops)
+    p = plans_for("longnet", heads, heads, n, n, [16, 32, 64], [1, 2, 4])[1]  # r=2: several calls
+
+    def inputs(offset):
+        xs = []
+        for _ in range(5):
+            flat = torch.randn(offset + n * heads * dim, dtype=torch.float16)
+            xs.append(flat[offset:].view(1, n, heads, dim))
+        return xs
+
+    def run(xs, fresh_plans):
+        if fresh_plans:
+            cudnn_mod._FORWARD_CALLS.clear()
+            cudnn_mod._BACKWARD_CALLS.clear()
+        q, k, v, fin, dout = xs
+        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        acc = [torch.randn(x.shape, generator=torch.Generator().manual_seed(1)) for x in (q, k, v)]
+        kern.backward_pattern(q, k, v, p, fin, lse.new_zeros(1, n, heads) + 3.0, dout, *acc,
+                              packed=False, causal=True, scale=0.25)
+        return [out, lse, *acc]
+
+    first = inputs(0)
+    run(first, True)
+    planned = (len(cudnn_mod._FORWARD_CALLS), len(cudnn_mod._BACKWARD_CALLS))
+    assert planned[0] >= 1 and planned[1] >= 1
+    second = inputs(0)
+    replayed = run(second, False)
+    assert (len(cudnn_mod._FORWARD_CALLS), len(cudnn_mod._BACKWARD_CALLS)) == planned, "same geometry re-planned"
+    for got, want in zip(replayed, run(second, True)):
+        assert torch.equal(got, want)
+    ops.calls.clear()
+    shifted = inputs(1)  # same shapes and strides, 2 bytes off 16-byte alignment
+    storages = {x.untyped_storage().data_ptr() for x in shifted[:3]}
+    got = run(shifted, False)
+    assert len(cudnn_mod._FORWARD_CALLS) == planned[0] + 1, "the misaligned geometry reused the aligned plan"
+    assert not any(set(c[3]) <= storages for c in ops.calls), "misaligned inputs were read in place"
+    for g, want in zip(got, run(shifted, True)):
+        assert torch.equal(g, want)

@@ -199,10 +199,6 @@ def _split(views: dict[str, torch.Tensor], in_place: set[str]) -> tuple[list[int
     return _merge_order(sizes, [tuple(views[n].stride()[:3]) for n in views if n in in_place])
 
 
-def _n_calls(views: dict[str, torch.Tensor], loop: list[int]) -> int:
-    return math.prod(next(iter(views.values())).shape[d] for d in loop)
-
-
 def _calls(views: dict[str, torch.Tensor], loop: list[int], merged: list[int]):
     """The calls of a group: yields ``({name: (T..., M, h, *rest) view}, T sizes)`` per loop index."""
     sizes = tuple(next(iter(views.values())).shape[:3])
@@ -266,6 +262,125 @@ def _adopt(res: torch.Tensor, tsz, merged: list[int], plan: PatternPlan, g: _Gro
         a == b for a, b, sz in zip(mine.stride(), x.stride(), x.shape) if sz > 1
     )
     return full if same else None
+
+
+# ---------------------------------------------------------------------------
+# Call plans: a group's views are built op by op once per geometry, then replayed with one
+# ``as_strided`` per operand (a LongNet step built about 1,500 views on the host otherwise)
+
+
+@dataclass(frozen=True)
+class _ViewSpec:
+    """A view of one of a call's tensors (``base``: its index), as size, strides and storage offset
+    relative to that tensor's."""
+
+    base: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    delta: int
+
+    @staticmethod
+    def of(view: torch.Tensor, base: int, tensors) -> "_ViewSpec":
+        return _ViewSpec(base, tuple(view.shape), tuple(view.stride()),
+                         view.storage_offset() - tensors[base].storage_offset())
+
+    def on(self, tensors) -> torch.Tensor:
+        x = tensors[self.base]
+        return x.as_strided(self.size, self.stride, x.storage_offset() + self.delta)
+
+
+@dataclass(frozen=True)
+class _BackwardCall:
+    """One cuDNN backward call of a group: q, k, v, out, dout (the 4D view itself when read in place,
+    else the ``(T..., M, h, D)`` view to copy compact), lse's view (always copied), and the gradient
+    targets (``(T..., h, M, D)`` views of dq, dk, dv)."""
+
+    tsz: tuple[int, ...]
+    operands: tuple[tuple[_ViewSpec, bool], ...]
+    lse: _ViewSpec
+    targets: tuple[tuple[str, _ViewSpec], ...]
+
+
+@dataclass(frozen=True)
+class _ForwardCall:
+    """One cuDNN forward call: q, k, v (in place, or to copy compact) and the targets of its out and lse,
+    views of the pattern's compact buffers (``tensors[3]``, ``tensors[4]``). ``group``/``merged``: what
+    adopting cuDNN's own output as the buffer needs when this is the pattern's only call."""
+
+    tsz: tuple[int, ...]
+    operands: tuple[tuple[_ViewSpec, bool], ...]
+    targets: tuple[_ViewSpec, _ViewSpec]
+    group: _Group
+    merged: tuple[int, ...]
+
+
+def _geometry_key(tensors) -> tuple:
+    """What a call plan depends on: shapes, strides, dtypes and address alignment (``readable``)."""
+    return tuple((tuple(x.shape), x.stride(), x.dtype, x.data_ptr() % ALIGN_BYTES) for x in tensors)
+
+
+_BACKWARD_CALLS: dict[tuple, tuple[_BackwardCall, ...]] = {}
+_PLAN_CACHE_SIZE = 512
+
+
+def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool) -> tuple[_BackwardCall, ...]:
+    """The calls of group ``g`` on ``tensors = (q, k, v, out, lse, dout, dq, dk, dv)``, cached by geometry."""
+    key = (plan, g, kv, same, _geometry_key(tensors))
+    hit = _BACKWARD_CALLS.get(key)
+    if hit is not None:
+        return hit
+    q, k, v, out, lse, dout, dq, dk, dv = tensors
+    index = {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, "dout": 5, "dq": 6, "dk": 7, "dv": 8}
+    src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv),
+           "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
+           "lse": _group_view(lse, plan, g, "q"),
+           "dq": _group_view(dq, plan, g, "q"), "dk": _group_view(dk, plan, g, kv), "dv": _group_view(dv, plan, g, kv)}
+    in_place = {name for name in ("k", "v") if readable(src[name])}
+    if same and all(readable(src[x]) for x in ("q", "out", "dout")):
+        in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
+    calls = []
+    for sub, tsz in _calls(src, *_split(src, in_place)):
+        nt = len(tsz)
+        operands = tuple(
+            (_ViewSpec.of(_as_4d(sub[x], nt) if x in in_place else sub[x], index[x], tensors), x in in_place)
+            for x in ("q", "k", "v", "out", "dout"))
+        targets = tuple((x, _ViewSpec.of(_out_view(sub[x], nt), index[x], tensors)) for x in ("dq", "dk", "dv"))
+        calls.append(_BackwardCall(tuple(tsz), operands, _ViewSpec.of(sub["lse"], index["lse"], tensors), targets))
+    if len(_BACKWARD_CALLS) >= _PLAN_CACHE_SIZE:
+        _BACKWARD_CALLS.clear()
+    _BACKWARD_CALLS[key] = hit = tuple(calls)
+    return hit
+
+
+_FORWARD_CALLS: dict[tuple, tuple[_ForwardCall, ...]] = {}
+
+
+def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple[_ForwardCall, ...]:
+    """The forward calls of ``groups`` on ``tensors = (q, k, v)``, cached by geometry; the targets are
+    views of contiguous buffers of ``shapes`` (planned on meta tensors)."""
+    key = (plan, groups, kv, _geometry_key(tensors))
+    hit = _FORWARD_CALLS.get(key)
+    if hit is not None:
+        return hit
+    q, k, v = tensors
+    buffers = tuple(torch.empty(shape, dtype=dt, device="meta") for shape, dt in zip(shapes, (q.dtype, torch.float32)))
+    every = (q, k, v, *buffers)
+    calls = []
+    for g in groups:
+        src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv)}
+        in_place = {name for name in src if readable(src[name])}
+        loop, merged = _split(src, in_place)
+        views = {**src, "out": _group_view(buffers[0], plan, g, "compact"), "lse": _group_view(buffers[1], plan, g, "compact")}
+        for sub, tsz in _calls(views, loop, merged):
+            nt = len(tsz)
+            operands = tuple((_ViewSpec.of(_as_4d(sub[x], nt) if x in in_place else sub[x], i, every), x in in_place)
+                             for i, x in enumerate(("q", "k", "v")))
+            targets = (_ViewSpec.of(_out_view(sub["out"], nt), 3, every), _ViewSpec.of(_out_view(sub["lse"], nt), 4, every))
+            calls.append(_ForwardCall(tuple(tsz), operands, targets, g, tuple(merged)))
+    if len(_FORWARD_CALLS) >= _PLAN_CACHE_SIZE:
+        _FORWARD_CALLS.clear()
+    _FORWARD_CALLS[key] = hit = tuple(calls)
+    return hit
 
 
 class CudnnKernel:
@@ -336,32 +451,26 @@ class CudnnKernel:
     def _forward(self, q, k, v, plan: PatternPlan, groups, packed: bool, causal: bool, scale: float):
         bsz, n, heads, dim = q.shape
         shapes = ((bsz, n // plan.dilation, heads, dim), (bsz, n // plan.dilation, heads))
-        kv = self._kv_role(packed)
-        work = []
-        for g in groups:
-            src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv)}
-            in_place = {name for name in src if readable(src[name])}
-            work.append((g, src, in_place, *_split(src, in_place)))
-        buffers = None
-        if sum(_n_calls(src, loop) for _, src, _, loop, _ in work) > 1:
-            buffers = self._buffers(shapes, q)
-        for g, src, in_place, loop, merged in work:
-            views = dict(src) if buffers is None else {**src, **self._targets(buffers, plan, g)}
-            for sub, tsz in _calls(views, loop, merged):
-                nt = len(tsz)
-                args = [_as_4d(sub[x], nt) if x in in_place else _compact_4d(sub[x], nt) for x in ("q", "k", "v")]
-                o4, l4 = self.ops.forward(*args, causal=causal, scale=scale)
-                l4 = l4.reshape(o4.shape[:3])  # some torch versions add a trailing unit dim
-                if buffers is None:  # the only call: cuDNN's out (or lse) may be the whole result, no copy
-                    adopted = [_adopt(x, tsz, merged, plan, g, shape) for x, shape in ((o4, shapes[0]), (l4, shapes[1]))]
-                    buffers = tuple(a if a is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-                                    for a, x, shape in zip(adopted, (o4, l4), shapes))
-                    (targets, _), = list(_calls(self._targets(buffers, plan, g), loop, merged))
-                    sub = {**sub, **{n: t for n, t, a in zip(("out", "lse"), targets.values(), adopted) if a is None}}
-                if "out" in sub:
-                    _out_view(sub["out"], nt).copy_(o4.view(*tsz, *o4.shape[1:]) if nt else o4[0])
-                if "lse" in sub:
-                    _out_view(sub["lse"], nt).copy_(l4.view(*tsz, *l4.shape[1:]) if nt else l4[0])
+        calls = _forward_calls((q, k, v), plan, groups, self._kv_role(packed), shapes)
+        buffers = self._buffers(shapes, q) if len(calls) != 1 else None
+        tensors = (q, k, v, *(buffers or ()))
+        for call in calls:
+            nt, tsz = len(call.tsz), call.tsz
+            args = [spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt)
+                    for spec, in_place in call.operands]
+            o4, l4 = self.ops.forward(*args, causal=causal, scale=scale)
+            l4 = l4.reshape(o4.shape[:3])  # some torch versions add a trailing unit dim
+            if buffers is None:  # the only call: cuDNN's out (or lse) may be the whole result, no copy
+                adopted = [_adopt(x, tsz, call.merged, plan, call.group, shape)
+                           for x, shape in ((o4, shapes[0]), (l4, shapes[1]))]
+                buffers = tuple(a if a is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+                                for a, x, shape in zip(adopted, (o4, l4), shapes))
+                for t, a, x in zip(call.targets, adopted, (o4, l4)):
+                    if a is None:
+                        t.on((q, k, v, *buffers)).copy_(x.view(*tsz, *x.shape[1:]) if nt else x[0])
+                continue
+            for t, x in zip(call.targets, (o4, l4)):
+                t.on(tensors).copy_(x.view(*tsz, *x.shape[1:]) if nt else x[0])
         if buffers is None:  # a plan without chunks
             buffers = self._buffers(shapes, q)
         return buffers
@@ -370,10 +479,6 @@ class CudnnKernel:
     def _buffers(shapes, q):
         return (torch.empty(shapes[0], dtype=q.dtype, device=q.device),
                 torch.empty(shapes[1], dtype=torch.float32, device=q.device))
-
-    @staticmethod
-    def _targets(buffers, plan: PatternPlan, g: _Group) -> dict[str, torch.Tensor]:
-        return {"out": _group_view(buffers[0], plan, g, "compact"), "lse": _group_view(buffers[1], plan, g, "compact")}
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float, fresh: bool = False) -> None:
@@ -412,26 +517,17 @@ class CudnnKernel:
                         scale: float, written: set[int] | None) -> None:
         """One group's calls; its gradients are stored only once every call succeeded. ``written``: the kv
         heads already holding gradients in a fresh backward (``None``: accumulate everything)."""
-        q, k, v, out, lse, dout, dq, dk, dv = tensors
-        src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv),
-               "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
-               "lse": _group_view(lse, plan, g, "q"),
-               "dq": _group_view(dq, plan, g, "q"), "dk": _group_view(dk, plan, g, kv), "dv": _group_view(dv, plan, g, kv)}
-        in_place = {name for name in ("k", "v") if readable(src[name])}
-        if same and all(readable(src[x]) for x in ("q", "out", "dout")):
-            in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
+        dtype = tensors[0].dtype
         pending = []
-        for sub, tsz in _calls(src, *_split(src, in_place)):
-            nt = len(tsz)
-            q4, k4, v4, o4, g4 = (
-                _as_4d(sub[x], nt) if x in in_place else _compact_4d(sub[x], nt, q.dtype)
-                for x in ("q", "k", "v", "out", "dout")
-            )
-            l4 = _compact_4d(sub["lse"], nt, torch.float32).unsqueeze(-1)
+        for call in _backward_calls(tensors, plan, g, kv, same):
+            nt, tsz = len(call.tsz), call.tsz
+            q4, k4, v4, o4, g4 = (spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt, dtype)
+                                  for spec, in_place in call.operands)
+            l4 = _compact_4d(call.lse.on(tensors), nt, torch.float32).unsqueeze(-1)
             gq, gk, gv = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale)
-            for name, grad in (("dq", gq), ("dk", gk), ("dv", gv)):
+            for (name, target), grad in zip(call.targets, (gq, gk, gv)):
                 if name in self.grads:
-                    pending.append((name, _out_view(sub[name], nt), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))
+                    pending.append((name, target.on(tensors), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))
         kv_heads = {h for c in g.chunks for h in range(c.k0, c.k1)}
         first_kv = written is not None and not kv_heads & written
         for name, target, grad in pending:
