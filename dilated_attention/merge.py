@@ -112,11 +112,12 @@ def merge_kernel(
     sl0, sl1, sl2, sl3, sl4,
     sp0, sp1, sp2, sp3, sp4, spd,
     sq0, sq1, sq2, sq3, sq4,
-    FRESH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IDX: tl.constexpr,
+    FRESH: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IDX: tl.constexpr,
 ):
     """``BLOCK_R`` rows of the running result ``O``/``L`` merged with the partial ``PO``/``PL``; a flat row
     index is ``(i0, .., i4)`` of the leading dims (sizes ``n0..n4``) and every tensor is read through its
     own strides (``s*d``: the head dim's). ``merge_two``'s arithmetic, in fp32 and in the same order.
+    ``WEIGHTED`` false: a plain sum ``O += PO`` (``O = PO`` if ``FRESH``), ``add_into_``; ``L``/``PL`` unread.
 
     Row quantities live in ``(BLOCK_R, 1)`` tiles, already in the 2D tile's layout: Triton 3.6 on an H200
     garbled some rows' ``out`` when per-row vectors were broadcast from 1D tiles (``[:, None]``), nondeter-
@@ -133,38 +134,48 @@ def merge_kernel(
     i0 = r // n1
     o_row = i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3 + i4 * so4
     p_row = i0 * sp0 + i1 * sp1 + i2 * sp2 + i3 * sp3 + i4 * sp4
-    l_ptrs = L + (i0 * sl0 + i1 * sl1 + i2 * sl2 + i3 * sl3 + i4 * sl4)
-    lse_b = tl.load(PL + (i0 * sq0 + i1 * sq1 + i2 * sq2 + i3 * sq3 + i4 * sq4), mask=row_ok,
-                    other=float("-inf")).to(tl.float32)
-    if FRESH:  # fresh_weight: 1 (finite), 0 (-inf: empty), NaN (+inf/NaN)
-        w_b = tl.where(tl.abs(lse_b) < float("inf"), 1.0, tl.where(lse_b == float("-inf"), 0.0, float("nan")))
-        lse = lse_b
-        w_a = w_b  # unused
+    if not WEIGHTED:
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D).to(IDX)[None, :]
+            ok = row_ok & (cols < D)
+            acc = tl.load(PO + p_row + cols * spd, mask=ok, other=0.0).to(O.dtype.element_ty)
+            o_ptrs = O + o_row + cols * sod
+            if not FRESH:
+                acc = tl.load(o_ptrs, mask=ok, other=0.0) + acc
+            tl.store(o_ptrs, acc, mask=ok)
     else:
-        lse_a = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
-        top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
-        shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
-        w_a = tl.exp(lse_a - shift)
-        w_b = tl.exp(lse_b - shift)
-        total = w_a + w_b
-        nonempty = total != 0.0  # True for a NaN total: it stays NaN
-        safe = tl.where(nonempty, total, 1.0)
-        lse = tl.where(nonempty, shift + tl.log(safe), float("-inf"))
-        inv = tl.where(nonempty, 1.0 / safe, 0.0)
-        w_a = w_a * inv
-        w_b = w_b * inv
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D).to(IDX)[None, :]
-        ok = row_ok & (cols < D)
-        new = tl.load(PO + p_row + cols * spd, mask=ok, other=0.0).to(tl.float32)
-        # A zero weight silences its side even where it holds NaN (an empty row's garbage).
-        acc = tl.where(w_b == 0.0, 0.0, new * w_b)
-        o_ptrs = O + o_row + cols * sod
-        if not FRESH:
-            old = tl.load(o_ptrs, mask=ok, other=0.0)
-            acc = tl.where(w_a == 0.0, 0.0, old * w_a) + acc
-        tl.store(o_ptrs, acc, mask=ok)
-    tl.store(l_ptrs, lse, mask=row_ok)
+        l_ptrs = L + (i0 * sl0 + i1 * sl1 + i2 * sl2 + i3 * sl3 + i4 * sl4)
+        lse_b = tl.load(PL + (i0 * sq0 + i1 * sq1 + i2 * sq2 + i3 * sq3 + i4 * sq4), mask=row_ok,
+                        other=float("-inf")).to(tl.float32)
+        if FRESH:  # fresh_weight: 1 (finite), 0 (-inf: empty), NaN (+inf/NaN)
+            w_b = tl.where(tl.abs(lse_b) < float("inf"), 1.0, tl.where(lse_b == float("-inf"), 0.0, float("nan")))
+            lse = lse_b
+            w_a = w_b  # unused
+        else:
+            lse_a = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
+            top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
+            shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
+            w_a = tl.exp(lse_a - shift)
+            w_b = tl.exp(lse_b - shift)
+            total = w_a + w_b
+            nonempty = total != 0.0  # True for a NaN total: it stays NaN
+            safe = tl.where(nonempty, total, 1.0)
+            lse = tl.where(nonempty, shift + tl.log(safe), float("-inf"))
+            inv = tl.where(nonempty, 1.0 / safe, 0.0)
+            w_a = w_a * inv
+            w_b = w_b * inv
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D).to(IDX)[None, :]
+            ok = row_ok & (cols < D)
+            new = tl.load(PO + p_row + cols * spd, mask=ok, other=0.0).to(tl.float32)
+            # A zero weight silences its side even where it holds NaN (an empty row's garbage).
+            acc = tl.where(w_b == 0.0, 0.0, new * w_b)
+            o_ptrs = O + o_row + cols * sod
+            if not FRESH:
+                old = tl.load(o_ptrs, mask=ok, other=0.0)
+                acc = tl.where(w_a == 0.0, 0.0, old * w_a) + acc
+            tl.store(o_ptrs, acc, mask=ok)
+        tl.store(l_ptrs, lse, mask=row_ok)
 
 
 PART_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -176,27 +187,61 @@ def triton_reason(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, 
     """``None`` if ``merge_kernel`` takes these tensors (CUDA, or CPU under ``TRITON_INTERPRET=1``), else why
     not: then ``merge_into_`` takes the torch path, which handles (or rejects) everything."""
     ts = (out, lse, part_out, part_lse)
-    if triton is None:
-        return "Triton is not importable"
-    if any(t.device != out.device for t in ts) or (out.device.type != "cuda" and not interpreting()):
-        return f"needs all four on one CUDA device (or TRITON_INTERPRET=1), got {[str(t.device) for t in ts]}"
     if out.dtype != torch.float32 or lse.dtype != torch.float32 or part_out.dtype not in PART_DTYPES \
             or part_lse.dtype not in PART_DTYPES:
         return f"dtypes: fp32 running result, fp16/bf16/fp32 partial, got {[t.dtype for t in ts]}"
     if not 1 <= out.dim() <= MAX_LEADING + 1 or part_out.shape != out.shape \
             or lse.shape != out.shape[:-1] or part_lse.shape != lse.shape:
         return f"shapes: (..., D) and (...) alike, at most 6 dims, got {[tuple(t.shape) for t in ts]}"
+    return _launch_reason((out, lse), (part_out, part_lse))
+
+
+def add_reason(dst: torch.Tensor, src: torch.Tensor) -> str | None:
+    """``None`` if ``merge_kernel``'s plain sum takes ``dst += src`` (``add_into_``), else why not."""
+    if dst.dtype != torch.float32 or src.dtype not in PART_DTYPES:
+        return f"dtypes: fp32 destination, fp16/bf16/fp32 source, got {dst.dtype} and {src.dtype}"
+    if not 1 <= dst.dim() <= MAX_LEADING + 1 or src.shape != dst.shape:
+        return f"shapes: equal, at most 6 dims, got {tuple(dst.shape)} and {tuple(src.shape)}"
+    return _launch_reason((dst,), (src,))
+
+
+def _launch_reason(written: tuple[torch.Tensor, ...], read: tuple[torch.Tensor, ...]) -> str | None:
+    """What the kernel needs of any tensors it writes and reads beyond their dtypes and shapes."""
+    ts = written + read
+    if triton is None:
+        return "Triton is not importable"
+    if any(t.device != ts[0].device for t in ts) or (ts[0].device.type != "cuda" and not interpreting()):
+        return f"needs all tensors on one CUDA device (or TRITON_INTERPRET=1), got {[str(t.device) for t in ts]}"
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return "autograd: the kernel is not differentiable"
-    for t in (out, lse):  # a written element stored twice: torch's copy_ raises, a kernel would race
+    for t in written:  # a written element stored twice: torch's copy_ raises, a kernel would race
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
-            return "the running result has internal overlap (a zero stride)"
-    if {p.untyped_storage().data_ptr() for p in (part_out, part_lse)} & {
-            t.untyped_storage().data_ptr() for t in (out, lse)}:
-        return "the partial shares memory with the running result"
+            return "the written tensor has internal overlap (a zero stride)"
+    if {t.untyped_storage().data_ptr() for t in read} & {t.untyped_storage().data_ptr() for t in written}:
+        return "the source shares memory with the written tensor"
     if any(t.data_ptr() % t.element_size() for t in ts):
         return "a data pointer is not aligned to its element size"
     return None
+
+
+def add_into_(dst: torch.Tensor, src: torch.Tensor, *, fresh: bool = False) -> None:
+    """``dst += src`` (``dst = src`` if ``fresh``) for an fp32 ``dst`` view and a same-shape ``src``, both through
+    any strides: one pass of ``merge_kernel`` on CUDA where it applies (bitwise what torch's ``add_``/``copy_``
+    give: each element is the same one fp32 addition), else torch's ``add_``/``copy_``."""
+    if dst.is_cuda and add_reason(dst, src) is None:
+        _launch(dst, None, src, None, fresh)
+    elif fresh:
+        dst.copy_(src)
+    else:
+        dst.add_(src)
+
+
+def add_into_triton_(dst: torch.Tensor, src: torch.Tensor, *, fresh: bool = False) -> None:
+    """``add_into_`` through ``merge_kernel`` always (raises ``ValueError`` where it cannot run): tests on CPU."""
+    reason = add_reason(dst, src)
+    if reason is not None:
+        raise ValueError(f"add kernel cannot run: {reason}")
+    _launch(dst, None, src, None, fresh)
 
 
 def merge_into_triton_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, *,
@@ -214,10 +259,14 @@ def _leading(t: torch.Tensor, rank: int) -> list[int]:
     return [0] * (MAX_LEADING - rank) + list(t.stride()[:rank])
 
 
-def _launch(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor, part_lse: torch.Tensor | None,
             fresh: bool) -> None:
+    """One ``merge_kernel`` launch: an lse-weighted merge, or with ``lse``/``part_lse`` ``None`` a plain sum."""
     if out.numel() == 0:
         return
+    weighted = lse is not None
+    if not weighted:  # (the kernel reads neither: any row-shaped stand-ins keep one signature)
+        lse, part_lse = out.select(-1, 0), part_out.select(-1, 0)
     ts = (out, lse, part_out, part_lse)
     rank, dim = out.dim() - 1, out.shape[-1]
     sizes = [1] * (MAX_LEADING - rank) + list(out.shape[:-1])
@@ -235,7 +284,7 @@ def _launch(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_l
     args = (out, lse, part_out, part_lse, n_rows, dim, *sizes[1:],
             *_leading(out, rank), out.stride(-1), *_leading(lse, rank),
             *_leading(part_out, rank), part_out.stride(-1), *_leading(part_lse, rank))
-    meta = dict(FRESH=fresh, BLOCK_R=block_r, BLOCK_D=block_d, IDX=idx)
+    meta = dict(FRESH=fresh, WEIGHTED=weighted, BLOCK_R=block_r, BLOCK_D=block_d, IDX=idx)
     grid = (triton.cdiv(n_rows, block_r),)
     if interpreting():
         fn[grid](*args, **meta)

@@ -78,7 +78,9 @@ import os  # noqa: E402
 import pytest  # noqa: E402
 
 from dilated_attention import merge as merge_mod  # noqa: E402
-from dilated_attention.merge import merge_into_, merge_into_triton_, merge_pattern_, triton_reason  # noqa: E402
+from dilated_attention.merge import (  # noqa: E402
+    add_into_, add_into_triton_, add_reason, merge_into_, merge_into_triton_, merge_pattern_, triton_reason,
+)
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.testing.compare import as_layout  # noqa: E402
 from dilated_attention.views import region_views  # noqa: E402
@@ -270,6 +272,58 @@ def test_kernel_refuses_what_it_cannot_take():
         assert triton_reason(*args) is not None, name
         with pytest.raises(ValueError):
             merge_into_triton_(*args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "head_slice", "storage_offset",
+                                    "strided_head_dim", "unbind_last", "permuted", "zero_stride"])
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fresh", [False, True])
+def test_add_kernel_equals_torch_bit_for_bit(layout, src_dtype, fresh):
+    """``add_into_triton_``: ``dst += src`` (``dst = src`` fresh) through any strides (5D gradient views of a
+    strided accumulator, as the cuDNN kernel adds them), bit for bit what torch's ``add_``/``copy_`` give;
+    the rest of the destination's storage is untouched, and a fresh destination is never read (NaN)."""
+    gen = torch.Generator().manual_seed(len(layout) * 7 + int(fresh))
+    run = "contiguous" if layout == "zero_stride" else layout  # (a zero-stride destination is refused)
+    dst = as_layout(_rand(gen, 2, 24, 4, 40), run, generator=_layout_gen(gen))
+    src = as_layout(_rand(gen, 2, 24, 4, 40, dtype=src_dtype), layout, generator=_layout_gen(gen))
+
+    def view(t):  # (B, S, h, M, D), as the cuDNN kernel's gradient targets
+        return t.unflatten(1, (3, 8)).transpose(2, 3)
+
+    if fresh:
+        dst.fill_(float("nan"))
+    want = _storage(dst).clone()
+    want_view = want.as_strided(dst.shape, dst.stride(), dst.storage_offset())
+    (view(want_view).copy_ if fresh else view(want_view).add_)(view(src))
+    add_into_triton_(view(dst), view(src), fresh=fresh)
+    assert torch.equal(_storage(dst).nan_to_num(7.0), want.nan_to_num(7.0))
+    assert not dst.isnan().any()
+
+
+@needs_kernel
+def test_add_kernel_refuses_what_it_cannot_take():
+    gen = torch.Generator().manual_seed(5)
+    dst, src = _rand(gen, 3, 5, 8), _rand(gen, 3, 5, 8, dtype=torch.bfloat16)
+    assert add_reason(dst, src) is None
+    bad = {
+        "fp64 destination": (dst.double(), src),
+        "int source": (dst, src.to(torch.int32)),
+        "overlap": (dst[:1].expand(3, 5, 8), src),
+        "shapes": (dst, src[:, :4]),
+        "aliasing": (dst, dst.view_as(dst)),
+        "rank 7": (dst.reshape(3, 5, 1, 1, 1, 1, 8), src.reshape(3, 5, 1, 1, 1, 1, 8)),
+    }
+    for name, (d, s) in bad.items():
+        assert add_reason(d, s) is not None, name
+        with pytest.raises(ValueError, match="add kernel cannot run"):
+            add_into_triton_(d, s)
+    for name in ("fp64 destination", "int source", "rank 7"):  # the public function: torch's add_ instead
+        d, s = bad[name]
+        got, want = d.clone(), d.clone()
+        add_into_(got, s)
+        want.add_(s)
+        assert torch.equal(got, want), name
 
 
 def test_fresh_torch_path_equals_merging_into_a_cleared_result():

@@ -11,7 +11,7 @@ stacked call runs chunk by chunk from then on). Forward returns cuDNN's own
 output as the pattern's compact ``out`` (a strided view) when one call covered
 the pattern, else copies the outputs into it; backward feeds the *final* merged ``out``
 and ``lse`` (exact gradients, as ``base.py`` explains) and adds cuDNN's gradients
-into the fp32 accumulators.
+into the fp32 accumulators (one Triton pass per target, ``merge.add_into_``).
 
 What is copied, and why (everything else is read in place):
 
@@ -49,7 +49,7 @@ import torch
 
 from ..patterns import HeadChunk, PatternPlan
 from ..views import ALIGN_BYTES, compact_view, dilated_view, packed_view, readable
-from ..merge import merge_pattern_
+from ..merge import add_into_, merge_pattern_
 from .pattern import clear_grads_
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -530,11 +530,8 @@ class CudnnKernel:
                     pending.append((name, target.on(tensors), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))
         kv_heads = {h for c in g.chunks for h in range(c.k0, c.k1)}
         first_kv = written is not None and not kv_heads & written
-        for name, target, grad in pending:
-            if written is not None and (name == "dq" or first_kv):  # each query row and head once
-                target.copy_(grad)
-            else:
-                target.add_(grad)
+        for name, target, grad in pending:  # each query row and head written once, or added
+            add_into_(target, grad, fresh=written is not None and (name == "dq" or first_kv))
         if written is not None:
             written |= kv_heads
 
