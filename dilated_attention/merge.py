@@ -16,6 +16,8 @@ semantics the kernel is tested against (``merge_into_triton_`` runs it on CPU un
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .kernels.fused import interpreting, triton  # (Triton or None: the fused kernel's import of it)
@@ -254,40 +256,55 @@ def merge_into_triton_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Ten
     _launch(out, lse, part_out, part_lse, fresh)
 
 
-def _leading(t: torch.Tensor, rank: int) -> list[int]:
-    """The strides of ``t``'s first ``rank`` dims, padded in front to ``MAX_LEADING`` with 0 (size-1 dims)."""
-    return [0] * (MAX_LEADING - rank) + list(t.stride()[:rank])
-
-
 def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor, part_lse: torch.Tensor | None,
             fresh: bool) -> None:
-    """One ``merge_kernel`` launch: an lse-weighted merge, or with ``lse``/``part_lse`` ``None`` a plain sum."""
+    """One ``merge_kernel`` launch: an lse-weighted merge, or with ``lse``/``part_lse`` ``None`` a plain sum
+    (the kernel then reads neither: ``out``/``part_out`` stand in for them, with zero row strides)."""
     if out.numel() == 0:
         return
     weighted = lse is not None
-    if not weighted:  # (the kernel reads neither: any row-shaped stand-ins keep one signature)
-        lse, part_lse = out.select(-1, 0), part_out.select(-1, 0)
-    ts = (out, lse, part_out, part_lse)
-    rank, dim = out.dim() - 1, out.shape[-1]
-    sizes = [1] * (MAX_LEADING - rank) + list(out.shape[:-1])
-    n_rows = lse.numel()
+    lse_strides = (lse.stride(), part_lse.stride()) if weighted else ((0,) * (out.dim() - 1),) * 2
+    key = (weighted, fresh, interpreting(), INT32_LIMIT, tuple(out.shape), out.stride(), part_out.stride(),
+           *lse_strides)
+    plan = _LAUNCHES.get(key)
+    if plan is None:
+        if len(_LAUNCHES) >= _LAUNCHES_KEPT:
+            _LAUNCHES.clear()
+        plan = _LAUNCHES[key] = _launch_plan(out.shape, out.stride(), part_out.stride(), *lse_strides, fresh,
+                                             weighted)
+    ints, meta, grid = plan
+    fn = _JIT.get(interpreting())
+    if fn is None:  # jitted at first use, so TRITON_INTERPRET is read then, not at import
+        fn = _JIT[interpreting()] = triton.jit(merge_kernel)
+    args = (out, lse if weighted else out, part_out, part_lse if weighted else part_out, *ints)
+    if interpreting():
+        fn[grid](*args, **meta)
+    elif torch.cuda.current_device() == out.device.index:
+        fn[grid](*args, **meta, num_warps=4)
+    else:
+        with torch.cuda.device(out.device):  # Triton launches on the current device, not the tensors'
+            fn[grid](*args, **meta, num_warps=4)
+
+
+_LAUNCHES: dict[tuple, tuple] = {}  # launch plans by geometry: a call pays only for Triton's own launch
+_LAUNCHES_KEPT = 1024
+
+
+def _launch_plan(shape, so, sp, sl, sq, fresh: bool, weighted: bool) -> tuple[tuple[int, ...], dict, tuple[int]]:
+    """``merge_kernel``'s integer arguments, meta-parameters and grid for tensors of this geometry (``so``,
+    ``sp``: out's and part_out's strides; ``sl``, ``sq``: lse's and part_lse's)."""
+    rank, dim = len(shape) - 1, shape[-1]
+    sizes = [1] * (MAX_LEADING - rank) + list(shape[:-1])
+    n_rows = math.prod(shape[:-1])
     block_d = min(128, max(16, triton.next_power_of_2(dim)))
     block_r = max(1, 4096 // block_d)
     # int32 index arithmetic unless a row index or an element offset (masked rows and columns past the end
     # included) may pass 2**31; int64 then: any real tensor's offsets fit, so no size goes to the torch path.
-    worst = max(n_rows + block_r, *(sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-                                    + (block_r + block_d) * max(t.stride(), default=0) for t in ts))
+    worst = max(n_rows + block_r, *(sum((n - 1) * st for n, st in zip(shape, strides))
+                                    + (block_r + block_d) * max(strides, default=0)
+                                    for strides in (so, sp, (*sl, 0), (*sq, 0))))
     idx = tl.int64 if worst >= INT32_LIMIT else tl.int32
-    fn = _JIT.get(interpreting())
-    if fn is None:  # jitted at first use, so TRITON_INTERPRET is read then, not at import
-        fn = _JIT[interpreting()] = triton.jit(merge_kernel)
-    args = (out, lse, part_out, part_lse, n_rows, dim, *sizes[1:],
-            *_leading(out, rank), out.stride(-1), *_leading(lse, rank),
-            *_leading(part_out, rank), part_out.stride(-1), *_leading(part_lse, rank))
+    pad = [0] * (MAX_LEADING - rank)
+    ints = (n_rows, dim, *sizes[1:], *pad, *so[:rank], so[-1], *pad, *sl, *pad, *sp[:rank], sp[-1], *pad, *sq)
     meta = dict(FRESH=fresh, WEIGHTED=weighted, BLOCK_R=block_r, BLOCK_D=block_d, IDX=idx)
-    grid = (triton.cdiv(n_rows, block_r),)
-    if interpreting():
-        fn[grid](*args, **meta)
-    else:
-        with torch.cuda.device(out.device):  # Triton launches on the current device, not the tensors'
-            fn[grid](*args, **meta, num_warps=4)
+    return ints, meta, (triton.cdiv(n_rows, block_r),)
