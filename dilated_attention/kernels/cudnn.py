@@ -370,12 +370,12 @@ def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple
         src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv)}
         in_place = {name for name in src if readable(src[name])}
         loop, merged = _split(src, in_place)
-        views = {**src, "out": _group_view(buffers[0], plan, g, "compact"), "lse": _group_view(buffers[1], plan, g, "compact")}
+        views = {**src, **{name: _group_view(b, plan, g, "compact") for name, b in zip(("out", "lse"), buffers)}}
         for sub, tsz in _calls(views, loop, merged):
             nt = len(tsz)
             operands = tuple((_ViewSpec.of(_as_4d(sub[x], nt) if x in in_place else sub[x], i, every), x in in_place)
                              for i, x in enumerate(("q", "k", "v")))
-            targets = (_ViewSpec.of(_out_view(sub["out"], nt), 3, every), _ViewSpec.of(_out_view(sub["lse"], nt), 4, every))
+            targets = tuple(_ViewSpec.of(_out_view(sub[name], nt), i, every) for i, name in ((3, "out"), (4, "lse")))
             calls.append(_ForwardCall(tuple(tsz), operands, targets, g, tuple(merged)))
     if len(_FORWARD_CALLS) >= _PLAN_CACHE_SIZE:
         _FORWARD_CALLS.clear()
