@@ -29,6 +29,8 @@ tl = None if triton is None else triton.language
 NEG_INF = float("-inf")
 MAX_LEADING = 5  # leading (row) dims the kernel decomposes; out has at most 6 dims
 INT32_LIMIT = 2**31 - 1  # offsets at or past it: the kernel indexes in int64
+TILE_ELEMENTS = 4096  # elements per program (rows x head-dim block)
+NUM_WARPS = 4
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -264,8 +266,8 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
         return
     weighted = lse is not None
     lse_strides = (lse.stride(), part_lse.stride()) if weighted else ((0,) * (out.dim() - 1),) * 2
-    key = (weighted, fresh, interpreting(), INT32_LIMIT, tuple(out.shape), out.stride(), part_out.stride(),
-           *lse_strides)
+    key = (weighted, fresh, interpreting(), INT32_LIMIT, TILE_ELEMENTS, tuple(out.shape), out.stride(),
+           part_out.stride(), *lse_strides)
     plan = _LAUNCHES.get(key)
     if plan is None:
         if len(_LAUNCHES) >= _LAUNCHES_KEPT:
@@ -280,10 +282,10 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
     if interpreting():
         fn[grid](*args, **meta)
     elif torch.cuda.current_device() == out.device.index:
-        fn[grid](*args, **meta, num_warps=4)
+        fn[grid](*args, **meta, num_warps=NUM_WARPS)
     else:
         with torch.cuda.device(out.device):  # Triton launches on the current device, not the tensors'
-            fn[grid](*args, **meta, num_warps=4)
+            fn[grid](*args, **meta, num_warps=NUM_WARPS)
 
 
 _LAUNCHES: dict[tuple, tuple] = {}  # launch plans by geometry: a call pays only for Triton's own launch
@@ -297,7 +299,7 @@ def _launch_plan(shape, so, sp, sl, sq, fresh: bool, weighted: bool) -> tuple[tu
     sizes = [1] * (MAX_LEADING - rank) + list(shape[:-1])
     n_rows = math.prod(shape[:-1])
     block_d = min(128, max(16, triton.next_power_of_2(dim)))
-    block_r = max(1, 4096 // block_d)
+    block_r = max(1, TILE_ELEMENTS // block_d)
     # int32 index arithmetic unless a row index or an element offset (masked rows and columns past the end
     # included) may pass 2**31; int64 then: any real tensor's offsets fit, so no size goes to the torch path.
     worst = max(n_rows + block_r, *(sum((n - 1) * st for n, st in zip(shape, strides))
