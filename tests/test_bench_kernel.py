@@ -71,3 +71,48 @@ def test_profile_pipeline_groups_kernels_by_what_they_are():
 def test_profile_pipeline_needs_a_gpu():
     with pytest.raises(SystemExit, match="needs a GPU"):
         _profile_pipeline().main([])
+
+
+def _bench_kernel():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_kernel
+    finally:
+        sys.path.pop(0)
+    return bench_kernel
+
+
+def test_refine_by_pipeline_times_every_combination_of_close_calls():
+    """Keys whose runner-up is within CLOSE_CALL of the fastest get every combination of their two best timed
+    on the pipeline; the result is the fastest trial's assignment, other keys (a distant runner-up, bwd-any)
+    keep their per-pattern choice."""
+    pytest.importorskip("triton")
+    bk = _bench_kernel()
+    from dilated_attention.kernels.fused import FusedKernel
+    from dilated_attention.kernels.pattern import ChunkLoop
+    from dilated_attention.kernels.reference import ReferenceKernel
+    from dilated_attention.patterns import plan_patterns
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU check of the selection logic (the interpreter stands in for the GPU)")
+    impls = {"fused": FusedKernel(), "reference": ChunkLoop(ReferenceKernel())}
+    plans = plan_patterns([16, 32], [1, 2], seq_len=32, local_len=32, num_heads=2, num_kv_heads=2, mode="longnet")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 32, 2, 16, generator=g) for _ in range(4))
+    key = lambda d, r: bk.table_key(d, r, False, 16, torch.float32, 16)  # noqa: E731
+    ranked = {
+        key("fwd", 1): [("fused", 1.0), ("reference", 1.2)],       # close: tried both ways
+        key("bwd", 2): [("reference", 1.0), ("fused", 1.25)],      # close
+        key("bwd", 1): [("fused", 1.0), ("reference", 2.0)],       # distant runner-up: kept
+        key("bwd-any", 2): [("reference", 1.0), ("fused", 1.01)],  # bwd-any: never refined here
+    }
+    choices = {name: names[0][0] for name, names in ranked.items()}
+    best, trials = bk.refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, False, 0.25, 0, 1)
+    assert len(trials) == 4
+    assert {tuple(sorted(t["choices"].items())) for t in trials} == {
+        ((key("bwd", 2), b), (key("fwd", 1), f)) for f in ("fused", "reference") for b in ("fused", "reference")}
+    fastest = min(trials, key=lambda t: t["ms"])
+    assert best == {**choices, **fastest["choices"]}
+    assert best[key("bwd", 1)] == "fused" and best[key("bwd-any", 2)] == "reference"
+    no_close = {name: names[:1] + [(names[1][0], 9.0)] for name, names in ranked.items()}
+    assert bk.refine_by_pipeline(impls, choices, no_close, q, k, v, dout, plans, False, 0.25, 0, 1) == (choices, [])
