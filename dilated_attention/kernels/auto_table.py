@@ -94,5 +94,5 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                              'fwd/dilated/full/D128/float16/M2048': 'fused',
                              'fwd/dilated/full/D64/bfloat16/M2048': 'fused'},
                  'cudnn': 91900,
-                 'source': 'benchmarks/results/kernel_nvidia_h200.json (2026-11-22T22:11:10Z)',
+                 'source': 'benchmarks/results/kernel_nvidia_h200_run11.json (2026-11-22T22:11:10Z)',
                  'torch': '2.11.0+cu130'}}
