@@ -22,7 +22,8 @@ implementation; plans are classed dense (``r = 1``) or dilated and the class sum
 decide (a backward must also be bitwise reproducible to be the deterministic
 choice, and every implementation must agree with the fused kernel to be chosen at
 all); where a runner-up is close, the combinations are timed on the pipeline
-itself and the fastest is kept (``refine_by_pipeline``, ``pipeline_trials`` in the JSON). ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``.
+itself and the fastest is kept (``refine_by_pipeline``, ``pipeline_trials`` in the
+JSON). ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``.
 
 Reported: median ms of CUDA-event timings after warm-up, TFLOP/s of the unmasked
 work only (fwd: 4*M*M*D per block and head, halved+diag for causal; bwd 2.5x fwd),
@@ -123,6 +124,12 @@ def library_backward(kernel, q, k, v, plans, out, lse, dout, causal, scale):
                                                                  causal, scale))
 
 
+def fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale):
+    """One training step's attention on one device, as the library runs it: ``ring_forward`` + ``ring_backward``."""
+    out, lse = fwd_pipeline(kernel, q, k, v, plans, causal, scale)
+    return library_backward(kernel, q, k, v, plans, out, lse, dout, causal, scale)
+
+
 def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -174,8 +181,7 @@ def measure_method(name, kernel, q, k, v, dout, plans, causal, scale, warmup, re
     row("fwd pipeline", ms, fl_fwd)
 
     def step():
-        o_, l_ = fwd_pipeline(kernel, q, k, v, plans, causal, scale)
-        library_backward(kernel, q, k, v, plans, o_, l_, dout, causal, scale)
+        fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale)
 
     peak, _ = peak_extra(step, dev)
     ms = timed(step, warmup, reps, dev)
@@ -332,16 +338,12 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
         return choices, []
     trials, best, best_ms = [], choices, None
     for combo in itertools.product(*([name for name, _ in ranked[key][:2]] for key in keys)):
-        trial = {**choices, **dict(zip(keys, combo))}
+        tried = dict(zip(keys, combo))
+        trial = {**choices, **tried}
         kernel = AutoKernel(impls, trial)
-
-        def step():
-            out, lse = fwd_pipeline(kernel, q, k, v, plans, causal, scale)
-            library_backward(kernel, q, k, v, plans, out, lse, dout, causal, scale)
-
-        ms = timed(step, warmup, reps, q.device)
-        trials.append({"choices": dict(zip(keys, combo)), "ms": ms})
-        print(f"  pipeline trial causal={causal} {dict(zip(keys, combo))}: {ms:.3f} ms", flush=True)
+        ms = timed(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), warmup, reps, q.device)
+        trials.append({"choices": tried, "ms": ms})
+        print(f"  pipeline trial causal={causal} {tried}: {ms:.3f} ms", flush=True)
         if best_ms is None or ms < best_ms:
             best, best_ms = trial, ms
     return best, trials

@@ -3,6 +3,7 @@ measures (LongNet segments and full attention, keyed by rows), the summary and t
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -39,18 +40,18 @@ def test_bench_kernel_smoke(tmp_path):
     assert (tmp_path / "kernel_smoke.png").exists()
 
 
-def _profile_pipeline():
+def _benchmark(name: str):
+    """A script of ``benchmarks/`` imported as a module."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
-        import profile_pipeline
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return profile_pipeline
 
 
 def test_profile_pipeline_groups_kernels_by_what_they_are():
     """The profile's kernel groups (names as the H200 profile recorded them)."""
-    prof = _profile_pipeline()
+    prof = _benchmark("profile_pipeline")
     names = {
         "dkdv_kernel": "fused dK/dV", "dq_kernel": "fused dQ", "fwd_kernel": "fused forward",
         "delta_kernel": "fused delta", "merge_kernel": "merge",
@@ -70,16 +71,7 @@ def test_profile_pipeline_groups_kernels_by_what_they_are():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_profile_pipeline_needs_a_gpu():
     with pytest.raises(SystemExit, match="needs a GPU"):
-        _profile_pipeline().main([])
-
-
-def _bench_kernel():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench_kernel
-    finally:
-        sys.path.pop(0)
-    return bench_kernel
+        _benchmark("profile_pipeline").main([])
 
 
 def test_refine_by_pipeline_times_every_combination_of_close_calls():
@@ -87,7 +79,7 @@ def test_refine_by_pipeline_times_every_combination_of_close_calls():
     on the pipeline; the result is the fastest trial's assignment, other keys (a distant runner-up, bwd-any)
     keep their per-pattern choice."""
     pytest.importorskip("triton")
-    bk = _bench_kernel()
+    bk = _benchmark("bench_kernel")
     from dilated_attention.kernels.fused import FusedKernel
     from dilated_attention.kernels.pattern import ChunkLoop
     from dilated_attention.kernels.reference import ReferenceKernel

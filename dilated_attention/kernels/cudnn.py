@@ -323,6 +323,14 @@ _BACKWARD_CALLS: dict[tuple, tuple[_BackwardCall, ...]] = {}
 _PLAN_CACHE_SIZE = 512
 
 
+def _remember(cache: dict, key: tuple, calls: tuple) -> tuple:
+    """Store a call plan (a full cache starts over: geometries seen in training are few)."""
+    if len(cache) >= _PLAN_CACHE_SIZE:
+        cache.clear()
+    cache[key] = calls
+    return calls
+
+
 def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool) -> tuple[_BackwardCall, ...]:
     """The calls of group ``g`` on ``tensors = (q, k, v, out, lse, dout, dq, dk, dv)``, cached by geometry."""
     key = (plan, g, kv, same, _geometry_key(tensors))
@@ -346,10 +354,7 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool) 
             for x in ("q", "k", "v", "out", "dout"))
         targets = tuple((x, _ViewSpec.of(_out_view(sub[x], nt), index[x], tensors)) for x in ("dq", "dk", "dv"))
         calls.append(_BackwardCall(tuple(tsz), operands, _ViewSpec.of(sub["lse"], index["lse"], tensors), targets))
-    if len(_BACKWARD_CALLS) >= _PLAN_CACHE_SIZE:
-        _BACKWARD_CALLS.clear()
-    _BACKWARD_CALLS[key] = hit = tuple(calls)
-    return hit
+    return _remember(_BACKWARD_CALLS, key, tuple(calls))
 
 
 _FORWARD_CALLS: dict[tuple, tuple[_ForwardCall, ...]] = {}
@@ -377,10 +382,7 @@ def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple
                              for i, x in enumerate(("q", "k", "v")))
             targets = tuple(_ViewSpec.of(_out_view(sub[name], nt), i, every) for i, name in ((3, "out"), (4, "lse")))
             calls.append(_ForwardCall(tuple(tsz), operands, targets, g, tuple(merged)))
-    if len(_FORWARD_CALLS) >= _PLAN_CACHE_SIZE:
-        _FORWARD_CALLS.clear()
-    _FORWARD_CALLS[key] = hit = tuple(calls)
-    return hit
+    return _remember(_FORWARD_CALLS, key, tuple(calls))
 
 
 class CudnnKernel:
