@@ -1,9 +1,9 @@
 """Single-GPU kernel benchmark: every implementation ``kernel="auto"`` can choose, the library path, the ceilings.
 
-Drives the patterns itself, as the ring does with world size 1: for each plan
-``forward_pattern_into`` (each pattern merged into the running full-layout fp32 result,
-``ring.ring_forward`` itself); backward: ``backward_pattern`` of every plan with the
-final merged ``out``/``lse`` into fp32 ``dq``/``dk``/``dv``.
+The pipelines are the library's own ring schedule on one device (``ring.ring_forward``/``ring_backward``:
+each local pattern a compact part combined once at the end, or merged into a running fp32 result, as the
+kernel's ``parts`` says); the "kernel" rows run the patterns alone (forward: compact results; backward:
+``backward_pattern`` of every plan, with the final merged ``out``/``lse``, into fp32 accumulators).
 
 Methods (``--methods``): ``fused`` (Triton, one launch per pattern), ``cudnn``
 (zero-copy strided cuDNN calls, ``kernels/cudnn.py``), ``auto`` (per pattern and
@@ -274,18 +274,20 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                     grads.append(acc)
                 r["rel_vs_fused"] = max([_rel(rows_o, rows_r)] + [_rel(a, b) for a, b in zip(grads[0], ref_b)])
                 r["bwd_reproducible"] = all(torch.equal(a, b) for a, b in zip(*grads))
-                # what the library calls: the pattern merged into a running result (fused: in its epilogue),
-                # the first one written fresh when it covers every row and head (ring.py)
+                # what the library calls (ring.py): a compact part (combined once at the end, not timed here),
+                # or the pattern merged into a running result, the first one fresh when it covers everything
                 fresh = p is plans[0] and p.covers_all(q.shape[2], k.shape[2])
                 run_o = torch.zeros(q.shape, dtype=torch.float32, device=dev)
                 run_l = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=dev)
-                r["fwd_ms"] = timed(lambda: impl.forward_pattern_into(q, k, v, p, run_o, run_l, packed=False,
-                                                                      causal=causal, scale=scale, fresh=fresh),
-                                    warmup, reps, dev)
+                r["parts"] = [impl.parts(d, p, q, k, causal=causal, masked=False) for d in ("fwd", "bwd")]
+                kw = dict(causal=causal, scale=scale)
+                fwd = (lambda: impl.forward_pattern(q, k, v, p, packed=False, **kw)) if r["parts"][0] else (
+                    lambda: impl.forward_pattern_into(q, k, v, p, run_o, run_l, packed=False, fresh=fresh, **kw))
                 acc = grads[0]
-                r["bwd_ms"] = timed(lambda: impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False,
-                                                                  causal=causal, scale=scale, fresh=fresh),
-                                    warmup, reps, dev)
+                bwd = (lambda: impl.backward_pattern_parts(q, k, v, p, out, lse, dout, **kw)) if r["parts"][1] else (
+                    lambda: impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False, fresh=fresh, **kw))
+                r["fwd_ms"] = timed(fwd, warmup, reps, dev)
+                r["bwd_ms"] = timed(bwd, warmup, reps, dev)
             except Exception as exc:  # an implementation that cannot run this plan is never chosen
                 r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(r)

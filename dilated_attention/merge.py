@@ -17,12 +17,14 @@ semantics the kernel is tested against (``merge_into_triton_`` runs it on CPU un
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .kernels.fused import interpreting, triton  # (Triton or None: the fused kernel's import of it)
 from .patterns import PatternPlan
-from .views import region_views
+from .views import chunk_views, compact_view, region_views
 
 tl = None if triton is None else triton.language
 
@@ -310,3 +312,212 @@ def _launch_plan(shape, so, sp, sl, sq, fresh: bool, weighted: bool) -> tuple[tu
     ints = (n_rows, dim, *sizes[1:], *pad, *so[:rank], so[-1], *pad, *sl, *pad, *sp[:rank], sp[-1], *pad, *sq)
     meta = dict(FRESH=fresh, WEIGHTED=weighted, BLOCK_R=block_r, BLOCK_D=block_d, IDX=idx)
     return ints, meta, (triton.cdiv(n_rows, block_r),)
+
+
+# ---------------------------------------------------------------------------
+# Compact parts combined in one pass
+
+
+@dataclass(frozen=True)
+class Part:
+    """One local pattern's result in compact layout (``kernels/pattern.py``): ``out`` ``(B, L // r, heads, D)`` in
+    the inputs' dtype and, for attention results, its ``lse`` ``(B, L // r, heads)``; gradients have none.
+    ``kv``: the heads are kv heads (dK/dV). The plan must give each (row, head) one slot
+    (``PatternPlan.head_offsets`` is not ``None``)."""
+
+    plan: PatternPlan
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+    kv: bool = False
+
+
+def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Sequence[Part],
+                    like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final ``(out, lse)`` of patterns that left compact parts, merged with the ``running`` fp32 result
+    of those merged in place (``None`` if there were none): ``out`` in ``like``'s dtype and shape, ``lse`` in
+    the accumulation dtype. ``merge_two``'s semantics (a row no pattern covers: 0 and ``-inf``); on CUDA one
+    ``combine_kernel`` pass reads each part once and writes the result once (no fp32 result in between)."""
+    _check_parts(parts, like, weighted=True)
+    if _combine_reason(running, parts, like) is None:
+        return _launch_combine(running, parts, like, weighted=True)
+    acc = accum_dtype(like.dtype)
+    if running is None:
+        out = torch.zeros(like.shape, dtype=acc, device=like.device)
+        lse = torch.full(like.shape[:-1], NEG_INF, dtype=acc, device=like.device)
+    else:
+        out, lse = running
+    for part in parts:
+        merge_pattern_(out, lse, part.plan, part.out, part.lse)
+    return out.to(like.dtype), lse
+
+
+def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.Tensor) -> torch.Tensor:
+    """A gradient: the ``running`` fp32 accumulator (``None`` if no pattern accumulated in place) plus every
+    compact part, summed in fp32 in that order and cast to ``like``'s dtype (its shape). Bit for bit what
+    adding each part into an accumulator, then casting, gives; on CUDA one ``combine_kernel`` pass."""
+    _check_parts(parts, like, weighted=False)
+    if _combine_reason(running, parts, like) is None:
+        return _launch_combine(running, parts, like, weighted=False)[0]
+    acc = running if running is not None else torch.zeros(like.shape, dtype=accum_dtype(like.dtype),
+                                                           device=like.device)
+    for part in parts:
+        for c in part.plan.chunks:
+            chunk_views(acc, part.plan, c, kv=part.kv).add_(
+                compact_view(part.out, part.plan, *((c.k0, c.k1) if part.kv else (c.h0, c.h1))))
+    return acc.to(like.dtype)
+
+
+def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> None:
+    bsz, n, heads, dim = like.shape
+    for part in parts:
+        rows = n // part.plan.dilation
+        if tuple(part.out.shape) != (bsz, rows, heads, dim) or part.out.dtype != like.dtype:
+            raise ValueError(f"pattern {part.plan.index}: part has shape {tuple(part.out.shape)} {part.out.dtype}, "
+                             f"expected {(bsz, rows, heads, dim)} {like.dtype}")
+        if weighted and (part.lse is None or tuple(part.lse.shape) != (bsz, rows, heads)):
+            raise ValueError(f"pattern {part.plan.index}: a result part needs lse of shape {(bsz, rows, heads)}")
+        if part.plan.ring_size != 1 or n % part.plan.local_segment or part.plan.head_offsets(heads, part.kv) is None:
+            raise ValueError(f"pattern {part.plan.index} cannot leave a compact part: it must be local, tile "
+                             f"{n} rows and give each (row, head) one slot")
+
+
+def combine_kernel(
+    TABLE, PARTS, PART_LSE, RUN_O, RUN_L, OUT, LSE, N, D,
+    sr_b, sr_n, sr_h, sr_d, srl_b, srl_n, srl_h,
+    so_b, so_n, so_h, sol_b, sol_n, sol_h,
+    P: tl.constexpr, FIELDS: tl.constexpr, WEIGHTED: tl.constexpr, HAS_RUN: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Rows ``[program_id(0) * BLOCK_R, ..)`` of head ``program_id(1)`` of batch ``program_id(2)``: every part's slot
+    for each row read once, plus the running result's. ``TABLE`` has one row of ``FIELDS`` int64 per part: its
+    out's and lse's offsets in elements from ``PARTS``/``PART_LSE`` (any tensors of those dtypes: the parts are
+    addressed from them, so the compiler sees ``PARTS``' alignment), out strides b/row/head/dim, lse strides
+    b/row/head, segment, dilation, rows per segment, then each head's offset (-1: none). ``ALIGN``: every part
+    offset and out stride is a multiple of it and the dim stride is 1 (16-byte vector loads). ``WEIGHTED``: the
+    lse-weighted merge (``OUT``, ``LSE``), else the plain sum (``OUT``). Each row's slot in every part is found at
+    once, in ``(BLOCK_R, BLOCK_P)`` tiles, in int32 (a row index fits; element offsets are int64)."""
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    row_ok = n < N
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    ok = row_ok & (cols < D)
+    # every part's slot of each row: (BLOCK_R, BLOCK_P)
+    which = tl.arange(0, BLOCK_P)[None, :]
+    entry = TABLE + which * FIELDS
+    real = which < P
+    seg = tl.load(entry + 9, mask=real, other=1).to(tl.int32)
+    dil = tl.load(entry + 10, mask=real, other=1).to(tl.int32)
+    off = tl.load(entry + 12 + head, mask=real, other=-1).to(tl.int32)
+    s = n // seg
+    i = n - s * seg
+    j = i // dil
+    hits = row_ok & (i - j * dil == off)  # (off = -1: no row)
+    slots = (s * tl.load(entry + 11, mask=real, other=0).to(tl.int32) + j).to(tl.int64)
+    run_row = b * sr_b + n.to(tl.int64) * sr_n + head * sr_h
+    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    if WEIGHTED:
+        lse_at = tl.load(entry + 1, mask=real, other=0) + b * tl.load(entry + 6, mask=real, other=0) \
+            + slots * tl.load(entry + 7, mask=real, other=0) + head * tl.load(entry + 8, mask=real, other=0)
+        lses = tl.load(PART_LSE + lse_at, mask=hits, other=float("-inf"))
+        top = tl.max(lses, 1, keep_dims=True)  # (a NaN lse, kept or not here, makes its weight and the row NaN)
+        if HAS_RUN:
+            lse_run = tl.load(RUN_L + b * srl_b + n.to(tl.int64) * srl_n + head * srl_h, mask=row_ok,
+                              other=float("-inf"))
+            top = tl.maximum(top, lse_run, propagate_nan=tl.PropagateNan.ALL)
+        shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
+        weights = tl.exp(lses - shift)
+        total = tl.sum(weights, 1, keep_dims=True)
+        if HAS_RUN:
+            weight = tl.exp(lse_run - shift)
+            total += weight
+            old = tl.load(RUN_O + run_row + cols * sr_d, mask=ok, other=0.0)
+            acc += tl.where(weight == 0.0, 0.0, old * weight)  # a zero weight silences NaN garbage
+    elif HAS_RUN:
+        acc = tl.load(RUN_O + run_row + cols * sr_d, mask=ok, other=0.0)
+    for p in range(P):
+        mine = which == p
+        hit = tl.max(tl.where(mine, hits, False).to(tl.int32), 1, keep_dims=True) != 0
+        at = tl.load(TABLE + p * FIELDS) + b * tl.load(TABLE + p * FIELDS + 2) \
+            + tl.sum(tl.where(mine, slots, 0), 1, keep_dims=True) * tl.load(TABLE + p * FIELDS + 3) \
+            + head * tl.load(TABLE + p * FIELDS + 4)
+        if ALIGN > 1:
+            new = tl.load(PARTS + tl.multiple_of(at, [ALIGN, ALIGN]) + cols, mask=ok & hit, other=0.0)
+        else:
+            new = tl.load(PARTS + at + cols * tl.load(TABLE + p * FIELDS + 5), mask=ok & hit, other=0.0)
+        new = new.to(tl.float32)
+        if WEIGHTED:
+            weight = tl.sum(tl.where(mine, weights, 0.0), 1, keep_dims=True)
+            acc += tl.where(weight == 0.0, 0.0, new * weight)
+        else:
+            acc += new
+    if WEIGHTED:
+        nonempty = total != 0.0  # True for a NaN total: it stays NaN
+        safe = tl.where(nonempty, total, 1.0)
+        tl.store(LSE + b * sol_b + n.to(tl.int64) * sol_n + head * sol_h,
+                 tl.where(nonempty, shift + tl.log(safe), float("-inf")), mask=row_ok)
+        acc = acc * tl.where(nonempty, 1.0 / safe, 0.0)
+    tl.store(OUT + b * so_b + n.to(tl.int64) * so_n + head * so_h + cols, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+_COMBINE_JIT: dict[bool, object] = {}
+_TABLE_FIELDS = 12  # before the per-head offsets
+
+
+def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str | None:
+    """``None`` if ``combine_kernel`` takes these tensors (CUDA, or CPU under ``TRITON_INTERPRET=1``), else why not:
+    then the torch path (the merges and adds it replaces) runs."""
+    if like.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype: fp16/bf16/fp32, got {like.dtype}"
+    held = list(running) if isinstance(running, tuple) else [running] if running is not None else []
+    if any(t.dtype != torch.float32 for t in held):
+        return "the running result is not fp32"
+    read = [p.out for p in parts] + [p.lse for p in parts if p.lse is not None] + held
+    if not read:
+        return "nothing to combine"
+    if any(t.device != like.device for t in read):
+        return f"needs every part on {like.device}"
+    return _launch_reason((), tuple(read))
+
+
+def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted: bool):
+    bsz, n, heads, dim = like.shape
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    lse = torch.empty(like.shape[:-1], dtype=torch.float32, device=like.device) if weighted else None
+    if out.numel() == 0:
+        return out, lse
+    run_out, run_lse = running if weighted and running is not None else (running, None)
+    base = parts[0].out if parts else out
+    lse_base = parts[0].lse if weighted and parts else torch.empty(1, dtype=torch.float32, device=like.device)
+    rows, align = [], 16 // like.element_size()
+    for part in parts:
+        delta = (part.out.data_ptr() - base.data_ptr()) // like.element_size()
+        lse_delta = (part.lse.data_ptr() - lse_base.data_ptr()) // 4 if weighted else 0
+        strides = part.out.stride()
+        if strides[3] != 1 or any(x % align for x in (delta, *strides[:3])):
+            align = 1
+        rows.append([delta, lse_delta, *strides, *(part.lse.stride() if weighted else (0, 0, 0)),
+                     part.plan.local_segment, part.plan.dilation, part.plan.local_segment // part.plan.dilation,
+                     *part.plan.head_offsets(heads, part.kv)])
+    fields = _TABLE_FIELDS + heads
+    table = torch.tensor(rows or [[0] * fields], dtype=torch.int64, pin_memory=like.is_cuda)
+    table = table.to(like.device, non_blocking=True)  # pinned: no host wait
+    fn = _COMBINE_JIT.get(interpreting())
+    if fn is None:
+        fn = _COMBINE_JIT[interpreting()] = triton.jit(combine_kernel)
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_r = max(1, TILE_ELEMENTS // block_d)
+    r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
+    rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
+    args = (table, base, lse_base, run_out if run_out is not None else out, run_lse if run_lse is not None else lse_base,
+            out, lse if weighted else lse_base, n, dim, *r_strides, *rl_strides, *out.stride()[:3],
+            *(lse.stride() if weighted else (0, 0, 0)))
+    meta = dict(P=len(parts), FIELDS=fields, WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align,
+                BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_P=max(2, triton.next_power_of_2(len(parts))))
+    grid = (triton.cdiv(n, block_r), heads, bsz)
+    if interpreting():
+        fn[grid](*args, **meta)
+    else:
+        with torch.cuda.device(like.device):
+            fn[grid](*args, **meta, num_warps=NUM_WARPS)
+    return out, lse

@@ -56,6 +56,19 @@ class PatternPlan:
         kv_heads = {h for c in self.chunks for h in range(c.k0, c.k1)}
         return heads == set(range(num_heads)) and kv_heads == set(range(num_kv_heads))
 
+    def head_offsets(self, num_heads: int, kv: bool = False) -> tuple[int, ...] | None:
+        """The dilation offset each of ``num_heads`` query (or, with ``kv``, kv) heads reads, ``-1`` for a head
+        no chunk covers; ``None`` when a head reads two chunks (a kv head shared by query heads of different
+        offsets). Where it is a tuple, the pattern's compact ``(B, L // r, heads, ...)`` layout holds each
+        (row, head) of the full layout at most once: what combining compact parts relies on."""
+        offsets = [-1] * num_heads
+        for c in self.chunks:
+            for h in range(c.k0, c.k1) if kv else range(c.h0, c.h1):
+                if offsets[h] != -1:
+                    return None
+                offsets[h] = c.offset
+        return tuple(offsets)
+
 
 def _check_int_list(name: str, values: Sequence[int]) -> list[int]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):

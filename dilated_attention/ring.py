@@ -3,11 +3,15 @@
 Every pattern is either local (its segments fit a rank's sequence block) or a
 ring over ``G`` ranks holding consecutive blocks. On a ring each rank packs its
 dilated K/V once, then ``G - 1`` steps pass the packed block to the next rank;
-the receive for step ``t + 1`` is posted before step ``t`` is computed. Every
-pattern and ring step merges into one running fp32 result (``forward_pattern_into``:
-the fused kernel does it in its epilogue), so there is no separate combine pass. A
-first pattern that covers every row and head (``PatternPlan.covers_all``) writes that
-result, and in the backward the gradient accumulators, fresh: no fill, no read.
+the receive for step ``t + 1`` is posted before step ``t`` is computed. Ring steps
+merge into one running fp32 result (``forward_pattern_into``); local patterns do too,
+or, where the kernel says so (``PatternKernel.parts``), leave compact parts in the
+inputs' dtype that one pass combines at the end with the running result, if any,
+straight into the output dtype (``merge.combine_results``; in the backward
+``merge.sum_grads``): fewer bytes than merging each pattern into fp32 and casting. The
+first pattern merged in place, if it covers every row and head
+(``PatternPlan.covers_all``), writes the running result or the gradient accumulators
+fresh: no fill, no read.
 
 Backward reuses the final ``out`` and ``lse`` (exact gradients without
 differentiating the merge). K/V blocks go round again, and so do fp32 dK/dV
@@ -31,7 +35,7 @@ import torch
 from .comm.base import CommBackend
 from .kernels.base import PatternKernel
 from .kernels.pattern import clear_result_
-from .merge import accum_dtype
+from .merge import Part, accum_dtype, combine_results, sum_grads
 from .patterns import PatternPlan
 from .views import pack_kv, unpack_add_
 
@@ -130,12 +134,6 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     unpack_add_(dk, dv, incoming, plan)
 
 
-def _fresh_first(plans: list[PatternPlan], q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the first pattern covers every row and head: it then writes the running result and the
-    gradient accumulators fresh (``fresh=True``), so they need no fill and it reads nothing."""
-    return bool(plans) and plans[0].covers_all(q.shape[2], k.shape[2])
-
-
 @dataclass(frozen=True)
 class RingCall:
     """What one call's attention on this rank's block needs besides tensors (forward and backward)."""
@@ -149,6 +147,11 @@ class RingCall:
     scale: float
 
 
+def _parts(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, mask: dict
+           ) -> bool:
+    return plan.ring_size == 1 and ring.kernel.parts(direction, plan, q, k, causal=ring.causal, masked=bool(mask))
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                  ring: RingCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over this rank's block: ``(out, lse)``; spanning patterns run as rings.
@@ -159,20 +162,27 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     comm, layout = ring.comm, ring.layout
     own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
     acc = accum_dtype(q.dtype)
-    plans = [p for p in ring.plans if p.chunks]  # (no local head may use a pattern: grouped mode, head-parallel)
-    fresh = _fresh_first(plans, q, k)
-    out = torch.empty(q.shape, dtype=acc, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-    if not fresh:  # rows no pattern covers stay (0, -inf)
-        clear_result_(out, lse)
-    for i, plan in enumerate(plans):
+    running, parts = None, []
+    for plan in (p for p in ring.plans if p.chunks):  # (no local head may use a pattern: grouped mode, head-parallel)
+        if _parts(ring, "fwd", plan, q, k, own):
+            parts.append(Part(plan, *ring.kernel.forward_pattern(q, k, v, plan, packed=False, causal=ring.causal,
+                                                                 scale=ring.scale, **own)))
+            continue
+        fresh = running is None and plan.covers_all(q.shape[2], k.shape[2])
+        if running is None:
+            running = (torch.empty(q.shape, dtype=acc, device=q.device),
+                       torch.empty(q.shape[:3], dtype=acc, device=q.device))
+            if not fresh:  # rows no pattern covers stay (0, -inf)
+                clear_result_(*running)
         if plan.ring_size == 1:
-            ring.kernel.forward_pattern_into(q, k, v, plan, out, lse, packed=False, causal=ring.causal,
-                                             scale=ring.scale, fresh=fresh and i == 0, **own)
+            ring.kernel.forward_pattern_into(q, k, v, plan, *running, packed=False, causal=ring.causal,
+                                             scale=ring.scale, fresh=fresh, **own)
         else:
             _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal, ring.scale,
-                          out, lse)
-    return out.to(q.dtype), lse
+                          *running)
+    if parts or running is None:
+        return combine_results(running, parts, q)
+    return running[0].to(q.dtype), running[1]
 
 
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -183,17 +193,23 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
     acc = accum_dtype(q.dtype)
-    plans = [p for p in ring.plans if p.chunks]
-    fresh = _fresh_first(plans, q, k)
-    new = torch.empty if fresh else torch.zeros
-    dq = new(q.shape, dtype=acc, device=q.device)
-    dk = new(k.shape, dtype=acc, device=k.device)
-    dv = new(v.shape, dtype=acc, device=v.device)
-    for i, plan in enumerate(plans):
+    running, parts = None, ([], [], [])
+    for plan in (p for p in ring.plans if p.chunks):
+        if _parts(ring, "bwd", plan, q, k, own):
+            grads = ring.kernel.backward_pattern_parts(q, k, v, plan, out, lse, dout, causal=ring.causal,
+                                                       scale=ring.scale, **own)
+            for held, grad, kv in zip(parts, grads, (False, True, True)):
+                held.append(Part(plan, grad, kv=kv))
+            continue
+        fresh = running is None and plan.covers_all(q.shape[2], k.shape[2])
+        if running is None:
+            new = torch.empty if fresh else torch.zeros
+            running = tuple(new(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         if plan.ring_size == 1:
-            ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=False,
-                                         causal=ring.causal, scale=ring.scale, fresh=fresh and i == 0, **own)
+            ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, *running, packed=False,
+                                         causal=ring.causal, scale=ring.scale, fresh=fresh, **own)
         else:
             _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, ring.call, ring.kernel,
-                           ring.causal, ring.scale, dq, dk, dv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+                           ring.causal, ring.scale, *running)
+    return tuple(sum_grads(running[i] if running is not None else None, parts[i], x)
+                 for i, x in enumerate((q, k, v)))

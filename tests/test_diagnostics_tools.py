@@ -78,6 +78,12 @@ class Faulting:
         dq.add_(1.0)  # one launch succeeded and wrote before the next failed
         raise self.error(self.message)
 
+    def parts(self, direction, plan, q, k, *, causal, masked):
+        return False  # in place: the failing launches write into the caller's tensors first
+
+    def backward_pattern_parts(self, *args, **kwargs):
+        raise ValueError("Faulting leaves no parts")
+
 
 def _inputs(seed=0, layout="transposed", dtype=torch.float64, n=32, h=4, hk=2, d=8):
     g = torch.Generator().manual_seed(seed)

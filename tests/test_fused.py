@@ -37,7 +37,7 @@ from dilated_attention.kernels.fused import (  # noqa: E402
 )
 from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel, _expand_kv  # noqa: E402
-from dilated_attention.merge import merge_pattern_  # noqa: E402
+from dilated_attention.merge import Part, merge_pattern_, sum_grads  # noqa: E402
 from dilated_attention.ring import RingCall, RingLayout, ring_forward  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.testing.compare import as_layout, assert_within_rule, rel_err  # noqa: E402
@@ -432,6 +432,24 @@ def check_pattern_local(kern, mode, heads, kv_heads, layout, causal, dtype, seed
             covered = {h for c in p.chunks for h in range(c.h0, c.h1)}
             other = [h for h in range(heads) if h not in covered]
             assert torch.equal(acc[0][:, :, other], init[0][:, :, other]), f"{what}: dq of heads {other} touched"
+        if kern.parts("bwd", p, q, k, causal=causal, masked=False):
+            check_pattern_parts(kern, q, k, v, p, out_low, lse_dev, dout, causal, scale, seed, what)
+
+
+def check_pattern_parts(kern, q, k, v, p, out, lse, dout, causal, scale, seed, what):
+    """``backward_pattern_parts``: compact gradients in the inputs' dtype, placed in full layout (the slots a
+    combine reads; ``merge.sum_grads``), against the fp64 oracle's and the plain-torch ones placed alike."""
+    def placed(kernel, *xs):
+        grads = kernel.backward_pattern_parts(*xs[:3], p, *xs[3:], causal=causal, scale=scale)
+        for g, x in zip(grads, xs[:3]):
+            assert g.dtype == x.dtype and g.shape == (x.shape[0], x.shape[1] // p.dilation, *x.shape[2:]), what
+        return [sum_grads(None, [Part(p, g, kv=kv)], x) for g, x, kv in zip(grads, xs[:3], (False, True, True))]
+
+    xs = (q, k, v, out, lse, dout)
+    got, want = placed(kern, *xs), placed(REF_P, *(d64(x) for x in xs))
+    lows = list(zip(*(placed(kk, *xs) for kk in (REF_P, LOWP_P))))
+    for name, g, w, low in zip(("dq", "dk", "dv"), got, want, lows):
+        judge(f"{what} {name} (part)", g, w, low, seed)
 
 
 PATTERN_CASES = [

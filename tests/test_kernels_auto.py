@@ -47,6 +47,12 @@ class Recorder:
     def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed, causal, scale, fresh=False):
         self.seen.append(("bwd", plan.dilation, causal))
 
+    def parts(self, direction, plan, q, k, *, causal, masked):
+        return False  # never asked for parts: nothing here runs a strategy
+
+    def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, *, causal, scale):
+        raise ValueError("Recorder leaves no parts")
+
 
 PLANS = plan_patterns([8, 16], [1, 2], seq_len=16, local_len=16, num_heads=4, num_kv_heads=4)
 Q = torch.randn(1, 16, 4, 32, dtype=torch.bfloat16)

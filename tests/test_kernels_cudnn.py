@@ -39,9 +39,11 @@ class MathOps:
     name = "math"
     deterministic_backward = True
 
-    def __init__(self) -> None:
+    def __init__(self, write_into: bool = False) -> None:
         self.calls: list[tuple] = []
         self.outputs: list[torch.Tensor] = []
+        self.write_into = write_into  # like the frontend's backward (else like torch's op, which allocates)
+        self.written_into = 0  # backward calls whose gradients went straight into the compact parts
 
     def supports(self, q, k):
         return None
@@ -66,8 +68,8 @@ class MathOps:
         self.outputs.append(out)
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse4, *, causal, scale):
-        for x in (q, k, v, out, dout):
+    def backward(self, dout, q, k, v, out, lse4, *, causal, scale, into=None):
+        for x in (q, k, v, out, dout, *(into or ())):
             assert x.dim() == 4 and readable(x), f"cuDNN would not read {tuple(x.shape)} {x.stride()}"
         assert out.stride() == q.stride() and dout.stride() == q.stride(), (q.stride(), out.stride(), dout.stride())
         assert lse4.is_contiguous() and lse4.shape == (*q.shape[:3], 1) and lse4.dtype == torch.float32
@@ -82,6 +84,12 @@ class MathOps:
         dk = ds.transpose(-1, -2) @ q.double()
         hk = k.shape[1]
         dk, dv = dk.unflatten(1, (hk, g)).sum(2), dv.unflatten(1, (hk, g)).sum(2)
+        if into is not None and self.write_into:
+            for target, grad in zip(into, (dq, dk, dv)):
+                assert target.shape == grad.shape, (target.shape, grad.shape)
+                target.copy_(grad)
+            self.written_into += 1
+            return into
         return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
@@ -149,6 +157,19 @@ def test_pattern_local(case, dtype):
     mode, heads, kv_heads, layout, causal = case
     seed = seeded("cudnn-pattern", case, dtype)
     check_pattern_local(kernel(), mode, heads, kv_heads, layout, causal, dtype, seed, DIM, N)
+
+
+@pytest.mark.skipif(CUDA, reason="MathOps stand-in (the frontend's backward runs in test_kernels_cudnn_frontend.py)")
+@pytest.mark.parametrize("case", [("longnet", 8, 8, "contiguous", False), ("longnet", 8, 4, "transposed", True),
+                                  ("grouped", 6, 3, "head_slice", False)], ids=str)
+def test_backward_parts_written_in_place(case):
+    """An op that writes its gradients where it is told (the frontend's) fills the compact parts itself:
+    no copy, same results (``check_pattern_local`` judges the parts when the kernel leaves them)."""
+    mode, heads, kv_heads, layout, causal = case
+    ops = MathOps(write_into=True)
+    kern = CudnnKernel(ops)
+    check_pattern_local(kern, mode, heads, kv_heads, layout, causal, LOW[0], seeded("cudnn-into", case), DIM, N)
+    assert ops.written_into > 0, "no backward call wrote into the parts"
 
 
 RING_CASES = [("longnet", 4, 2, True), ("longnet", 6, 2, False), ("grouped", 4, 2, True), ("longnet", 8, 8, True)]

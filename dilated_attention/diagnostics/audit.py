@@ -297,6 +297,15 @@ class _AuditedKernel:
             _check(self.audit, f"{self.name}.backward_pattern (pattern {plan.index})", n, t, must_be_contiguous=False)
         return self.kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
 
+    def parts(self, direction, plan, q, k, **kw):
+        return self.kernel.parts(direction, plan, q, k, **kw)
+
+    def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, **kw):
+        for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout)):
+            _check(self.audit, f"{self.name}.backward_pattern_parts (pattern {plan.index})", n, t,
+                   must_be_contiguous=False)
+        return self.kernel.backward_pattern_parts(q, k, v, plan, out, lse, dout, **kw)
+
 
 @contextlib.contextmanager
 def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = False) -> Iterator[RuntimeAudit]:

@@ -404,6 +404,31 @@ class DebugKernel:
             self._shadow_backward(meta, q, k, v, plan, out, lse, dout, (dq, dk, dv), before, packed, causal, scale,
                                   mask)
 
+    def parts(self, direction: str, plan, q, k, *, causal: bool, masked: bool) -> bool:
+        return self.kernel.parts(direction, plan, q, k, causal=causal, masked=masked)
+
+    def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, *, causal: bool, scale: float, **mask):
+        meta = self._meta("backward_pattern_parts", plan)
+        self._inputs(meta, q, k, v, plan, False)
+        check_tensor("out", out, meta, shape=q.shape, device=q.device)
+        check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
+        check_tensor("dout", dout, meta, shape=q.shape, device=q.device)
+        grads = self._call(meta, q, self.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
+                           causal=causal, scale=scale, **mask)
+        from ..merge import Part, sum_grads
+
+        rows = q.shape[1] // plan.dilation
+        placed = []  # each part in full layout: the slots a combine reads (uncovered ones are unspecified)
+        for name, grad, like, kv in zip(("dq", "dk", "dv"), grads, (q, k, v), (False, True, True)):
+            check_tensor(name, grad, meta, shape=(like.shape[0], rows, *like.shape[2:]), dtype=q.dtype,
+                         device=q.device, finite=False)
+            placed.append(sum_grads(None, [Part(plan, grad, kv=kv)], like))
+            check_tensor(name + " (covered slots)", placed[-1], meta)
+        if _shadow_due():
+            self._shadow_backward(meta, q, k, v, plan, out, lse, dout, placed, [torch.zeros_like(p) for p in placed],
+                                  False, causal, scale, mask)
+        return grads
+
     # -- shadow checks against the float64 reference kernel ---------------------------------------
 
     @staticmethod

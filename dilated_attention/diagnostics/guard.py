@@ -167,6 +167,15 @@ class GuardedKernel:
                          dict(packed=packed, causal=causal, scale=scale, fresh=fresh, **mask),
                          ("q", "k", "v", "plan", "out", "lse", "dout", "dq", "dk", "dv"))
 
+    def parts(self, direction: str, plan, q, k, *, causal: bool, masked: bool) -> bool:
+        chosen = self.fallback_kernel(q, k, masked) if self._key(q) in _fallen_back else self.kernel
+        return chosen.parts(direction, plan, q, k, causal=causal, masked=masked)
+
+    def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, *, causal: bool, scale: float, **mask):
+        # (a fallback, ``ChunkLoop``, leaves parts wherever the layout allows: at least where this kernel does)
+        return self._run("backward_pattern_parts", q, k, plan, (q, k, v, plan, out, lse, dout),
+                         dict(causal=causal, scale=scale, **mask), ("q", "k", "v", "plan", "out", "lse", "dout"))
+
 
 def guard_kernel(kernel, meta: dict[str, Any] | None = None, fallback=None):
     """``kernel`` wrapped in the guard (see the module doc). ``meta`` may carry step/rank/world_size/backend."""

@@ -137,6 +137,16 @@ class AutoKernel:
         impl.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale, fresh=fresh,
                                   **mask)
 
+    def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
+              masked: bool) -> bool:
+        return self.pick(direction, plan, causal, q, k, masked).parts(direction, plan, q, k, causal=causal,
+                                                                      masked=masked)
+
+    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
+                               **mask):
+        impl = self.pick("bwd", plan, causal, q, k, bool(mask))
+        return impl.backward_pattern_parts(q, k, v, plan, out, lse, dout, causal=causal, scale=scale, **mask)
+
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float, fresh: bool = False, **mask) -> None:
         impl = self.pick("bwd", plan, causal, q, k, bool(mask))

@@ -96,3 +96,19 @@ class PatternKernel(Protocol):
     ) -> None:
         """Adds this pattern's gradients into ``dq``/``dk``/``dv``. ``fresh``: they hold nothing yet
         (contents ignored, as if zeros); only for a pattern that ``covers_all`` heads."""
+
+    def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
+              masked: bool) -> bool:
+        """Whether this local pattern's result in ``direction`` (``"fwd"``/``"bwd"``) comes as a compact part
+        (``forward_pattern`` / ``backward_pattern_parts``) that the strategy combines with the other patterns'
+        in one pass at the end (``merge.combine_results``/``sum_grads``), rather than merged into the running
+        result in place (``forward_pattern_into`` / ``backward_pattern``). A kernel that accumulates in its
+        epilogue says no; ``"bwd"`` may say yes only where ``plan.head_offsets(.., kv=True)`` is not ``None``."""
+
+    def backward_pattern_parts(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+        out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *, causal: bool, scale: float,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This local pattern's ``(dq, dk, dv)`` in compact layout ``(B, L // r, heads, D)`` (kv heads for dk/dv),
+        in the inputs' dtype; called only where ``parts("bwd", ...)`` said yes (others raise ``ValueError``)."""

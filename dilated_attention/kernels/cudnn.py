@@ -81,7 +81,9 @@ class CudnnOps:
         )[:2]
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float,
+                 into: tuple[torch.Tensor, ...] | None = None):
+        """``(dq, dk, dv)``; ``into``: views an op may write them to (torch's op allocates its own instead)."""
         empty = torch.empty(0, device=q.device)
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse4, empty, empty, None,  # no dropout (philox unused), no attn_bias
@@ -157,7 +159,7 @@ def _group_view(x: torch.Tensor, plan: PatternPlan, g: _Group, role: str) -> tor
 
     Roles: ``"q"`` full-layout query-head tensors (q, out, dout, lse, dq);
     ``"kv"`` full-layout kv tensors; ``"packed"`` ring buffer halves;
-    ``"compact"`` a pattern's compact out/lse.
+    ``"compact"`` a pattern's compact out/lse/dq; ``"compact_kv"`` its compact dk/dv.
     """
     c = g.chunks[0]
     d_off, d_h, d_k, d_buf = g.steps
@@ -170,6 +172,8 @@ def _group_view(x: torch.Tensor, plan: PatternPlan, g: _Group, role: str) -> tor
         base, delta = packed_view(x, c), d_buf * x.stride(2)
     elif role == "compact":
         base, delta = compact_view(x, plan, c.h0, c.h1), d_h * x.stride(2)
+    elif role == "compact_kv":
+        base, delta = compact_view(x, plan, c.k0, c.k1), d_k * x.stride(2)
     else:
         raise ValueError(f"unknown role {role!r}")
     size = (*base.shape[:2], len(g.chunks), *base.shape[2:])
@@ -237,6 +241,17 @@ def _out_view(sub: torch.Tensor, nt: int) -> torch.Tensor:
     return sub.transpose(nt, nt + 1)
 
 
+def _flat_target(target: torch.Tensor, nt: int) -> torch.Tensor | None:
+    """A ``(T..., h, M, D)`` target as the ``(prod T, h, M, D)`` view an op can write in place, if its ``T`` dims
+    merge into one stride and the view is ``readable`` (else ``None``: the op's result is copied into it)."""
+    tsz, st = target.shape[:nt], target.stride()[:nt]
+    if any(st[a] != tsz[b] * st[b] for a, b in zip(range(nt - 1), range(1, nt)) if tsz[b] > 1):
+        return None
+    flat = target.as_strided((math.prod(tsz), *target.shape[nt:]), (st[-1] if nt else 0, *target.stride()[nt:]),
+                             target.storage_offset())
+    return flat if readable(flat) else None
+
+
 def _adopt(res: torch.Tensor, tsz, merged: list[int], plan: PatternPlan, g: _Group, shape) -> torch.Tensor | None:
     """``res`` (one cuDNN result, ``(n, h, M, *rest)``) seen as the pattern's whole compact
     ``(B, L // r, H, *rest)`` tensor, when the single call covered every row and head; else ``None``."""
@@ -293,12 +308,13 @@ class _ViewSpec:
 class _BackwardCall:
     """One cuDNN backward call of a group: q, k, v, out, dout (the 4D view itself when read in place,
     else the ``(T..., M, h, D)`` view to copy compact), lse's view (always copied), and the gradient
-    targets (``(T..., h, M, D)`` views of dq, dk, dv)."""
+    targets (``(T..., h, M, D)`` views of dq, dk, dv: full-layout accumulators, or compact parts)."""
 
     tsz: tuple[int, ...]
     operands: tuple[tuple[_ViewSpec, bool], ...]
     lse: _ViewSpec
     targets: tuple[tuple[str, _ViewSpec], ...]
+    into: tuple[_ViewSpec, ...] | None  # compact targets the op may write in place (``_flat_target``)
 
 
 @dataclass(frozen=True)
@@ -331,18 +347,21 @@ def _remember(cache: dict, key: tuple, calls: tuple) -> tuple:
     return calls
 
 
-def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool) -> tuple[_BackwardCall, ...]:
-    """The calls of group ``g`` on ``tensors = (q, k, v, out, lse, dout, dq, dk, dv)``, cached by geometry."""
-    key = (plan, g, kv, same, _geometry_key(tensors))
+def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, compact: bool
+                    ) -> tuple[_BackwardCall, ...]:
+    """The calls of group ``g`` on ``tensors = (q, k, v, out, lse, dout, dq, dk, dv)``, cached by geometry;
+    ``compact``: the gradients are a pattern's compact parts, else full-layout accumulators."""
+    key = (plan, g, kv, same, compact, _geometry_key(tensors))
     hit = _BACKWARD_CALLS.get(key)
     if hit is not None:
         return hit
     q, k, v, out, lse, dout, dq, dk, dv = tensors
     index = {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, "dout": 5, "dq": 6, "dk": 7, "dv": 8}
+    grad_roles = ("compact", "compact_kv", "compact_kv") if compact else ("q", kv, kv)
     src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv),
            "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
            "lse": _group_view(lse, plan, g, "q"),
-           "dq": _group_view(dq, plan, g, "q"), "dk": _group_view(dk, plan, g, kv), "dv": _group_view(dv, plan, g, kv)}
+           **{name: _group_view(x, plan, g, role) for name, x, role in zip(("dq", "dk", "dv"), (dq, dk, dv), grad_roles)}}
     in_place = {name for name in ("k", "v") if readable(src[name])}
     if same and all(readable(src[x]) for x in ("q", "out", "dout")):
         in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
@@ -353,7 +372,11 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool) 
             (_ViewSpec.of(_as_4d(sub[x], nt) if x in in_place else sub[x], index[x], tensors), x in in_place)
             for x in ("q", "k", "v", "out", "dout"))
         targets = tuple((x, _ViewSpec.of(_out_view(sub[x], nt), index[x], tensors)) for x in ("dq", "dk", "dv"))
-        calls.append(_BackwardCall(tuple(tsz), operands, _ViewSpec.of(sub["lse"], index["lse"], tensors), targets))
+        flat = [_flat_target(_out_view(sub[x], nt), nt) for x in ("dq", "dk", "dv")] if compact else [None]
+        into = None if any(f is None for f in flat) else tuple(
+            _ViewSpec.of(f, index[x], tensors) for f, x in zip(flat, ("dq", "dk", "dv")))
+        calls.append(_BackwardCall(tuple(tsz), operands, _ViewSpec.of(sub["lse"], index["lse"], tensors), targets,
+                                   into))
     return _remember(_BACKWARD_CALLS, key, tuple(calls))
 
 
@@ -482,54 +505,88 @@ class CudnnKernel:
         return (torch.empty(shapes[0], dtype=q.dtype, device=q.device),
                 torch.empty(shapes[1], dtype=torch.float32, device=q.device))
 
-    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float, fresh: bool = False) -> None:
+    def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
+              masked: bool) -> bool:
+        """Yes for local patterns: cuDNN's results are compact tensors in the inputs' dtype already."""
+        if plan.ring_size != 1:
+            return False
+        return direction == "fwd" or (self.grads == ("dq", "dk", "dv")
+                                      and plan.head_offsets(k.shape[2], kv=True) is not None)
+
+    def _check_backward(self, q, k, v, plan: PatternPlan, packed: bool, out, lse, dout, *grads) -> None:
         self._check(q, k)
         self._geometry(q, k, plan, packed)
-        for name, x, like in (("out", out, q), ("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k), ("v", v, k)):
+        named = (("out", out, q), ("dout", dout, q), ("v", v, k), *zip(("dq", "dk", "dv"), grads, (q, k, k)))
+        for name, x, like in named:
             if tuple(x.shape) != tuple(like.shape):
                 raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(like.shape)}")
         if tuple(lse.shape) != tuple(q.shape[:3]):
             raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {tuple(q.shape[:3])}")
+
+    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
+                         packed: bool, causal: bool, scale: float, fresh: bool = False) -> None:
+        self._check_backward(q, k, v, plan, packed, out, lse, dout, dq, dk, dv)
         mine = tuple(g for name, g in (("dq", dq), ("dk", dk), ("dv", dv)) if name in self.grads)
         # fresh and covering every row and head: cuDNN's gradients are *written* into the accumulators, no
         # fill and no read (a kv head two groups share gets the second one added); otherwise fill, then add
         written: set[int] | None = set() if fresh and not packed and plan.covers_all(q.shape[2], k.shape[2]) else None
         if fresh and written is None:
             clear_grads_(*mine)
+        self._backward_groups((q, k, v, out, lse, dout, dq, dk, dv), plan, packed, causal, scale, written, False)
+
+    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float):
+        """The pattern's gradients in new compact tensors: cuDNN writes them there (the frontend's backward)
+        or they are copied from its results; nothing is accumulated."""
+        if not self.parts("bwd", plan, q, k, causal=causal, masked=False):
+            raise ValueError(f"cudnn kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
+                             f"read at two offsets, or not every gradient): call backward_pattern")
+        rows = q.shape[1] // plan.dilation
+        grads = tuple(torch.empty((x.shape[0], rows, *x.shape[2:]), dtype=q.dtype, device=q.device) for x in (q, k, v))
+        self._check_backward(q, k, v, plan, False, out, lse, dout)
+        self._backward_groups((q, k, v, out, lse, dout, *grads), plan, False, causal, scale, None, True)
+        return grads
+
+    def _backward_groups(self, tensors, plan: PatternPlan, packed: bool, causal: bool, scale: float,
+                         written: set[int] | None, compact: bool) -> None:
+        q, k, out, dout = tensors[0], tensors[1], tensors[3], tensors[5]
         kv = self._kv_role(packed)
         same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
         key = _config_key(q, k, plan, packed, causal)
         stacked = key not in _REFUSED
-        tensors = (q, k, v, out, lse, dout, dq, dk, dv)
         for g in _groups(plan) if stacked else _singles(plan):
             try:
-                self._backward_group(tensors, plan, g, kv, same, causal, scale, written)
+                self._backward_group(tensors, plan, g, kv, same, causal, scale, written, compact)
             except torch.OutOfMemoryError:
                 raise
-            except RuntimeError as exc:  # nothing of this group was added yet: its chunks one by one
+            except RuntimeError as exc:  # nothing of this group was stored yet: its chunks one by one
                 if len(g.chunks) == 1:
                     raise
                 _refuse(key, exc)
                 for c in g.chunks:
                     self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale,
-                                         written)
+                                         written, compact)
 
     def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, causal: bool,
-                        scale: float, written: set[int] | None) -> None:
+                        scale: float, written: set[int] | None, compact: bool) -> None:
         """One group's calls; its gradients are stored only once every call succeeded. ``written``: the kv
-        heads already holding gradients in a fresh backward (``None``: accumulate everything)."""
+        heads already holding gradients in a fresh backward (``None``: accumulate everything). ``compact``:
+        the targets are compact parts, stored (an op that wrote them in place needs no copy)."""
         dtype = tensors[0].dtype
         pending = []
-        for call in _backward_calls(tensors, plan, g, kv, same):
+        for call in _backward_calls(tensors, plan, g, kv, same, compact):
             nt, tsz = len(call.tsz), call.tsz
             q4, k4, v4, o4, g4 = (spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt, dtype)
                                   for spec, in_place in call.operands)
             l4 = _compact_4d(call.lse.on(tensors), nt, torch.float32).unsqueeze(-1)
-            gq, gk, gv = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale)
-            for (name, target), grad in zip(call.targets, (gq, gk, gv)):
-                if name in self.grads:
+            into = tuple(spec.on(tensors) for spec in call.into) if call.into is not None else None
+            grads = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale, into=into)
+            for i, ((name, target), grad) in enumerate(zip(call.targets, grads)):
+                if name in self.grads and not (into is not None and grad is into[i]):
                     pending.append((name, target.on(tensors), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))
+        if compact:
+            for _, target, grad in pending:
+                target.copy_(grad)
+            return
         kv_heads = {h for c in g.chunks for h in range(c.k0, c.k1)}
         first_kv = written is not None and not kv_heads & written
         for name, target, grad in pending:  # each query row and head written once, or added
@@ -568,6 +625,14 @@ class CudnnDkdvKernel:
                              scale: float, fresh: bool = False) -> None:
         self.cudnn.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale,
                                         fresh=fresh)
+
+    def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
+              masked: bool) -> bool:
+        """The forward's cuDNN results as parts; the backward accumulates (two kernels share the gradients)."""
+        return direction == "fwd" and plan.ring_size == 1
+
+    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float):
+        raise ValueError("cudnn-dkdv accumulates its backward in place (parts('bwd') is False): call backward_pattern")
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float, fresh: bool = False) -> None:

@@ -86,11 +86,13 @@ class CudnnFrontendOps(CudnnOps):
             reason = "needs NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend"
         return reason
 
-    def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float,
+                 into: tuple[torch.Tensor, ...] | None = None):
+        """``(dq, dk, dv)``, written into ``into`` (views shaped like q, k, v) when given: no copy after."""
         batch, heads, rows, dim = q.shape
         if k.shape[2] != rows:
             raise ValueError(f"q and k must have equal rows, got {rows} and {k.shape[2]}")
-        dq, dk, dv = (_empty_in_layout(x) for x in (q, k, v))
+        dq, dk, dv = into if into is not None else (_empty_in_layout(x) for x in (q, k, v))
         per_call, keys = split_plan(batch, heads, rows, dim, self.workspace_limit)
         for b0 in range(0, batch, per_call):
             b = slice(b0, b0 + per_call)

@@ -258,10 +258,20 @@ class FusedKernel:
     key_masks = True
     deterministic_backward = True  # every gradient element is owned by one program: no atomics
 
-    def __init__(self, config: FusedConfig | None = None, *, dkdv: bool = True) -> None:
-        """``dkdv=False``: the backward adds dQ only (``cudnn.CudnnDkdvKernel`` takes dK/dV from cuDNN)."""
+    def __init__(self, config: FusedConfig | None = None, *, dkdv: bool = True, epilogue_merge: bool = False) -> None:
+        """``dkdv=False``: the backward adds dQ only (``cudnn.CudnnDkdvKernel`` takes dK/dV from cuDNN).
+        ``epilogue_merge``: local patterns merge into the running fp32 result in the forward's epilogue and add
+        into fp32 accumulators in the backward, instead of leaving compact parts in the inputs' dtype for one
+        combine pass (``parts``); parts move fewer bytes (measured in ``benchmarks/results``)."""
         self.config = config
         self.dkdv = dkdv
+        self.epilogue_merge = epilogue_merge
+
+    def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
+              masked: bool) -> bool:
+        if self.epilogue_merge or plan.ring_size != 1:
+            return False
+        return direction == "fwd" or (self.dkdv and plan.head_offsets(k.shape[2], kv=True) is not None)
 
     # -- checks ---------------------------------------------------------------
 
@@ -518,25 +528,42 @@ class FusedKernel:
     ) -> None:
         """``fresh``: the kernels store their gradients (no zero fill, no read of the accumulators)."""
         _check_fresh(fresh, plan, q, k, packed)
+        _check_acc("dq", dq, q.shape)
+        _check_acc("dk", dk, k.shape)
+        _check_acc("dv", dv, k.shape)
+        M = plan.local_segment // plan.dilation
+        kvs = self._kv_strides
+        self._pattern_backward(q, k, v, plan, out, lse, dout, (dq, dk, dv),
+                               (_dilated_strides(dq, plan), kvs(dk, plan, packed, M), kvs(dv, plan, packed, M)),
+                               packed, causal, scale, key_mask, add=not fresh)
+
+    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
+                               key_mask: torch.Tensor | None = None):
+        """The pattern's gradients stored (not added) into new compact tensors in the inputs' dtype."""
+        if not self.parts("bwd", plan, q, k, causal=causal, masked=key_mask is not None):
+            raise ValueError(f"the fused kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
+                             f"read at two offsets, epilogue_merge or dkdv=False): call backward_pattern")
+        rows, M = q.shape[1] // plan.dilation, plan.local_segment // plan.dilation
+        grads = tuple(torch.empty((x.shape[0], rows, *x.shape[2:]), dtype=q.dtype, device=q.device) for x in (q, k, v))
+        self._pattern_backward(q, k, v, plan, out, lse, dout, grads, tuple(_compact_strides(g, M) for g in grads),
+                               False, causal, scale, key_mask, add=False)
+        return grads
+
+    def _pattern_backward(self, q, k, v, plan, out, lse, dout, grads, grad_strides, packed, causal, scale, key_mask,
+                          add):
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
         for name, x in (("out", out), ("dout", dout)):
             _check_view(name, x, q.shape)
         _check_view("lse", lse, q.shape[:3])
-        _check_acc("dq", dq, q.shape)
-        _check_acc("dk", dk, k.shape)
-        _check_acc("dv", dv, k.shape)
         mask = self._pattern_mask(key_mask, k, plan, packed)
         v, out, dout = _unit_last(v), _unit_last(out), _unit_last(dout)
         ht, ut = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
         ds, kvs = _dilated_strides, self._kv_strides
-        strides = (
-            ds(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), ds(out, plan), ds(lse, plan),
-            ds(dout, plan), ds(dq, plan), kvs(dk, plan, packed, M), kvs(dv, plan, packed, M),
-        )
-        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, M, causal, scale, cfg,
-                       add=not fresh)
+        strides = (ds(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), ds(out, plan), ds(lse, plan),
+                   ds(dout, plan), *grad_strides)
+        self._backward(q, k, v, out, lse, dout, *grads, ht, ut, mask, strides, S, M, M, causal, scale, cfg, add=add)
 
 
 def _check_fresh(fresh: bool, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, packed: bool) -> None:

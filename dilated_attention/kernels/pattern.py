@@ -22,7 +22,10 @@ Layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
   offset ``o`` is position ``s * w + o + r * j`` either way.
 * backward takes the final merged ``out``/``lse``/``dout`` in full layout
   (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``dq``
-  (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``).
+  (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``), or (``backward_pattern_parts``,
+  local patterns) returns them in compact layout in the inputs' dtype, ``dk``/``dv`` ``(B, L // r, Hk, D)``.
+* ``parts`` says, per local pattern and direction, which of the two a strategy calls: compact parts
+  are combined in one pass at the end (``merge.combine_results``/``sum_grads``).
 """
 
 from __future__ import annotations
@@ -91,19 +94,39 @@ class ChunkLoop:
         part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, key_mask=key_mask)
         merge_pattern_(out, lse, plan, *part, fresh=fresh)
 
+    def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
+              masked: bool) -> bool:
+        """Yes where the layout allows: the block kernel returns each chunk's result on its own anyway."""
+        return plan.ring_size == 1 and (direction == "fwd" or plan.head_offsets(k.shape[2], kv=True) is not None)
+
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
                          fresh: bool = False) -> None:
         if fresh:
             clear_grads_(dq, dk, dv)
-        for c in plan.chunks:
-            kc, vc = _kv_views(k, v, plan, c, packed)
-            gq, gk, gv = self.block.backward(
-                chunk_views(q, plan, c), kc, vc, chunk_views(out, plan, c),
-                dilated_view(lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
-                chunk_views(dout, plan, c), causal=causal, scale=scale, **_mask_view(key_mask, plan, c),
-            )
+        for c, (gq, gk, gv) in self._chunk_grads(q, k, v, plan, out, lse, dout, packed, causal, scale, key_mask):
             chunk_views(dq, plan, c).add_(gq)
             dkc, dvc = _kv_views(dk, dv, plan, c, packed)
             dkc.add_(gk)
             dvc.add_(gv)
+
+    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
+                               key_mask: torch.Tensor | None = None):
+        if not self.parts("bwd", plan, q, k, causal=causal, masked=key_mask is not None):
+            raise ValueError(f"pattern {plan.index} leaves no backward parts (a ring, or a kv head read at two "
+                             f"offsets): call backward_pattern")
+        rows = q.shape[1] // plan.dilation
+        grads = tuple(torch.zeros((x.shape[0], rows, *x.shape[2:]), dtype=q.dtype, device=q.device) for x in (q, k, v))
+        for c, chunk in self._chunk_grads(q, k, v, plan, out, lse, dout, False, causal, scale, key_mask):
+            for g, grad, (a, b) in zip(grads, chunk, ((c.h0, c.h1), (c.k0, c.k1), (c.k0, c.k1))):
+                compact_view(g, plan, a, b).copy_(grad)
+        return grads
+
+    def _chunk_grads(self, q, k, v, plan, out, lse, dout, packed, causal, scale, key_mask):
+        for c in plan.chunks:
+            kc, vc = _kv_views(k, v, plan, c, packed)
+            yield c, self.block.backward(
+                chunk_views(q, plan, c), kc, vc, chunk_views(out, plan, c),
+                dilated_view(lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
+                chunk_views(dout, plan, c), causal=causal, scale=scale, **_mask_view(key_mask, plan, c),
+            )

@@ -1,0 +1,192 @@
+"""Compact parts combined in one pass (``merge.combine_results``/``sum_grads``, ``combine_kernel``).
+
+The kernel (Triton's interpreter on CPU, compiled on CUDA) against the torch path it replaces: the
+patterns merged one by one into a running result with ``merge_pattern_`` (``merge_two``'s semantics)
+and gradients added into an accumulator, computed in float64 from the same inputs. Parts come in
+arbitrary strided layouts, with empty rows holding NaN garbage, uncovered heads (grouped mode) and
+GQA kv heads; the strategy-level path (``ring.py``) is tested end to end by every library test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dilated_attention import merge as merge_mod
+from dilated_attention.merge import Part, combine_results, sum_grads
+from dilated_attention.patterns import plan_patterns
+from dilated_attention.testing.compare import as_layout
+from dilated_attention.views import chunk_views, compact_view
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+needs_kernel = pytest.mark.skipif(merge_mod.triton is None or not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+                                  reason="needs Triton and CUDA or TRITON_INTERPRET=1")
+NEG = float("-inf")
+N, DIM = 32, 24
+
+
+def _plans(heads, kv_heads, segs, rates, mode="longnet"):
+    return plan_patterns(segs, rates, seq_len=N, local_len=N, num_heads=heads, num_kv_heads=kv_heads, mode=mode)
+
+
+def _rand(gen, *shape, dtype=torch.float32, layout="contiguous"):
+    x = torch.randn(shape, generator=gen, dtype=torch.float32).to(DEVICE, dtype)
+    return as_layout(x, layout, generator=torch.Generator(device=DEVICE).manual_seed(int(gen.initial_seed()) + 1))
+
+
+def test_head_offsets():
+    """Each head's offset, -1 where no chunk covers it, None where a kv head reads two offsets."""
+    longnet = _plans(8, 8, [32], [4])[0]
+    assert longnet.head_offsets(8) == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert longnet.head_offsets(8, kv=True) == (0, 0, 1, 1, 2, 2, 3, 3)
+    grouped = _plans(4, 4, [16, 32], [1, 2], mode="grouped")[1]
+    assert grouped.head_offsets(4) == (-1, -1, 1, 1)
+    shared = _plans(8, 2, [32], [4])[0]  # 4 query heads per kv head, 2 offsets each
+    assert shared.head_offsets(8) == (0, 0, 1, 1, 2, 2, 3, 3) and shared.head_offsets(2, kv=True) is None
+    aligned = _plans(8, 4, [32], [2])[0]  # offsets change at kv-group boundaries
+    assert aligned.head_offsets(4, kv=True) == (0, 0, 1, 1)
+
+
+def _result_parts(gen, plans, heads, dtype, layout):
+    """A part per plan: random out in ``dtype``, lse in fp32, a sixth of the rows empty (``-inf``) with NaN
+    out, some rows with an lse far below the others (weight underflow)."""
+    parts = []
+    for p in plans:
+        rows = N // p.dilation
+        out = _rand(gen, 2, rows, heads, DIM, dtype=dtype, layout=layout)
+        lse = 3 * _rand(gen, 2, rows, heads, 1, layout=layout).squeeze(-1)
+        empty = torch.randint(0, 6, lse.shape, generator=gen).to(DEVICE) == 0
+        lse.copy_(torch.where(empty, NEG, lse))
+        out.copy_(torch.where(empty.unsqueeze(-1), float("nan"), out))
+        low = torch.randint(0, 9, lse.shape, generator=gen).to(DEVICE) == 0
+        lse.copy_(torch.where(low & ~empty, -90.0, lse))
+        parts.append(Part(p, out, lse))
+    return parts
+
+
+def _f64(part: Part) -> Part:
+    return Part(part.plan, part.out.double(), None if part.lse is None else part.lse.double(), part.kv)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, segs, rates, mode", [
+    (4, 4, [8, 16, 32], [1, 2, 4], "longnet"),
+    (6, 2, [16, 32], [2, 4], "longnet"),  # offsets that do not divide the heads evenly
+    (5, 5, [8, 16, 32], [1, 2, 4], "grouped"),  # each pattern covers some heads: the rest stay empty
+])
+@pytest.mark.parametrize("dtype, layout", [(torch.bfloat16, "contiguous"), (torch.float16, "transposed"),
+                                           (torch.float32, "strided_head_dim"), (torch.bfloat16, "storage_offset")])
+@pytest.mark.parametrize("running", [False, True])
+def test_combine_results_matches_merging_one_by_one(heads, kv_heads, segs, rates, mode, dtype, layout, running):
+    gen = torch.Generator().manual_seed(hash((heads, tuple(rates), mode, str(dtype), layout, running)) % 2**31)
+    plans = _plans(heads, kv_heads, segs, rates, mode)
+    parts = _result_parts(gen, plans[1:] if running else plans, heads, dtype, layout)
+    like = torch.empty(2, N, heads, DIM, dtype=dtype, device=DEVICE)
+    run = None
+    if running:  # what patterns merged in place left: some rows empty
+        run_lse = 2 * _rand(gen, 2, N, heads, 1).squeeze(-1)
+        run_lse[:, ::7] = NEG
+        run_out = _rand(gen, 2, N, heads, DIM)
+        run_out[:, ::7] = 0.0  # (an empty row of a running result is (0, -inf), as merging leaves it)
+        run = (run_out, run_lse)
+    assert merge_mod._combine_reason(run, parts, like) is None
+    out, lse = combine_results(None if run is None else tuple(t.clone() for t in run), parts, like)
+    want_out, want_lse = combine_results(None if run is None else tuple(t.double() for t in run),
+                                         [_f64(p) for p in parts], like.double())
+    assert out.dtype == dtype and out.shape == like.shape and lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), "empty rows differ"
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN garbage of empty rows leaked"
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[~fin], torch.zeros_like(out[~fin])), "an empty row's out must be 0"
+    # one rounding to the output dtype (the interpreter truncates, the GPU rounds to nearest)
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}[dtype]
+    torch.testing.assert_close(out.double(), want_out.to(dtype).double(), rtol=2 * ulp, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (interpreter: NaN rows)
+def test_combine_results_nan_and_inf_propagate_like_merge_two():
+    """A NaN or ``+inf`` lse, and NaN in a live row's out, give NaN where ``merge_two`` does."""
+    gen = torch.Generator().manual_seed(7)
+    plans = _plans(4, 4, [8, 16], [1, 2])
+    parts = _result_parts(gen, plans, 4, torch.float32, "contiguous")
+    parts[0].lse[0, 3, 1] = float("nan")
+    parts[0].lse[1, 5, 2] = float("inf")
+    parts[1].out[0, 4, 0, 3] = float("nan")
+    like = torch.empty(2, N, 4, DIM, device=DEVICE)
+    out, lse = combine_results(None, parts, like)
+    want_out, want_lse = combine_results(None, [_f64(p) for p in parts], like.double())
+    assert torch.equal(torch.isnan(out), torch.isnan(want_out)) and torch.isnan(out).any()
+    assert torch.equal(torch.isnan(lse), torch.isnan(want_lse))
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(want_lse))
+
+
+def _grad_parts(gen, plans, heads, kv, dtype, layout):
+    return [Part(p, _rand(gen, 2, N // p.dilation, heads, DIM, dtype=dtype, layout=layout), kv=kv)
+            for p in plans if p.head_offsets(heads, kv) is not None]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "head_slice", "strided_head_dim"])
+@pytest.mark.parametrize("running", [False, True])
+def test_sum_grads_is_the_fp32_sum_bit_for_bit(kv, layout, running):
+    """fp32 parts: the kernel's sum is bitwise the sequential fp32 sum (the accumulator, then each part in
+    order); bf16 parts: one rounding of that sum (bitwise torch's cast on CUDA)."""
+    gen = torch.Generator().manual_seed(11 + kv + 2 * running + len(layout))
+    heads, kv_heads = 8, 4
+    plans = _plans(heads, kv_heads, [8, 16, 32], [1, 2, 2])
+    h = kv_heads if kv else heads
+    for dtype in (torch.float32, torch.bfloat16):
+        parts = _grad_parts(gen, plans, h, kv, dtype, layout)
+        assert len(parts) == 3
+        acc = _rand(gen, 2, N, h, DIM) if running else None
+        like = torch.empty(2, N, h, DIM, dtype=dtype, device=DEVICE)
+        got = sum_grads(None if acc is None else acc.clone(), parts, like)
+        want = acc.clone() if running else torch.zeros(like.shape, device=DEVICE)
+        for part in parts:  # the torch path's order: part by part, chunk by chunk
+            for c in part.plan.chunks:
+                a, b = (c.k0, c.k1) if kv else (c.h0, c.h1)
+                chunk_views(want, part.plan, c, kv=kv).add_(compact_view(part.out, part.plan, a, b))
+        if dtype == torch.float32 or CUDA:
+            assert torch.equal(got, want.to(dtype)), f"{dtype}: not the sequential fp32 sum"
+        else:  # the interpreter truncates fp32 -> bf16
+            torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)
+
+
+def test_torch_path_without_the_kernel_is_the_same_function(monkeypatch):
+    """Where the kernel cannot run (fp64 here) the torch path gives the combine's result."""
+    gen = torch.Generator().manual_seed(3)
+    plans = _plans(4, 4, [8, 16, 32], [1, 2, 4])
+    parts = [_f64(p) for p in _result_parts(gen, plans, 4, torch.float32, "contiguous")]
+    like = torch.empty(2, N, 4, DIM, dtype=torch.float64, device=DEVICE)
+    assert merge_mod._combine_reason(None, parts, like) is not None
+    out, lse = combine_results(None, parts, like)
+    s = torch.zeros(like.shape, dtype=torch.float64, device=DEVICE)
+    m = torch.full(like.shape[:3], NEG, dtype=torch.float64, device=DEVICE)
+    for p in parts:
+        merge_mod.merge_pattern_(s, m, p.plan, p.out, p.lse)
+    assert torch.equal(out, s) and torch.equal(lse, m)
+
+
+def test_bad_parts_are_refused_with_the_pattern_named():
+    gen = torch.Generator().manual_seed(5)
+    plans = _plans(8, 2, [16, 32], [1, 4])
+    like = torch.empty(2, N, 8, DIM, device=DEVICE)
+    good = _result_parts(gen, plans, 8, torch.float32, "contiguous")
+    with pytest.raises(ValueError, match="pattern 1: part has shape"):
+        combine_results(None, [good[0], Part(plans[1], good[1].out[:, :-1], good[1].lse[:, :-1])], like)
+    with pytest.raises(ValueError, match="pattern 0: part has shape .* expected .*bfloat16"):
+        combine_results(None, [good[0]], like.bfloat16())
+    with pytest.raises(ValueError, match="pattern 0: a result part needs lse"):
+        combine_results(None, [Part(plans[0], good[0].out)], like)
+    kv_like = torch.empty(2, N, 2, DIM, device=DEVICE)
+    with pytest.raises(ValueError, match="pattern 1 cannot leave a compact part"):  # kv heads read at 2 offsets
+        sum_grads(None, [Part(plans[1], torch.zeros(2, N // 4, 2, DIM, device=DEVICE), kv=True)], kv_like)
+    ring = plan_patterns([64], [2], seq_len=64, local_len=N, num_heads=8, num_kv_heads=8)[0]
+    with pytest.raises(ValueError, match="pattern 0 cannot leave a compact part"):
+        sum_grads(None, [Part(ring, torch.zeros(2, N // 2, 8, DIM, device=DEVICE))], like)
