@@ -382,86 +382,91 @@ def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> N
 
 
 def combine_kernel(
-    TABLE, PARTS, PART_LSE, RUN_O, RUN_L, OUT, LSE, N, D,
+    TABLE, ROWS, PARTS, PART_LSE, RUN_O, RUN_L, OUT, LSE, N, D,
     sr_b, sr_n, sr_h, sr_d, srl_b, srl_n, srl_h,
     so_b, so_n, so_h, sol_b, sol_n, sol_h,
-    P: tl.constexpr, FIELDS: tl.constexpr, WEIGHTED: tl.constexpr, HAS_RUN: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    H: tl.constexpr, P: tl.constexpr, WEIGHTED: tl.constexpr, HAS_RUN: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Rows ``[program_id(0) * BLOCK_R, ..)`` of head ``program_id(1)`` of batch ``program_id(2)``: every part's slot
-    for each row read once, plus the running result's. ``TABLE`` has one row of ``FIELDS`` int64 per part: its
-    out's and lse's offsets in elements from ``PARTS``/``PART_LSE`` (any tensors of those dtypes: the parts are
-    addressed from them, so the compiler sees ``PARTS``' alignment), out strides b/row/head/dim, lse strides
-    b/row/head, segment, dilation, rows per segment, then each head's offset (-1: none). ``ALIGN``: every part
-    offset and out stride is a multiple of it and the dim stride is 1 (16-byte vector loads). ``WEIGHTED``: the
-    lse-weighted merge (``OUT``, ``LSE``), else the plain sum (``OUT``). Each row's slot in every part is found at
-    once, in ``(BLOCK_R, BLOCK_P)`` tiles, in int32 (a row index fits; element offsets are int64)."""
-    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-    head = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    """``BLOCK_R`` (row, head) pairs ``f = n * H + h`` of batch ``program_id(1)`` (heads fastest: the output's
+    memory order): the running result (if any), then each part's slot of each pair, read once and merged in
+    registers in part order (``merge_two``'s arithmetic, as the torch path merges them), or summed. ``TABLE`` has
+    one row of ``9 + H`` int64 per part: its out's and lse's offsets in elements from ``PARTS``/``PART_LSE`` (any
+    tensors of those dtypes: the parts are addressed from them, so the compiler sees ``PARTS``' alignment), out
+    strides b/row/head/dim, lse strides b/row/head, then each head's offset (-1: none). ``ROWS`` (int32
+    ``(P, 2, N)``): each row's compact row in the part and its dilation offset (no division in the kernel).
+    ``ALIGN``: every part offset and out stride is a multiple of it and the dim stride is 1 (vector loads)."""
+    f = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    n = f // H
+    head = f - n * H
+    b = tl.program_id(1).to(tl.int64)
     row_ok = n < N
     cols = tl.arange(0, BLOCK_D)[None, :]
     ok = row_ok & (cols < D)
-    # every part's slot of each row: (BLOCK_R, BLOCK_P)
-    which = tl.arange(0, BLOCK_P)[None, :]
-    entry = TABLE + which * FIELDS
-    real = which < P
-    seg = tl.load(entry + 9, mask=real, other=1).to(tl.int32)
-    dil = tl.load(entry + 10, mask=real, other=1).to(tl.int32)
-    off = tl.load(entry + 12 + head, mask=real, other=-1).to(tl.int32)
-    s = n // seg
-    i = n - s * seg
-    j = i // dil
-    hits = row_ok & (i - j * dil == off)  # (off = -1: no row)
-    slots = (s * tl.load(entry + 11, mask=real, other=0).to(tl.int32) + j).to(tl.int64)
-    run_row = b * sr_b + n.to(tl.int64) * sr_n + head * sr_h
-    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    if WEIGHTED:
-        lse_at = tl.load(entry + 1, mask=real, other=0) + b * tl.load(entry + 6, mask=real, other=0) \
-            + slots * tl.load(entry + 7, mask=real, other=0) + head * tl.load(entry + 8, mask=real, other=0)
-        lses = tl.load(PART_LSE + lse_at, mask=hits, other=float("-inf"))
-        top = tl.max(lses, 1, keep_dims=True)  # (a NaN lse, kept or not here, makes its weight and the row NaN)
-        if HAS_RUN:
-            lse_run = tl.load(RUN_L + b * srl_b + n.to(tl.int64) * srl_n + head * srl_h, mask=row_ok,
-                              other=float("-inf"))
-            top = tl.maximum(top, lse_run, propagate_nan=tl.PropagateNan.ALL)
-        shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
-        weights = tl.exp(lses - shift)
-        total = tl.sum(weights, 1, keep_dims=True)
-        if HAS_RUN:
-            weight = tl.exp(lse_run - shift)
-            total += weight
-            old = tl.load(RUN_O + run_row + cols * sr_d, mask=ok, other=0.0)
-            acc += tl.where(weight == 0.0, 0.0, old * weight)  # a zero weight silences NaN garbage
-    elif HAS_RUN:
-        acc = tl.load(RUN_O + run_row + cols * sr_d, mask=ok, other=0.0)
+    if HAS_RUN:
+        acc = tl.load(RUN_O + b * sr_b + n.to(tl.int64) * sr_n + head * sr_h + cols * sr_d, mask=ok, other=0.0)
+        if WEIGHTED:
+            lse = tl.load(RUN_L + b * srl_b + n.to(tl.int64) * srl_n + head * srl_h, mask=row_ok,
+                          other=float("-inf"))
+    else:
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        if WEIGHTED:
+            lse = tl.full((BLOCK_R, 1), float("-inf"), tl.float32)
     for p in range(P):
-        mine = which == p
-        hit = tl.max(tl.where(mine, hits, False).to(tl.int32), 1, keep_dims=True) != 0
-        at = tl.load(TABLE + p * FIELDS) + b * tl.load(TABLE + p * FIELDS + 2) \
-            + tl.sum(tl.where(mine, slots, 0), 1, keep_dims=True) * tl.load(TABLE + p * FIELDS + 3) \
-            + head * tl.load(TABLE + p * FIELDS + 4)
+        entry = TABLE + p * (9 + H)
+        hit = row_ok & (tl.load(ROWS + (2 * p + 1) * N + n, mask=row_ok, other=-2) == tl.load(entry + 9 + head))
+        slot = tl.load(ROWS + 2 * p * N + n, mask=row_ok, other=0).to(tl.int64)
+        at = tl.load(entry) + b * tl.load(entry + 2) + slot * tl.load(entry + 3) + head * tl.load(entry + 4)
         if ALIGN > 1:
             new = tl.load(PARTS + tl.multiple_of(at, [ALIGN, ALIGN]) + cols, mask=ok & hit, other=0.0)
         else:
-            new = tl.load(PARTS + at + cols * tl.load(TABLE + p * FIELDS + 5), mask=ok & hit, other=0.0)
+            new = tl.load(PARTS + at + cols * tl.load(entry + 5), mask=ok & hit, other=0.0)
         new = new.to(tl.float32)
-        if WEIGHTED:
-            weight = tl.sum(tl.where(mine, weights, 0.0), 1, keep_dims=True)
-            acc += tl.where(weight == 0.0, 0.0, new * weight)
+        if WEIGHTED:  # merge_two, as merge_kernel computes it
+            lse_at = tl.load(entry + 1) + b * tl.load(entry + 6) + slot * tl.load(entry + 7) + head * tl.load(entry + 8)
+            lse_b = tl.load(PART_LSE + lse_at, mask=hit, other=float("-inf"))
+            top = tl.maximum(lse, lse_b, propagate_nan=tl.PropagateNan.ALL)
+            shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
+            w_a = tl.exp(lse - shift)
+            w_b = tl.exp(lse_b - shift)
+            total = w_a + w_b
+            nonempty = total != 0.0  # True for a NaN total: it stays NaN
+            safe = tl.where(nonempty, total, 1.0)
+            lse = tl.where(nonempty, shift + tl.log(safe), float("-inf"))
+            inv = tl.where(nonempty, 1.0 / safe, 0.0)
+            w_a = w_a * inv
+            w_b = w_b * inv
+            # a zero weight silences its side even where it holds NaN (an empty row's garbage)
+            acc = tl.where(w_a == 0.0, 0.0, acc * w_a) + tl.where(w_b == 0.0, 0.0, new * w_b)
         else:
             acc += new
     if WEIGHTED:
-        nonempty = total != 0.0  # True for a NaN total: it stays NaN
-        safe = tl.where(nonempty, total, 1.0)
-        tl.store(LSE + b * sol_b + n.to(tl.int64) * sol_n + head * sol_h,
-                 tl.where(nonempty, shift + tl.log(safe), float("-inf")), mask=row_ok)
-        acc = acc * tl.where(nonempty, 1.0 / safe, 0.0)
+        tl.store(LSE + b * sol_b + n.to(tl.int64) * sol_n + head * sol_h, lse, mask=row_ok)
     tl.store(OUT + b * so_b + n.to(tl.int64) * so_n + head * so_h + cols, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
 _COMBINE_JIT: dict[bool, object] = {}
-_TABLE_FIELDS = 12  # before the per-head offsets
+_ROW_SLOTS: dict[tuple, torch.Tensor] = {}
+
+
+def _row_slots(patterns: tuple[tuple[int, int], ...], n: int, device: torch.device) -> torch.Tensor:
+    """int32 ``(P, 2, n)``: for each ``(segment, dilation)`` and row, its compact row and its offset in the
+    dilation, computed once per geometry (a model has few) so the kernel divides nothing."""
+    key = (patterns, n, device)
+    hit = _ROW_SLOTS.get(key)
+    if hit is None:
+        if len(_ROW_SLOTS) >= 64:
+            _ROW_SLOTS.clear()
+        rows = torch.arange(n, device=device)
+        table = torch.empty((max(len(patterns), 1), 2, n), dtype=torch.int32, device=device)
+        for i, (seg, dil) in enumerate(patterns):
+            within = rows % seg
+            table[i, 0] = rows // seg * (seg // dil) + within // dil
+            table[i, 1] = within % dil
+        hit = _ROW_SLOTS[key] = table
+    return hit
+COMBINE_TILE = 4096  # elements per program (rows x head-dim block)
+COMBINE_WARPS = 4
 
 
 def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str | None:
@@ -475,6 +480,8 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str |
     read = [p.out for p in parts] + [p.lse for p in parts if p.lse is not None] + held
     if not read:
         return "nothing to combine"
+    if 2 * len(parts) * like.shape[1] >= INT32_LIMIT:
+        return f"{like.shape[1]} rows: the kernel's row table is indexed in int32"
     if any(t.device != like.device for t in read):
         return f"needs every part on {like.device}"
     return _launch_reason((), tuple(read))
@@ -497,27 +504,26 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
         if strides[3] != 1 or any(x % align for x in (delta, *strides[:3])):
             align = 1
         rows.append([delta, lse_delta, *strides, *(part.lse.stride() if weighted else (0, 0, 0)),
-                     part.plan.local_segment, part.plan.dilation, part.plan.local_segment // part.plan.dilation,
                      *part.plan.head_offsets(heads, part.kv)])
-    fields = _TABLE_FIELDS + heads
-    table = torch.tensor(rows or [[0] * fields], dtype=torch.int64, pin_memory=like.is_cuda)
+    table = torch.tensor(rows or [[0] * (9 + heads)], dtype=torch.int64, pin_memory=like.is_cuda)
     table = table.to(like.device, non_blocking=True)  # pinned: no host wait
+    slots = _row_slots(tuple((p.plan.local_segment, p.plan.dilation) for p in parts), n, like.device)
     fn = _COMBINE_JIT.get(interpreting())
     if fn is None:
         fn = _COMBINE_JIT[interpreting()] = triton.jit(combine_kernel)
     block_d = max(16, triton.next_power_of_2(dim))
-    block_r = max(1, TILE_ELEMENTS // block_d)
+    block_r = max(1, COMBINE_TILE // block_d)
     r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
     rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
-    args = (table, base, lse_base, run_out if run_out is not None else out, run_lse if run_lse is not None else lse_base,
+    args = (table, slots, base, lse_base, run_out if run_out is not None else out, run_lse if run_lse is not None else lse_base,
             out, lse if weighted else lse_base, n, dim, *r_strides, *rl_strides, *out.stride()[:3],
             *(lse.stride() if weighted else (0, 0, 0)))
-    meta = dict(P=len(parts), FIELDS=fields, WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align,
-                BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_P=max(2, triton.next_power_of_2(len(parts))))
-    grid = (triton.cdiv(n, block_r), heads, bsz)
+    meta = dict(H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align,
+                BLOCK_R=block_r, BLOCK_D=block_d)
+    grid = (triton.cdiv(n * heads, block_r), bsz)
     if interpreting():
         fn[grid](*args, **meta)
     else:
         with torch.cuda.device(like.device):
-            fn[grid](*args, **meta, num_warps=NUM_WARPS)
+            fn[grid](*args, **meta, num_warps=COMBINE_WARPS)
     return out, lse
