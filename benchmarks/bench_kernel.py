@@ -324,6 +324,7 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
 
 
 CLOSE_CALL = 1.3  # a runner-up within this factor of the fastest pattern timing is tried in the pipeline too
+TRIAL_ROUNDS = 3  # rounds of pipeline trials; each combination's median over them decides
 
 
 def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, scale, warmup, reps):
@@ -333,22 +334,26 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
     under the previous pattern's kernels), so where the runner-up of a key is within ``CLOSE_CALL`` of its
     fastest, every combination of the two is timed as ``ring_forward`` + ``ring_backward`` through an
     ``AutoKernel`` (deterministic backward) and the fastest combination is kept. Returns
-    ``(choices, trials)``; a trial is ``{"choices": {key: name}, "ms": ...}`` for the keys tried."""
+    ``(choices, trials)``; a trial is ``{"choices": {key: name}, "ms": median, "rounds": [...]}`` for the keys
+    tried, timed in ``TRIAL_ROUNDS`` round-robin rounds (timings drift by 10% over a run on a busy host)."""
     keys = [key for key, names in ranked.items()
             if key.split("/")[0] in ("fwd", "bwd") and len(names) > 1 and names[1][1] <= CLOSE_CALL * names[0][1]]
     if not keys:
         return choices, []
-    trials, best, best_ms = [], choices, None
-    for combo in itertools.product(*([name for name, _ in ranked[key][:2]] for key in keys)):
-        tried = dict(zip(keys, combo))
-        trial = {**choices, **tried}
-        kernel = AutoKernel(impls, trial)
-        ms = timed(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), warmup, reps, q.device)
-        trials.append({"choices": tried, "ms": ms})
-        print(f"  pipeline trial causal={causal} {tried}: {ms:.3f} ms", flush=True)
-        if best_ms is None or ms < best_ms:
-            best, best_ms = trial, ms
-    return best, trials
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(*([name for name, _ in ranked[key][:2]]
+                                                                        for key in keys))]
+    kernels = [AutoKernel(impls, {**choices, **tried}) for tried in combos]
+    times = [[] for _ in combos]
+    for _ in range(TRIAL_ROUNDS):  # round robin: a slow spell of the machine hits every combination alike
+        for kernel, ms in zip(kernels, times):
+            ms.append(timed(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), warmup, reps,
+                            q.device))
+    trials = [{"choices": tried, "ms": sorted(ms)[len(ms) // 2], "rounds": ms} for tried, ms in zip(combos, times)]
+    for trial in trials:
+        print(f"  pipeline trial causal={causal} {trial['choices']}: {trial['ms']:.3f} ms "
+              f"(rounds {', '.join(f'{x:.3f}' for x in trial['rounds'])})", flush=True)
+    best = min(trials, key=lambda t: t["ms"])
+    return {**choices, **best["choices"]}, trials
 
 
 # ---------------------------------------------------------------------------

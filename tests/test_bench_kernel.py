@@ -103,6 +103,8 @@ def test_refine_by_pipeline_times_every_combination_of_close_calls():
     assert len(trials) == 4
     assert {tuple(sorted(t["choices"].items())) for t in trials} == {
         ((key("bwd", 2), b), (key("fwd", 1), f)) for f in ("fused", "reference") for b in ("fused", "reference")}
+    assert all(len(t["rounds"]) == bk.TRIAL_ROUNDS and t["ms"] == sorted(t["rounds"])[len(t["rounds"]) // 2]
+               for t in trials), "each combination's median over its round-robin rounds"
     fastest = min(trials, key=lambda t: t["ms"])
     assert best == {**choices, **fastest["choices"]}
     assert best[key("bwd", 1)] == "fused" and best[key("bwd-any", 2)] == "reference"
