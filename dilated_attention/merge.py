@@ -112,6 +112,34 @@ def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part
 # The fused kernel
 
 
+def merge_weights(lse_a, lse_b):
+    """``merge_two``'s arithmetic in Triton: the merged lse of two partials and each one's weight (what both
+    kernels below call, as ``_merge_weights``, jitted with them)."""
+    top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
+    shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
+    w_a = tl.exp(lse_a - shift)
+    w_b = tl.exp(lse_b - shift)
+    total = w_a + w_b
+    nonempty = total != 0.0  # True for a NaN total: it stays NaN
+    safe = tl.where(nonempty, total, 1.0)
+    inv = tl.where(nonempty, 1.0 / safe, 0.0)
+    return tl.where(nonempty, shift + tl.log(safe), float("-inf")), w_a * inv, w_b * inv
+
+
+_merge_weights = None  # merge_weights jitted (``_jitted``): the kernels resolve the name when they compile
+
+
+def _jitted(cache: dict, kernel):
+    """``kernel`` jitted for the current mode (at first use, so TRITON_INTERPRET is read then, not at import),
+    with the helper it calls."""
+    global _merge_weights
+    fn = cache.get(interpreting())
+    if fn is None:
+        _merge_weights = triton.jit(merge_weights)
+        fn = cache[interpreting()] = triton.jit(kernel)
+    return fn
+
+
 def merge_kernel(
     O, L, PO, PL, n_rows, D, n1, n2, n3, n4,
     so0, so1, so2, so3, so4, sod,
@@ -158,18 +186,7 @@ def merge_kernel(
             lse = lse_b
             w_a = w_b  # unused
         else:
-            lse_a = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
-            top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
-            shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
-            w_a = tl.exp(lse_a - shift)
-            w_b = tl.exp(lse_b - shift)
-            total = w_a + w_b
-            nonempty = total != 0.0  # True for a NaN total: it stays NaN
-            safe = tl.where(nonempty, total, 1.0)
-            lse = tl.where(nonempty, shift + tl.log(safe), float("-inf"))
-            inv = tl.where(nonempty, 1.0 / safe, 0.0)
-            w_a = w_a * inv
-            w_b = w_b * inv
+            lse, w_a, w_b = _merge_weights(tl.load(l_ptrs, mask=row_ok, other=float("-inf")), lse_b)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D).to(IDX)[None, :]
             ok = row_ok & (cols < D)
@@ -277,9 +294,7 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
         plan = _LAUNCHES[key] = _launch_plan(out.shape, out.stride(), part_out.stride(), *lse_strides, fresh,
                                              weighted)
     ints, meta, grid = plan
-    fn = _JIT.get(interpreting())
-    if fn is None:  # jitted at first use, so TRITON_INTERPRET is read then, not at import
-        fn = _JIT[interpreting()] = triton.jit(merge_kernel)
+    fn = _jitted(_JIT, merge_kernel)
     args = (out, lse if weighted else out, part_out, part_lse if weighted else part_out, *ints)
     if interpreting():
         fn[grid](*args, **meta)
@@ -424,18 +439,7 @@ def combine_kernel(
         new = new.to(tl.float32)
         if WEIGHTED:  # merge_two, as merge_kernel computes it
             lse_at = tl.load(entry + 1) + b * tl.load(entry + 6) + slot * tl.load(entry + 7) + head * tl.load(entry + 8)
-            lse_b = tl.load(PART_LSE + lse_at, mask=hit, other=float("-inf"))
-            top = tl.maximum(lse, lse_b, propagate_nan=tl.PropagateNan.ALL)
-            shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
-            w_a = tl.exp(lse - shift)
-            w_b = tl.exp(lse_b - shift)
-            total = w_a + w_b
-            nonempty = total != 0.0  # True for a NaN total: it stays NaN
-            safe = tl.where(nonempty, total, 1.0)
-            lse = tl.where(nonempty, shift + tl.log(safe), float("-inf"))
-            inv = tl.where(nonempty, 1.0 / safe, 0.0)
-            w_a = w_a * inv
-            w_b = w_b * inv
+            lse, w_a, w_b = _merge_weights(lse, tl.load(PART_LSE + lse_at, mask=hit, other=float("-inf")))
             # a zero weight silences its side even where it holds NaN (an empty row's garbage)
             acc = tl.where(w_a == 0.0, 0.0, acc * w_a) + tl.where(w_b == 0.0, 0.0, new * w_b)
         else:
@@ -508,9 +512,7 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
     table = torch.tensor(rows or [[0] * (9 + heads)], dtype=torch.int64, pin_memory=like.is_cuda)
     table = table.to(like.device, non_blocking=True)  # pinned: no host wait
     slots = _row_slots(tuple((p.plan.local_segment, p.plan.dilation) for p in parts), n, like.device)
-    fn = _COMBINE_JIT.get(interpreting())
-    if fn is None:
-        fn = _COMBINE_JIT[interpreting()] = triton.jit(combine_kernel)
+    fn = _jitted(_COMBINE_JIT, combine_kernel)
     block_d = max(16, triton.next_power_of_2(dim))
     block_r = max(1, COMBINE_TILE // block_d)
     r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
