@@ -39,6 +39,7 @@ GROUPS = [  # (group, pattern on the kernel name, any case), first match wins
     ("fused dQ", r"dq_kernel"),
     ("fused delta", r"delta_kernel"),
     ("merge", r"merge_kernel"),
+    ("combine", r"combine_kernel"),
     ("cuDNN attention", r"cudnn|sm90|sdpa|flash|fmha|xmma|cutlass"),
     ("fill", r"fill|memset"),
     ("copy", r"copy|memcpy"),

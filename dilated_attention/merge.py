@@ -451,6 +451,8 @@ def combine_kernel(
 
 _COMBINE_JIT: dict[bool, object] = {}
 _ROW_SLOTS: dict[tuple, torch.Tensor] = {}
+_ROW_SLOTS_KEPT = 16  # (P, 2, N) int32 each: 40 MB for five patterns of a million rows
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the combine kernel's batch)
 
 
 def _row_slots(patterns: tuple[tuple[int, int], ...], n: int, device: torch.device) -> torch.Tensor:
@@ -459,7 +461,7 @@ def _row_slots(patterns: tuple[tuple[int, int], ...], n: int, device: torch.devi
     key = (patterns, n, device)
     hit = _ROW_SLOTS.get(key)
     if hit is None:
-        if len(_ROW_SLOTS) >= 64:
+        if len(_ROW_SLOTS) >= _ROW_SLOTS_KEPT:
             _ROW_SLOTS.clear()
         rows = torch.arange(n, device=device)
         table = torch.empty((max(len(patterns), 1), 2, n), dtype=torch.int32, device=device)
@@ -486,6 +488,8 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str |
         return "nothing to combine"
     if 2 * len(parts) * like.shape[1] >= INT32_LIMIT:
         return f"{like.shape[1]} rows: the kernel's row table is indexed in int32"
+    if like.shape[0] > MAX_GRID_Y:
+        return f"batch {like.shape[0]} exceeds the launch grid's second dimension ({MAX_GRID_Y})"
     if any(t.device != like.device for t in read):
         return f"needs every part on {like.device}"
     return _launch_reason((), tuple(read))

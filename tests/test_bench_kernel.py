@@ -54,7 +54,7 @@ def test_profile_pipeline_groups_kernels_by_what_they_are():
     prof = _benchmark("profile_pipeline")
     names = {
         "dkdv_kernel": "fused dK/dV", "dq_kernel": "fused dQ", "fwd_kernel": "fused forward",
-        "delta_kernel": "fused delta", "merge_kernel": "merge",
+        "delta_kernel": "fused delta", "merge_kernel": "merge", "combine_kernel": "combine",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1": "cuDNN attention",
         "void cudnn::fusion::matmul_dq<true, 128>(void const*, void const*, void*)": "cuDNN attention",
         "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda(at": "copy",

@@ -190,3 +190,19 @@ def test_bad_parts_are_refused_with_the_pattern_named():
     ring = plan_patterns([64], [2], seq_len=64, local_len=N, num_heads=8, num_kv_heads=8)[0]
     with pytest.raises(ValueError, match="pattern 0 cannot leave a compact part"):
         sum_grads(None, [Part(ring, torch.zeros(2, N // 2, 8, DIM, device=DEVICE))], like)
+
+
+@needs_kernel
+def test_a_batch_past_the_launch_grid_takes_the_torch_path(monkeypatch):
+    """More batch rows than a grid's second dimension holds (packed documents become batch rows): the torch
+    path, same result."""
+    gen = torch.Generator().manual_seed(9)
+    plans = _plans(4, 4, [8, 16], [1, 2])
+    parts = _result_parts(gen, plans, 4, torch.float32, "contiguous")
+    like = torch.empty(2, N, 4, DIM, device=DEVICE)
+    kernel_out, kernel_lse = combine_results(None, parts, like)
+    monkeypatch.setattr(merge_mod, "MAX_GRID_Y", 1)
+    assert "launch grid" in merge_mod._combine_reason(None, parts, like)
+    out, lse = combine_results(None, parts, like)
+    torch.testing.assert_close(out, kernel_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(kernel_lse))
