@@ -38,9 +38,10 @@ streams (compute, communication) and a host thread (``_Timeline``):
   teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
 
 The memory-pass terms describe the code the committed records were measured on:
-since then every pattern and ring step merges into the running result in the fused
-kernel's epilogue (``forward_pattern_into``), which removes the separate combine
-and ``merge_two`` passes, so the model overestimates today's forward by them. The
+since then local patterns leave compact parts combined in one pass at the end
+(``merge.combine_results``) and ring steps merge into the running result in place,
+which removes the per-pattern ``merge_two`` passes, so the model overestimates
+today's forward by them. The
 terms stay as measured until new single-GPU records re-fit them (``--calibrate``).
 
 The kernel and memory constants are calibrated on one GPU only (``calibrate``:

@@ -127,6 +127,7 @@ def merge_weights(lse_a, lse_b):
 
 
 _merge_weights = None  # merge_weights jitted (``_jitted``): the kernels resolve the name when they compile
+# (one Triton mode per process: TRITON_INTERPRET is read when a kernel is first jitted)
 
 
 def _jitted(cache: dict, kernel):
@@ -369,8 +370,13 @@ def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Se
 def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.Tensor) -> torch.Tensor:
     """A gradient: the ``running`` fp32 accumulator (``None`` if no pattern accumulated in place) plus every
     compact part, summed in fp32 in that order and cast to ``like``'s dtype (its shape). Bit for bit what
-    adding each part into an accumulator, then casting, gives; on CUDA one ``combine_kernel`` pass."""
+    adding each part into an accumulator, then casting, gives (where the cast rounds to nearest: Triton's
+    interpreter truncates to bf16); on CUDA one ``combine_kernel`` pass. The parts are in the inputs' dtype,
+    so each pattern's gradient is rounded once before the sum (cuDNN's come that way; the fused kernel's
+    were summed in fp32 before): measured in the tolerance tests, within the rule against fp64."""
     _check_parts(parts, like, weighted=False)
+    if not parts and running is not None:  # nothing to gather: the cast alone (none for fp32)
+        return running.to(like.dtype)
     if _combine_reason(running, parts, like) is None:
         return _launch_combine(running, parts, like, weighted=False)[0]
     acc = running if running is not None else torch.zeros(like.shape, dtype=accum_dtype(like.dtype),
@@ -483,11 +489,13 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str |
     held = list(running) if isinstance(running, tuple) else [running] if running is not None else []
     if any(t.dtype != torch.float32 for t in held):
         return "the running result is not fp32"
+    if any(p.lse is not None and p.lse.dtype != torch.float32 for p in parts):
+        return f"part lse dtypes {sorted({str(p.lse.dtype) for p in parts if p.lse is not None})}: the kernel reads fp32"
     read = [p.out for p in parts] + [p.lse for p in parts if p.lse is not None] + held
     if not read:
         return "nothing to combine"
-    if 2 * len(parts) * like.shape[1] >= INT32_LIMIT:
-        return f"{like.shape[1]} rows: the kernel's row table is indexed in int32"
+    if max(2 * len(parts), like.shape[2]) * like.shape[1] >= INT32_LIMIT:
+        return f"{like.shape[1]} rows of {like.shape[2]} heads: the kernel indexes rows and its row table in int32"
     if like.shape[0] > MAX_GRID_Y:
         return f"batch {like.shape[0]} exceeds the launch grid's second dimension ({MAX_GRID_Y})"
     if any(t.device != like.device for t in read):

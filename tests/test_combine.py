@@ -206,3 +206,44 @@ def test_a_batch_past_the_launch_grid_takes_the_torch_path(monkeypatch):
     out, lse = combine_results(None, parts, like)
     torch.testing.assert_close(out, kernel_out, rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(kernel_lse))
+
+
+def test_a_part_lse_not_in_fp32_takes_the_torch_path():
+    """The kernel reads lse as fp32: a kernel returning bf16 lse gets the torch path (same result)."""
+    gen = torch.Generator().manual_seed(4)
+    plans = _plans(4, 4, [8, 16], [1, 2])
+    parts = _result_parts(gen, plans, 4, torch.float32, "contiguous")
+    low = [Part(p.plan, p.out, p.lse.bfloat16()) for p in parts]
+    like = torch.empty(2, N, 4, DIM, device=DEVICE)
+    assert "lse dtypes" in merge_mod._combine_reason(None, low, like)
+    out, lse = combine_results(None, low, like)
+    want, want_lse = combine_results(None, [Part(p.plan, p.out.double(), p.lse.double()) for p in low], like.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double()[torch.isfinite(want_lse)], want_lse[torch.isfinite(want_lse)])
+
+
+def test_sum_grads_without_parts_is_the_accumulator_cast():
+    acc = torch.randn(2, N, 4, DIM, device=DEVICE)
+    assert sum_grads(acc, [], acc) is acc  # fp32: no copy
+    assert torch.equal(sum_grads(acc, [], acc.bfloat16()), acc.bfloat16())
+
+
+def test_a_pattern_kernel_without_parts_is_told_what_it_lacks():
+    """A PatternKernel written before parts existed: a TypeError naming the two new methods."""
+    from dilated_attention.kernels.dispatch import select_kernel
+
+    class Old:
+        name, key_masks, deterministic_backward = "old", False, True
+
+        def supports(self, q, k):
+            return None
+
+        def forward_pattern(self, *args, **kwargs): ...
+
+        def forward_pattern_into(self, *args, **kwargs): ...
+
+        def backward_pattern(self, *args, **kwargs): ...
+
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.raises(TypeError, match=r"lacks \['parts', 'backward_pattern_parts'\]"):
+        select_kernel(Old(), q, q)

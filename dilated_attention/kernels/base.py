@@ -84,7 +84,7 @@ class PatternKernel(Protocol):
         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False,
     ) -> None:
         """``forward_pattern`` merged into the running fp32 result ``out`` ``(B, L, H, D)``, ``lse``
-        ``(B, L, H)`` (full layout) in place: what the strategies call. ``fresh``: ``out``/``lse`` hold no
+        ``(B, L, H)`` (full layout) in place: what ring steps, and local patterns that leave no part, call. ``fresh``: ``out``/``lse`` hold no
         result yet (their contents are ignored, as if 0 and ``-inf``); callers pass it only for a pattern
         that ``covers_all`` heads, which may then write instead of merge (no fill, no read)."""
 
@@ -112,3 +112,8 @@ class PatternKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This local pattern's ``(dq, dk, dv)`` in compact layout ``(B, L // r, heads, D)`` (kv heads for dk/dv),
         in the inputs' dtype; called only where ``parts("bwd", ...)`` said yes (others raise ``ValueError``)."""
+
+
+# What a PatternKernel has (named in select_kernel's error for an object that implements only part of it)
+PATTERN_KERNEL_MEMBERS = ("name", "key_masks", "deterministic_backward", "supports", "forward_pattern",
+                          "forward_pattern_into", "backward_pattern", "parts", "backward_pattern_parts")

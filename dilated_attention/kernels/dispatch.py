@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from .auto import AutoKernel, device_choices, nondeterministic_allowed
-from .base import BlockKernel, PatternKernel
+from .base import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel
 from .pattern import ChunkLoop
 from .reference import ReferenceKernel
 from .sdpa import SdpaKernel
@@ -76,8 +76,11 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
     elif isinstance(kernel, BlockKernel):
         chosen = ChunkLoop(kernel)
     elif not isinstance(kernel, str):
+        missing = [m for m in PATTERN_KERNEL_MEMBERS if not hasattr(kernel, m)]  # (for the message only)
         raise TypeError(
             f"kernel must be one of {KERNEL_NAMES}, a BlockKernel or a PatternKernel, got {type(kernel).__name__}"
+            + (f" (as a PatternKernel it lacks {missing}; parts/backward_pattern_parts are new in this release, "
+               f"kernels/base.py)" if hasattr(kernel, "forward_pattern") else "")
         )
     elif kernel not in KERNEL_NAMES:
         raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")

@@ -8,9 +8,9 @@ and kv head come from small int32 tables built from the plan's chunks, and heads
 in no chunk are never launched.
 
 Launches: forward is one kernel; backward is three: ``delta = rowsum(dout*out)``,
-dQ (one program per row block and head, adds into ``dq``), dK/dV (one program per
-key block and (kv head, offset) unit, looping over that unit's query heads, adds
-into ``dk``/``dv``). Every accumulated element is owned by exactly one program:
+dQ (one program per row block and head, adds into ``dq``, or stores a compact part),
+dK/dV (one program per key block and (kv head, offset) unit, looping over that unit's
+query heads, adds into ``dk``/``dv`` or stores). Every element is owned by exactly one program:
 no atomics, and the configs are pinned (``FusedConfig``); nothing is autotuned
 here (the benchmark sweeps configs by constructing kernels with other configs).
 

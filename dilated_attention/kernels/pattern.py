@@ -12,7 +12,7 @@ Layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
 * ``k``, ``v``: ``packed=False``: local ``(B, L, Hk, D)``, dilated on the fly;
   ``packed=True``: a ring buffer half ``(B, L // r, Hp, D)`` from ``views.pack_kv``.
 * ``forward_pattern_into`` merges the pattern into the running fp32 ``out``/``lse`` in full
-  layout (what strategies call); ``forward_pattern`` returns it alone in *compact* layout: ``out``
+  layout (ring steps); ``forward_pattern`` returns it alone in *compact* layout (local patterns' parts): ``out``
   ``(B, L // r, H, D)`` and ``lse`` ``(B, L // r, H)`` fp32 where row
   ``s * M + j`` of head ``h`` is local position ``s * w + offset(h) + r * j``.
   Heads outside the plan's chunks are left unspecified.
