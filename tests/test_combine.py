@@ -247,3 +247,63 @@ def test_a_pattern_kernel_without_parts_is_told_what_it_lacks():
     q = torch.randn(1, 8, 2, 8)
     with pytest.raises(TypeError, match=r"lacks \['parts', 'backward_pattern_parts'\]"):
         select_kernel(Old(), q, q)
+
+
+# ---------------------------------------------------------------------------
+# the strategy level: parts and in-place patterns mixed, masked backward parts
+
+
+@needs_kernel
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_mixing_parts_and_a_fresh_in_place_pattern_matches_the_oracle(causal):
+    """A dilated pattern leaves a part first; the dense pattern after it runs in place and, covering every
+    row and head, writes the running result and accumulators fresh; the combine takes both. Against the
+    differentiable fp64 oracle, forward and backward."""
+    from dilated_attention.kernels.auto import AutoKernel, table_key
+    from dilated_attention.kernels.fused import FusedKernel
+    from dilated_attention.kernels.pattern import ChunkLoop
+    from dilated_attention.kernels.reference import ReferenceKernel
+    from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward
+    from dilated_attention.testing.oracle import dense_dilated_attention
+
+    segs, rates, heads, dim = [16, 8], [2, 1], 4, 16
+    plans = _plans(heads, heads, segs, rates)
+    in_place = FusedKernel(epilogue_merge=True)
+    kern = AutoKernel({"fused": in_place, "parts": ChunkLoop(ReferenceKernel())},
+                      {table_key(d, 2, causal, dim, torch.float32): "parts" for d in ("fwd", "bwd")})
+    assert kern.parts("fwd", plans[0], *(torch.empty(1, N, heads, dim),) * 2, causal=causal, masked=False)
+    assert not kern.parts("bwd", plans[1], *(torch.empty(1, N, heads, dim),) * 2, causal=causal, masked=False)
+    assert plans[1].covers_all(heads, heads)
+    gen = torch.Generator().manual_seed(21 + causal)
+    q, k, v, dout = (torch.randn(2, N, heads, dim, generator=gen).to(DEVICE) for _ in range(4))
+    ring = RingCall(tuple(plans), None, RingLayout(), 0, kern, causal, dim ** -0.5)
+    out, lse = ring_forward(q, k, v, None, ring)
+    grads = ring_backward(q, k, v, None, out, lse, dout, ring)
+    leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    want = dense_dilated_attention(*leaves, segs, rates, causal=causal)
+    want_grads = torch.autograd.grad(want, leaves, dout.double().cpu())
+    torch.testing.assert_close(out.double().cpu(), want.detach(), rtol=1e-4, atol=1e-4)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got.double().cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_fused_backward_parts_with_a_key_mask_equal_the_in_place_backward():
+    """Masked keys (padding): the fused kernel's compact parts, placed, equal what it adds in place."""
+    from dilated_attention.kernels.fused import FusedKernel
+
+    heads, dim = 4, 16
+    plan = _plans(heads, heads, [16], [2])[0]
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, out, dout = (torch.randn(2, N, heads, dim, generator=gen).to(DEVICE) for _ in range(5))
+    lse = torch.randn(2, N, heads, generator=gen).to(DEVICE) + 3.0
+    key_mask = (torch.rand(2, N, generator=gen) < 0.3).to(DEVICE)
+    key_mask[1, :16] = True  # a whole segment of padding: its keys' dK/dV are zero
+    kern = FusedKernel()
+    kw = dict(causal=False, scale=0.25, key_mask=key_mask)
+    parts = kern.backward_pattern_parts(q, k, v, plan, out, lse, dout, **kw)
+    acc = [torch.zeros_like(x) for x in (q, k, v)]
+    kern.backward_pattern(q, k, v, plan, out, lse, dout, *acc, packed=False, **kw)
+    for part, whole, kv in zip(parts, acc, (False, True, True)):
+        placed = sum_grads(None, [Part(plan, part, kv=kv)], whole)
+        torch.testing.assert_close(placed, whole, rtol=1e-5, atol=1e-6)
