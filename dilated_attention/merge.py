@@ -1,7 +1,9 @@
 """fp32 log-sum-exp merging of partial attention results, safe for empty rows: all of it lives here.
 
 ``merge_two`` merges two partials; ``merge_into_`` and ``merge_pattern_`` merge a partial
-(a block's, or a whole pattern's in compact layout) into the running fp32 result in place.
+(a block's, or a whole pattern's in compact layout) into the running fp32 result in place;
+``combine_results``/``sum_grads`` take every local pattern's compact part (and the running result,
+if any) in one pass into the final output (``combine_kernel``).
 
 A partial is ``(out, lse)`` with ``out`` of shape ``(..., D)`` and ``lse`` of
 shape ``(...)`` in natural log. An empty row has ``lse = -inf``. Merging is the
@@ -354,6 +356,8 @@ def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Se
     the accumulation dtype. ``merge_two``'s semantics (a row no pattern covers: 0 and ``-inf``); on CUDA one
     ``combine_kernel`` pass reads each part once and writes the result once (no fp32 result in between)."""
     _check_parts(parts, like, weighted=True)
+    if not parts and running is not None:  # nothing to gather: the cast alone
+        return running[0].to(like.dtype), running[1]
     if _combine_reason(running, parts, like) is None:
         return _launch_combine(running, parts, like, weighted=True)
     acc = accum_dtype(like.dtype)
@@ -397,7 +401,7 @@ def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> N
                              f"expected {(bsz, rows, heads, dim)} {like.dtype}")
         if weighted and (part.lse is None or tuple(part.lse.shape) != (bsz, rows, heads)):
             raise ValueError(f"pattern {part.plan.index}: a result part needs lse of shape {(bsz, rows, heads)}")
-        if part.plan.ring_size != 1 or n % part.plan.local_segment or part.plan.head_offsets(heads, part.kv) is None:
+        if not part.plan.leaves_parts("bwd" if part.kv else "fwd", heads) or n % part.plan.local_segment:
             raise ValueError(f"pattern {part.plan.index} cannot leave a compact part: it must be local, tile "
                              f"{n} rows and give each (row, head) one slot")
 
@@ -459,6 +463,8 @@ _COMBINE_JIT: dict[bool, object] = {}
 _ROW_SLOTS: dict[tuple, torch.Tensor] = {}
 _ROW_SLOTS_KEPT = 16  # (P, 2, N) int32 each: 40 MB for five patterns of a million rows
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the combine kernel's batch)
+COMBINE_TILE = 4096  # elements per program (rows x head-dim block)
+COMBINE_WARPS = 4
 
 
 def _row_slots(patterns: tuple[tuple[int, int], ...], n: int, device: torch.device) -> torch.Tensor:
@@ -477,8 +483,6 @@ def _row_slots(patterns: tuple[tuple[int, int], ...], n: int, device: torch.devi
             table[i, 1] = within % dil
         hit = _ROW_SLOTS[key] = table
     return hit
-COMBINE_TILE = 4096  # elements per program (rows x head-dim block)
-COMBINE_WARPS = 4
 
 
 def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str | None:
@@ -490,10 +494,11 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str |
     if any(t.dtype != torch.float32 for t in held):
         return "the running result is not fp32"
     if any(p.lse is not None and p.lse.dtype != torch.float32 for p in parts):
-        return f"part lse dtypes {sorted({str(p.lse.dtype) for p in parts if p.lse is not None})}: the kernel reads fp32"
+        dtypes = sorted({str(p.lse.dtype) for p in parts if p.lse is not None})
+        return f"part lse dtypes {dtypes}: the kernel reads fp32"
+    if not parts:
+        return "no parts to combine"
     read = [p.out for p in parts] + [p.lse for p in parts if p.lse is not None] + held
-    if not read:
-        return "nothing to combine"
     if max(2 * len(parts), like.shape[2]) * like.shape[1] >= INT32_LIMIT:
         return f"{like.shape[1]} rows of {like.shape[2]} heads: the kernel indexes rows and its row table in int32"
     if like.shape[0] > MAX_GRID_Y:
@@ -510,8 +515,8 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
     if out.numel() == 0:
         return out, lse
     run_out, run_lse = running if weighted and running is not None else (running, None)
-    base = parts[0].out if parts else out
-    lse_base = parts[0].lse if weighted and parts else torch.empty(1, dtype=torch.float32, device=like.device)
+    base = parts[0].out  # (the callers send no part-less work here: the running result alone is a cast)
+    lse_base = parts[0].lse if weighted else torch.empty(1, dtype=torch.float32, device=like.device)
     rows, align = [], 16 // like.element_size()
     for part in parts:
         delta = (part.out.data_ptr() - base.data_ptr()) // like.element_size()
@@ -521,7 +526,7 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
             align = 1
         rows.append([delta, lse_delta, *strides, *(part.lse.stride() if weighted else (0, 0, 0)),
                      *part.plan.head_offsets(heads, part.kv)])
-    table = torch.tensor(rows or [[0] * (9 + heads)], dtype=torch.int64, pin_memory=like.is_cuda)
+    table = torch.tensor(rows, dtype=torch.int64, pin_memory=like.is_cuda)
     table = table.to(like.device, non_blocking=True)  # pinned: no host wait
     slots = _row_slots(tuple((p.plan.local_segment, p.plan.dilation) for p in parts), n, like.device)
     fn = _jitted(_COMBINE_JIT, combine_kernel)
@@ -529,7 +534,7 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
     block_r = max(1, COMBINE_TILE // block_d)
     r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
     rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
-    args = (table, slots, base, lse_base, run_out if run_out is not None else out, run_lse if run_lse is not None else lse_base,
+    args = (table, slots, base, lse_base, out if run_out is None else run_out, lse_base if run_lse is None else run_lse,
             out, lse if weighted else lse_base, n, dim, *r_strides, *rl_strides, *out.stride()[:3],
             *(lse.stride() if weighted else (0, 0, 0)))
     meta = dict(H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align,

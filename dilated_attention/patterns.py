@@ -7,6 +7,8 @@ rank or as a ring of ``G`` consecutive ranks.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -61,13 +63,23 @@ class PatternPlan:
         no chunk covers; ``None`` when a head reads two chunks (a kv head shared by query heads of different
         offsets). Where it is a tuple, the pattern's compact ``(B, L // r, heads, ...)`` layout holds each
         (row, head) of the full layout at most once: what combining compact parts relies on."""
-        offsets = [-1] * num_heads
-        for c in self.chunks:
-            for h in range(c.k0, c.k1) if kv else range(c.h0, c.h1):
-                if offsets[h] != -1:
-                    return None
-                offsets[h] = c.offset
-        return tuple(offsets)
+        return _head_offsets(self, num_heads, kv)
+
+    def leaves_parts(self, direction: str, num_kv_heads: int) -> bool:
+        """Whether this pattern's results can be compact parts (``PatternKernel.parts``) in ``direction``
+        (``"fwd"``/``"bwd"``): it runs locally and, for gradients, each kv head reads one offset."""
+        return self.ring_size == 1 and (direction == "fwd" or self.head_offsets(num_kv_heads, kv=True) is not None)
+
+
+@functools.lru_cache(maxsize=1024)  # asked per pattern and step on the hot path; plans are few
+def _head_offsets(plan: PatternPlan, num_heads: int, kv: bool) -> tuple[int, ...] | None:
+    offsets = [-1] * num_heads
+    for c in plan.chunks:
+        for h in range(c.k0, c.k1) if kv else range(c.h0, c.h1):
+            if offsets[h] != -1:
+                return None
+            offsets[h] = c.offset
+    return tuple(offsets)
 
 
 def _check_int_list(name: str, values: Sequence[int]) -> list[int]:

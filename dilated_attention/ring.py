@@ -180,9 +180,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
         else:
             _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal, ring.scale,
                           *running)
-    if parts or running is None:
-        return combine_results(running, parts, q)
-    return running[0].to(q.dtype), running[1]
+    return combine_results(running, parts, q)
 
 
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,

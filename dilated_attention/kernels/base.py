@@ -84,9 +84,10 @@ class PatternKernel(Protocol):
         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False,
     ) -> None:
         """``forward_pattern`` merged into the running fp32 result ``out`` ``(B, L, H, D)``, ``lse``
-        ``(B, L, H)`` (full layout) in place: what ring steps, and local patterns that leave no part, call. ``fresh``: ``out``/``lse`` hold no
-        result yet (their contents are ignored, as if 0 and ``-inf``); callers pass it only for a pattern
-        that ``covers_all`` heads, which may then write instead of merge (no fill, no read)."""
+        ``(B, L, H)`` (full layout) in place: what ring steps, and local patterns that leave no part, call.
+        ``fresh``: ``out``/``lse`` hold no result yet (their contents are ignored, as if 0 and ``-inf``);
+        callers pass it only for a pattern that ``covers_all`` heads, which may then write instead of merge
+        (no fill, no read)."""
 
     def backward_pattern(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
@@ -103,7 +104,7 @@ class PatternKernel(Protocol):
         (``forward_pattern`` / ``backward_pattern_parts``) that the strategy combines with the other patterns'
         in one pass at the end (``merge.combine_results``/``sum_grads``), rather than merged into the running
         result in place (``forward_pattern_into`` / ``backward_pattern``). A kernel that accumulates in its
-        epilogue says no; ``"bwd"`` may say yes only where ``plan.head_offsets(.., kv=True)`` is not ``None``."""
+        epilogue says no; it may say yes only where ``plan.leaves_parts(direction, ...)``."""
 
     def backward_pattern_parts(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,

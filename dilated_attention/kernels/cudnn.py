@@ -361,7 +361,8 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, 
     src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv),
            "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
            "lse": _group_view(lse, plan, g, "q"),
-           **{name: _group_view(x, plan, g, role) for name, x, role in zip(("dq", "dk", "dv"), (dq, dk, dv), grad_roles)}}
+           **{name: _group_view(x, plan, g, role)
+              for name, x, role in zip(("dq", "dk", "dv"), (dq, dk, dv), grad_roles)}}
     in_place = {name for name in ("k", "v") if readable(src[name])}
     if same and all(readable(src[x]) for x in ("q", "out", "dout")):
         in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
@@ -508,10 +509,7 @@ class CudnnKernel:
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:
         """Yes for local patterns: cuDNN's results are compact tensors in the inputs' dtype already."""
-        if plan.ring_size != 1:
-            return False
-        return direction == "fwd" or (self.grads == ("dq", "dk", "dv")
-                                      and plan.head_offsets(k.shape[2], kv=True) is not None)
+        return plan.leaves_parts(direction, k.shape[2]) and (direction == "fwd" or self.grads == ("dq", "dk", "dv"))
 
     def _check_backward(self, q, k, v, plan: PatternPlan, packed: bool, out, lse, dout, *grads) -> None:
         self._check(q, k)
@@ -629,7 +627,7 @@ class CudnnDkdvKernel:
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:
         """The forward's cuDNN results as parts; the backward accumulates (two kernels share the gradients)."""
-        return direction == "fwd" and plan.ring_size == 1
+        return direction == "fwd" and plan.leaves_parts(direction, k.shape[2])
 
     def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float):
         raise ValueError("cudnn-dkdv accumulates its backward in place (parts('bwd') is False): call backward_pattern")

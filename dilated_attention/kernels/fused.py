@@ -269,9 +269,8 @@ class FusedKernel:
 
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:
-        if self.epilogue_merge or plan.ring_size != 1:
-            return False
-        return direction == "fwd" or (self.dkdv and plan.head_offsets(k.shape[2], kv=True) is not None)
+        mine = direction == "fwd" or self.dkdv  # (dkdv=False: dQ only, added into what cuDNN's dK/dV share)
+        return mine and not self.epilogue_merge and plan.leaves_parts(direction, k.shape[2])
 
     # -- checks ---------------------------------------------------------------
 

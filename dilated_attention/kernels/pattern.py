@@ -97,7 +97,7 @@ class ChunkLoop:
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:
         """Yes where the layout allows: the block kernel returns each chunk's result on its own anyway."""
-        return plan.ring_size == 1 and (direction == "fwd" or plan.head_offsets(k.shape[2], kv=True) is not None)
+        return plan.leaves_parts(direction, k.shape[2])
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
                          packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
