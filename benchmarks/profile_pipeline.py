@@ -39,7 +39,7 @@ GROUPS = [  # (group, pattern on the kernel name, any case), first match wins
     ("fused dQ", r"dq_kernel"),
     ("fused delta", r"delta_kernel"),
     ("merge", r"merge_kernel"),
-    ("combine", r"combine_kernel"),
+    ("combine", r"combine_(lse_)?kernel"),
     ("cuDNN attention", r"cudnn|sm90|sdpa|flash|fmha|xmma|cutlass"),
     ("fill", r"fill|memset"),
     ("copy", r"copy|memcpy"),
@@ -137,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file for the results")
     ap.add_argument("--python-profile", type=int, default=0, metavar="LINES",
                     help="also print cProfile's top LINES functions by own time per method and causal flag")
+    ap.add_argument("--forward-only", action="store_true", help="profile the forward alone (no backward)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_pipeline.py needs a GPU")
@@ -157,16 +158,19 @@ def main(argv=None) -> int:
 
             def step():
                 out, lse = ring_forward(q, k, v, None, call)
-                ring_backward(q, k, v, None, out.to(q.dtype), lse, dout, call)
+                if not args.forward_only:
+                    ring_backward(q, k, v, None, out.to(q.dtype), lse, dout, call)
 
-            row = {"method": method, "kernel": kernel.name, "causal": causal, "wall_ms": wall_ms(step, args.reps),
+            row = {"method": method, "kernel": kernel.name, "causal": causal, "forward_only": args.forward_only,
+                   "wall_ms": wall_ms(step, args.reps),
                    **profile_step(step, args.reps)}
             row["gap_ms"] = row["wall_ms"] - row["busy_ms"]
             row["cpu_issue_ms"] = cpu_issue_ms(step, args.reps)
             if args.python_profile:
                 row["python_profile"] = python_profile(step, args.reps, args.python_profile)
             results.append(row)
-            print(f"\n{method} causal={causal}: wall {row['wall_ms']:.2f} ms, GPU busy {row['busy_ms']:.2f} ms, "
+            what = " forward" if args.forward_only else ""
+            print(f"\n{method} causal={causal}{what}: wall {row['wall_ms']:.2f} ms, GPU busy {row['busy_ms']:.2f} ms, "
                   f"gap {row['gap_ms']:.2f} ms, CPU issue {row['cpu_issue_ms']:.2f} ms", flush=True)
             for name, grp in sorted(row["groups"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
                 print(f"  {name:16s} {grp['ms_per_step']:7.3f} ms  {grp['calls_per_step']:6.1f} calls", flush=True)

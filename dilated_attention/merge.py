@@ -18,6 +18,7 @@ semantics the kernel is tested against (``merge_into_triton_`` runs it on CPU un
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,10 +136,10 @@ _merge_weights = None  # merge_weights jitted (``_jitted``): the kernels resolve
 def _jitted(cache: dict, kernel):
     """``kernel`` jitted for the current mode (at first use, so TRITON_INTERPRET is read then, not at import),
     with the helper it calls."""
-    global _merge_weights
+    global _merge_weights, _compact_row
     fn = cache.get(interpreting())
     if fn is None:
-        _merge_weights = triton.jit(merge_weights)
+        _merge_weights, _compact_row = triton.jit(merge_weights), triton.jit(compact_row)
         fn = cache[interpreting()] = triton.jit(kernel)
     return fn
 
@@ -406,83 +407,136 @@ def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> N
                              f"{n} rows and give each (row, head) one slot")
 
 
-def combine_kernel(
-    TABLE, ROWS, PARTS, PART_LSE, RUN_O, RUN_L, OUT, LSE, N, D,
-    sr_b, sr_n, sr_h, sr_d, srl_b, srl_n, srl_h,
-    so_b, so_n, so_h, sol_b, sol_n, sol_h,
-    H: tl.constexpr, P: tl.constexpr, WEIGHTED: tl.constexpr, HAS_RUN: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+TABLE_HEADS = 12 if tl is None else tl.constexpr(12)  # a combine TABLE row's first head offset
+
+
+def compact_row(n, entry, head):
+    """Row ``n``'s compact row in a part (``n // r``: a dilated segment's row ``s * w + j * r + o`` is compact
+    row ``s * w / r + j``, whatever ``w``), by the part's ``TABLE`` entry's multiplier (no division), and
+    whether the part covers it for ``head`` (``n % r`` is the head's offset)."""
+    slot = ((n.to(tl.int64) * tl.load(entry + 10)) >> tl.load(entry + 11)).to(tl.int32)
+    return slot, n - slot * tl.load(entry + 9).to(tl.int32) == tl.load(entry + TABLE_HEADS + head)
+
+
+_compact_row = None  # compact_row jitted (``_jitted``)
+
+
+def combine_lse_kernel(
+    TABLE, PART_LSE, RUN_L, LSE, WEIGHTS, N,
+    srl_b, srl_n, srl_h, sol_b, sol_n, sol_h, sw_p, sw_b,
+    H: tl.constexpr, P: tl.constexpr, HAS_RUN: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """``BLOCK_R`` (row, head) pairs ``f = n * H + h`` of batch ``program_id(1)`` (heads fastest: the output's
-    memory order): the running result (if any), then each part's slot of each pair, read once and merged in
-    registers in part order (``merge_two``'s arithmetic, as the torch path merges them), or summed. ``TABLE`` has
-    one row of ``9 + H`` int64 per part: its out's and lse's offsets in elements from ``PARTS``/``PART_LSE`` (any
-    tensors of those dtypes: the parts are addressed from them, so the compiler sees ``PARTS``' alignment), out
-    strides b/row/head/dim, lse strides b/row/head, then each head's offset (-1: none). ``ROWS`` (int32
-    ``(P, 2, N)``): each row's compact row in the part and its dilation offset (no division in the kernel).
-    ``ALIGN``: every part offset and out stride is a multiple of it and the dim stride is 1 (vector loads)."""
-    f = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    """The weighted combine's first pass, one (row, head) pair ``f = n * H + h`` of batch ``program_id(1)`` per
+    lane: the merged lse of the running result (if any) and every part covering the pair, written to ``LSE``,
+    and each one's weight, written to ``WEIGHTS[b, p, f]`` (0 where the part does not cover it; the running
+    result's is ``WEIGHTS[b, P]``), so that ``combine_kernel`` does one multiply-add per element and part. One
+    log-sum-exp over all of them (``merge_two``'s rules: shift by the largest finite lse, an empty pair gives
+    ``-inf`` and weights 0, NaN or ``+inf`` give NaN), not ``merge_two``'s pairwise rounding: the same value
+    within fp32 rounding. ``TABLE``: see ``combine_kernel``. ``WEIGHTS`` first holds each part's lse (one
+    gather per part, then reads of what this lane wrote)."""
+    f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     n = f // H
     head = f - n * H
     b = tl.program_id(1).to(tl.int64)
+    ok = n < N
+    w_row = WEIGHTS + b * sw_b + f
+    top = tl.full((BLOCK,), float("-inf"), tl.float32)
+    if HAS_RUN:
+        run_l = tl.load(RUN_L + b * srl_b + n.to(tl.int64) * srl_n + head * srl_h, mask=ok, other=float("-inf"))
+        top = run_l
+    for p in tl.static_range(P):
+        entry = TABLE + p * (TABLE_HEADS + H)
+        slot, hit = _compact_row(n, entry, head)
+        at = tl.load(entry + 1) + b * tl.load(entry + 6) + slot.to(tl.int64) * tl.load(entry + 7) \
+            + head * tl.load(entry + 8)
+        part_l = tl.load(PART_LSE + at, mask=ok & hit, other=float("-inf"))
+        tl.store(w_row + p * sw_p, part_l, mask=ok)
+        top = tl.maximum(top, part_l, propagate_nan=tl.PropagateNan.ALL)
+    shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
+    total = tl.zeros((BLOCK,), tl.float32)
+    if HAS_RUN:
+        total = tl.exp(run_l - shift)
+    for p in tl.static_range(P):
+        total += tl.exp(tl.load(w_row + p * sw_p, mask=ok, other=float("-inf")) - shift)
+    nonempty = total != 0.0  # True for a NaN total: it stays NaN
+    safe = tl.where(nonempty, total, 1.0)
+    inv = tl.where(nonempty, 1.0 / safe, 0.0)
+    tl.store(LSE + b * sol_b + n.to(tl.int64) * sol_n + head * sol_h,
+             tl.where(nonempty, shift + tl.log(safe), float("-inf")), mask=ok)
+    for p in tl.static_range(P):
+        part_l = tl.load(w_row + p * sw_p, mask=ok, other=float("-inf"))
+        tl.store(w_row + p * sw_p, tl.exp(part_l - shift) * inv, mask=ok)
+    if HAS_RUN:
+        tl.store(w_row + P * sw_p, tl.exp(run_l - shift) * inv, mask=ok)
+
+
+def combine_kernel(
+    TABLE, PARTS, WEIGHTS, RUN_O, OUT, N, D,
+    sr_b, sr_n, sr_h, sr_d, so_b, so_n, so_h, sw_p, sw_b,
+    H: tl.constexpr, P: tl.constexpr, WEIGHTED: tl.constexpr, HAS_RUN: tl.constexpr, ALIGN: tl.constexpr,
+    WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``BLOCK_R`` rows of head ``program_id(1)`` in batch ``program_id(2)``: the running result (if any), then
+    each part's slot of each row, read once and added in registers in part order: weighted by ``WEIGHTS``
+    (``combine_lse_kernel``'s) or summed (a gradient: bit for bit the fp32 sum of the accumulators).
+
+    ``TABLE`` has one row of ``TABLE_HEADS + H`` int64 per part: its out's and lse's offsets in elements from
+    ``PARTS``/the lse base (any tensors of those dtypes: the parts are addressed from them, so the compiler
+    sees ``PARTS``' alignment), out strides b/row/head/dim, lse strides b/row/head, its dilation and the
+    multiplier and shift that divide a row by it, then each head's dilation offset (-1: none). ``ALIGN``:
+    every part offset and out stride is a multiple of it and the dim stride is 1 (vector loads). ``WIDE``:
+    a part's row offsets need int64. A row a part does not cover is masked (weight 0, or its dilation offset
+    not the head's), so a dilated part costs only its rows. The parts are unrolled: every load is
+    independent of the others (no row table to read first), so they are all in flight at once."""
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     row_ok = n < N
     cols = tl.arange(0, BLOCK_D)[None, :]
     ok = row_ok & (cols < D)
+    w_row = WEIGHTS + b * sw_b + n * H + head
     if HAS_RUN:
         acc = tl.load(RUN_O + b * sr_b + n.to(tl.int64) * sr_n + head * sr_h + cols * sr_d, mask=ok, other=0.0)
-        if WEIGHTED:
-            lse = tl.load(RUN_L + b * srl_b + n.to(tl.int64) * srl_n + head * srl_h, mask=row_ok,
-                          other=float("-inf"))
+        if WEIGHTED:  # a zero weight silences its side even where it holds NaN
+            w_run = tl.load(w_row + P * sw_p, mask=row_ok, other=0.0)
+            acc = tl.where(w_run == 0.0, 0.0, acc * w_run)
     else:
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    for p in tl.static_range(P):
+        entry = TABLE + p * (TABLE_HEADS + H)
+        slot, hit = _compact_row(n, entry, head)
         if WEIGHTED:
-            lse = tl.full((BLOCK_R, 1), float("-inf"), tl.float32)
-    for p in range(P):
-        entry = TABLE + p * (9 + H)
-        hit = row_ok & (tl.load(ROWS + (2 * p + 1) * N + n, mask=row_ok, other=-2) == tl.load(entry + 9 + head))
-        slot = tl.load(ROWS + 2 * p * N + n, mask=row_ok, other=0).to(tl.int64)
-        at = tl.load(entry) + b * tl.load(entry + 2) + slot * tl.load(entry + 3) + head * tl.load(entry + 4)
+            weight = tl.load(w_row + p * sw_p, mask=row_ok, other=0.0)
+            hit = weight != 0.0  # (NaN: read, so it propagates)
+        if WIDE:
+            row_at = slot.to(tl.int64) * tl.load(entry + 3)
+        else:
+            row_at = slot * tl.load(entry + 3).to(tl.int32)
+        at = tl.load(entry) + b * tl.load(entry + 2) + head * tl.load(entry + 4) + row_at
         if ALIGN > 1:
             new = tl.load(PARTS + tl.multiple_of(at, [ALIGN, ALIGN]) + cols, mask=ok & hit, other=0.0)
         else:
             new = tl.load(PARTS + at + cols * tl.load(entry + 5), mask=ok & hit, other=0.0)
-        new = new.to(tl.float32)
-        if WEIGHTED:  # merge_two, as merge_kernel computes it
-            lse_at = tl.load(entry + 1) + b * tl.load(entry + 6) + slot * tl.load(entry + 7) + head * tl.load(entry + 8)
-            lse, w_a, w_b = _merge_weights(lse, tl.load(PART_LSE + lse_at, mask=hit, other=float("-inf")))
-            # a zero weight silences its side even where it holds NaN (an empty row's garbage)
-            acc = tl.where(w_a == 0.0, 0.0, acc * w_a) + tl.where(w_b == 0.0, 0.0, new * w_b)
+        if WEIGHTED:
+            acc += new.to(tl.float32) * weight
         else:
-            acc += new
-    if WEIGHTED:
-        tl.store(LSE + b * sol_b + n.to(tl.int64) * sol_n + head * sol_h, lse, mask=row_ok)
+            acc += new.to(tl.float32)
     tl.store(OUT + b * so_b + n.to(tl.int64) * so_n + head * so_h + cols, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
 _COMBINE_JIT: dict[bool, object] = {}
-_ROW_SLOTS: dict[tuple, torch.Tensor] = {}
-_ROW_SLOTS_KEPT = 16  # (P, 2, N) int32 each: 40 MB for five patterns of a million rows
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the combine kernel's batch)
-COMBINE_TILE = 4096  # elements per program (rows x head-dim block)
+_COMBINE_LSE_JIT: dict[bool, object] = {}
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the combine kernel's batch)
+COMBINE_TILE = 2048  # elements per program (rows x head-dim block)
 COMBINE_WARPS = 4
+COMBINE_LSE_BLOCK = 512  # (row, head) pairs per program of the lse pass
 
 
-def _row_slots(patterns: tuple[tuple[int, int], ...], n: int, device: torch.device) -> torch.Tensor:
-    """int32 ``(P, 2, n)``: for each ``(segment, dilation)`` and row, its compact row and its offset in the
-    dilation, computed once per geometry (a model has few) so the kernel divides nothing."""
-    key = (patterns, n, device)
-    hit = _ROW_SLOTS.get(key)
-    if hit is None:
-        if len(_ROW_SLOTS) >= _ROW_SLOTS_KEPT:
-            _ROW_SLOTS.clear()
-        rows = torch.arange(n, device=device)
-        table = torch.empty((max(len(patterns), 1), 2, n), dtype=torch.int32, device=device)
-        for i, (seg, dil) in enumerate(patterns):
-            within = rows % seg
-            table[i, 0] = rows // seg * (seg // dil) + within // dil
-            table[i, 1] = within % dil
-        hit = _ROW_SLOTS[key] = table
-    return hit
+def row_divider(dilation: int) -> tuple[int, int]:
+    """``(multiplier, shift)`` with ``n // dilation == (n * multiplier) >> shift`` for every ``0 <= n < 2**31``
+    (round-up reciprocal: the error stays under ``1 / dilation``), so the kernels divide rows by a multiply."""
+    bits = (dilation - 1).bit_length()
+    return (1 << (31 + bits)) // dilation + 1, 31 + bits
 
 
 def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str | None:
@@ -501,8 +555,10 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str |
     read = [p.out for p in parts] + [p.lse for p in parts if p.lse is not None] + held
     if max(2 * len(parts), like.shape[2]) * like.shape[1] >= INT32_LIMIT:
         return f"{like.shape[1]} rows of {like.shape[2]} heads: the kernel indexes rows and its row table in int32"
-    if like.shape[0] > MAX_GRID_Y:
-        return f"batch {like.shape[0]} exceeds the launch grid's second dimension ({MAX_GRID_Y})"
+    if (len(parts) + 1) * like.shape[1] * like.shape[2] >= INT32_LIMIT:
+        return f"{like.shape[1]} rows of {like.shape[2]} heads: the kernel indexes part weights in int32"
+    if like.shape[0] > MAX_GRID_Z or like.shape[2] > MAX_GRID_Z:
+        return f"batch {like.shape[0]} or heads {like.shape[2]} exceed the launch grid's limit ({MAX_GRID_Z})"
     if any(t.device != like.device for t in read):
         return f"needs every part on {like.device}"
     return _launch_reason((), tuple(read))
@@ -517,32 +573,34 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
     run_out, run_lse = running if weighted and running is not None else (running, None)
     base = parts[0].out  # (the callers send no part-less work here: the running result alone is a cast)
     lse_base = parts[0].lse if weighted else torch.empty(1, dtype=torch.float32, device=like.device)
-    rows, align = [], 16 // like.element_size()
+    rows, align, wide = [], 16 // like.element_size(), False
     for part in parts:
         delta = (part.out.data_ptr() - base.data_ptr()) // like.element_size()
         lse_delta = (part.lse.data_ptr() - lse_base.data_ptr()) // 4 if weighted else 0
         strides = part.out.stride()
         if strides[3] != 1 or any(x % align for x in (delta, *strides[:3])):
             align = 1
+        wide |= part.out.shape[1] * strides[1] >= INT32_LIMIT
         rows.append([delta, lse_delta, *strides, *(part.lse.stride() if weighted else (0, 0, 0)),
-                     *part.plan.head_offsets(heads, part.kv)])
+                     part.plan.dilation, *row_divider(part.plan.dilation), *part.plan.head_offsets(heads, part.kv)])
     table = torch.tensor(rows, dtype=torch.int64, pin_memory=like.is_cuda)
     table = table.to(like.device, non_blocking=True)  # pinned: no host wait
-    slots = _row_slots(tuple((p.plan.local_segment, p.plan.dilation) for p in parts), n, like.device)
-    fn = _jitted(_COMBINE_JIT, combine_kernel)
-    block_d = max(16, triton.next_power_of_2(dim))
-    block_r = max(1, COMBINE_TILE // block_d)
-    r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
-    rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
-    args = (table, slots, base, lse_base, out if run_out is None else run_out, lse_base if run_lse is None else run_lse,
-            out, lse if weighted else lse_base, n, dim, *r_strides, *rl_strides, *out.stride()[:3],
-            *(lse.stride() if weighted else (0, 0, 0)))
-    meta = dict(H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align,
-                BLOCK_R=block_r, BLOCK_D=block_d)
-    grid = (triton.cdiv(n * heads, block_r), bsz)
-    if interpreting():
-        fn[grid](*args, **meta)
-    else:
-        with torch.cuda.device(like.device):
-            fn[grid](*args, **meta, num_warps=COMBINE_WARPS)
+    launch = {} if interpreting() else dict(num_warps=COMBINE_WARPS)
+    weights = lse_base  # (unread when summing)
+    with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():
+        if weighted:  # the lse pass: each (row, head)'s merged lse and each part's weight
+            weights = torch.empty((bsz, len(parts) + 1, n * heads), dtype=torch.float32, device=like.device)
+            rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
+            _jitted(_COMBINE_LSE_JIT, combine_lse_kernel)[(triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz)](
+                table, lse_base, lse_base if run_lse is None else run_lse, lse, weights, n,
+                *rl_strides, *lse.stride(), weights.stride(1), weights.stride(0),
+                H=heads, P=len(parts), HAS_RUN=running is not None, BLOCK=COMBINE_LSE_BLOCK, **launch)
+        block_d = max(16, triton.next_power_of_2(dim))
+        block_r = max(1, COMBINE_TILE // block_d)
+        r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
+        w_strides = (weights.stride(1), weights.stride(0)) if weighted else (0, 0)
+        _jitted(_COMBINE_JIT, combine_kernel)[(triton.cdiv(n, block_r), heads, bsz)](
+            table, base, weights, out if run_out is None else run_out, out, n, dim, *r_strides, *out.stride()[:3],
+            *w_strides, H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align,
+            WIDE=wide, BLOCK_R=block_r, BLOCK_D=block_d, **launch)
     return out, lse

@@ -194,14 +194,14 @@ def test_bad_parts_are_refused_with_the_pattern_named():
 
 @needs_kernel
 def test_a_batch_past_the_launch_grid_takes_the_torch_path(monkeypatch):
-    """More batch rows than a grid's second dimension holds (packed documents become batch rows): the torch
+    """More batch rows than a grid's third dimension holds (packed documents become batch rows): the torch
     path, same result."""
     gen = torch.Generator().manual_seed(9)
     plans = _plans(4, 4, [8, 16], [1, 2])
     parts = _result_parts(gen, plans, 4, torch.float32, "contiguous")
     like = torch.empty(2, N, 4, DIM, device=DEVICE)
     kernel_out, kernel_lse = combine_results(None, parts, like)
-    monkeypatch.setattr(merge_mod, "MAX_GRID_Y", 1)
+    monkeypatch.setattr(merge_mod, "MAX_GRID_Z", 1)
     assert "launch grid" in merge_mod._combine_reason(None, parts, like)
     out, lse = combine_results(None, parts, like)
     torch.testing.assert_close(out, kernel_out, rtol=1e-5, atol=1e-5)
@@ -307,3 +307,17 @@ def test_fused_backward_parts_with_a_key_mask_equal_the_in_place_backward():
     for part, whole, kv in zip(parts, acc, (False, True, True)):
         placed = sum_grads(None, [Part(plan, part, kv=kv)], whole)
         torch.testing.assert_close(placed, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_row_divider_divides_every_int32_row():
+    """The combine kernels divide a row by a part's dilation with a multiply and a shift: exact for every
+    ``0 <= n < 2**31`` (edges, random rows) and any dilation (powers of two, odd ones, large ones)."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.cat([torch.arange(0, 70_000), torch.randint(0, 2**31, (50_000,), generator=gen),
+                      torch.arange(2**31 - 70_000, 2**31)]).to(torch.int64)
+    for dilation in [1, 2, 3, 4, 5, 7, 8, 12, 16, 31, 64, 1000, 4096, 65_537, 2**20 + 1, 2**30, 2**31 - 1]:
+        multiplier, shift = merge_mod.row_divider(dilation)
+        assert 0 < multiplier < 2**32, "the kernel's int64 product needs a 32-bit multiplier"
+        got = (rows * multiplier) >> shift
+        wrong = rows[got != rows // dilation]
+        assert wrong.numel() == 0, f"dilation {dilation}: wrong from row {wrong[:1].tolist()}"
