@@ -111,7 +111,7 @@ def cpu_issue_ms(step, reps: int) -> float:
     return statistics.median(times)
 
 
-def python_profile(step, reps: int, lines: int) -> str:
+def python_profile(step, reps: int, lines: int, order: str = "tottime") -> str:
     """cProfile of ``reps`` steps (GPU drained before each): where the CPU issue time goes, by function."""
     prof = cProfile.Profile()
     for _ in range(reps):
@@ -121,7 +121,7 @@ def python_profile(step, reps: int, lines: int) -> str:
         prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(lines)
+    pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(lines)
     return buf.getvalue()
 
 
@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file for the results")
     ap.add_argument("--python-profile", type=int, default=0, metavar="LINES",
                     help="also print cProfile's top LINES functions by own time per method and causal flag")
+    ap.add_argument("--python-sort", default="tottime", choices=("tottime", "cumulative"),
+                    help="cProfile's order: own time, or time including callees")
     ap.add_argument("--forward-only", action="store_true", help="profile the forward alone (no backward)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
             row["gap_ms"] = row["wall_ms"] - row["busy_ms"]
             row["cpu_issue_ms"] = cpu_issue_ms(step, args.reps)
             if args.python_profile:
-                row["python_profile"] = python_profile(step, args.reps, args.python_profile)
+                row["python_profile"] = python_profile(step, args.reps, args.python_profile, args.python_sort)
             results.append(row)
             what = " forward" if args.forward_only else ""
             print(f"\n{method} causal={causal}{what}: wall {row['wall_ms']:.2f} ms, GPU busy {row['busy_ms']:.2f} ms, "

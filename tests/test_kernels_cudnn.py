@@ -42,8 +42,9 @@ class MathOps:
     def __init__(self, write_into: bool = False) -> None:
         self.calls: list[tuple] = []
         self.outputs: list[torch.Tensor] = []
-        self.write_into = write_into  # like the frontend's backward (else like torch's op, which allocates)
+        self.write_into = write_into  # like the frontend's ops (else like torch's, which allocate)
         self.written_into = 0  # backward calls whose gradients went straight into the compact parts
+        self.forward_into = 0  # forward calls whose result went straight into the compact part
 
     def supports(self, q, k):
         return None
@@ -57,14 +58,19 @@ class MathOps:
             s = s.masked_fill(torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
         return s, g
 
-    def forward(self, q, k, v, *, causal, scale):
-        for x in (q, k, v):
+    def forward(self, q, k, v, *, causal, scale, out=None):
+        for x in (q, k, v, *(() if out is None else (out,))):
             assert x.dim() == 4 and readable(x), f"cuDNN would not read {tuple(x.shape)} {x.stride()}"
         self.calls.append(("fwd", tuple(q.shape), tuple(k.shape), [x.untyped_storage().data_ptr() for x in (q, k, v)]))
         s, g = self._scores(q, k, causal, scale)
         lse = torch.logsumexp(s, -1)
-        out = torch.empty_like(q)  # what torch's op allocates (q's strides if q is dense, else contiguous)
-        out.copy_(torch.exp(s - lse[..., None]) @ v.double().repeat_interleave(g, 1))
+        res = torch.exp(s - lse[..., None]) @ v.double().repeat_interleave(g, 1)
+        if out is not None and self.write_into:
+            assert out.shape == q.shape, (out.shape, q.shape)
+            self.forward_into += 1
+        else:
+            out = torch.empty_like(q)  # what torch's op allocates (q's strides if q is dense, else contiguous)
+        out.copy_(res)
         self.outputs.append(out)
         return out, lse.float()
 
@@ -163,13 +169,15 @@ def test_pattern_local(case, dtype):
 @pytest.mark.parametrize("case", [("longnet", 8, 8, "contiguous", False), ("longnet", 8, 4, "transposed", True),
                                   ("grouped", 6, 3, "head_slice", False)], ids=str)
 def test_backward_parts_written_in_place(case):
-    """An op that writes its gradients where it is told (the frontend's) fills the compact parts itself:
+    """An op that writes its results where it is told (the frontend's) fills the compact parts itself:
     no copy, same results (``check_pattern_local`` judges the parts when the kernel leaves them)."""
     mode, heads, kv_heads, layout, causal = case
     ops = MathOps(write_into=True)
     kern = CudnnKernel(ops)
     check_pattern_local(kern, mode, heads, kv_heads, layout, causal, LOW[0], seeded("cudnn-into", case), DIM, N)
     assert ops.written_into > 0, "no backward call wrote into the parts"
+    if mode == "longnet":  # (grouped mode's patterns here are one call each: cuDNN's own result is the part)
+        assert ops.forward_into > 0, "no forward call of a several-call pattern wrote into its part"
 
 
 RING_CASES = [("longnet", 4, 2, True), ("longnet", 6, 2, False), ("grouped", 4, 2, True), ("longnet", 8, 8, True)]

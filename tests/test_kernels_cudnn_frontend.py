@@ -36,14 +36,14 @@ class MathFrontendOps(CudnnFrontendOps):
 
     def __init__(self, workspace_limit: int = 1 << 40) -> None:
         super().__init__(workspace_limit)
-        self.math = MathOps()
+        self.math = MathOps(write_into=True)  # the frontend's forward writes where it is told
         self.runs: list[tuple] = []
 
     def supports(self, q, k):
         return None
 
-    def forward(self, q, k, v, *, causal, scale):
-        return self.math.forward(q, k, v, causal=causal, scale=scale)
+    def forward(self, q, k, v, *, causal, scale, out=None):
+        return self.math.forward(q, k, v, causal=causal, scale=scale, out=out)
 
     def _run(self, dout, q, k, v, out, lse4, dq, dk, dv, causal, scale):
         assert lse4.is_contiguous() and lse4.shape == (*q.shape[:3], 1)

@@ -75,11 +75,14 @@ class CudnnOps:
             return f"dtype must be fp16 or bf16, got {q.dtype}"
         return None
 
-    def forward(self, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+    def forward(self, q, k, v, *, causal: bool, scale: float,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)``; ``out``: a view shaped like q an op may write the result to (torch's op allocates
+        its own instead; the frontend's writes there)."""
+        res, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale
         )[:2]
-        return out, lse
+        return res, lse
 
     def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float,
                  into: tuple[torch.Tensor, ...] | None = None):
@@ -328,6 +331,7 @@ class _ForwardCall:
     targets: tuple[_ViewSpec, _ViewSpec]
     group: _Group
     merged: tuple[int, ...]
+    into: _ViewSpec | None  # the out target as a view an op may write in place (``_flat_target``)
 
 
 def _geometry_key(tensors) -> tuple:
@@ -405,7 +409,9 @@ def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple
             operands = tuple((_ViewSpec.of(_as_4d(sub[x], nt) if x in in_place else sub[x], i, every), x in in_place)
                              for i, x in enumerate(("q", "k", "v")))
             targets = tuple(_ViewSpec.of(_out_view(sub[name], nt), i, every) for i, name in ((3, "out"), (4, "lse")))
-            calls.append(_ForwardCall(tuple(tsz), operands, targets, g, tuple(merged)))
+            flat = _flat_target(_out_view(sub["out"], nt), nt)
+            calls.append(_ForwardCall(tuple(tsz), operands, targets, g, tuple(merged),
+                                      None if flat is None else _ViewSpec.of(flat, 3, every)))
     return _remember(_FORWARD_CALLS, key, tuple(calls))
 
 
@@ -484,7 +490,8 @@ class CudnnKernel:
             nt, tsz = len(call.tsz), call.tsz
             args = [spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt)
                     for spec, in_place in call.operands]
-            o4, l4 = self.ops.forward(*args, causal=causal, scale=scale)
+            into = call.into.on(tensors) if buffers is not None and call.into is not None else None
+            o4, l4 = self.ops.forward(*args, causal=causal, scale=scale, out=into)
             l4 = l4.reshape(o4.shape[:3])  # some torch versions add a trailing unit dim
             if buffers is None:  # the only call: cuDNN's out (or lse) may be the whole result, no copy
                 adopted = [_adopt(x, tsz, call.merged, plan, call.group, shape)
@@ -496,7 +503,8 @@ class CudnnKernel:
                         t.on((q, k, v, *buffers)).copy_(x.view(*tsz, *x.shape[1:]) if nt else x[0])
                 continue
             for t, x in zip(call.targets, (o4, l4)):
-                t.on(tensors).copy_(x.view(*tsz, *x.shape[1:]) if nt else x[0])
+                if x is not into:  # (the frontend wrote out in place)
+                    t.on(tensors).copy_(x.view(*tsz, *x.shape[1:]) if nt else x[0])
         if buffers is None:  # a plan without chunks
             buffers = self._buffers(shapes, q)
         return buffers

@@ -7,6 +7,9 @@ workspace, reduced in a fixed order); torch does not expose it, the frontend's
 graph API does (``sdpa_backward(..., use_deterministic_algorithm=True)``).
 ``CudnnFrontendOps`` is ``CudnnOps`` with that backward: ``CudnnKernel`` on it is
 the ``"cudnn-det"`` implementation (cuDNN forward, deterministic cuDNN backward).
+Its forward is the frontend's too, the same cuDNN kernel as torch's op, but it
+writes its result where it is told: a pattern that takes several calls (one per
+dilation offset group or segment run) fills its compact part with no copy after.
 
 Measured on an H200 with cuDNN 9.19 (``benchmarks/results/cudnn_frontend_probe_h200.log``):
 bitwise equal over repeated runs where torch's backward differed, 3-13% slower
@@ -68,7 +71,8 @@ def split_plan(batch: int, heads: int, rows: int, dim: int, limit: int) -> tuple
 
 
 class CudnnFrontendOps(CudnnOps):
-    """``CudnnOps`` whose backward is cuDNN's deterministic one, built with the frontend's graph API."""
+    """``CudnnOps`` on the frontend's graph API: cuDNN's deterministic backward, and a forward that writes
+    into a given view (both write their results where ``CudnnKernel`` asks)."""
 
     name = "cudnn-det"
     deterministic_backward = True
@@ -109,19 +113,33 @@ class CudnnFrontendOps(CudnnOps):
             dq[b].copy_(dq_sum)
         return dq, dk, dv
 
+    def forward(self, q, k, v, *, causal: bool, scale: float, out: torch.Tensor | None = None):
+        """``(out, lse)`` from the frontend's forward graph, written into ``out`` (a view shaped like q) when
+        given: a pattern's calls fill its compact part with no copy after (torch's op allocates its own)."""
+        batch, heads, rows, _ = q.shape
+        res = out if out is not None else _empty_in_layout(q)
+        lse4 = torch.empty((batch, heads, rows, 1), dtype=torch.float32, device=q.device)
+        self._execute((q, k, v, res, lse4), "forward", causal, scale)
+        return res, lse4
+
     def _run(self, dout, q, k, v, out, lse4, dq, dk, dv, causal: bool, scale: float) -> None:
+        self._execute((q, k, v, out, dout, lse4, dq, dk, dv), "backward", causal, scale)
+
+    def _execute(self, tensors, direction: str, causal: bool, scale: float) -> None:
+        """Run the ``direction`` graph on ``tensors`` (its inputs, then its outputs), built once per geometry."""
         cudnn = _frontend()
         # the frontend reads tensors through DLPack, which refuses ones that require grad (autograd's inputs)
-        tensors = tuple(x.detach() for x in (q, k, v, out, dout, lse4, dq, dk, dv))
-        graph, nodes, workspace_bytes = self._graph(cudnn, tensors, causal, scale)
-        handle = self._handles[q.device.index]
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
+        tensors = tuple(x.detach() for x in tensors)
+        device = tensors[0].device
+        graph, nodes, workspace_bytes = self._graph(cudnn, tensors, direction, causal, scale)
+        handle = self._handles[device.index]
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         graph.execute(dict(zip(nodes, tensors)), workspace, handle=handle)
 
-    def _graph(self, cudnn, tensors, causal: bool, scale: float):
+    def _graph(self, cudnn, tensors, direction: str, causal: bool, scale: float):
         q = tensors[0]
-        key = (q.device.index, causal, scale, *((x.dtype, tuple(x.shape), x.stride()) for x in tensors))
+        key = (q.device.index, direction, causal, scale, *((x.dtype, tuple(x.shape), x.stride()) for x in tensors))
         hit = self._graphs.get(key)
         if hit is not None:
             self._graphs.move_to_end(key)
@@ -132,12 +150,19 @@ class CudnnFrontendOps(CudnnOps):
         io = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[q.dtype]
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=self._handles[q.device.index])
-        inputs = [graph.tensor_like(x) for x in tensors[:6]]
-        grads = graph.sdpa_backward(q=inputs[0], k=inputs[1], v=inputs[2], o=inputs[3], dO=inputs[4],
-                                    stats=inputs[5], attn_scale=scale, use_causal_mask=causal,
-                                    use_deterministic_algorithm=True)
-        for node, x in zip(grads, tensors[6:]):
-            node.set_output(True).set_dim(list(x.shape)).set_stride(list(x.stride())).set_data_type(io)
+        if direction == "forward":  # (q, k, v) -> (out, stats: the natural-log lse, (B, h, M, 1) fp32)
+            inputs = [graph.tensor_like(x) for x in tensors[:3]]
+            results = graph.sdpa(q=inputs[0], k=inputs[1], v=inputs[2], generate_stats=True, attn_scale=scale,
+                                 use_causal_mask=causal)
+            types = (io, cudnn.data_type.FLOAT)
+        else:  # (q, k, v, out, dout, lse) -> (dq, dk, dv)
+            inputs = [graph.tensor_like(x) for x in tensors[:6]]
+            results = graph.sdpa_backward(q=inputs[0], k=inputs[1], v=inputs[2], o=inputs[3], dO=inputs[4],
+                                          stats=inputs[5], attn_scale=scale, use_causal_mask=causal,
+                                          use_deterministic_algorithm=True)
+            types = (io,) * 3
+        for node, x, dtype in zip(results, tensors[len(inputs):], types):
+            node.set_output(True).set_dim(list(x.shape)).set_stride(list(x.stride())).set_data_type(dtype)
         try:
             graph.validate()
             graph.build_operation_graph()
@@ -145,9 +170,9 @@ class CudnnFrontendOps(CudnnOps):
             graph.check_support()
             graph.build_plans()
         except Exception as exc:  # the frontend raises its own types: a refusal is a RuntimeError here
-            raise RuntimeError(f"cuDNN frontend refused the deterministic backward for q {tuple(q.shape)} "
+            raise RuntimeError(f"cuDNN frontend refused the {direction} for q {tuple(q.shape)} "
                                f"strides {q.stride()}: {exc}") from exc
-        entry = (graph, [*inputs, *grads], graph.get_workspace_size())
+        entry = (graph, [*inputs, *results], graph.get_workspace_size())
         self._graphs[key] = entry
         if len(self._graphs) > _GRAPHS_KEPT:
             self._graphs.popitem(last=False)
