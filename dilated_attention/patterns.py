@@ -45,6 +45,15 @@ class PatternPlan:
     chunks: tuple[HeadChunk, ...]
     head_runs: tuple[tuple[int, int, int], ...]  # (offset, h0, h1): consecutive heads sharing an offset
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: plans key the kernels' caches on every call."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.index, self.segment, self.dilation, self.local_segment, self.ring_size, self.chunks,
+                           self.head_runs))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def packed_heads(self) -> int:
         return sum(c.k1 - c.k0 for c in self.chunks)

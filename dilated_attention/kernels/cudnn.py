@@ -55,6 +55,20 @@ from .pattern import clear_grads_
 DTYPES = (torch.float16, torch.bfloat16)
 
 
+@functools.lru_cache(maxsize=64)  # asked on every call: the answer depends on the device and dtype only
+def _device_reason(index: int, dtype: torch.dtype) -> str | None:
+    if not torch.backends.cudnn.is_available():
+        return "cuDNN is not available in this torch build"
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"):
+        return f"torch {torch.__version__} has no cuDNN attention op"
+    major, _ = torch.cuda.get_device_capability(index)
+    if major < 8:
+        return f"cuDNN attention needs compute capability >= 8.0, got {major}.x"
+    if dtype not in DTYPES:
+        return f"dtype must be fp16 or bf16, got {dtype}"
+    return None
+
+
 class CudnnOps:
     """``torch.ops.aten``'s cuDNN attention, forward and backward, on 4D ``(B', h, M, D)`` views."""
 
@@ -64,16 +78,7 @@ class CudnnOps:
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         if q.device.type != "cuda":
             return f"needs a CUDA device, got device {q.device.type}"
-        if not torch.backends.cudnn.is_available():
-            return "cuDNN is not available in this torch build"
-        if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"):
-            return f"torch {torch.__version__} has no cuDNN attention op"
-        major, _ = torch.cuda.get_device_capability(q.device)
-        if major < 8:
-            return f"cuDNN attention needs compute capability >= 8.0, got {major}.x"
-        if q.dtype not in DTYPES:
-            return f"dtype must be fp16 or bf16, got {q.dtype}"
-        return None
+        return _device_reason(q.device.index, q.dtype)
 
     def forward(self, q, k, v, *, causal: bool, scale: float,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,6 +263,13 @@ def _flat_target(target: torch.Tensor, nt: int) -> torch.Tensor | None:
 def _adopt(res: torch.Tensor, tsz, merged: list[int], plan: PatternPlan, g: _Group, shape) -> torch.Tensor | None:
     """``res`` (one cuDNN result, ``(n, h, M, *rest)``) seen as the pattern's whole compact
     ``(B, L // r, H, *rest)`` tensor, when the single call covered every row and head; else ``None``."""
+    strides = _adopted_strides(tuple(res.shape), res.stride(), tuple(tsz), tuple(merged), plan, g, tuple(shape))
+    return None if strides is None else res.as_strided(shape, strides, res.storage_offset())
+
+
+@functools.lru_cache(maxsize=512)  # (views built for the self-check: worked out once per geometry, on meta)
+def _adopted_strides(res_shape, res_stride, tsz, merged, plan: PatternPlan, g: _Group, shape):
+    res = torch.empty_strided(res_shape, res_stride, device="meta")
     bsz, rows, heads = shape[:3]
     c0, nch = g.chunks[0], len(g.chunks)
     h, m = res.shape[1], res.shape[2]
@@ -272,14 +284,16 @@ def _adopt(res: torch.Tensor, tsz, merged: list[int], plan: PatternPlan, g: _Gro
     segs = rows // m
     if (segs > 1 and st.get(1) != m * s_rows) or (nch > 1 and st.get(2) != step_h * s_h):
         return None
-    full = res.as_strided(shape, (st.get(0, 0), s_rows, s_h, *x.stride()[nt + 2:]), res.storage_offset())
+    strides = (st.get(0, 0), s_rows, s_h, *x.stride()[nt + 2:])
+    full = res.as_strided(shape, strides, res.storage_offset())
     # self-check: the group's compact view of ``full`` must address exactly ``res``
-    (sub, _), = list(_calls({"t": _group_view(full, plan, g, "compact")}, [d for d in range(3) if d not in merged], merged))
+    (sub, _), = list(_calls({"t": _group_view(full, plan, g, "compact")}, [d for d in range(3) if d not in merged],
+                            list(merged)))
     mine = _out_view(sub["t"], nt)
     same = mine.storage_offset() == x.storage_offset() and all(
         a == b for a, b, sz in zip(mine.stride(), x.stride(), x.shape) if sz > 1
     )
-    return full if same else None
+    return strides if same else None
 
 
 # ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ functions (``tl.sum``, ``tl.zeros``, ...) are interpreted.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -130,6 +131,7 @@ def gpu_config(dim: int, dtype: torch.dtype) -> FusedConfig:
     return FusedConfig(32, 32, 4, 1, 32, 32, 8, 1, 16, 32, 8, 1) if big else FusedConfig(64, 64, 8, 2, 64, 32, 8, 1, 16, 32, 8, 1)
 
 
+@functools.lru_cache(maxsize=256)  # asked on every call (``supports``)
 def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: int) -> str | None:
     """``None`` if every kernel of ``cfg`` fits ``limit`` bytes of shared memory, else why not."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -140,6 +142,12 @@ def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: 
                 f"for head dim {dim} {dtype} with {cfg}, the device allows {limit}"
             )
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_memory(index: int) -> int:
+    """Shared memory a block may opt in to on CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def _dims(dim: int) -> dict:
@@ -303,8 +311,7 @@ class FusedKernel:
                     f"{x.element_size()} (misaligned address)"
                 )
         if q.device.type == "cuda":
-            limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
-            return shared_memory_reason(self._config(dim, q.dtype), dim, q.dtype, limit)
+            return shared_memory_reason(self._config(dim, q.dtype), dim, q.dtype, _shared_memory(q.device.index))
         return None
 
     def _check(self, q: torch.Tensor, k: torch.Tensor) -> FusedConfig:
