@@ -83,6 +83,7 @@ class CudnnFrontendOps(CudnnOps):
         self.workspace_limit = workspace_limit
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._handles: dict[int, object] = {}
+        self._streams: dict[int, int] = {}  # the stream each device's handle was last set to
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         reason = super().supports(q, k)
@@ -133,8 +134,12 @@ class CudnnFrontendOps(CudnnOps):
         device = tensors[0].device
         graph, nodes, workspace_bytes = self._graph(cudnn, tensors, direction, causal, scale)
         handle = self._handles[device.index]
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        if self._streams.get(device.index) != stream:  # (set once per stream: it costs a call per launch)
+            cudnn.set_stream(handle=handle, stream=stream)
+            self._streams[device.index] = stream
+        # no workspace (most forwards): no allocation, a null pointer
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else 0
         graph.execute(dict(zip(nodes, tensors)), workspace, handle=handle)
 
     def _graph(self, cudnn, tensors, direction: str, causal: bool, scale: float):
