@@ -251,7 +251,32 @@ def plan_patterns(
     ``num_heads``/``num_kv_heads`` are the heads present locally; with a head-parallel
     strategy they are heads ``[head_start, head_start + num_heads)`` of ``total_heads``,
     and offsets and head groups follow the global head index.
+
+    Planned once per configuration: a model asks every call, and the same plan objects keep the
+    kernels' per-plan caches on their fast path (hash computed once, lookups by identity).
     """
+    args = (segment_lengths, dilation_rates, seq_len, local_len, num_heads, num_kv_heads, mode, head_offsets,
+            head_start, total_heads)
+    try:  # keyed with each value's type: 2048.0 must still be refused where 2048 was planned
+        key = tuple(("sequence", tuple((type(x), x) for x in a)) if isinstance(a, (list, tuple)) else (type(a), a)
+                    for a in args)
+        hash(key)
+    except TypeError:  # unhashable: planning raises the clear error
+        return _plan_patterns(*args)
+    hit = _PLANS.get(key)
+    if hit is None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.clear()
+        hit = _PLANS[key] = _plan_patterns(*args)
+    return hit
+
+
+_PLANS: dict[tuple, tuple[PatternPlan, ...]] = {}
+_PLANS_KEPT = 256
+
+
+def _plan_patterns(segment_lengths, dilation_rates, seq_len, local_len, num_heads, num_kv_heads, mode,
+                   head_offsets, head_start, total_heads) -> tuple[PatternPlan, ...]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if head_offsets not in HEAD_OFFSET_RULES:
