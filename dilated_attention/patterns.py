@@ -255,6 +255,7 @@ def plan_patterns(
     Planned once per configuration: a model asks every call, and the same plan objects keep the
     kernels' per-plan caches on their fast path (hash computed once, lookups by identity).
     """
+    total_heads = num_heads if total_heads is None else total_heads
     args = (segment_lengths, dilation_rates, seq_len, local_len, num_heads, num_kv_heads, mode, head_offsets,
             head_start, total_heads)
     try:  # keyed with each value's type: 2048.0 must still be refused where 2048 was planned
@@ -281,7 +282,6 @@ def _plan_patterns(segment_lengths, dilation_rates, seq_len, local_len, num_head
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if head_offsets not in HEAD_OFFSET_RULES:
         raise ValueError(f"head_offsets must be one of {HEAD_OFFSET_RULES}, got {head_offsets!r}")
-    total_heads = num_heads if total_heads is None else total_heads
     if num_heads % num_kv_heads:
         raise ValueError(
             f"number of query heads ({num_heads}) must be divisible by number of kv heads ({num_kv_heads})"
