@@ -790,9 +790,9 @@ def render(path: str) -> int:
     return 0
 
 
-# implementations whose forward is another's (cudnn-det only changes the backward): a forward entry names
-# the other one, which needs no extra package
-SAME_FORWARD = {"cudnn-det": "cudnn"}
+# implementations whose forward is another's (cudnn-dkdv runs cudnn's forward; cudnn-det's forward is its
+# own since session 13, the frontend's, written into the compact parts): a forward entry names the plainer one
+SAME_FORWARD = {"cudnn-dkdv": "cudnn"}
 
 
 def write_table(path: str) -> int:
