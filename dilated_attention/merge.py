@@ -554,7 +554,7 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str |
         return "no parts to combine"
     read = [p.out for p in parts] + [p.lse for p in parts if p.lse is not None] + held
     if max(2 * len(parts), like.shape[2]) * like.shape[1] >= INT32_LIMIT:
-        return f"{like.shape[1]} rows of {like.shape[2]} heads: the kernel indexes rows and its row table in int32"
+        return f"{like.shape[1]} rows of {like.shape[2]} heads: the kernel indexes rows in int32"
     if (len(parts) + 1) * like.shape[1] * like.shape[2] >= INT32_LIMIT:
         return f"{like.shape[1]} rows of {like.shape[2]} heads: the kernel indexes part weights in int32"
     if like.shape[0] > MAX_GRID_Z or like.shape[2] > MAX_GRID_Z:
@@ -589,7 +589,8 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
     weights = lse_base  # (unread when summing)
     with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():
         if weighted:  # the lse pass: each (row, head)'s merged lse and each part's weight
-            weights = torch.empty((bsz, len(parts) + 1, n * heads), dtype=torch.float32, device=like.device)
+            slots = len(parts) + (running is not None)  # (the running result's weight is the last slot)
+            weights = torch.empty((bsz, slots, n * heads), dtype=torch.float32, device=like.device)
             rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
             _jitted(_COMBINE_LSE_JIT, combine_lse_kernel)[(triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz)](
                 table, lse_base, lse_base if run_lse is None else run_lse, lse, weights, n,

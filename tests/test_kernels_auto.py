@@ -138,6 +138,25 @@ def test_unsupported_choice_falls_back_to_fused_and_bad_tables_raise():
         AutoKernel({"cudnn": other}, {})
 
 
+def test_a_cudnn_det_forward_without_the_frontend_runs_torchs_cudnn_forward():
+    """The frontend is optional: a forward entry naming cudnn-det (its forward is the frontend's graph) runs
+    the same cuDNN kernel through torch's op where the frontend is missing; a backward entry runs fused
+    (torch's cuDNN backward is not deterministic); with no cuDNN at all the forward runs fused too."""
+    fused, cudnn = Recorder("fused"), Recorder("cudnn")
+    det = Recorder("cudnn-det", refuse="needs NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend")
+    choices = {table_key(d, 1, False, 32, torch.bfloat16): "cudnn-det" for d in ("fwd", "bwd")}
+    kern = AutoKernel({"fused": fused, "cudnn": cudnn, "cudnn-det": det}, choices)
+    with pytest.warns(UserWarning, match="'cudnn-det' for fwd .* cannot run here .* running 'cudnn'"):
+        assert kern.pick("fwd", PLANS[0], False, Q, Q) is cudnn
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (said once per choice and reason: the forward's warning said it)
+        assert kern.pick("bwd", PLANS[0], False, Q, Q) is fused
+    no_cudnn = AutoKernel({"fused": fused, "cudnn": Recorder("cudnn", refuse="needs a CUDA device"),
+                           "cudnn-det": det}, choices)
+    with pytest.warns(UserWarning, match="running 'fused'"):
+        assert no_cudnn.pick("fwd", PLANS[0], False, Q, Q) is fused
+
+
 def test_dispatch_wraps_fused_only_for_measured_gpus(monkeypatch):
     fused = Recorder("fused")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU")

@@ -42,6 +42,11 @@ from .base import PatternKernel
 DIRECTIONS = ("fwd", "bwd", "bwd-any")
 
 
+# a forward entry's stand-in where its implementation cannot run here: the same cuDNN kernel (cudnn-det's
+# forward is the frontend's graph; without the frontend, torch's op runs it)
+FORWARD_STAND_INS = {"cudnn-det": "cudnn"}
+
+
 def table_key(direction: str, dilation: int, causal: bool, dim: int, dtype: torch.dtype,
               rows: int | None = None) -> str:
     """``direction/dense|dilated/full|causal/D<dim>/<dtype>[/M<rows>]``."""
@@ -121,11 +126,17 @@ class AutoKernel:
         reason = impl.supports(q, k)
         if reason is None:
             return impl
-        if (name, reason) not in self._skipped:  # e.g. the table names cudnn-det and the frontend is missing
+        # e.g. the table names cudnn-det and the frontend is missing: a forward runs the same cuDNN kernel
+        # through torch's op (its stand-in) if it can, else fused
+        stand_in = FORWARD_STAND_INS.get(name) if direction == "fwd" else None
+        if stand_in is not None and (stand_in not in self.impls or self.impls[stand_in].supports(q, k) is not None):
+            stand_in = None
+        if (name, reason) not in self._skipped:
             self._skipped.add((name, reason))
             warnings.warn(f"auto: the measured choice {name!r} for {direction} of w={plan.local_segment}, "
-                          f"r={plan.dilation} cannot run here ({reason}); running 'fused'", stacklevel=3)
-        return self.impls["fused"]
+                          f"r={plan.dilation} cannot run here ({reason}); running {stand_in or 'fused'!r}",
+                          stacklevel=3)
+        return self.impls[stand_in or "fused"]
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float, **mask):
         impl = self.pick("fwd", plan, causal, q, k, bool(mask))
