@@ -3,7 +3,8 @@
 ``merge_two`` merges two partials; ``merge_into_`` and ``merge_pattern_`` merge a partial
 (a block's, or a whole pattern's in compact layout) into the running fp32 result in place;
 ``combine_results``/``sum_grads`` take every local pattern's compact part (and the running result,
-if any) in one pass into the final output (``combine_kernel``).
+if any) into the final output in one pass over the outputs (``combine_kernel``; results first get their
+weights from ``combine_lse_kernel``).
 
 A partial is ``(out, lse)`` with ``out`` of shape ``(..., D)`` and ``lse`` of
 shape ``(...)`` in natural log. An empty row has ``lse = -inf``. Merging is the
@@ -116,8 +117,8 @@ def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part
 
 
 def merge_weights(lse_a, lse_b):
-    """``merge_two``'s arithmetic in Triton: the merged lse of two partials and each one's weight (what both
-    kernels below call, as ``_merge_weights``, jitted with them)."""
+    """``merge_two``'s arithmetic in Triton: the merged lse of two partials and each one's weight (what
+    ``merge_kernel`` calls, as ``_merge_weights``, jitted with it)."""
     top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
     shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
     w_a = tl.exp(lse_a - shift)
@@ -354,8 +355,9 @@ def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Se
                     like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The final ``(out, lse)`` of patterns that left compact parts, merged with the ``running`` fp32 result
     of those merged in place (``None`` if there were none): ``out`` in ``like``'s dtype and shape, ``lse`` in
-    the accumulation dtype. ``merge_two``'s semantics (a row no pattern covers: 0 and ``-inf``); on CUDA one
-    ``combine_kernel`` pass reads each part once and writes the result once (no fp32 result in between)."""
+    the accumulation dtype. ``merge_two``'s semantics (a row no pattern covers: 0 and ``-inf``); on CUDA
+    ``combine_lse_kernel`` weighs the parts, then one ``combine_kernel`` pass reads each part once and writes
+    the result once (no fp32 result in between)."""
     _check_parts(parts, like, weighted=True)
     if not parts and running is not None:  # nothing to gather: the cast alone
         return running[0].to(like.dtype), running[1]

@@ -8,7 +8,6 @@ rank or as a ring of ``G`` consecutive ranks.
 from __future__ import annotations
 
 import functools
-
 import math
 from dataclasses import dataclass
 from typing import Sequence

@@ -34,6 +34,14 @@ def chunk_views(x: torch.Tensor, plan: PatternPlan, chunk: HeadChunk, kv: bool =
     return dilated_view(x, plan.local_segment, plan.dilation, chunk.offset, a, b)
 
 
+def new_grad_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, *, zeroed: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New compact ``(B, L // r, heads, D)`` tensors in q's dtype for a pattern's dq, dk, dv (``zeroed``: for a
+    kernel that writes only its chunks' heads; a part's other heads must read 0)."""
+    rows, new = q.shape[1] // plan.dilation, torch.zeros if zeroed else torch.empty
+    return tuple(new((x.shape[0], rows, *x.shape[2:]), dtype=q.dtype, device=q.device) for x in (q, k, v))
+
+
 def compact_view(x: torch.Tensor, plan: PatternPlan, h0: int, h1: int) -> torch.Tensor:
     """Heads ``[h0, h1)`` of a compact ``(B, L // r, H, ...)`` tensor as ``(B, S, M, h, ...)``."""
     m = plan.local_segment // plan.dilation

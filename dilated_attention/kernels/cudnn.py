@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ..patterns import HeadChunk, PatternPlan
-from ..views import ALIGN_BYTES, compact_view, dilated_view, packed_view, readable
+from ..views import ALIGN_BYTES, compact_view, dilated_view, new_grad_parts, packed_view, readable
 from ..merge import add_into_, merge_pattern_
 from .pattern import clear_grads_
 
@@ -560,9 +560,8 @@ class CudnnKernel:
         if not self.parts("bwd", plan, q, k, causal=causal, masked=False):
             raise ValueError(f"cudnn kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
                              f"read at two offsets, or not every gradient): call backward_pattern")
-        rows = q.shape[1] // plan.dilation
-        grads = tuple(torch.empty((x.shape[0], rows, *x.shape[2:]), dtype=q.dtype, device=q.device) for x in (q, k, v))
         self._check_backward(q, k, v, plan, False, out, lse, dout)
+        grads = new_grad_parts(q, k, v, plan)
         self._backward_groups((q, k, v, out, lse, dout, *grads), plan, False, causal, scale, None, True)
         return grads
 

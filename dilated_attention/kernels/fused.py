@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..patterns import PatternPlan
+from ..views import new_grad_parts
 
 try:
     import triton
@@ -549,8 +550,8 @@ class FusedKernel:
         if not self.parts("bwd", plan, q, k, causal=causal, masked=key_mask is not None):
             raise ValueError(f"the fused kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
                              f"read at two offsets, epilogue_merge or dkdv=False): call backward_pattern")
-        rows, M = q.shape[1] // plan.dilation, plan.local_segment // plan.dilation
-        grads = tuple(torch.empty((x.shape[0], rows, *x.shape[2:]), dtype=q.dtype, device=q.device) for x in (q, k, v))
+        M = plan.local_segment // plan.dilation
+        grads = new_grad_parts(q, k, v, plan)
         self._pattern_backward(q, k, v, plan, out, lse, dout, grads, tuple(_compact_strides(g, M) for g in grads),
                                False, causal, scale, key_mask, add=False)
         return grads

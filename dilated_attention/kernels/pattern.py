@@ -34,7 +34,7 @@ import torch
 
 from ..merge import accum_dtype, merge_pattern_
 from ..patterns import PatternPlan
-from ..views import chunk_views, compact_view, dilated_view, packed_view
+from ..views import chunk_views, compact_view, dilated_view, new_grad_parts, packed_view
 from .base import BlockKernel
 
 
@@ -115,8 +115,7 @@ class ChunkLoop:
         if not self.parts("bwd", plan, q, k, causal=causal, masked=key_mask is not None):
             raise ValueError(f"pattern {plan.index} leaves no backward parts (a ring, or a kv head read at two "
                              f"offsets): call backward_pattern")
-        rows = q.shape[1] // plan.dilation
-        grads = tuple(torch.zeros((x.shape[0], rows, *x.shape[2:]), dtype=q.dtype, device=q.device) for x in (q, k, v))
+        grads = new_grad_parts(q, k, v, plan, zeroed=True)
         for c, chunk in self._chunk_grads(q, k, v, plan, out, lse, dout, False, causal, scale, key_mask):
             for g, grad, (a, b) in zip(grads, chunk, ((c.h0, c.h1), (c.k0, c.k1), (c.k0, c.k1))):
                 compact_view(g, plan, a, b).copy_(grad)
