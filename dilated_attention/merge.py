@@ -566,6 +566,32 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str |
     return _launch_reason((), tuple(read))
 
 
+def current_raw_stream(index: int) -> int:
+    """Device ``index``'s current CUDA stream as a handle (what Triton's launcher reads too);
+    ``torch.cuda.current_stream`` builds a Python stream object per call: 7 us of host time, measured."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}  # combine tables on the device, by content
+_TABLES_KEPT = 64
+
+
+def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 tensor on ``device``, kept by content: a training loop's parts come back at the
+    same relative addresses step after step (the caching allocator), so a step usually reuses the last
+    step's table instead of a pinned host copy and a transfer (what the kernels read is never written). Kept
+    per stream: the copy is ordered on the stream it was issued on, and so is the freeing of a dropped table."""
+    stream = current_raw_stream(device.index) if device.type == "cuda" else None
+    key = (device, stream, *map(tuple, rows))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.clear()
+        table = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+        table = _TABLES[key] = table.to(device, non_blocking=True)  # pinned: no host wait
+    return table
+
+
 def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted: bool):
     bsz, n, heads, dim = like.shape
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
@@ -585,11 +611,12 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
         wide |= part.out.shape[1] * strides[1] >= INT32_LIMIT
         rows.append([delta, lse_delta, *strides, *(part.lse.stride() if weighted else (0, 0, 0)),
                      part.plan.dilation, *row_divider(part.plan.dilation), *part.plan.head_offsets(heads, part.kv)])
-    table = torch.tensor(rows, dtype=torch.int64, pin_memory=like.is_cuda)
-    table = table.to(like.device, non_blocking=True)  # pinned: no host wait
+    table = _device_table(rows, like.device)
     launch = {} if interpreting() else dict(num_warps=COMBINE_WARPS)
     weights = lse_base  # (unread when summing)
-    with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():
+    # Triton launches on the current device, not the tensors' (entering the guard costs as much as a launch)
+    other_device = like.is_cuda and torch.cuda.current_device() != like.device.index
+    with torch.cuda.device(like.device) if other_device else contextlib.nullcontext():
         if weighted:  # the lse pass: each (row, head)'s merged lse and each part's weight
             slots = len(parts) + (running is not None)  # (the running result's weight is the last slot)
             weights = torch.empty((bsz, slots, n * heads), dtype=torch.float32, device=like.device)

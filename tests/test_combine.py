@@ -321,3 +321,25 @@ def test_row_divider_divides_every_int32_row():
         got = (rows * multiplier) >> shift
         wrong = rows[got != rows // dilation]
         assert wrong.numel() == 0, f"dilation {dilation}: wrong from row {wrong[:1].tolist()}"
+
+
+@needs_kernel
+def test_combine_tables_are_kept_by_content(monkeypatch):
+    """A step whose parts sit where the last step's did reuses its device table; parts elsewhere or in other
+    layouts get their own (the table is keyed by every value in it, so a reused one is never stale)."""
+    monkeypatch.setattr(merge_mod, "_TABLES", {})
+    gen = torch.Generator().manual_seed(23)
+    plans = _plans(4, 4, [8, 16, 32], [1, 2, 4])
+    like = torch.empty(2, N, 4, DIM, dtype=torch.bfloat16, device=DEVICE)
+    first = _result_parts(gen, plans, 4, torch.bfloat16, "contiguous")
+    out, lse = combine_results(None, first, like)
+    assert len(merge_mod._TABLES) == 1
+    again, again_lse = combine_results(None, first, like)
+    assert len(merge_mod._TABLES) == 1 and torch.equal(again, out) and torch.equal(again_lse, lse)
+    other = _result_parts(gen, plans, 4, torch.bfloat16, "transposed")
+    got, got_lse = combine_results(None, other, like)
+    assert len(merge_mod._TABLES) == 2
+    want, want_lse = combine_results(None, [_f64(p) for p in other], like.double())
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(got_lse[fin].double(), want_lse[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), want.to(torch.bfloat16).double(), rtol=2 * 2**-7, atol=1e-6)

@@ -268,3 +268,43 @@ def test_clamped_segment_is_named_as_clamped():
     x = torch.randn(1, 12, 2, 4)
     with pytest.raises(ValueError, match=r"segment_lengths\[0\]=12 \(clamped from 1000 to the sequence length\)"):
         dilated_attention(x, x, x, [1000], [5], pad_to_segments=False)
+
+
+def test_a_schedule_is_reused_only_for_the_same_call(monkeypatch):
+    """Repeated single-device calls reuse their validated plan (``_prepare`` is host time on every step), but
+    only where everything the checks read is the same: a valid call planned first must not let an invalid
+    one through (``True`` equals ``1``, a misaligned view has the shape of an aligned one)."""
+    import dilated_attention.functional as fn
+
+    monkeypatch.setattr(fn, "_SCHEDULES", {})
+    planned = []
+    real = fn._schedule
+    monkeypatch.setattr(fn, "_schedule", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=gen) for _ in range(3))
+    first = dilated_attention(q, k, v, [4, 8], [1, 2])
+    again = dilated_attention(q.clone(), k.clone(), v.clone(), [4, 8], [1, 2])  # new tensors, same properties
+    assert len(planned) == 1 and torch.equal(first, again)
+    with pytest.raises(TypeError, match=r"segment_lengths\[0\] must be an int"):
+        dilated_attention(q, k, v, [4.0, 8], [1, 2])
+    with pytest.raises(TypeError, match=r"dilation_rates\[0\] must be an int, got bool"):
+        dilated_attention(q, k, v, [4, 8], [True, 2])
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        dilated_attention(q, k, v, [4, 8], [1, 2], causal=0)
+    dilated_attention(q, k, v, [4, 8], [1, 2], causal=True)  # another option: planned anew
+    dilated_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, [4, 8], [1, 2])  # other strides
+    assert len(planned) == 6
+    mask = torch.zeros(1, 8, dtype=torch.bool)
+    for _ in range(2):  # a key mask's values are checked on every call
+        dilated_attention(q, k, v, [4, 8], [1, 2], key_padding_mask=mask)
+    assert len(planned) == 8
+
+
+def test_a_kernel_named_by_string_is_one_instance():
+    """Kernels keep per-geometry caches (``cudnn-det``'s cuDNN graphs take about 0.5 s to build): a name must
+    give the same instance on every call, not a fresh one with empty caches."""
+    from dilated_attention.kernels.dispatch import select_kernel
+
+    x = torch.randn(1, 8, 2, 4)
+    for name in ("reference", "sdpa"):
+        assert select_kernel(name, x, x) is select_kernel(name, x, x)

@@ -237,3 +237,22 @@ def test_library_with_mixed_auto_kernel(mix, causal):
     assert_within_rule("out", out, o64, ol, context=ctx)
     for name, g, w, p in zip(("dq", "dk", "dv"), grads, g64, gl):
         assert_within_rule(name, g, w, p, context=ctx)
+
+
+def test_a_pick_is_remembered_per_geometry_only():
+    """``pick`` is asked twice per pattern and direction on every call, so it is remembered; what an
+    implementation's ``supports`` reads (here a unit-stride head dim) keys it, so another layout is asked anew."""
+
+    class UnitStride(Recorder):
+        def supports(self, q, k):
+            self.asked = getattr(self, "asked", 0) + 1
+            return None if q.stride(-1) == 1 else "needs a unit-stride head dim"
+
+    fused, other = Recorder("fused"), UnitStride("cudnn")
+    kern = AutoKernel({"fused": fused, "cudnn": other}, {table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn"})
+    assert kern.pick("fwd", PLANS[0], False, Q, Q) is other
+    assert kern.pick("fwd", PLANS[0], False, Q, Q) is other and other.asked == 1
+    strided = Q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same shape, head dim stride != 1
+    with pytest.warns(UserWarning, match="needs a unit-stride head dim"):
+        assert kern.pick("fwd", PLANS[0], False, strided, strided) is fused
+    assert other.asked == 2 and kern.pick("fwd", PLANS[0], False, Q, Q) is other and other.asked == 2

@@ -201,3 +201,28 @@ def test_through_autograd_matches_fused(causal):
     assert all(torch.equal(x, y) for x, y in zip(a, b)), f"not reproducible (seed {seed})"
     for what, x, y in zip(("out", "dq", "dk", "dv"), a, runs["fused"][0]):
         assert rel_err(x, y) < 2e-2, f"{what}: {rel_err(x, y):.2e} off the fused kernel (seed {seed})"
+
+
+@pytest.mark.skipif(not HAVE_FRONTEND, reason="needs CUDA and nvidia-cudnn-frontend")
+@pytest.mark.parametrize("causal", [False, True])
+def test_raw_pointer_execute_matches_the_mapped_one(monkeypatch, causal):
+    """Graphs run with raw pointers in the graph's uid order where the frontend has that call (1.22), else
+    through ``graph.execute`` with a node -> tensor map: both must bind every tensor to its own node, so
+    forward and backward agree bitwise (swapped operands would not: q, k, v, out, dout differ)."""
+    from dilated_attention.kernels import cudnn_frontend
+
+    seeded("frontend-pointers", causal)
+    args = _bwd_inputs(2, 4, 4, 512, 64, torch.bfloat16, DEVICE, 11)
+    dout, q, k, v = args[:4]
+    results = []
+    for mapped in (False, True):
+        if mapped:
+            monkeypatch.setattr(cudnn_frontend, "_pointer_order", lambda graph, nodes: None)
+        ops = CudnnFrontendOps()
+        out, lse4 = ops.forward(q, k, v, causal=causal, scale=0.1)
+        grads = ops.backward(dout, q, k, v, out, lse4, causal=causal, scale=0.1)
+        raw = not mapped and callable(getattr(cudnn_frontend._frontend().pygraph, "_execute_with_ptrs", None))
+        assert [entry[3] is not None for entry in ops._graphs.values()] == [raw, raw]  # (forward, backward)
+        results.append((out, lse4, *grads))
+    for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), f"{what} differs between raw-pointer and mapped execution"

@@ -37,9 +37,11 @@ import warnings
 import torch
 
 from ..patterns import PatternPlan
+from ..views import ALIGN_BYTES
 from .base import PatternKernel
 
 DIRECTIONS = ("fwd", "bwd", "bwd-any")
+_PICKS_KEPT = 1024
 
 
 # a forward entry's stand-in where its implementation cannot run here: the same cuDNN kernel (cudnn-det's
@@ -103,6 +105,7 @@ class AutoKernel:
         self.impls, self.choices = impls, dict(choices)
         self._rows = _by_rows(self.choices)
         self._skipped: set[tuple[str, str]] = set()
+        self._picks: dict[tuple, PatternKernel] = {}
         self.key_masks = impls["fused"].key_masks
         self.allow_nondeterministic = allow_nondeterministic
         self.deterministic_backward = not allow_nondeterministic or all(
@@ -113,9 +116,21 @@ class AutoKernel:
 
     def pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor,
              masked: bool = False) -> PatternKernel:
-        """The implementation for this pattern and direction (``"fwd"`` or ``"bwd"``); masked work runs fused."""
+        """The implementation for this pattern and direction (``"fwd"`` or ``"bwd"``); masked work runs fused.
+        Asked twice per pattern and direction on every call: remembered per geometry (what ``supports`` reads)."""
         if masked:
             return self.impls["fused"]
+        key = (direction, plan, causal, q.device, q.dtype, q.shape, q.stride(), q.data_ptr() % ALIGN_BYTES,
+               k.device, k.dtype, k.shape, k.stride(), k.data_ptr() % ALIGN_BYTES)
+        impl = self._picks.get(key)
+        if impl is None:
+            if len(self._picks) >= _PICKS_KEPT:
+                self._picks.clear()
+            impl = self._picks[key] = self._pick(direction, plan, causal, q, k)
+        return impl
+
+    def _pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor
+              ) -> PatternKernel:
         dim, dtype, rows = q.shape[-1], q.dtype, plan.local_segment // plan.dilation
         name = None
         if direction == "bwd" and self.allow_nondeterministic:

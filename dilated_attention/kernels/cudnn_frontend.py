@@ -30,6 +30,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..merge import current_raw_stream
 from .cudnn import CudnnOps
 
 WORKSPACE_LIMIT = 2 << 30  # bytes per call; measured: 2 GiB costs 10% against an unsplit full-attention call
@@ -68,6 +69,17 @@ def split_plan(batch: int, heads: int, rows: int, dim: int, limit: int) -> tuple
         return max(1, min(batch, limit // per_item)), rows
     tiles = max(1, limit // workspace_estimate(1, heads, rows, _KEY_TILE, dim))
     return 1, min(rows, tiles * _KEY_TILE)
+
+
+def _pointer_order(graph, nodes) -> list[int] | None:
+    """The positions of ``nodes``' tensors in the order the graph's raw-pointer execute takes them (its uids
+    sorted), or ``None`` on a frontend without it (then ``graph.execute`` maps tensors by node)."""
+    needed = ("_execute_with_ptrs", "_get_variant_pack_uids_sorted")  # (frontend 1.22 has them, 1.16 not)
+    if not all(callable(getattr(graph, name, None)) for name in needed):
+        return None
+    position = {node.get_uid(): i for i, node in enumerate(nodes)}
+    order = [position.get(uid) for uid in graph._get_variant_pack_uids_sorted()]
+    return order if None not in order and len(order) == len(nodes) else None
 
 
 class CudnnFrontendOps(CudnnOps):
@@ -127,24 +139,30 @@ class CudnnFrontendOps(CudnnOps):
         self._execute((q, k, v, out, dout, lse4, dq, dk, dv), "backward", causal, scale)
 
     def _execute(self, tensors, direction: str, causal: bool, scale: float) -> None:
-        """Run the ``direction`` graph on ``tensors`` (its inputs, then its outputs), built once per geometry."""
+        """Run the ``direction`` graph on ``tensors`` (its inputs, then its outputs), built once per geometry.
+        A LongNet forward is host-bound (ten of these calls and a combine issue slower than the GPU runs them):
+        raw data pointers in the graph's own order, no Python stream object, no detached copies."""
         cudnn = _frontend()
-        # the frontend reads tensors through DLPack, which refuses ones that require grad (autograd's inputs)
-        tensors = tuple(x.detach() for x in tensors)
-        device = tensors[0].device
-        graph, nodes, workspace_bytes = self._graph(cudnn, tensors, direction, causal, scale)
-        handle = self._handles[device.index]
-        stream = torch.cuda.current_stream(device).cuda_stream
-        if self._streams.get(device.index) != stream:  # (set once per stream: it costs a call per launch)
+        q = tensors[0]
+        index = q.device.index
+        graph, nodes, workspace_bytes, order = self._graph(cudnn, tensors, direction, causal, scale)
+        handle = self._handles[index]
+        stream = current_raw_stream(index)
+        if self._streams.get(index) != stream:  # (set once per stream: it costs a call per launch)
             cudnn.set_stream(handle=handle, stream=stream)
-            self._streams[device.index] = stream
+            self._streams[index] = stream
         # no workspace (most forwards): no allocation, a null pointer
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else 0
-        graph.execute(dict(zip(nodes, tensors)), workspace, handle=handle)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device) if workspace_bytes else None
+        if order is not None:
+            graph._execute_with_ptrs([tensors[i].data_ptr() for i in order],
+                                     0 if workspace is None else workspace.data_ptr(), handle)
+        else:  # (as a graph's build, older frontends' execute may read tensors through DLPack)
+            graph.execute(dict(zip(nodes, (x.detach() for x in tensors))),
+                          0 if workspace is None else workspace, handle=handle)
 
     def _graph(self, cudnn, tensors, direction: str, causal: bool, scale: float):
         q = tensors[0]
-        key = (q.device.index, direction, causal, scale, *((x.dtype, tuple(x.shape), x.stride()) for x in tensors))
+        key = (q.device.index, direction, causal, scale, *((x.dtype, x.shape, x.stride()) for x in tensors))
         hit = self._graphs.get(key)
         if hit is not None:
             self._graphs.move_to_end(key)
@@ -156,12 +174,12 @@ class CudnnFrontendOps(CudnnOps):
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=self._handles[q.device.index])
         if direction == "forward":  # (q, k, v) -> (out, stats: the natural-log lse, (B, h, M, 1) fp32)
-            inputs = [graph.tensor_like(x) for x in tensors[:3]]
+            inputs = [graph.tensor_like(x.detach()) for x in tensors[:3]]  # (DLPack refuses grad-requiring ones)
             results = graph.sdpa(q=inputs[0], k=inputs[1], v=inputs[2], generate_stats=True, attn_scale=scale,
                                  use_causal_mask=causal)
             types = (io, cudnn.data_type.FLOAT)
         else:  # (q, k, v, out, dout, lse) -> (dq, dk, dv)
-            inputs = [graph.tensor_like(x) for x in tensors[:6]]
+            inputs = [graph.tensor_like(x.detach()) for x in tensors[:6]]
             results = graph.sdpa_backward(q=inputs[0], k=inputs[1], v=inputs[2], o=inputs[3], dO=inputs[4],
                                           stats=inputs[5], attn_scale=scale, use_causal_mask=causal,
                                           use_deterministic_algorithm=True)
@@ -177,7 +195,8 @@ class CudnnFrontendOps(CudnnOps):
         except Exception as exc:  # the frontend raises its own types: a refusal is a RuntimeError here
             raise RuntimeError(f"cuDNN frontend refused the {direction} for q {tuple(q.shape)} "
                                f"strides {q.stride()}: {exc}") from exc
-        entry = (graph, [*inputs, *results], graph.get_workspace_size())
+        nodes = [*inputs, *results]
+        entry = (graph, nodes, graph.get_workspace_size(), _pointer_order(graph, nodes))
         self._graphs[key] = entry
         if len(self._graphs) > _GRAPHS_KEPT:
             self._graphs.popitem(last=False)

@@ -14,6 +14,7 @@ raises ``ValueError`` with the reason when it cannot run. Masked calls (``key_pa
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -29,6 +30,7 @@ _warned: set[str] = set()
 _auto_kernels: dict[tuple[str, bool], PatternKernel] = {}
 
 
+@functools.cache  # one instance per name: a kernel keeps per-geometry caches (cudnn-det's graphs take 0.5 s to build)
 def _make(name: str) -> PatternKernel:
     if name == "reference":
         return ChunkLoop(ReferenceKernel())
@@ -71,23 +73,23 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
                   masked: bool = False) -> PatternKernel:
     """The pattern-level kernel to run (a ``BlockKernel`` object is wrapped in ``ChunkLoop``);
     ``masked``: the call has key masks, so the kernel must take them."""
-    if isinstance(kernel, PatternKernel):
+    if isinstance(kernel, str):  # (first: a Protocol isinstance check costs 20 us)
+        if kernel not in KERNEL_NAMES:
+            raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")
+        if kernel == "auto":
+            return _auto(q, k, masked)
+        chosen = _make(kernel)
+    elif isinstance(kernel, PatternKernel):
         chosen = kernel
     elif isinstance(kernel, BlockKernel):
         chosen = ChunkLoop(kernel)
-    elif not isinstance(kernel, str):
+    else:
         missing = [m for m in PATTERN_KERNEL_MEMBERS if not hasattr(kernel, m)]  # (for the message only)
         raise TypeError(
             f"kernel must be one of {KERNEL_NAMES}, a BlockKernel or a PatternKernel, got {type(kernel).__name__}"
             + (f" (as a PatternKernel it lacks {missing}; parts/backward_pattern_parts are new in this release, "
                f"kernels/base.py)" if hasattr(kernel, "forward_pattern") else "")
         )
-    elif kernel not in KERNEL_NAMES:
-        raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")
-    elif kernel == "auto":
-        return _auto(q, k, masked)
-    else:
-        chosen = _make(kernel)
     reason = chosen.supports(q, k)
     if reason is None and masked and not chosen.key_masks:
         reason = "it takes no key mask (key_padding_mask, cu_seqlens or internal padding); use 'fused' or 'reference'"
