@@ -410,6 +410,8 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
 
 _SCHEDULES: dict[tuple, _Schedule] = {}
 _SCHEDULES_KEPT = 256
+# environment the kernel choice reads (auto's nondeterministic entries; the fused kernel on CPU tensors)
+_KERNEL_CHOICE_ENV = ("DILATED_ATTENTION_NONDETERMINISTIC", "TRITON_INTERPRET")
 
 
 def _schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tuple | None:
@@ -417,7 +419,8 @@ def _schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tu
     mask or documents: their values; debug mode: it records each call). Validating and planning a call costs
     about 0.2 ms of host time, and a LongNet forward is host-bound: a training loop's repeated calls reuse the
     schedule. Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
-    property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment)."""
+    property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment), and
+    the environment variables the kernel choice reads."""
     if options["key_padding_mask"] is not None or options["cu_seqlens"] is not None or _debug.enabled():
         return None
     # (tensor subclasses and torch.func's wrapped tensors, which have no storage: planned every time)
@@ -426,7 +429,8 @@ def _schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tu
     try:
         key = (tuple((type(x), x) for x in segment_lengths), tuple((type(x), x) for x in dilation_rates),
                *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in (q, k, v)),
-               *((name, type(value), value) for name, value in options.items()))
+               *((name, type(value), value) for name, value in options.items()),
+               *(os.environ.get(name) for name in _KERNEL_CHOICE_ENV))
         hash(key)
     except TypeError:  # not iterable, or an unhashable kernel object: plan it every time
         return None

@@ -277,6 +277,7 @@ def test_a_schedule_is_reused_only_for_the_same_call(monkeypatch):
     import dilated_attention.functional as fn
 
     monkeypatch.setattr(fn, "_SCHEDULES", {})
+    monkeypatch.delenv("DILATED_ATTENTION_NONDETERMINISTIC", raising=False)
     planned = []
     real = fn._schedule
     monkeypatch.setattr(fn, "_schedule", lambda *a, **kw: planned.append(1) or real(*a, **kw))
@@ -294,10 +295,14 @@ def test_a_schedule_is_reused_only_for_the_same_call(monkeypatch):
     dilated_attention(q, k, v, [4, 8], [1, 2], causal=True)  # another option: planned anew
     dilated_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, [4, 8], [1, 2])  # other strides
     assert len(planned) == 6
+    monkeypatch.setenv("DILATED_ATTENTION_NONDETERMINISTIC", "1")  # the kernel choice reads it: planned anew
+    dilated_attention(q, k, v, [4, 8], [1, 2])
+    assert len(planned) == 7
+    monkeypatch.delenv("DILATED_ATTENTION_NONDETERMINISTIC")
     mask = torch.zeros(1, 8, dtype=torch.bool)
     for _ in range(2):  # a key mask's values are checked on every call
         dilated_attention(q, k, v, [4, 8], [1, 2], key_padding_mask=mask)
-    assert len(planned) == 8
+    assert len(planned) == 9
 
 
 def test_a_kernel_named_by_string_is_one_instance():
