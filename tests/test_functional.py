@@ -313,3 +313,32 @@ def test_a_kernel_named_by_string_is_one_instance():
     x = torch.randn(1, 8, 2, 4)
     for name in ("reference", "sdpa"):
         assert select_kernel(name, x, x) is select_kernel(name, x, x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams are CUDA streams")
+@pytest.mark.parametrize("kernel", ["auto", "fused"])
+def test_causal_side_streams_change_no_bit(monkeypatch, kernel):
+    """Causal local patterns run on side streams (``ring._SideStreams``): each writes tensors of its own, so
+    forward and gradients must equal the one-stream run bitwise, run after run, also when the caller's
+    stream is not the default one and allocates right after the call."""
+    import dilated_attention.ring as ring_mod
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v, g = (torch.randn(2, 4096, 8, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for _ in range(4))
+    segs, rates = [512, 1024, 2048, 4096], [1, 2, 4, 8]
+    runs = []
+    for streams in (1, 2, 1, 2):
+        monkeypatch.setattr(ring_mod, "CAUSAL_PART_STREAMS", streams)
+        monkeypatch.setattr(ring_mod, "_STREAM_POOLS", {})
+        caller = torch.cuda.Stream()
+        caller.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(caller):
+            got = _run(lambda *a: dilated_attention(*a, segs, rates, causal=True, kernel=kernel), q, k, v, g)
+            junk = [torch.full_like(x, float("nan")) for x in got]  # reuses freed memory on the caller's stream
+        torch.cuda.current_stream().wait_stream(caller)
+        runs.append([x.clone() for x in got])
+        del junk
+    for other in runs[1:]:
+        for what, a, b in zip(("out", "dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), f"{what} differs with side streams"
