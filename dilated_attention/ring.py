@@ -20,6 +20,9 @@ the accumulator for that block is still in flight, then waits, adds and sends
 it on, so both exchanges overlap compute. After ``G`` hops every accumulator is
 home. With no backend (single device) every pattern is local: same code.
 
+Causal local patterns run on two side streams (``_SideStreams``: the tails of their small calls overlap),
+joined before the combine; each writes its own parts, so no bit depends on it.
+
 Key masks (padding, packed documents) cover the whole sequence on every rank (a
 few bytes per token, gathered once per call): a step reads the slice of the
 block it holds, so masks never travel round the ring.
