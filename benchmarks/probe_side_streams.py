@@ -4,7 +4,10 @@ spread over 2 and 4 side streams, where the tails of small calls overlap. torch'
 
     python benchmarks/probe_side_streams.py    # results/side_streams_probe_h200_session14.log
 """
-import statistics, torch
+import torch
+
+from bench_kernel import timed
+
 dev = torch.device("cuda")
 M, D = 2048, 128
 calls = [(16, 16)] + [(8, 8)] * 2 + [(4, 4)] * 4 + [(8, 2)] * 2 + [(16, 1)]
@@ -36,13 +39,10 @@ def run(fn, causal, nstreams):
             fn(i, causal)
         e = torch.cuda.Event(); e.record(s); ends.append(e)
     for e in ends: main.wait_event(e)
-def wall(f, reps=30):
-    for _ in range(5): f()
-    torch.cuda.synchronize(); r = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); f(); b.record(); b.synchronize(); r.append(a.elapsed_time(b))
-    return statistics.median(r)
+def wall(f):
+    return timed(f, 5, 30)
+
+
 for causal in (False, True):
     for name, fn in (("fwd", fwd), ("bwd", bwd)):
         res = {n: wall(lambda: run(fn, causal, n)) for n in (1, 2, 4)}
