@@ -32,9 +32,11 @@ from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_seq
                             sequence_to_heads_backward)
 from .kernels.base import BlockKernel, PatternKernel
 from .kernels.dispatch import select_kernel
+from .memo import remember, typed
 from .merge import accum_dtype
 from .patterns import PatternPlan, hybrid_team_size, padded_length, plan_patterns
 from .ring import RingCall, RingLayout, ring_backward, ring_forward
+from .views import layout_key
 
 STRATEGIES = ("auto", "ring", "head", "hybrid")
 
@@ -427,9 +429,8 @@ def _schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tu
     if not all(type(t) is torch.Tensor for t in (q, k, v)) or torch._C._are_functorch_transforms_active():
         return None
     try:
-        key = (tuple((type(x), x) for x in segment_lengths), tuple((type(x), x) for x in dilation_rates),
-               *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in (q, k, v)),
-               *((name, type(value), value) for name, value in options.items()),
+        key = (typed(segment_lengths), typed(dilation_rates), *map(layout_key, (q, k, v)),
+               *((name, typed(value)) for name, value in options.items()),
                *(os.environ.get(name) for name in _KERNEL_CHOICE_ENV))
         hash(key)
     except TypeError:  # not iterable, or an unhashable kernel object: plan it every time
@@ -452,9 +453,7 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
         if spec is None:
             spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=None, **options)
             if key is not None:
-                if len(_SCHEDULES) >= _SCHEDULES_KEPT:
-                    _SCHEDULES.clear()
-                _SCHEDULES[key] = spec
+                remember(_SCHEDULES, key, spec, _SCHEDULES_KEPT)
         return spec, 0
     try:
         spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)

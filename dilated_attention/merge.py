@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.fused import interpreting, triton  # (Triton or None: the fused kernel's import of it)
+from .memo import remember
 from .patterns import PatternPlan
 from .views import chunk_views, compact_view, region_views
 
@@ -294,10 +295,8 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
            part_out.stride(), *lse_strides)
     plan = _LAUNCHES.get(key)
     if plan is None:
-        if len(_LAUNCHES) >= _LAUNCHES_KEPT:
-            _LAUNCHES.clear()
-        plan = _LAUNCHES[key] = _launch_plan(out.shape, out.stride(), part_out.stride(), *lse_strides, fresh,
-                                             weighted)
+        plan = remember(_LAUNCHES, key, _launch_plan(out.shape, out.stride(), part_out.stride(), *lse_strides, fresh,
+                                                     weighted), _LAUNCHES_KEPT)
     ints, meta, grid = plan
     fn = _jitted(_JIT, merge_kernel)
     args = (out, lse if weighted else out, part_out, part_lse if weighted else part_out, *ints)
@@ -585,10 +584,8 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     key = (device, stream, *map(tuple, rows))
     table = _TABLES.get(key)
     if table is None:
-        if len(_TABLES) >= _TABLES_KEPT:
-            _TABLES.clear()
-        table = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-        table = _TABLES[key] = table.to(device, non_blocking=True)  # pinned: no host wait
+        host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+        table = remember(_TABLES, key, host.to(device, non_blocking=True), _TABLES_KEPT)  # pinned: no host wait
     return table
 
 

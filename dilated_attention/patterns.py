@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .memo import remember, typed
+
 MODES = ("longnet", "grouped")
 HEAD_OFFSET_RULES = ("spread", "torchscale")
 
@@ -258,17 +260,12 @@ def plan_patterns(
     args = (segment_lengths, dilation_rates, seq_len, local_len, num_heads, num_kv_heads, mode, head_offsets,
             head_start, total_heads)
     try:  # keyed with each value's type: 2048.0 must still be refused where 2048 was planned
-        key = tuple(("sequence", tuple((type(x), x) for x in a)) if isinstance(a, (list, tuple)) else (type(a), a)
-                    for a in args)
+        key = tuple(typed(a) for a in args)
         hash(key)
     except TypeError:  # unhashable: planning raises the clear error
         return _plan_patterns(*args)
     hit = _PLANS.get(key)
-    if hit is None:
-        if len(_PLANS) >= _PLANS_KEPT:
-            _PLANS.clear()
-        hit = _PLANS[key] = _plan_patterns(*args)
-    return hit
+    return hit if hit is not None else remember(_PLANS, key, _plan_patterns(*args), _PLANS_KEPT)
 
 
 _PLANS: dict[tuple, tuple[PatternPlan, ...]] = {}

@@ -30,7 +30,6 @@ block it holds, so masks never travel round the ring.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from dataclasses import dataclass
 
@@ -154,7 +153,13 @@ class _SideStreams:
     parts are handed to the caller's stream (``record_stream``): the allocator then keeps their memory until
     the caller's stream is done with them."""
 
-    def __init__(self, q: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, causal: bool) -> None:
+        """Side streams for a call on ``q`` if it is causal on CUDA (not under CUDA-graph capture); else none,
+        and ``issue`` runs inline."""
+        self.pool: tuple[torch.cuda.Stream, ...] = ()
+        self.turn = 0
+        if not (causal and q.is_cuda and CAUSAL_PART_STREAMS > 1) or torch.cuda.is_current_stream_capturing():
+            return
         self.main = torch.cuda.current_stream(q.device)
         index = q.device.index
         if index not in _STREAM_POOLS:
@@ -162,23 +167,17 @@ class _SideStreams:
         self.pool = _STREAM_POOLS[index]
         for side in self.pool:  # the inputs were made on the caller's stream
             side.wait_stream(self.main)
-        self.turn = 0
 
-    @staticmethod
-    def open(q: torch.Tensor, causal: bool) -> "_SideStreams | None":
-        if not (causal and q.is_cuda and CAUSAL_PART_STREAMS > 1) or torch.cuda.is_current_stream_capturing():
-            return None
-        return _SideStreams(q)
-
-    def next(self) -> torch.cuda.StreamContext:
-        side = self.pool[self.turn % len(self.pool)]
+    def issue(self, fn, *args, **kwargs) -> tuple[torch.Tensor, ...]:
+        """``fn``'s tensors, computed on the next side stream and handed to the caller's stream."""
+        if not self.pool:
+            return fn(*args, **kwargs)
+        with torch.cuda.stream(self.pool[self.turn % len(self.pool)]):
+            result = fn(*args, **kwargs)
         self.turn += 1
-        return torch.cuda.stream(side)
-
-    def hand_over(self, *tensors: torch.Tensor | None) -> None:
-        for t in tensors:
-            if t is not None:
-                t.record_stream(self.main)
+        for t in result:
+            t.record_stream(self.main)
+        return result
 
     def join(self) -> None:
         for side in self.pool:
@@ -214,15 +213,11 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
     acc = accum_dtype(q.dtype)
     running, parts = None, []
-    sides = _SideStreams.open(q, ring.causal)
+    sides = _SideStreams(q, ring.causal)
     for plan in (p for p in ring.plans if p.chunks):  # (no local head may use a pattern: grouped mode, head-parallel)
         if _parts(ring, "fwd", plan, q, k, own):
-            with sides.next() if sides is not None else contextlib.nullcontext():
-                result = ring.kernel.forward_pattern(q, k, v, plan, packed=False, causal=ring.causal,
-                                                     scale=ring.scale, **own)
-            if sides is not None:
-                sides.hand_over(*result)
-            parts.append(Part(plan, *result))
+            parts.append(Part(plan, *sides.issue(ring.kernel.forward_pattern, q, k, v, plan, packed=False,
+                                                 causal=ring.causal, scale=ring.scale, **own)))
             continue
         fresh = running is None and plan.covers_all(q.shape[2], k.shape[2])
         if running is None:
@@ -236,8 +231,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
         else:
             _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal, ring.scale,
                           *running)
-    if sides is not None:
-        sides.join()
+    sides.join()
     return combine_results(running, parts, q)
 
 
@@ -250,14 +244,11 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
     acc = accum_dtype(q.dtype)
     running, parts = None, ([], [], [])
-    sides = _SideStreams.open(q, ring.causal)
+    sides = _SideStreams(q, ring.causal)
     for plan in (p for p in ring.plans if p.chunks):
         if _parts(ring, "bwd", plan, q, k, own):
-            with sides.next() if sides is not None else contextlib.nullcontext():
-                grads = ring.kernel.backward_pattern_parts(q, k, v, plan, out, lse, dout, causal=ring.causal,
-                                                           scale=ring.scale, **own)
-            if sides is not None:
-                sides.hand_over(*grads)
+            grads = sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
+                                causal=ring.causal, scale=ring.scale, **own)
             for held, grad, kv in zip(parts, grads, (False, True, True)):
                 held.append(Part(plan, grad, kv=kv))
             continue
@@ -271,7 +262,6 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
         else:
             _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, ring.call, ring.kernel,
                            ring.causal, ring.scale, *running)
-    if sides is not None:
-        sides.join()
+    sides.join()
     return tuple(sum_grads(running[i] if running is not None else None, parts[i], x)
                  for i, x in enumerate((q, k, v)))

@@ -118,6 +118,12 @@ def unpack_add_(dk: torch.Tensor, dv: torch.Tensor, buf: torch.Tensor, plan: Pat
 ALIGN_BYTES = 16  # what fused attention ops (cuDNN's TMA loads, flash's vector loads) assume of addresses and strides
 
 
+def layout_key(t: torch.Tensor) -> tuple:
+    """What the checks, the kernel choice and the call plans read of a tensor besides its values: shape,
+    strides, dtype, device and address alignment (``readable``)."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % ALIGN_BYTES)
+
+
 def readable(v: torch.Tensor) -> bool:
     """Whether a fused attention op (cuDNN, torch's flash) can read this view in place: unit-stride last
     dim, every other stride (of a dim longer than 1) a positive multiple of 16 bytes, 16-byte aligned start."""

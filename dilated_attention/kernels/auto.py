@@ -37,7 +37,8 @@ import warnings
 import torch
 
 from ..patterns import PatternPlan
-from ..views import ALIGN_BYTES
+from ..memo import remember
+from ..views import layout_key
 from .base import PatternKernel
 
 DIRECTIONS = ("fwd", "bwd", "bwd-any")
@@ -120,14 +121,10 @@ class AutoKernel:
         Asked twice per pattern and direction on every call: remembered per geometry (what ``supports`` reads)."""
         if masked:
             return self.impls["fused"]
-        key = (direction, plan, causal, q.device, q.dtype, q.shape, q.stride(), q.data_ptr() % ALIGN_BYTES,
-               k.device, k.dtype, k.shape, k.stride(), k.data_ptr() % ALIGN_BYTES)
+        key = (direction, plan, causal, layout_key(q), layout_key(k))
         impl = self._picks.get(key)
-        if impl is None:
-            if len(self._picks) >= _PICKS_KEPT:
-                self._picks.clear()
-            impl = self._picks[key] = self._pick(direction, plan, causal, q, k)
-        return impl
+        return impl if impl is not None else remember(self._picks, key, self._pick(direction, plan, causal, q, k),
+                                                      _PICKS_KEPT)
 
     def _pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor
               ) -> PatternKernel:

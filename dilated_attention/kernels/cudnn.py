@@ -48,7 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from ..patterns import HeadChunk, PatternPlan
-from ..views import ALIGN_BYTES, compact_view, dilated_view, new_grad_parts, packed_view, readable
+from ..memo import remember
+from ..views import ALIGN_BYTES, compact_view, dilated_view, layout_key, new_grad_parts, packed_view, readable
 from ..merge import add_into_, merge_pattern_
 from .pattern import clear_grads_
 
@@ -152,7 +153,7 @@ _REFUSED: set[tuple] = set()
 
 
 def _config_key(q, k, plan: PatternPlan, packed: bool, causal: bool) -> tuple:
-    return (plan, packed, causal, q.dtype, tuple(q.shape), q.stride(), tuple(k.shape), k.stride())
+    return (plan, packed, causal, layout_key(q), layout_key(k))
 
 
 def _refuse(key: tuple, exc: BaseException) -> None:
@@ -348,28 +349,15 @@ class _ForwardCall:
     into: _ViewSpec | None  # the out target as a view an op may write in place (``_flat_target``)
 
 
-def _geometry_key(tensors) -> tuple:
-    """What a call plan depends on: shapes, strides, dtypes and address alignment (``readable``)."""
-    return tuple((tuple(x.shape), x.stride(), x.dtype, x.data_ptr() % ALIGN_BYTES) for x in tensors)
-
-
 _BACKWARD_CALLS: dict[tuple, tuple[_BackwardCall, ...]] = {}
 _PLAN_CACHE_SIZE = 512
-
-
-def _remember(cache: dict, key: tuple, calls: tuple) -> tuple:
-    """Store a call plan (a full cache starts over: geometries seen in training are few)."""
-    if len(cache) >= _PLAN_CACHE_SIZE:
-        cache.clear()
-    cache[key] = calls
-    return calls
 
 
 def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, compact: bool
                     ) -> tuple[_BackwardCall, ...]:
     """The calls of group ``g`` on ``tensors = (q, k, v, out, lse, dout, dq, dk, dv)``, cached by geometry;
     ``compact``: the gradients are a pattern's compact parts, else full-layout accumulators."""
-    key = (plan, g, kv, same, compact, _geometry_key(tensors))
+    key = (plan, g, kv, same, compact, *map(layout_key, tensors))
     hit = _BACKWARD_CALLS.get(key)
     if hit is not None:
         return hit
@@ -396,7 +384,7 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, 
             _ViewSpec.of(f, index[x], tensors) for f, x in zip(flat, ("dq", "dk", "dv")))
         calls.append(_BackwardCall(tuple(tsz), operands, _ViewSpec.of(sub["lse"], index["lse"], tensors), targets,
                                    into))
-    return _remember(_BACKWARD_CALLS, key, tuple(calls))
+    return remember(_BACKWARD_CALLS, key, tuple(calls), _PLAN_CACHE_SIZE)
 
 
 _FORWARD_CALLS: dict[tuple, tuple[_ForwardCall, ...]] = {}
@@ -405,7 +393,7 @@ _FORWARD_CALLS: dict[tuple, tuple[_ForwardCall, ...]] = {}
 def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple[_ForwardCall, ...]:
     """The forward calls of ``groups`` on ``tensors = (q, k, v)``, cached by geometry; the targets are
     views of contiguous buffers of ``shapes`` (planned on meta tensors)."""
-    key = (plan, groups, kv, _geometry_key(tensors))
+    key = (plan, groups, kv, *map(layout_key, tensors))
     hit = _FORWARD_CALLS.get(key)
     if hit is not None:
         return hit
@@ -426,7 +414,7 @@ def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple
             flat = _flat_target(_out_view(sub["out"], nt), nt)
             calls.append(_ForwardCall(tuple(tsz), operands, targets, g, tuple(merged),
                                       None if flat is None else _ViewSpec.of(flat, 3, every)))
-    return _remember(_FORWARD_CALLS, key, tuple(calls))
+    return remember(_FORWARD_CALLS, key, tuple(calls), _PLAN_CACHE_SIZE)
 
 
 class CudnnKernel:
