@@ -1,18 +1,20 @@
-# Sourced by demo.sh and test.sh: create .venv and install the package with every
-# backend. Idempotent: re-installs only when pyproject.toml changed.
+# Sourced by demo.sh and test.sh: create .venv and install the package with every backend, at the
+# tested versions (launch/constraints.txt). Idempotent: re-installs only when pyproject.toml or the
+# constraints changed.
 set -euo pipefail
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # shellcheck disable=SC1091
 source .venv/bin/activate
-stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+stamp=".venv/.installed-$(cat pyproject.toml launch/constraints.txt | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  echo "[setup] installing into .venv (first run takes a minute or two)..."
+  echo "[setup] installing into .venv at the tested versions (first run takes a minute or two)..."
   # torch first, or deepspeed/fairscale pull in a multi-GB CUDA build on CPU machines.
   python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
   extras=all  # a GPU machine also gets the cuDNN frontend (kernel "cudnn-det")
   python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" && extras=all,cudnn
-  python -m pip install -q -e ".[$extras]"
+  python -m pip install -q -c launch/constraints.txt -e ".[$extras]"
+  rm -f .venv/.installed-*
   touch "$stamp"
 fi
 export DS_ACCELERATOR=${DS_ACCELERATOR:-$(python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
