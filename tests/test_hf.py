@@ -9,7 +9,7 @@
   left and right padding equal sdpa on the real tokens;
 * one 2-rank gloo spawn: sequence-parallel logits and summed gradients equal the
   single-process ones (packed documents with their global offsets too; without
-  them every rank raises), and ``examples/hf_llama_train.py``'s training losses
+  them every rank raises), and ``launch/hf_llama_train.py``'s training losses
   equal single-process training step for step (``--packed`` too).
 """
 
@@ -269,7 +269,7 @@ def test_unsupported_features_raise():
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("hf_llama_train", os.path.join(ROOT, "examples", "hf_llama_train.py"))
+    spec = importlib.util.spec_from_file_location("hf_llama_train", os.path.join(ROOT, "launch", "hf_llama_train.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -31,7 +31,7 @@ def _run(args: list[str], env: dict[str, str] | None = None, timeout: int = 240)
     ("launch/train_lm.py", ["--seq-len", "100"],
      "train_lm.py: error: --segments/--rates: sequence length 100 must be divisible by segment_lengths[0]=32"),
     ("launch/train_lm.py", ["--sp-size", "3"], "train_lm.py: error: --sp-size (3) must divide the number of ranks (4)"),
-    ("examples/hf_llama_train.py", ["--seq-len", "130"],
+    ("launch/hf_llama_train.py", ["--seq-len", "130"],
      "hf_llama_train.py: error: --seq-len (130) must be divisible by the number of ranks (4)"),
 ])
 def test_bad_argument_is_one_line_from_rank_zero(script, args, message):

@@ -3,7 +3,7 @@
 # under torchrun/NCCL (sequence parallel: the same global length, and a length that grows with the
 # GPUs), and fp32 losses of one GPU vs all GPUs (must agree). Needs >= 2 GPUs for the parallel part.
 #
-#   OUT=/tmp/hf bash examples/hf_gpu_run.sh     # writes $OUT/hf_gpu.log and $OUT/hf_gpu_summary.txt
+#   OUT=/tmp/hf bash launch/hf_gpu_run.sh     # writes $OUT/hf_gpu.log and $OUT/hf_gpu_summary.txt
 #
 # Offline machines: transformers and its dependencies install from .whl-hf/ (pip download
 # transformers --python-version 3.12 --only-binary=:all: -d .whl-hf), einops from .whl/.
@@ -35,17 +35,17 @@ run() {  # run <label> <command...>: log everything, keep the "done:" line
 
 : >"$SUMMARY"
 BIG="--device cuda --dtype bf16 --steps 8 --batch 1 --vocab 32000 --hidden 1024 --heads 16 --kv-heads 4 --layers 4"
-run "1 GPU, dilated, N=32768" python examples/hf_llama_train.py $BIG --seq-len 32768 --segments 2048,8192,32768 --rates 1,2,4
-run "1 GPU, sdpa (dense causal), N=32768" python examples/hf_llama_train.py $BIG --seq-len 32768 --attn sdpa
+run "1 GPU, dilated, N=32768" python launch/hf_llama_train.py $BIG --seq-len 32768 --segments 2048,8192,32768 --rates 1,2,4
+run "1 GPU, sdpa (dense causal), N=32768" python launch/hf_llama_train.py $BIG --seq-len 32768 --attn sdpa
 if [ "$NGPU" -ge 2 ]; then
   TR="torchrun --standalone --nproc_per_node=$NGPU"
-  run "$NGPU GPUs, dilated SP, N=32768" $TR examples/hf_llama_train.py $BIG --seq-len 32768 --segments 2048,8192,32768 --rates 1,2,4
+  run "$NGPU GPUs, dilated SP, N=32768" $TR launch/hf_llama_train.py $BIG --seq-len 32768 --segments 2048,8192,32768 --rates 1,2,4
   S=$((32768 * NGPU))
-  run "$NGPU GPUs, dilated SP, N=$S" $TR examples/hf_llama_train.py $BIG --seq-len $S --segments 2048,8192,$S --rates 1,2,4
+  run "$NGPU GPUs, dilated SP, N=$S" $TR launch/hf_llama_train.py $BIG --seq-len $S --segments 2048,8192,$S --rates 1,2,4
   # fp32: one GPU and all GPUs must give the same losses, step for step
   SMALL="--device cuda --dtype fp32 --steps 5 --seq-len 4096 --segments 512,4096 --rates 1,2"
-  python examples/hf_llama_train.py $SMALL >"$OUT/one.txt" 2>&1
-  $TR examples/hf_llama_train.py $SMALL >"$OUT/many.txt" 2>&1
+  python launch/hf_llama_train.py $SMALL >"$OUT/one.txt" 2>&1
+  $TR launch/hf_llama_train.py $SMALL >"$OUT/many.txt" 2>&1
   cat "$OUT/one.txt" "$OUT/many.txt" >>"$LOG"
   python - "$OUT/one.txt" "$OUT/many.txt" <<'EOF' | tee -a "$SUMMARY"
 import re, sys

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Train a tiny, randomly initialised Hugging Face Llama with dilated attention (no downloads).
 
-    python examples/hf_llama_train.py                                  # one process (CPU, or one GPU)
-    torchrun --nproc_per_node=2 examples/hf_llama_train.py             # sequence parallel: gloo on CPU, NCCL on GPUs
-    torchrun --nproc_per_node=8 examples/hf_llama_train.py --seq-len 65536 --hidden 1024 --heads 16 \\
+    python launch/hf_llama_train.py                                  # one process (CPU, or one GPU)
+    torchrun --nproc_per_node=2 launch/hf_llama_train.py             # sequence parallel: gloo on CPU, NCCL on GPUs
+    torchrun --nproc_per_node=8 launch/hf_llama_train.py --seq-len 65536 --hidden 1024 --heads 16 \\
         --kv-heads 4 --layers 4 --segments 2048,8192,65536 --rates 1,2,4 --dtype bf16   # GPUs
 
 Under torchrun every rank holds a contiguous shard of each sequence: it feeds its
