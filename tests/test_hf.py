@@ -236,6 +236,34 @@ def test_attention_function_takes_collator_offsets():
         fn(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 48], dtype=torch.int32))
 
 
+def test_packed_mask_compositions_of_both_tested_releases_are_read():
+    """5.23 wraps the packed-document mask around the remapped base; 5.24 the other way round."""
+    from transformers.masking_utils import (and_masks, bidirectional_mask_function, causal_mask_function,
+                                            packed_sequence_mask_function, remap_positions_for_packed_sequence)
+
+    from dilated_attention.integrations.huggingface import check_mask_function
+
+    pos, docs = torch.arange(8)[None], torch.zeros(1, 8, dtype=torch.long)
+    for base in (causal_mask_function, bidirectional_mask_function):
+        remapped = remap_positions_for_packed_sequence(base, pos)
+        check_mask_function(and_masks(packed_sequence_mask_function(docs), remapped))  # 5.23
+        check_mask_function(and_masks(remapped, packed_sequence_mask_function(docs)))  # 5.24
+    unknown = remap_positions_for_packed_sequence(lambda b, h, i, j: i == j, pos)
+    with pytest.raises(ValueError, match="does not recognise"):
+        check_mask_function(and_masks(unknown, packed_sequence_mask_function(docs)))
+
+
+def test_untested_transformers_releases_are_named(monkeypatch):
+    import dilated_attention.integrations.huggingface as hf
+
+    monkeypatch.setattr(hf, "_transformers_version", lambda: "5.17.0")
+    with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0 .*tested with 5\.23 and 5\.24"):
+        register_dilated_attention([N], [1], name="test-old-release")
+    monkeypatch.setattr(hf, "_transformers_version", lambda: "5.31.0")
+    with pytest.warns(UserWarning, match=r"untested transformers 5\.31\.0"):
+        register_dilated_attention([N], [1], name="test-new-release")
+
+
 def test_unsupported_features_raise():
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function, or_masks
@@ -255,10 +283,13 @@ def test_unsupported_features_raise():
         fn(module, q, q, q, None, sliding_window=8)
     mask_fn = AttentionMaskInterface()[name]
     assert mask_fn(1, N, N, mask_function=causal_mask_function) is None
-    for other in (sliding_window_causal_mask_function(8), chunked_causal_mask_function(8, torch.zeros(1)),
-                  or_masks(causal_mask_function, lambda b, h, i, j: i == j)):
-        with pytest.raises(ValueError, match="sliding-window or chunked attention, or a custom mask overlay"):
+    for other, what in ((sliding_window_causal_mask_function(8), "sliding-window attention"),
+                        (chunked_causal_mask_function(8, torch.zeros(1)), "chunked attention"),
+                        (or_masks(causal_mask_function, lambda b, h, i, j: i == j), "a custom mask overlay")):
+        with pytest.raises(ValueError, match=f"causal or full attention, .* asks for {what}"):
             mask_fn(1, N, N, mask_function=other)
+    with pytest.raises(ValueError, match=r"cannot tell what .* transformers 5\.\d+.* tested with 5\.23 and 5\.24"):
+        mask_fn(1, N, N, mask_function=lambda b, h, i, j: i >= j)  # a composition it does not know
     with pytest.raises(TypeError, match=r"unsupported keyword\(s\) \['causal'\]"):
         register_dilated_attention([N], [1], name="test-bad", causal=True)
     with pytest.raises(ValueError, match="name must be a new attention implementation name"):

@@ -59,6 +59,7 @@ training and prefill), 4D or custom masks, sliding-window / chunked / soft-cappi
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -268,7 +269,18 @@ class DilatedAttentionForTransformers:
                 "slice of the packed position_ids (shard_sequence(position_ids, comm))")
 
 
-_PACKED_CODES: tuple | None = None
+TESTED_TRANSFORMERS = ("5.23", "5.24")  # the minor releases whose mask composition is recognised below
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _version_note() -> str:
+    return (f"transformers {_transformers_version()} (this integration is tested with "
+            f"{' and '.join(TESTED_TRANSFORMERS)}; install a tested one: pip install 'transformers>=5.23,<5.25')")
 
 
 def _cells(fn: Callable) -> dict[str, Any]:
@@ -281,30 +293,79 @@ def _cells(fn: Callable) -> dict[str, Any]:
         return {}
 
 
-def _packed_base(mask_function: Callable) -> Callable | None:
-    """The mask function under transformers' packed-sequence wrapper
-    (``packed_sequence_compatibility_function``), or ``None`` when ``mask_function`` is not that wrapper."""
-    global _PACKED_CODES
-    if _PACKED_CODES is None:
-        try:
-            from transformers.masking_utils import causal_mask_function, packed_sequence_compatibility_function
-        except ImportError:
-            _PACKED_CODES = ()
-        else:
-            probe = packed_sequence_compatibility_function(causal_mask_function, torch.zeros(1, 1, dtype=torch.long),
-                                                           torch.zeros(1, 1, dtype=torch.long))
-            parts = _cells(probe).get("mask_functions")
+_MASK_CODES: dict | None = None
+
+
+def _mask_codes() -> dict:
+    """The code object of each mask-function factory of ``transformers.masking_utils`` -> what it means.
+
+    transformers composes a layer's mask from small closures (``and_masks``, packed-sequence
+    remapping, overlays); their code objects identify them whatever the composition order, which
+    changes between releases. A factory a release lacks is simply absent.
+    """
+    global _MASK_CODES
+    if _MASK_CODES is None:
+        import transformers.masking_utils as mu
+
+        one = torch.zeros(1, 1, dtype=torch.long)
+        base = mu.causal_mask_function
+        probes = {  # name of the factory -> (how to build one instance, meaning)
+            "and_masks": (lambda f: f(base), "and"),
+            "or_masks": (lambda f: f(base), "a custom mask overlay (or_masks)"),
+            "remap_positions_for_packed_sequence": (lambda f: f(base, one), "remap"),
+            "packed_sequence_mask_function": (lambda f: f(one), "documents"),
+            "sliding_window_overlay": (lambda f: f(1), "sliding-window attention"),
+            "sliding_window_bidirectional_overlay": (lambda f: f(1), "sliding-window attention"),
+            "chunked_overlay": (lambda f: f(1, one[0]), "chunked attention"),
+            "blockwise_overlay": (lambda f: f(one), "block-wise attention (block_sequence_ids)"),
+            "padding_mask_function": (lambda f: f(one.bool()), "padding"),
+        }
+        codes: dict = {}
+        for name, (build, meaning) in probes.items():
+            factory = getattr(mu, name, None)
+            if factory is None:
+                continue
+            try:
+                codes[build(factory).__code__] = meaning
+            except Exception:  # a factory whose signature changed: unknown, so refused below
+                continue
+        codes[mu.causal_mask_function.__code__] = "causal"
+        codes[mu.bidirectional_mask_function.__code__] = "full"
+        _MASK_CODES = codes
+    return _MASK_CODES
+
+
+def check_mask_function(mask_function: Callable | None) -> None:
+    """Raise unless ``mask_function`` is causal or full attention, optionally on packed documents.
+
+    Walks transformers' composition of closures; anything else (sliding windows, chunks,
+    custom overlays, or a composition this transformers release makes differently) raises a
+    ``ValueError`` that names it instead of being dropped silently.
+    """
+    if mask_function is None:
+        return
+    codes, stack = _mask_codes(), [mask_function]
+    while stack:
+        fn = stack.pop()
+        meaning = codes.get(getattr(fn, "__code__", None))
+        if meaning in ("causal", "full", "documents", "padding"):
+            continue
+        if meaning == "and":
+            parts = _cells(fn).get("mask_functions")
             if isinstance(parts, tuple):
-                _PACKED_CODES = (probe.__code__, tuple(p.__code__ for p in parts))
-            else:
-                _PACKED_CODES = ()
-    if not _PACKED_CODES or getattr(mask_function, "__code__", None) is not _PACKED_CODES[0]:
-        return None
-    parts = _cells(mask_function).get("mask_functions")
-    if not isinstance(parts, tuple) or tuple(getattr(p, "__code__", None) for p in parts) != _PACKED_CODES[1]:
-        return None
-    bases = [b for b in (_cells(p).get("mask_function") for p in parts) if b is not None]
-    return bases[0] if len(bases) == 1 else None
+                stack.extend(parts)
+                continue
+        elif meaning == "remap":
+            inner = _cells(fn).get("mask_function")
+            if callable(inner):
+                stack.append(inner)
+                continue
+        elif meaning is not None:
+            raise ValueError(f"dilated attention can apply only causal or full attention, a 2D padding mask and "
+                             f"packed documents; this model's layer asks for {meaning}")
+        raise ValueError(
+            f"dilated attention cannot tell what this layer's attention mask is: {_version_note()} builds it from "
+            f"{getattr(fn, '__qualname__', fn)!r}, which the integration does not recognise")
 
 
 def _mask_interface(comm: CommBackend | None) -> Callable:
@@ -318,13 +379,7 @@ def _mask_interface(comm: CommBackend | None) -> Callable:
         silently. With ``comm`` a given mask is kept even without padding, so that every rank
         passes one (the ranks must agree on whether a call is masked).
         """
-        from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
-
-        base = _packed_base(mask_function) or mask_function
-        if base is not None and base not in (causal_mask_function, bidirectional_mask_function):
-            raise ValueError(
-                "dilated attention can apply only causal or full attention, a 2D padding mask and packed documents; "
-                "this model call asks for more (sliding-window or chunked attention, or a custom mask overlay)")
+        check_mask_function(mask_function)
         if attention_mask is None:
             return None
         attention_mask = attention_mask[:, -kv_length:]
@@ -333,6 +388,21 @@ def _mask_interface(comm: CommBackend | None) -> Callable:
         return attention_mask
 
     return padding_only_mask
+
+
+def _check_version() -> None:
+    """Refuse releases older than the tested ones (their masks differ); warn on newer, untested ones."""
+    version = _transformers_version()
+    try:
+        minor = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:  # a development build: trust the mask check
+        return
+    tested = [tuple(int(x) for x in v.split(".")) for v in TESTED_TRANSFORMERS]
+    if minor < tested[0]:
+        raise RuntimeError(f"dilated attention's Hugging Face integration needs a newer {_version_note()}")
+    if minor > tested[-1]:
+        warnings.warn(f"untested {_version_note()}; a layer whose mask it cannot read raises a ValueError",
+                      stacklevel=3)
 
 
 def register_dilated_attention(
@@ -354,6 +424,7 @@ def register_dilated_attention(
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
+    _check_version()
     if not isinstance(name, str) or not name or name in ("eager", "sdpa", "flex_attention") \
             or name.startswith(("flash_attention", "paged")):
         raise ValueError(f"name must be a new attention implementation name, got {name!r}")
