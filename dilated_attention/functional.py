@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -338,6 +340,27 @@ def dilated_attention(
     return _Attention.apply(q, k, v, key_padding_mask, spec, call)[0]
 
 
+def _warn_if_heads_first(shape: torch.Size, seq_len: int, segment_lengths) -> None:
+    """Every segment clamped to a sequence shorter than the heads: most likely ``(B, H, N, D)`` passed."""
+    try:
+        shortest = min(int(w) for w in segment_lengths)
+    except (TypeError, ValueError):
+        return  # validated, with a clear error, by the pattern checks
+    if seq_len < shortest and seq_len < shape[2]:
+        warnings.warn(
+            f"q has shape {tuple(shape)}, read as (B, N, H, D): a sequence of {seq_len} tokens and {shape[2]} heads, "
+            f"so every segment (the shortest is {shortest}) is clamped to {seq_len}. If the heads come first "
+            f"(B, H, N, D), pass q.transpose(1, 2) (likewise k and v)", UserWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside the package: a warning points at the user's line."""
+    frame, level, package = sys._getframe(1), 1, os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _check_flags(causal, pad_to_segments, strategy) -> None:
     for name, flag in (("causal", causal), ("pad_to_segments", pad_to_segments)):
         if not isinstance(flag, bool):
@@ -360,6 +383,7 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     _check_flags(causal, pad_to_segments, strategy)
     scale = _check_scale(softmax_scale, q.shape[-1], q.dtype)
     bsz, local, heads, _ = q.shape
+    _warn_if_heads_first(q.shape, local * world, segment_lengths)
     team = _team_size(strategy, world, heads)
     split = HeadSplit(heads, k.shape[2], team)
     reason = split.check()

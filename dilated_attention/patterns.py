@@ -103,6 +103,11 @@ def _check_int_list(name: str, values: Sequence[int]) -> list[int]:
     return out
 
 
+# The ring's shard rules bind only where a segment spans ranks; the head strategy keeps whole sequences.
+_HEAD_HINT = ("; strategy='head' (each rank runs the whole sequence for a share of the heads, padding it "
+              "internally) avoids this, or pick segment lengths that tile the shard")
+
+
 def validate_patterns(
     segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int
 ) -> list[tuple[int, int]]:
@@ -292,19 +297,19 @@ def _plan_patterns(segment_lengths, dilation_rates, seq_len, local_len, num_head
             if local_len % w:
                 raise ValueError(
                     f"segment_lengths[{i}]={w} does not tile the local shard of {local_len} rows "
-                    f"(sequence {seq_len} split over {seq_len // local_len} ranks)"
+                    f"(sequence {seq_len} split over {seq_len // local_len} ranks)" + _HEAD_HINT
                 )
             local_segment, ring = w, 1
         else:
             if w % local_len:
                 raise ValueError(
                     f"segment_lengths[{i}]={w} spans ranks but is not a multiple of the local "
-                    f"shard length {local_len}"
+                    f"shard length {local_len}" + _HEAD_HINT
                 )
             if local_len % r:
                 raise ValueError(
                     f"segment_lengths[{i}]={w} spans ranks, so the local shard length {local_len} "
-                    f"must be divisible by dilation_rates[{i}]={r}"
+                    f"must be divisible by dilation_rates[{i}]={r}" + _HEAD_HINT
                 )
             local_segment, ring = local_len, w // local_len
         if groups is None:
