@@ -32,10 +32,13 @@ autograd; the full-attention rows (one pattern ``w = N``, ``r = 1``) compare the
 library with cuDNN SDPA itself. The JSON summary has, per causal flag,
 ``library_fwd_bwd_vs_dense_cudnn`` (library path vs dense cuDNN, rate ratio).
 
+Writes ``kernel_<gpu>.json`` (everything, the markdown included), ``.md`` and ``.png`` into ``--out``,
+``<gpu>`` the model (``gpu_tag.py``: ``h200``, ``h100``).
+
     python benchmarks/bench_kernel.py [--sweep] [--out benchmarks/results]
     python benchmarks/bench_kernel.py --smoke          # CPU, Triton interpreter, tiny shapes
-    python benchmarks/bench_kernel.py --render results/kernel_<gpu>.json     # markdown next to it
-    python benchmarks/bench_kernel.py --write-table results/kernel_<gpu>.json
+    python benchmarks/bench_kernel.py --render benchmarks/results/kernel_h200.json       # markdown and plot next to it
+    python benchmarks/bench_kernel.py --write-table benchmarks/results/kernel_h200.json
 """
 
 from __future__ import annotations
@@ -51,12 +54,42 @@ import sys
 import time
 from dataclasses import replace
 
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--segments", default="2048,4096,8192,16384,32768")
+    ap.add_argument("--rates", default="1,2,4,8,16")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true", help="time a few fused configs too")
+    ap.add_argument("--methods", default="fused,cudnn,cudnn-det,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
+    ap.add_argument("--table-extra", default="", help="more table entries, 'dim:dtype,...' (e.g. 64:bfloat16,128:float16)")
+    ap.add_argument("--no-full", action="store_true", help="skip the full-attention comparison")
+    ap.add_argument("--no-md", action="store_true", help="write only JSON and PNG (the markdown is in the JSON)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: checks the script")
+    ap.add_argument("--render", metavar="JSON", help="write the markdown and plot of a result JSON next to it and exit")
+    ap.add_argument("--write-table", metavar="JSON", help="store a result JSON's auto choices in kernels/auto_table.py")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors before torch and the kernels load
+
 if "--smoke" in sys.argv:  # before triton is imported anywhere
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_tag import gpu_tag  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import AutoKernel, table_key  # noqa: E402
@@ -477,26 +510,7 @@ def make_kernel(name, table_impls, choices):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--segments", default="2048,4096,8192,16384,32768")
-    ap.add_argument("--rates", default="1,2,4,8,16")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--sweep", action="store_true", help="time a few fused configs too")
-    ap.add_argument("--methods", default="fused,cudnn,cudnn-det,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
-    ap.add_argument("--table-extra", default="", help="more table entries, 'dim:dtype,...' (e.g. 64:bfloat16,128:float16)")
-    ap.add_argument("--no-full", action="store_true", help="skip the full-attention comparison")
-    ap.add_argument("--no-md", action="store_true", help="write only JSON and PNG (the markdown is in the JSON)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: checks the script")
-    ap.add_argument("--render", metavar="JSON", help="write the markdown of a result JSON next to it and exit")
-    ap.add_argument("--write-table", metavar="JSON", help="store a result JSON's auto choices in kernels/auto_table.py")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.render:
         return render(args.render)
     if args.write_table:
@@ -519,7 +533,7 @@ def main(argv=None):
                           num_kv_heads=args.heads, mode="longnet")
     ms_set = {p.local_segment // p.dilation for p in plans}
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu-smoke ({platform.machine()})"
-    tag = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") if device.type == "cuda" else "smoke"
+    tag = gpu_tag(gpu) if device.type == "cuda" else "smoke"
     import triton
 
     meta = {
@@ -784,10 +798,11 @@ def render(path: str) -> int:
     with open(path) as f:
         result = json.load(f)
     md = result.get("markdown") or markdown(result)
-    out = os.path.splitext(path)[0] + ".md"
-    with open(out, "w") as f:
+    base = os.path.splitext(path)[0]
+    with open(base + ".md", "w") as f:
         f.write(md)
-    print(f"wrote {out}")
+    plot(result["rows"], result.get("full_attention") or [], base + ".png", result["meta"]["gpu"], result["meta"])
+    print(f"wrote {base}.md and {base}.png")
     return 0
 
 

@@ -10,7 +10,8 @@ each case next to the unmasked work it stands for, timed in the same run:
   lengths the segments tile), vs the same documents one call each (the unmasked work).
   Also reported: the packed call against the whole unmasked sequence (it does less work).
 
-Writes ``benchmarks/results/masks_<gpu>.json`` (``{"meta", "records"}``) and prints a table.
+Writes ``benchmarks/results/masks_<gpu>.json`` (``{"meta", "records"}``, ``<gpu>`` the model as
+``gpu_tag.py`` names it: ``h200``, ``h100``) and prints a table.
 
     python benchmarks/bench_masks.py [--seq 65536] [--out benchmarks/results]
     python benchmarks/bench_masks.py --smoke      # CPU, Triton interpreter, tiny shapes
@@ -26,6 +27,29 @@ import random
 import sys
 import time
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=65536, help="total tokens")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--segments", default="2048,4096,8192,16384")
+    ap.add_argument("--rates", default="1,2,4,8")
+    ap.add_argument("--docs", type=int, default=8, help="documents in the equal-length case")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--kernel", default="auto")
+    ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    ap.add_argument("--out", default=RESULTS)
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors before torch and the kernels load
+
 if "--smoke" in sys.argv:  # before triton is imported anywhere
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -35,10 +59,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_kernel import timed  # noqa: E402  (median of CUDA-event timings, one definition)
+from gpu_tag import gpu_tag  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def fwd_bwd(q, k, v, dout, segs, rates, **kw):
@@ -61,20 +84,7 @@ def doc_lengths(total: int, quantum: int, rng: random.Random) -> list[int]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=65536, help="total tokens")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--segments", default="2048,4096,8192,16384")
-    ap.add_argument("--rates", default="1,2,4,8")
-    ap.add_argument("--docs", type=int, default=8, help="documents in the equal-length case")
-    ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--kernel", default="auto")
-    ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    ap.add_argument("--out", default=RESULTS)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.smoke:
         args.seq, args.heads, args.dim, args.docs = 128, 1, 16, 2
         args.segments, args.rates, args.warmup, args.reps, args.kernel = "16,32", "1,2", 0, 1, "fused"
@@ -122,7 +132,7 @@ def main(argv=None) -> dict:
             "command": "python " + " ".join(sys.argv), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     result = {"meta": meta, "records": records}
     os.makedirs(args.out, exist_ok=True)
-    slug = "smoke" if args.smoke else meta["gpu"].lower().replace("nvidia ", "").replace(" ", "_")
+    slug = "smoke" if args.smoke else gpu_tag(meta["gpu"])
     path = os.path.join(args.out, f"masks_{slug}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

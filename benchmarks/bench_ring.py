@@ -9,29 +9,43 @@ iteration's time is the slowest rank's. Reported: median ms per backend and the
 ratio of fairscale's and deepspeed's medians to collective's (the backends move
 the same bytes with the same primitives underneath, so the target is within 3%).
 
+Files (``--out``): ``ring_<gpu>_x<K>.json`` (``ring_<gpu>_x<K>_causal.json`` with ``--causal``),
+``<gpu>`` the model as ``gpu_tag.py`` names it (``h200``), and ``ring_<gpu>_x<K>.md``: one table of
+every such JSON in the directory, causal and not.
+
     torchrun --nproc_per_node=2 benchmarks/bench_ring.py --out benchmarks/results          # GPUs, NCCL
     torchrun --nproc_per_node=2 benchmarks/bench_ring.py --smoke                           # CPU, gloo, tiny
+    python benchmarks/bench_ring.py --render benchmarks/results/ring_h200_x2*.json         # the table again
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_tag import gpu_tag  # noqa: E402
 
 BACKENDS = ("collective", "fairscale", "deepspeed")
 
 
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from dilated_attention.launch_utils import int_list
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", action="append", choices=BACKENDS, help="repeat; default: all three")
     p.add_argument("--local-len", type=int, default=65536, help="tokens per rank")
@@ -46,8 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None, help="directory for ring_<tag>.json and ring_<tag>.md")
-    p.add_argument("--tag", default=None, help="file name tag (default: device and world size)")
+    p.add_argument("--tag", default=None, help="file name tag (default: <gpu>_x<K>, then _causal with --causal)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU-sized problem (overrides sizes)")
+    p.add_argument("--render", nargs="+", metavar="JSON",
+                   help="write the table of these result JSONs (named after the first, less _causal) and exit")
     args = p.parse_args(argv)
     if args.smoke:
         args.local_len, args.heads, args.head_dim = 128, 2, 16
@@ -59,8 +75,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _reports_in_order(reports: list[dict]) -> list[dict]:
+    return sorted(reports, key=lambda r: (r["config"]["kernel"], r["config"]["causal"]))
+
+
+def markdown(reports: list[dict]) -> str:
+    """One table of the runs in ``reports`` (ring JSONs of one machine), causal and not."""
+    reports = _reports_in_order(reports)
+    r0, c0 = reports[0], reports[0]["config"]
+    lines = [f"ring fwd+bwd, {r0['device']} x{r0['world']}, torch {r0['torch']}, NCCL {r0.get('nccl')}, "
+             f"B={c0['batch']} N={c0['local_len']}x{r0['world']} H={c0['heads']} D={c0['head_dim']} {c0['dtype']} "
+             f"segments={c0['segments']} rates={c0['rates']}; {c0['warmup']} warm-up + {c0['iters']} timed "
+             "iterations per backend (order rotated), the slowest rank's CUDA-event time, median", "",
+             "| kernel | causal | backend | median ms | min ms | max ms | ratio vs collective |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in reports:
+        for n, med in r["median_ms"].items():
+            ratio = r["ratio_vs_collective"].get(n)
+            lines.append(f"| {r['config']['kernel']} | {'yes' if r['config']['causal'] else 'no'} | {n} | {med:.3f} "
+                         f"| {min(r['times_ms'][n]):.3f} | {max(r['times_ms'][n]):.3f} | "
+                         + (f"{ratio:.4f}" if ratio is not None else "-") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def md_path(json_path: str) -> str:
+    """``ring_h200_x2_causal.json`` -> ``ring_h200_x2.md``: one table for the causal and non-causal runs."""
+    return re.sub(r"_causal$", "", os.path.splitext(json_path)[0]) + ".md"
+
+
+def render(paths: list[str]) -> str:
+    paths = sorted({p for pat in paths for p in (glob.glob(pat) or [pat])})
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            reports.append(json.load(f))
+    out = md_path(paths[0])
+    with open(out, "w") as f:
+        f.write(markdown(reports))
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        print(f"wrote {render(args.render)}")
+        return 0
     import torch
 
     import torch.distributed as dist
@@ -141,11 +200,13 @@ def main(argv=None) -> int:
         print(summary, flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            tag = args.tag or f"{dev_name.replace(' ', '_').replace('/', '_')}_x{world}"
-            with open(os.path.join(args.out, f"ring_{tag}.json"), "w") as f:
+            tag = args.tag or f"{gpu_tag(dev_name) if use_cuda else 'cpu'}_x{world}" + ("_causal" if args.causal else "")
+            path = os.path.join(args.out, f"ring_{tag}.json")
+            with open(path, "w") as f:
                 json.dump(report, f, indent=1)
-            with open(os.path.join(args.out, f"ring_{tag}.md"), "w") as f:
-                f.write(summary + "\n")
+            # the table covers this run and its causal / non-causal sibling, when the directory has it
+            base = re.sub(r"_causal$", "", os.path.splitext(path)[0])
+            print(f"wrote {path} and {render([p for p in (base + '.json', base + '_causal.json') if os.path.exists(p)])}")
     dist.barrier()
     dist.destroy_process_group()
     return 0

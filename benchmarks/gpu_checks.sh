@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# One device call, 2 GPUs: kernel benchmark (GPU 0) + kernel diagnostics (GPU 1), then the
-# NCCL harness, the demo with every backend, and the ring benchmark with the fused kernel.
-# Needs build/whl (fairscale, deepspeed and the deepspeed deps the image lacks), carried.
+# A 2-GPU machine in one call: kernel benchmark (GPU 0) + kernel diagnostics (GPU 1), then the
+# NCCL harness, the demo with every backend, and the ring benchmark with the fused kernel, causal
+# and not. Installs the wheels in build/whl (fairscale, deepspeed and the deepspeed dependencies
+# an image may lack) first. Results and logs go to $OUT (default /tmp/out).
+#
+#   OUT=/tmp/out bash benchmarks/gpu_checks.sh
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header above is the manual
+  echo "usage: OUT=/tmp/out bash benchmarks/gpu_checks.sh"; sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
+fi
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site build/whl/*.whl
@@ -18,7 +24,7 @@ run() { echo "=== $*"; timeout 240 "$@" 2>&1 | grep -v -E "FutureWarning|return 
 { run torchrun --standalone --nproc_per_node=2 -m dilated_attention.testing.harness --backend collective
   run torchrun --standalone --nproc_per_node=2 launch/demo.py --heads 16 --head-dim 128 --iters 5
   run torchrun --standalone --nproc_per_node=2 launch/demo.py --heads 16 --head-dim 128 --iters 5 --causal --kernel sdpa
-  run torchrun --standalone --nproc_per_node=2 benchmarks/bench_ring.py --kernel fused --out "$OUT" --tag h200_x2_fused --iters 10
-  run torchrun --standalone --nproc_per_node=2 benchmarks/bench_ring.py --kernel fused --causal --out "$OUT" --tag h200_x2_fused_causal --iters 10
+  run torchrun --standalone --nproc_per_node=2 benchmarks/bench_ring.py --kernel fused --out "$OUT" --iters 10
+  run torchrun --standalone --nproc_per_node=2 benchmarks/bench_ring.py --kernel fused --causal --out "$OUT" --iters 10
 } >> "$log" 2>&1
 tail -40 "$OUT/bench_kernel.log"; grep -E "passed|exit|ok|FAIL|match|│" "$log" | tail -60

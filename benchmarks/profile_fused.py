@@ -1,4 +1,4 @@
-"""One launch of each fused kernel on the issue-10 configuration, for Nsight Compute.
+"""One launch of each fused kernel on the LongNet benchmark shape, for Nsight Compute.
 
     ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section Occupancy --section LaunchStats -k regex:"fwd_kernel|dq_kernel|dkdv_kernel" \\
@@ -15,12 +15,7 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dilated_attention.kernels.fused import FusedKernel  # noqa: E402
-from dilated_attention.patterns import plan_patterns  # noqa: E402
 
 
 def main() -> int:
@@ -29,6 +24,11 @@ def main() -> int:
     ap.add_argument("--plan", type=int, default=0)
     ap.add_argument("--seq", type=int, default=32768)
     args = ap.parse_args()
+    import torch
+
+    from dilated_attention.kernels.fused import FusedKernel
+    from dilated_attention.patterns import plan_patterns
+
     assert torch.cuda.is_available(), "profiling needs a GPU"
     n, heads, dim = args.seq, 16, 128
     plan = plan_patterns([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], seq_len=n, local_len=n,

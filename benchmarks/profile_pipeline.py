@@ -8,7 +8,7 @@ the kernels grouped by what they are (attention kernels, merge, elementwise, cop
 the top kernels by name; the CPU time to issue one step, the top CPU operators by self time, and
 the runtime calls that block the CPU on the GPU.
 
-    python benchmarks/profile_pipeline.py [--methods auto,fused,cudnn-det] [--out results/profile.json]
+    python benchmarks/profile_pipeline.py [--methods auto,fused,cudnn-det] [--out /tmp/profile.json]
 """
 
 from __future__ import annotations
@@ -24,8 +24,30 @@ import statistics
 import sys
 import time
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--segments", default="2048,4096,8192,16384,32768")
+    ap.add_argument("--rates", default="1,2,4,8,16")
+    ap.add_argument("--methods", default="auto,fused,cudnn-det")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    ap.add_argument("--python-profile", type=int, default=0, metavar="LINES",
+                    help="also print cProfile's top LINES functions by own time per method and causal flag")
+    ap.add_argument("--python-sort", default="tottime", choices=("tottime", "cumulative"),
+                    help="cProfile's order: own time, or time including callees")
+    ap.add_argument("--forward-only", action="store_true", help="profile the forward alone (no backward)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors before torch loads
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -126,21 +148,7 @@ def python_profile(step, reps: int, lines: int, order: str = "tottime") -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--segments", default="2048,4096,8192,16384,32768")
-    ap.add_argument("--rates", default="1,2,4,8,16")
-    ap.add_argument("--methods", default="auto,fused,cudnn-det")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default=None, help="JSON file for the results")
-    ap.add_argument("--python-profile", type=int, default=0, metavar="LINES",
-                    help="also print cProfile's top LINES functions by own time per method and causal flag")
-    ap.add_argument("--python-sort", default="tottime", choices=("tottime", "cumulative"),
-                    help="cProfile's order: own time, or time including callees")
-    ap.add_argument("--forward-only", action="store_true", help="profile the forward alone (no backward)")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_pipeline.py needs a GPU")
     segs = [int(x) for x in args.segments.split(",")]

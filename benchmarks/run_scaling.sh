@@ -4,15 +4,21 @@
 #
 #   OUT=benchmarks/results benchmarks/run_scaling.sh [--worlds 1,2,4] [bench_scaling.py options...]
 #
-# Writes into $OUT (default benchmarks/results): scaling_<gpu>_x<K>.json per K, scaling_<gpu>.png,
-# scaling_<gpu>.md (the table) and scaling_<gpu>.log (everything printed): 6 files for K=1,2,4.
+# Writes into $OUT (default benchmarks/results): scaling_<gpu>_x<K>.json per K, scaling_<gpu>.png
+# and scaling_<gpu>.md (the table), <gpu> the model as benchmarks/gpu_tag.py names it (h200);
+# everything printed also goes to $LOG (default /tmp/scaling_<gpu>.log).
 # Defaults: K = 1, 2, 4, 8 up to the GPUs present; 32768 tokens per GPU; LongNet and full
-# attention, causal and not, strategies ring/head/hybrid, peers torch_cp and ulysses, and the
-# max-length probe (60 s budget per K). Options after --worlds go to bench_scaling.py, e.g.
-# --tokens 8192,16384,32768,65536 (sweep), --backend deepspeed, --peers '' (none), --no-probe.
-# Needs deepspeed importable for the ulysses peer (else it is recorded as skipped); PYTHON
-# names the interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 180).
+# attention, causal and not, strategies ring/head/hybrid, peers torch_cp, ulysses and
+# ring_flash_attn, and the max-length probe (60 s budget per K). Options after --worlds go to
+# bench_scaling.py, e.g. --tokens 8192,16384,32768,65536 (sweep), --backend deepspeed,
+# --peers '' (none), --no-probe. A peer whose package does not import (deepspeed for ulysses,
+# ring-flash-attn with flash-attn for ring_flash_attn) is recorded as skipped. PYTHON names the
+# interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 180).
 # SMOKE=1 rehearses the whole script on CPU (gloo, tiny sizes, K = 1, 2).
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header above is the manual
+  echo "usage: OUT=benchmarks/results benchmarks/run_scaling.sh [--worlds 1,2,4] [bench_scaling.py options...]"
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
+fi
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,13 +35,13 @@ elif [ "$gpus" -lt 1 ]; then
   echo "run_scaling.sh: no GPU visible (SMOKE=1 rehearses this script on CPU)" >&2
   exit 2
 else
-  slug=$("$PY" -c "import re, torch; print('_'.join(w for w in re.findall(r'[a-z0-9]+', torch.cuda.get_device_name(0).lower()) if w not in ('nvidia', 'tesla')))")
+  slug=$("$PY" benchmarks/gpu_tag.py)
   export DS_ACCELERATOR=cuda
 fi
 if [ -z "$worlds" ]; then
   for k in 1 2 4 8; do [ "$k" -le "$gpus" ] && worlds="$worlds${worlds:+,}$k"; done
 fi
-log="$OUT/scaling_${slug}.log"
+log=${LOG:-/tmp/scaling_${slug}.log}
 : >"$log"
 
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}
@@ -59,6 +65,6 @@ jsons=("$OUT"/scaling_"${slug}"_x*.json)
 if [ ${#jsons[@]} -gt 0 ]; then
   "$PY" benchmarks/plot_scaling.py "${jsons[@]}" --png "$OUT/scaling_${slug}.png" --md "$OUT/scaling_${slug}.md" 2>&1 | tee -a "$log"
   echo "--- cost model vs these measurements ---" | tee -a "$log"
-  "$PY" -m dilated_attention.cost_model --validate "${jsons[@]}" 2>&1 | tail -n 40 | tee -a "$log"
+  "$PY" benchmarks/cost_model.py --validate "${jsons[@]}" 2>&1 | tail -n 40 | tee -a "$log"
 fi
 exit $status

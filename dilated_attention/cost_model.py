@@ -17,18 +17,19 @@ streams (compute, communication) and a host thread (``_Timeline``):
   Causal: a segment of ``m`` keys costs ``1/2 + causal_keys / (2 m)`` of the unmasked
   one (diagonal tiles and uneven rows: small causal blocks save far less than half).
 - **Memory-bound passes** at ``hbm_gbps`` plus ``op_us`` per elementwise op: the
-  fp32 pattern combine (``merge.combine_patterns``: bytes ~ tokens x (10 + 10 sum 1/r),
-  ``6 + 5 P`` ops), each ring step's ``merge_two`` (50 bytes per compact output
-  element, 32 ops), K/V packing and unpacking, dK/dV scratch zeroing and adds,
-  dq/dk/dv accumulator zeroing and casts, the head-parallel swap's copies.
+  fp32 pattern combine (bytes ~ tokens x (10 + 10 sum 1/r), ``6 + 5 P`` ops), each
+  ring step's merge of its partial into the fp32 running result (``merge.merge_two``:
+  50 bytes per compact output element, 32 ops), K/V packing and unpacking, dK/dV
+  scratch zeroing and adds, dq/dk/dv accumulator zeroing and casts, the
+  head-parallel swap's copies.
 - **Links**: a transfer of ``b`` bytes takes ``b / gbps + latency_us``; NVLink
   (``nvlink_gbps``) inside a node of ``gpus_per_node``, InfiniBand (``ib_gbps`` per
   GPU) across nodes. Ring exchanges are posted before the step they overlap (the
   NCCL stream also waits for compute already queued); all-to-alls are not overlapped.
 - **Waits**: by default (NCCL) a wait only orders the compute stream. With
-  ``host_waits=True`` (NCCL with a timeout set, and every NCCL wait before the
-  stream-ordered waits of commit c3c36b4, i.e. the committed ``scaling_h200_x*.json``)
-  the host blocks in torch's timed wait, which polls completion every ``poll_ms``
+  ``host_waits=True`` (NCCL with a timeout set; the committed
+  ``benchmarks/results/scaling_h200_x*.json`` were measured that way) the host blocks
+  in torch's timed wait, which polls completion every ``poll_ms``
   (``kSynchronizeBusyWaitMillis`` = 1 ms in ProcessGroupNCCL): it wakes on the first
   poll after the transfer ends, and work it then issues to an idle GPU starts
   ``dispatch_us`` later.
@@ -37,34 +38,25 @@ streams (compute, communication) and a host thread (``_Timeline``):
   copies, then the whole sequence for ``H/K`` heads), hybrid (all-to-all inside
   teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
 
-The memory-pass terms describe the code the committed records were measured on:
-since then local patterns leave compact parts combined in one pass at the end
-(``merge.combine_results``) and ring steps merge into the running result in place,
-which removes the per-pattern ``merge_two`` passes, so the model overestimates
-today's forward by them. The
-terms stay as measured until new single-GPU records re-fit them (``--calibrate``).
+The memory-pass terms are those of a per-pattern fp32 combine and merge, the code the
+committed scaling records were measured on. The library's compact parts, combined in
+one pass at the end (``merge.combine_results``), and its in-place ring-step merges move
+fewer bytes, so the model overestimates today's forward by those passes until new
+single-GPU records re-fit the constants (``calibrate``).
 
 The kernel and memory constants are calibrated on one GPU only (``calibrate``:
-least squares on single-GPU times of ``kernel_<gpu>.json`` and the ``single_gpu``
+least squares on single-GPU times of a kernel benchmark JSON and the ``single_gpu``
 entries of ``scaling_<gpu>_x*.json``); link, latency and poll constants are
 documented hardware/software figures. Nothing is fitted to a multi-GPU measurement.
 
-Command line::
-
-    python -m dilated_attention.cost_model --tokens 1073741824 --gpus 64,128,256,512,1024
-    python -m dilated_attention.cost_model --validate benchmarks/results/scaling_h200_x[24].json --host-waits
-    python -m dilated_attention.cost_model --calibrate benchmarks/results/kernel_nvidia_h200_run5.json \\
-        benchmarks/results/scaling_h200_x*.json
+Command line (predictions, ``--validate``, ``--calibrate``): ``benchmarks/cost_model.py``.
 """
 
 from __future__ import annotations
 
-import argparse
-import glob
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -73,15 +65,16 @@ from .patterns import hybrid_team_size, longnet_offsets
 STRATEGIES = ("ring", "head", "hybrid")
 LONGNET_SEGMENTS = (2048, 8192, 32768, 131072)  # followed by N itself
 LONGNET_RATES = (1, 2, 4, 8, 16)
-# Problem of the files that carry no meta (strategies_<gpu>_x<K>.json): README's stated set-up.
+# The benchmark's set-up, for what a scaling JSON's meta leaves out.
 DEFAULT_META = {"heads": 16, "kv_heads": 16, "head_dim": 128, "batch": 1, "dtype_bytes": 2,
                 "longnet_segments": list(LONGNET_SEGMENTS), "longnet_rates": list(LONGNET_RATES)}
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """Model constants. Kernel and memory figures: ``calibrate`` on the single-GPU H200 runs
-    (fused kernel, bf16, D=128; see README). Links: H200 nodes of 8 GPUs on NVLink (NV18,
+    """Model constants. Kernel and memory figures: ``calibrate`` on single-GPU H200 runs of the fused
+    kernel (bf16, D=128) on the code the committed scaling records measured: their one-GPU
+    references and a kernel benchmark of that code. Links: H200 nodes of 8 GPUs on NVLink (NV18,
     450 GB/s per direction nominal, about 350 achievable by NCCL), one InfiniBand NDR
     400 Gb/s NIC per GPU (50 GB/s), 20 us per message. ``poll_ms``: torch's timed-wait
     poll (1 ms)."""
@@ -215,7 +208,7 @@ def pass_ms(nbytes: float, ops: int, hw: Hardware) -> float:
 
 def combine_terms(rows: float, heads: int, rates: Sequence[int], head_dim: int, batch: int = 1,
                   dtype_bytes: int = 2) -> tuple[float, int]:
-    """(bytes, ops) of ``merge.combine_patterns`` over ``rows`` x ``heads``: fp32 lse pass and output
+    """(bytes, ops) of the fp32 pattern combine over ``rows`` x ``heads``: an lse pass and an output
     pass per pattern (rows ``1/r`` of the output each), the zero fill and the cast."""
     n = batch * rows * heads
     o = n * head_dim
@@ -584,13 +577,9 @@ def calibrate(paths: Sequence[str], base: Hardware = Hardware(),
 
 
 def _records(path: str) -> tuple[dict, list[dict]]:
-    """(meta, multi-GPU records of ours) of a scaling JSON or a strategies JSON (a list without meta)."""
+    """(meta, records) of a scaling JSON (``bench_scaling.py``)."""
     with open(path) as f:
         data = json.load(f)
-    if isinstance(data, list):  # strategies_<gpu>_x<K>.json: {config, causal, strategy, K, L, t1, tk, eff}
-        recs = [{"impl": "ours", "strategy": r["strategy"], "config": r["config"], "causal": r["causal"],
-                 "gpus": r["K"], "tokens_per_gpu": r["L"], "ms": r["tk"], "efficiency": r["eff"]} for r in data]
-        return dict(DEFAULT_META), recs
     given = data.get("meta", {})
     meta = dict(DEFAULT_META, kv_heads=given.get("kv_heads"), **{k: v for k, v in given.items() if k != "kv_heads"})
     return meta, data.get("records", [])
@@ -626,119 +615,3 @@ def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: boo
                          "measured_ms": rec["ms"], "predicted_ms": pred.ms,
                          "measured_t1_ms": rec["efficiency"] * rec["gpus"] * rec["ms"], "predicted_t1_ms": pred.t1_ms})
     return rows
-
-
-# -- command line -----------------------------------------------------------------------------------
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(float(x)) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _duration(ms: float) -> str:
-    return f"{ms:.1f} ms" if ms < 1e3 else f"{ms / 1e3:,.2f} s"
-
-
-def format_predictions(rows: list[Prediction], tokens: int, causal: bool) -> str:
-    lines = ["| GPUs | tokens/GPU | causal | strategy | compute | exposed comm | fwd+bwd | efficiency | GiB/GPU |",
-             "| ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for x in rows:
-        mem = f"{x.memory_gib:.0f}" + ("" if x.fits else " (does not fit)")
-        note = f" ({'; '.join(x.notes)})" if x.notes else ""
-        lines.append(f"| {x.gpus} | {tokens / x.gpus:,.0f} | {'yes' if causal else 'no'} | {x.strategy}{note} | "
-                     f"{_duration(x.compute_ms)} | {_duration(x.exposed_comm_ms)} | {_duration(x.ms)} | "
-                     f"{100 * x.efficiency:.1f}% | {mem} |")
-    return "\n".join(lines)
-
-
-def format_validation(rows: list[dict]) -> str:
-    lines = ["| config | causal | strategy | GPUs | tokens/GPU | measured ms | predicted ms | measured eff | "
-             "predicted eff | error |",
-             "| --- | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {'yes' if r['causal'] else 'no'} | {r['strategy']} | {r['gpus']} | "
-                     f"{r['tokens_per_gpu']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
-                     f"{100 * r['measured']:.1f}% | {100 * r['predicted']:.1f}% | {r['error_pct']:+.1f}% |")
-    return "\n".join(lines)
-
-
-def _expand(patterns: Sequence[str]) -> list[str]:
-    return sorted({p for pat in patterns for p in (glob.glob(pat) or [pat])})
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    hw0 = Hardware()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=float, default=2**30, help="whole sequence N (default 2^30)")
-    ap.add_argument("--gpus", type=_ints, default=[64, 128, 256, 512, 1024])
-    ap.add_argument("--config", choices=["longnet", "full"], default="longnet")
-    ap.add_argument("--segments", type=_ints, default=list(LONGNET_SEGMENTS), help="LongNet segments before N")
-    ap.add_argument("--rates", type=_ints, default=list(LONGNET_RATES), help="LongNet rates, one more than segments")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dtype-bytes", type=int, default=2, help="2 for bf16/fp16")
-    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    ap.add_argument("--balanced", action="store_true", help="causal rings in zigzag order (equal work per rank)")
-    ap.add_argument("--host-waits", action="store_true",
-                    help="every exchange waited for on the host (NCCL with a timeout, or code before c3c36b4)")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    for name in ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "hbm_gbps", "op_us", "dispatch_us",
-                 "nvlink_gbps", "ib_gbps", "latency_us", "poll_ms", "memory_gib"):
-        ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(hw0, name),
-                        help=f"default {getattr(hw0, name):g}")
-    ap.add_argument("--gpus-per-node", type=int, default=hw0.gpus_per_node)
-    ap.add_argument("--validate", nargs="+", default=None, metavar="JSON",
-                    help="compare with measured scaling JSONs (globs allowed) instead of predicting")
-    ap.add_argument("--calibrate", nargs="+", default=None, metavar="JSON",
-                    help="fit the kernel and memory constants to the single-GPU runs in these JSONs")
-    a = ap.parse_args(argv)
-    hw = Hardware(**{name: getattr(a, name) for name in Hardware.__dataclass_fields__})
-    if a.calibrate:
-        fitted, report = calibrate(_expand(a.calibrate), hw)
-        for name in _FITTED + ("causal_keys",):
-            print(f"{name} = {getattr(fitted, name):.4g}")
-        print("\n| single-GPU measurement | measured ms | model ms | error |\n| --- | ---: | ---: | ---: |")
-        for r in report:
-            print(f"| {r['name']} | {r['measured_ms']:.2f} | {r['model_ms']:.2f} | "
-                  f"{100 * (r['model_ms'] / r['measured_ms'] - 1):+.1f}% |")
-        return 0
-    if a.validate:
-        paths = _expand(a.validate)
-        rows = validate(paths, hw, host_waits=a.host_waits)
-        if rows:
-            print(format_validation(rows))
-            worst = max(abs(r["error_pct"]) for r in rows)
-            mean = sum(abs(r["error_pct"]) for r in rows) / len(rows)
-            print(f"\n{len(rows)} records; mean |error| {mean:.1f}%, worst {worst:.1f}% "
-                  f"({'host-timed' if a.host_waits else 'stream-ordered'} waits)")
-        else:
-            print("no multi-GPU records of 'ours' with an efficiency in", paths)
-        return 0
-    n = int(a.tokens)
-    strategies = [s for s in a.strategies.split(",") if s]
-    for s in strategies:
-        if s not in STRATEGIES:
-            ap.error(f"--strategies: {s!r} is not one of {STRATEGIES}")
-    pats = config_patterns(a.config, n, a.segments, a.rates)
-    print(f"N = {n:,} tokens, {a.config} patterns w={[w for w, _ in pats]} r={[r for _, r in pats]}, "
-          f"B={a.batch} H={a.heads} Hkv={a.kv_heads or a.heads} D={a.head_dim}, {a.dtype_bytes}-byte dtype")
-    print(f"assumed: fused kernel {hw.fwd_tflops:g}/{hw.bwd_tflops:g} TFLOP/s fwd/bwd, HBM passes "
-          f"{hw.hbm_gbps:g} GB/s, NVLink {hw.nvlink_gbps:g} GB/s, InfiniBand {hw.ib_gbps:g} GB/s per GPU, "
-          f"{hw.gpus_per_node} GPUs per node, {hw.latency_us:g} us per message, {hw.memory_gib:g} GiB per GPU"
-          + (", host-timed waits" if a.host_waits else ""))
-    for causal in {"no": [False], "yes": [True], "both": [False, True]}[a.causal]:
-        prob = Problem(n, tuple(pats), a.heads, a.kv_heads, a.head_dim, a.batch, a.dtype_bytes, causal)
-        rows = [x for k in a.gpus for s in strategies
-                if (x := predict(prob, k, s, hw, balanced=a.balanced, host_waits=a.host_waits))]
-        print()
-        print(format_predictions(rows, n, causal))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -161,7 +161,7 @@ def merge_kernel(
 
     Row quantities live in ``(BLOCK_R, 1)`` tiles, already in the 2D tile's layout: Triton 3.6 on an H200
     garbled some rows' ``out`` when per-row vectors were broadcast from 1D tiles (``[:, None]``), nondeter-
-    ministically and only in compiled code (``benchmarks/results/merge_kernel_layouts_h200.log``)."""
+    ministically and only in compiled code."""
     rows = tl.program_id(0).to(IDX) * BLOCK_R + tl.arange(0, BLOCK_R).to(IDX)[:, None]
     row_ok = rows < n_rows
     i4 = rows % n4

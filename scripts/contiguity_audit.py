@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Find strided views that reach code assuming contiguous memory (GPU 'illegal memory access' crashes).
 
-  python scripts/contiguity_audit.py static                   # scan this library
-  python scripts/contiguity_audit.py static path/to/your/code  # scan yours (files or trees)
+  python scripts/contiguity_audit.py                          # scan this library (static)
+  python scripts/contiguity_audit.py path/to/your/code         # scan yours (files or trees; same as static PATH)
+  python scripts/contiguity_audit.py static path/to/your/code
   python scripts/contiguity_audit.py run                      # a built-in call of every layout, audited
   python scripts/contiguity_audit.py run --torch-p2p -- train.py --steps 2   # your script, audited
   torchrun --nproc_per_node=4 scripts/contiguity_audit.py run --torch-p2p -- train.py
@@ -42,13 +43,16 @@ def _demo() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["static", "run"])
+    p.add_argument("what", choices=["static", "run"], help="static (the default when omitted) or run")
     p.add_argument("paths", nargs="*", help="static: files or trees to scan (default: the library)")
     p.add_argument("--torch-p2p", action="store_true", help="run: also audit torch.distributed send/isend/P2POp")
     p.add_argument("--notes", action="store_true", help="run: also list legal-but-notable tensors (strided head dim)")
     argv = list(sys.argv[1:] if argv is None else argv)
     script = argv[argv.index("--") + 1:] if "--" in argv else []  # run: -- script.py args (default: built-in demo)
-    a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    if not own or own[0] not in ("static", "run", "-h", "--help"):
+        own = ["static", *own]  # a bare path (or nothing) is a static scan
+    a = p.parse_args(own)
     from dilated_attention.diagnostics import audit
 
     rest = script

@@ -7,6 +7,9 @@
 #   distributed.log  torchrun on all GPUs: diagnose.py ring --distributed (every installed backend), then the
 #                    NCCL harness with every installed backend
 # Usage (repo root):  OUT=/tmp/out bash scripts/gpu_diagnostics.sh
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header above is the manual
+  echo "usage: OUT=/tmp/out bash scripts/gpu_diagnostics.sh"; sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
+fi
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FUZZ_SECONDS=${FUZZ_SECONDS:-60}

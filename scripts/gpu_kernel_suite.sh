@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# One device call for the block kernels (issue 10): GPU tests, compute-sanitizer memcheck, benchmark.
+# The block kernels on one GPU machine in one call: GPU tests, compute-sanitizer memcheck, benchmark.
 #
-#   bash scripts/gpu_kernel_suite.sh          # on nvidia-h200 (or nvidia-h100-x1); about 5.5 minutes
+#   bash scripts/gpu_kernel_suite.sh          # one H200 or H100; about 5.5 minutes
 #
 # Phase 1 (correctness, in parallel): pytest of the fused, cuDNN and auto kernels on CUDA
 #   (pytest-xdist workers), and memcheck on small fused + cuDNN cases (after a warm run that
 #   fills Triton's cache).
-# Phase 2 (alone on the GPU, so timings are clean): benchmarks/bench_kernel.py at the issue's
+# Phase 2 (alone on the GPU, so timings are clean): benchmarks/bench_kernel.py at its default
 #   configuration (B=1 N=32768 H=16 D=128 bf16, LongNet w=2048..32768, r=1..16, causal and not),
 #   the measured auto table, full attention vs cuDNN SDPA, extra table entries (D=64 bf16, D=128 fp16).
 # With 2+ GPUs the phases overlap (bench on GPU 0, the rest on GPU 1).
 # A failing or timed-out part never stops the others; each says so in the summary at the end.
 # Writes 3 files to $OUT: suite.log (everything), kernel_<gpu>.json (results, markdown inside,
 # auto table), kernel_<gpu>.png.
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header above is the manual
+  echo "usage: OUT=/tmp/out bash scripts/gpu_kernel_suite.sh"; sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
+fi
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

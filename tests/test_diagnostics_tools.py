@@ -531,6 +531,8 @@ def test_static_audit_finds_the_seed_pattern(tmp_path, capsys):
     assert "isend gets a view made by .transpose()" in findings[2].why and ".view() after" in findings[3].why
     assert _script("contiguity_audit").main(["static", str(src)]) == 1
     assert f"{src}:3:" in capsys.readouterr().out
+    assert _script("contiguity_audit").main([str(src)]) == 1  # a bare path is a static scan
+    assert f"{src}:3:" in capsys.readouterr().out
 
 
 def test_static_audit_of_the_library_is_clean():

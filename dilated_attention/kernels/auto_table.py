@@ -49,8 +49,7 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                                        'fwd/dilated/full/D128/float16/M2048': 'cudnn-det',
                                        'fwd/dilated/full/D64/bfloat16/M2048': 'cudnn-det'},
                            'cudnn': 91900,
-                           'source': 'benchmarks/results/kernel_nvidia_h100_run15.json '
-                                     '(2026-11-23T04:26:20Z)',
+                           'source': 'benchmarks/results/kernel_h100.json (2026-11-23T04:26:20Z)',
                            'torch': '2.11.0+cu130'},
  'NVIDIA H200': {'choices': {'bwd-any/dense/causal/D128/bfloat16/M2048': 'cudnn-det',
                              'bwd-any/dense/causal/D128/bfloat16/M32768': 'cudnn',
@@ -95,5 +94,5 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                              'fwd/dilated/full/D128/float16/M2048': 'cudnn-det',
                              'fwd/dilated/full/D64/bfloat16/M2048': 'fused'},
                  'cudnn': 91900,
-                 'source': 'benchmarks/results/kernel_nvidia_h200_run16.json (2026-11-23T05:00:04Z)',
+                 'source': 'benchmarks/results/kernel_h200.json (2026-11-23T05:00:04Z)',
                  'torch': '2.11.0+cu130'}}

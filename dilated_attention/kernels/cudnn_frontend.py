@@ -11,7 +11,7 @@ Its forward is the frontend's too, the same cuDNN kernel as torch's op, but it
 writes its result where it is told: a pattern that takes several calls (one per
 dilation offset group or segment run) fills its compact part with no copy after.
 
-Measured on an H200 with cuDNN 9.19 (``benchmarks/results/cudnn_frontend_probe_h200.log``):
+Measured on an H200 with cuDNN 9.19 (per pattern: ``benchmarks/results/kernel_h200.json``):
 bitwise equal over repeated runs where torch's backward differed, 3-13% slower
 than the atomic one, gradients within bf16 rounding of it. Its workspace is
 about ``ceil(keys / 256)`` times the fp32 size of dQ (32 GiB for one 32768-row

@@ -114,7 +114,7 @@ def default_config(dim: int, dtype: torch.dtype) -> FusedConfig:
 
 def gpu_config(dim: int, dtype: torch.dtype) -> FusedConfig:
     """The pinned GPU config: ``bench_kernel.py --sweep`` on an H200 and an H100 (one kernel varied at a
-    time, LongNet B=1 N=32768 H=16; ``benchmarks/results/fused_sweep_*.log``).
+    time, LongNet B=1 N=32768 H=16).
 
     Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a dot's M dim. 16-bit D=128: the forward's
     64x64 tile with 4 warps and 3 stages is fastest; the dQ kernel runs 128 query rows on 8 warps, dK/dV
