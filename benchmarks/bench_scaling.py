@@ -14,17 +14,24 @@ N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
   time (CUDA events; wall clock on CPU); peak memory of the largest rank.
 - T1: the same library on ONE GPU over the whole sequence N = K x tokens, measured
   in the same run on rank 0 while the others wait. Efficiency = T1 / (K x TK).
-- ``torch_cp``: PyTorch context parallel (cuDNN SDPA, load-balanced), full
-  attention only; its efficiency is against cuDNN SDPA on one GPU, same run.
+- ``torch_cp``: PyTorch context parallel (``context_parallel``, cuDNN SDPA), full
+  attention only; causal runs load-balanced (torch's head-tail order), non-causal
+  without (torch accepts load balancing for causal attention only). Its efficiency
+  is against cuDNN SDPA on one GPU, same run.
 - ``ulysses``: DeepSpeed ``DistributedAttention`` (all-to-all) around the library's
   single-device call; efficiency against the library's T1.
+- ``ring_flash_attn``: ring-flash-attention's zigzag ring (``zigzag_ring_flash_attn_func``,
+  flash-attn blocks), full causal attention only (the zigzag order exists to even out
+  causal work); efficiency against flash-attn's ``flash_attn_func`` on one GPU.
 - max-length probe: LongNet, tokens per GPU doubled until a clean OOM (or the cap
   or time budget); every probe step is a record with ``max_tokens`` (= K x the
   largest tokens per GPU that ran).
 
 Peers are optional: a failed import or call is recorded in ``meta.skipped`` with
-the reason. Results: ``<out>/scaling_<gpu>_x<K>.json`` (``{"meta", "records"}``).
-Plots and tables: ``benchmarks/plot_scaling.py``.
+the reason; a measurement that started but never returned (a hang the job was killed
+in, or a crash) is left in ``meta.skipped`` as such. Results:
+``<out>/scaling_<gpu>_x<K>.json`` (``{"meta", "records"}``), ``<gpu>`` the model as
+``gpu_tag.py`` names it (``h200``). Plots and tables: ``benchmarks/plot_scaling.py``.
 """
 
 from __future__ import annotations
@@ -32,11 +39,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.metadata
 import inspect
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -44,11 +51,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_tag import gpu_tag  # noqa: E402
 
 STRATEGIES = ("ring", "head", "hybrid")
 CONFIGS = ("longnet", "full")
-PEERS = ("torch_cp", "ulysses")
+PEERS = ("torch_cp", "ulysses", "ring_flash_attn")
 
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
@@ -62,25 +78,22 @@ def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from dilated_attention.cost_model import LONGNET_RATES, LONGNET_SEGMENTS
-    from dilated_attention.launch_utils import int_list
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int_list, default=[32768], help="tokens per GPU, comma-separated "
                    "(default 32768; sweep: 8192,16384,32768,65536)")
     p.add_argument("--configs", type=_names(CONFIGS), default=list(CONFIGS))
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     p.add_argument("--strategies", type=_names(STRATEGIES), default=list(STRATEGIES))
-    p.add_argument("--torch-cp-causal", action="store_true",
-                   help="also run causal PyTorch context parallel at K>=2 (hung on torch 2.11 in our runs)")
     p.add_argument("--peers", type=_names(PEERS), default=None, help="'' for none (default: all; none with --smoke)")
     p.add_argument("--backend", default="collective", choices=["collective", "fairscale", "deepspeed"])
     p.add_argument("--kernel", default="auto")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--longnet-segments", type=int_list, default=list(LONGNET_SEGMENTS), help="segments before N")
-    p.add_argument("--longnet-rates", type=int_list, default=list(LONGNET_RATES), help="one more than segments")
+    p.add_argument("--longnet-segments", type=int_list, default=None,
+                   help="segments before N (default: the cost model's, 2048,8192,32768,131072)")
+    p.add_argument("--longnet-rates", type=int_list, default=None,
+                   help="one more than segments (default: the cost model's, 1,2,4,8,16)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10, help="at most this many timed iterations")
     p.add_argument("--min-iters", type=int, default=3)
@@ -94,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tag", default=None, help="file name: scaling_<tag>_x<K>.json (default: the GPU name)")
     p.add_argument("--smoke", action="store_true", help="CPU gloo, tiny sizes (overrides sizes, no peers)")
     a = p.parse_args(argv)
+    from dilated_attention.cost_model import LONGNET_RATES, LONGNET_SEGMENTS  # after --help: it loads torch
+
+    a.longnet_segments = list(LONGNET_SEGMENTS) if a.longnet_segments is None else a.longnet_segments
+    a.longnet_rates = list(LONGNET_RATES) if a.longnet_rates is None else a.longnet_rates
     if a.smoke:
         a.tokens, a.heads, a.head_dim = [64], 2, 8
         a.longnet_segments, a.longnet_rates = [16, 32], [1, 2, 4]
@@ -109,12 +126,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(a.longnet_rates) != len(a.longnet_segments) + 1:
         p.error("--longnet-rates needs one more entry than --longnet-segments (the last pattern is N)")
     return a
-
-
-def gpu_slug(name: str) -> str:
-    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100_80gb_hbm3'."""
-    words = re.findall(r"[a-z0-9]+", name.lower())
-    return "_".join(w for w in words if w not in ("nvidia", "tesla")) or "gpu"
 
 
 @dataclass
@@ -266,10 +277,12 @@ def torch_cp_measure(bench: Bench, n: int, causal: bool) -> tuple[float, float |
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as exc:
         raise Skip(f"torch_cp import failed: {exc}") from None
-    try:  # a private module: only used to report whether load balancing was on
+    try:  # private, and the only switch for load balancing (on by default)
         from torch.distributed.tensor.experimental._attention import _cp_options
     except ImportError:
         _cp_options = None
+    if _cp_options is None and not causal:
+        raise Skip("torch_cp: no _cp_options to turn load balancing off, which torch refuses without is_causal")
     a = bench.args
     if bench.mesh is None:  # one mesh for the whole run
         bench.mesh = init_device_mesh("cuda", (bench.env.world_size,))
@@ -278,19 +291,29 @@ def torch_cp_measure(bench: Bench, n: int, causal: bool) -> tuple[float, float |
     q, k, v = (bench.randn(shape, 100 + i) for i in range(3))  # same seed on every rank: one global problem
     dout = bench.randn(shape, 200)
     bufs = [q, k, v, dout]
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), \
-            context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
-        # Grad-requiring aliases of the (now sharded) buffers: the buffers themselves must not require
-        # grad, or the context cannot resize them back on exit.
-        qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+    before = _cp_options.enable_load_balance if _cp_options is not None else None
+    if _cp_options is not None:
+        # read when the context shards the buffers (head-tail order) and on every call: causal attention
+        # gets the balanced order, non-causal the plain one (torch raises for balanced non-causal calls)
+        _cp_options.enable_load_balance = causal
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), \
+                context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
+            # Grad-requiring aliases of the (now sharded) buffers, made inside the context: the buffers
+            # themselves must not require grad, or the context cannot resize them in place.
+            qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
 
-        def step() -> None:
-            F.scaled_dot_product_attention(qa, ka, va, is_causal=causal).backward(dout)
-            qa.grad = ka.grad = va.grad = None
+            def step() -> None:
+                F.scaled_dot_product_attention(qa, ka, va, is_causal=causal).backward(dout)
+                qa.grad = ka.grad = va.grad = None
 
-        ms, peak = bench.measure(step)
-        balance = "unknown" if _cp_options is None else \
-            "load-balanced" if _cp_options.enable_load_balance else "no load balance"
+            ms, peak = bench.measure(step)
+            # the context turns balancing off where the sequence does not split into 2K chunks
+            balance = "unknown" if _cp_options is None else \
+                "load-balanced" if _cp_options.enable_load_balance else "no load balance"
+    finally:
+        if _cp_options is not None:
+            _cp_options.enable_load_balance = before
     return ms, peak, balance
 
 
@@ -325,6 +348,47 @@ def ulysses_step(bench: Bench, n_local: int, config: str, causal: bool, n_total:
 
     def step() -> None:
         attn(q, k, v, *batch_arg).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return step
+
+
+def flash_attn_step(bench: Bench, n: int, causal: bool):
+    """Single-GPU flash-attn forward+backward over the whole sequence (ring_flash_attn's T1)."""
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as exc:
+        raise Skip(f"flash_attn import failed: {exc}") from None
+    a = bench.args
+    shape = (a.batch, n, a.heads, a.head_dim)
+    q, k, v = (bench.randn(shape, 100 + i).requires_grad_() for i in range(3))
+    dout = bench.randn(shape, 200)
+
+    def step() -> None:
+        flash_attn_func(q, k, v, causal=causal).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return step
+
+
+def ring_flash_attn_step(bench: Bench, n_local: int):
+    """ring-flash-attention's zigzag ring over all ranks, causal: rank ``r`` holds chunks ``r`` and
+    ``2K-1-r`` of the sequence (timing needs only the shapes: random local rows stand in for them)."""
+    if not bench.cuda:
+        raise Skip("ring_flash_attn needs CUDA (flash-attn)")
+    try:
+        from ring_flash_attn import zigzag_ring_flash_attn_func
+    except ImportError as exc:  # flash-attn missing lands here too
+        raise Skip(f"ring_flash_attn import failed: {exc}") from None
+    if n_local % 2:
+        raise Skip(f"the zigzag ring splits each rank's rows in two: {n_local} tokens per GPU is odd")
+    a, rank = bench.args, bench.env.rank
+    shape = (a.batch, n_local, a.heads, a.head_dim)
+    q, k, v = (bench.randn(shape, 1000 * i + rank).requires_grad_() for i in range(3))
+    dout = bench.randn(shape, 7000 + rank)
+
+    def step() -> None:
+        zigzag_ring_flash_attn_func(q, k, v, causal=True).backward(dout)
         q.grad = k.grad = v.grad = None
 
     return step
@@ -432,11 +496,12 @@ def versions(torch, cuda: bool) -> dict:
     if cuda:
         out["cuda"] = torch.version.cuda
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    for mod in ("triton", "deepspeed", "fairscale"):
+    for name, dist_name in (("triton", "triton"), ("deepspeed", "deepspeed"), ("fairscale", "fairscale"),
+                            ("flash_attn", "flash-attn"), ("ring_flash_attn", "ring-flash-attn")):
         try:
-            out[mod] = __import__(mod).__version__
-        except Exception:
-            out[mod] = None
+            out[name] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
     return out
 
 
@@ -468,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "strategy_argument": strategies_ok, "warmup": args.warmup, "iters": args.iters,
         "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock"),
         "efficiency": "T1 / (gpus * ms), T1 = one GPU on the whole sequence in this run: the library for ours and "
-                      "ulysses, cuDNN SDPA for torch_cp",
+                      "ulysses, cuDNN SDPA for torch_cp, flash-attn for ring_flash_attn",
         "single_gpu": [], "skipped": [],
         "gpu_memory_gib": torch.cuda.get_device_properties(env.device).total_memory / 2**30 if bench.cuda else None,
     }
@@ -486,9 +551,37 @@ def main(argv: list[str] | None = None) -> int:
     def save():
         if env.rank == 0:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"scaling_{args.tag or gpu_slug(device_name)}_x{k}.json"), "w") as f:
+            with open(path, "w") as f:
                 json.dump({"meta": meta, "records": records}, f, indent=1)
 
+    def multi_gpu(impl, strategy, config, causal, tokens, t1, measure):
+        """One K-rank measurement, recorded or skipped with the reason. Until it returns, the saved JSON
+        lists it as unfinished: a hang that ends the job (or a crash) still says where it stopped."""
+        pending = {"impl": impl, "strategy": strategy, "config": config, "causal": causal, "tokens_per_gpu": tokens,
+                   "reason": "started but never finished: the job hung or crashed here"}
+        meta["skipped"].append(pending)
+        save()
+        res, err = run_guarded(bench, measure)
+        meta["skipped"].remove(pending)
+        if err:
+            skip(impl, strategy, config, causal, tokens, err)
+        else:
+            record(impl, strategy, config, causal, tokens, res[0], t1, res[1])
+        return res
+
+    def single_reference(impl, config, causal, tokens, n, make_step):
+        """A peer's own T1 on rank 0 (shared with every rank); at K=1 it is the peer's record."""
+        t1_, peak_, err_ = single_gpu(bench, make_step)
+        meta["single_gpu"].append({"impl": impl, "config": config, "causal": causal, "tokens": n, "ms": t1_,
+                                   "peak_gib": peak_, "error": err_})
+        if k == 1:
+            if err_:
+                skip(impl, "single", config, causal, tokens, err_)
+            else:
+                record(impl, "single", config, causal, tokens, t1_, t1_, peak_)
+        return t1_, err_
+
+    path = os.path.join(args.out, f"scaling_{args.tag or (gpu_tag(device_name) if bench.cuda else 'cpu')}_x{k}.json")
     cases = [(t, c, z) for t in args.tokens for c in args.configs for z in causals]
     per_case = 1 + (len(args.strategies) if k > 1 else 0) + len(args.peers)
     progress = tqdm(total=len(cases) * per_case + args.probe, disable=env.rank != 0, desc=f"scaling x{k}",
@@ -508,50 +601,49 @@ def main(argv: list[str] | None = None) -> int:
             if not strategies_ok and strategy != "ring":
                 skip("ours", strategy, config, causal, tokens, "dilated_attention has no strategy= argument yet")
             else:
-                res, err = run_guarded(bench, lambda: bench.measure(
+                multi_gpu("ours", strategy, config, causal, tokens, t1, lambda: bench.measure(
                     ours_step(bench, tokens, config, causal, n, comm, strategy if strategies_ok else None)))
-                if err:
-                    skip("ours", strategy, config, causal, tokens, err)
-                else:
-                    record("ours", strategy, config, causal, tokens, res[0], t1, res[1])
             progress.update()
-        if "torch_cp" in args.peers:
-            progress.set_postfix_str(f"{label}: torch_cp")
-            if config != "full":
-                skip("torch_cp", "ring", config, causal, tokens, "context parallel runs full attention only")
-            elif causal and k > 1 and not args.torch_cp_causal:
-                skip("torch_cp", "ring", config, causal, tokens, "causal context parallel hung (>100 s) at K>=2 on "
-                     "torch 2.11 + H200 in our runs; --torch-cp-causal to try it")
-            elif not bench.cuda:
-                skip("torch_cp", "ring", config, causal, tokens, "torch_cp needs CUDA (cuDNN SDPA)")
-            else:
-                cp_t1, cp_peak, err = single_gpu(bench, lambda: cudnn_sdpa_step(bench, n, causal))
-                meta["single_gpu"].append({"impl": "torch_cp", "config": config, "causal": causal, "tokens": n,
-                                           "ms": cp_t1, "peak_gib": cp_peak, "error": err})
-                if k == 1:
-                    if err:
-                        skip("torch_cp", "single", config, causal, tokens, err)
-                    else:
-                        record("torch_cp", "single", config, causal, tokens, cp_t1, cp_t1, cp_peak)
-                else:
-                    res, err = run_guarded(bench, lambda: torch_cp_measure(bench, n, causal))
-                    if err:
-                        skip("torch_cp", "ring", config, causal, tokens, err)
-                    else:
-                        meta["torch_cp"] = {"balance": res[2], "peak_gib": "includes the whole-sequence q, k, v, "
-                                            "dout that context_parallel shards in place (their storage keeps its size)"}
-                        record("torch_cp", "ring", config, causal, tokens, res[0], cp_t1, res[1])
-            progress.update()
+        # peers, the established one first: a peer that hangs ends the job (run_scaling.sh bounds each K)
         if "ulysses" in args.peers:
             progress.set_postfix_str(f"{label}: ulysses")
             if k == 1:
                 skip("ulysses", "head", config, causal, tokens, "one GPU: nothing to exchange")
             else:
-                res, err = run_guarded(bench, lambda: bench.measure(ulysses_step(bench, tokens, config, causal, n)))
-                if err:
-                    skip("ulysses", "head", config, causal, tokens, err)
-                else:
-                    record("ulysses", "head", config, causal, tokens, res[0], t1, res[1])
+                multi_gpu("ulysses", "head", config, causal, tokens, t1,
+                          lambda: bench.measure(ulysses_step(bench, tokens, config, causal, n)))
+            progress.update()
+        if "ring_flash_attn" in args.peers:
+            progress.set_postfix_str(f"{label}: ring_flash_attn")
+            if config != "full" or not causal:
+                skip("ring_flash_attn", "ring", config, causal, tokens,
+                     "the zigzag ring runs full causal attention only")
+            elif not bench.cuda:
+                skip("ring_flash_attn", "ring", config, causal, tokens, "ring_flash_attn needs CUDA (flash-attn)")
+            else:
+                fa_t1, _ = single_reference("ring_flash_attn", config, causal, tokens, n,
+                                            lambda: flash_attn_step(bench, n, causal))
+                if k > 1:
+                    multi_gpu("ring_flash_attn", "ring", config, causal, tokens, fa_t1,
+                              lambda: bench.measure(ring_flash_attn_step(bench, tokens)))
+            progress.update()
+        if "torch_cp" in args.peers:
+            progress.set_postfix_str(f"{label}: torch_cp")
+            if config != "full":
+                skip("torch_cp", "ring", config, causal, tokens, "context parallel runs full attention only")
+            elif not bench.cuda:
+                skip("torch_cp", "ring", config, causal, tokens, "torch_cp needs CUDA (cuDNN SDPA)")
+            else:
+                cp_t1, _ = single_reference("torch_cp", config, causal, tokens, n,
+                                            lambda: cudnn_sdpa_step(bench, n, causal))
+                if k > 1:
+                    res = multi_gpu("torch_cp", "ring", config, causal, tokens, cp_t1,
+                                    lambda: torch_cp_measure(bench, n, causal))
+                    if res is not None:
+                        cp = meta.setdefault("torch_cp", {
+                            "balance": {}, "peak_gib": "includes the whole-sequence q, k, v, dout that "
+                                                      "context_parallel shards in place (their storage keeps its size)"})
+                        cp["balance"]["causal" if causal else "non-causal"] = res[2]
             progress.update()
     if args.probe:
         # (strategy= argument, name in the records): one GPU runs without a backend; before
@@ -569,11 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         progress.update()
     progress.close()
 
+    save()
     if env.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"scaling_{args.tag or gpu_slug(device_name)}_x{k}.json")
-        with open(path, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
         print(f"wrote {path}: {len(records)} records, {len(meta['skipped'])} skipped", flush=True)
         for rec in records:
             eff = f"{100 * rec['efficiency']:.1f}%" if rec["efficiency"] is not None else "-"

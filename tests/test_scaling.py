@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_scaling  # noqa: E402
+import gpu_tag  # noqa: E402
 import plot_scaling  # noqa: E402
 
 from dilated_attention.cost_model import validate  # noqa: E402
@@ -19,13 +20,16 @@ from dilated_attention.cost_model import validate  # noqa: E402
 RECORD_KEYS = {"impl", "strategy", "config", "causal", "gpus", "tokens_per_gpu", "ms", "efficiency", "peak_gib"}
 
 
-def test_gpu_slug():
-    assert bench_scaling.gpu_slug("NVIDIA H200") == "h200"
-    assert bench_scaling.gpu_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
-    assert bench_scaling.gpu_slug("cpu") == "cpu"
+def test_gpu_tag_names_the_model():
+    assert gpu_tag.gpu_tag("NVIDIA H200") == "h200"
+    assert gpu_tag.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_tag.gpu_tag("NVIDIA H100 PCIe") == "h100"
+    assert gpu_tag.gpu_tag("NVIDIA A100-SXM4-80GB") == "a100"
+    assert gpu_tag.gpu_tag("NVIDIA GeForce RTX 4090") == "rtx_4090"
+    assert gpu_tag.gpu_tag("cpu") == "cpu"
 
 
-def test_patterns_follow_the_issue():
+def test_default_patterns():
     args = bench_scaling.parse_args([])
     assert bench_scaling.patterns_for(args, "longnet", 262144) == ([2048, 8192, 32768, 131072, 262144], [1, 2, 4, 8, 16])
     assert bench_scaling.patterns_for(args, "longnet", 65536) == ([2048, 8192, 32768, 65536], [1, 2, 4, 8])
