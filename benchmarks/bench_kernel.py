@@ -93,12 +93,8 @@ from gpu_tag import gpu_tag  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import AutoKernel, table_key  # noqa: E402
-from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel  # noqa: E402
-from dilated_attention.kernels.cudnn_frontend import CudnnFrontendOps  # noqa: E402
 from dilated_attention.kernels.fused import FusedKernel, default_config  # noqa: E402
-from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
-from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
-from dilated_attention.kernels.sdpa import SdpaKernel  # noqa: E402
+from dilated_attention.kernels.registry import KERNELS, build_kernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
 
@@ -492,21 +488,14 @@ def check_close(impls, q, k, v, dout, plans, causal, scale):
 
 
 def make_kernel(name, table_impls, choices):
-    if name == "fused":
-        return FusedKernel()
-    if name == "cudnn":
-        return CudnnKernel()
-    if name == "cudnn-det":
-        return CudnnKernel(CudnnFrontendOps())
-    if name == "cudnn-dkdv":
-        return CudnnDkdvKernel()
+    """A new instance of method ``name``: ``auto``/``auto-any`` over ``table_impls`` with ``choices``, else the
+    library's kernel of that name (``kernels/registry.py``; ``sdpa-flash`` is ``sdpa``)."""
     if name in ("auto", "auto-any"):
         return AutoKernel(table_impls, choices, allow_nondeterministic=name == "auto-any")
-    if name.startswith("sdpa"):
-        return ChunkLoop(SdpaKernel("flash" if name == "sdpa-flash" else "cudnn"))
-    if name == "reference":
-        return ChunkLoop(ReferenceKernel())
-    raise SystemExit(f"unknown method {name}")
+    kernel = {"sdpa-flash": "sdpa"}.get(name, name)
+    if kernel not in KERNELS:
+        raise SystemExit(f"unknown method {name}")
+    return build_kernel(kernel)
 
 
 def main(argv=None):
@@ -547,11 +536,8 @@ def main(argv=None):
     }
     print(json.dumps(meta, indent=1), flush=True)
     # the implementations auto may choose between (on CPU the reference stands in for cuDNN)
-    if device.type == "cuda":
-        table_impls = {"fused": FusedKernel(), "cudnn": CudnnKernel(), "cudnn-det": CudnnKernel(CudnnFrontendOps()),
-                       "cudnn-dkdv": CudnnDkdvKernel()}
-    else:
-        table_impls = {"fused": FusedKernel(), "reference": ChunkLoop(ReferenceKernel())}
+    names = ("fused", "cudnn", "cudnn-det", "cudnn-dkdv") if device.type == "cuda" else ("fused", "reference")
+    table_impls = {name: build_kernel(name) for name in names}
     scale = args.dim ** -0.5
     torch.manual_seed(0)
     shape = (args.batch, args.seq, args.heads, args.dim)
@@ -820,8 +806,8 @@ def write_table(path: str) -> int:
     with open(path) as f:
         result = json.load(f)
     table = {k: dict(v) for k, v in TABLE.items()}
-    deterministic = {k.name: k.deterministic_backward for k in (
-        FusedKernel(), CudnnKernel(), CudnnKernel(CudnnFrontendOps()), CudnnDkdvKernel())}
+    deterministic = {name: build_kernel(name).deterministic_backward
+                     for name in ("fused", "cudnn", "cudnn-det", "cudnn-dkdv")}
     for gpu, entry in result["auto_table"].items():
         choices = {k: SAME_FORWARD.get(c, c) if k.startswith("fwd/") else c
                    for k, c in entry["choices"].items() if c in deterministic}

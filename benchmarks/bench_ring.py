@@ -83,10 +83,11 @@ def markdown(reports: list[dict]) -> str:
     """One table of the runs in ``reports`` (ring JSONs of one machine), causal and not."""
     reports = _reports_in_order(reports)
     r0, c0 = reports[0], reports[0]["config"]
-    lines = [f"ring fwd+bwd, {r0['device']} x{r0['world']}, torch {r0['torch']}, NCCL {r0.get('nccl')}, "
+    nccl = f", NCCL {r0['nccl']}" if r0.get("nccl") else ""
+    lines = [f"ring fwd+bwd, {r0['device']} x{r0['world']}, torch {r0['torch']}{nccl}, "
              f"B={c0['batch']} N={c0['local_len']}x{r0['world']} H={c0['heads']} D={c0['head_dim']} {c0['dtype']} "
              f"segments={c0['segments']} rates={c0['rates']}; {c0['warmup']} warm-up + {c0['iters']} timed "
-             "iterations per backend (order rotated), the slowest rank's CUDA-event time, median", "",
+             "iterations per backend (order rotated), the slowest rank's time (CUDA events on GPUs), median", "",
              "| kernel | causal | backend | median ms | min ms | max ms | ratio vs collective |",
              "|---|---|---|---:|---:|---:|---:|"]
     for r in reports:

@@ -10,16 +10,23 @@ no-op fails.
     compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/fused_sanitizer_cases.py [--cudnn]
 """
 
+import argparse
 import os
 import sys
 
-import torch
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _parser.add_argument("--cudnn", action="store_true", help="also the cuDNN pattern kernel")
+    _parser.add_argument("--only-cudnn", action="store_true", help="only the cuDNN pattern kernel")
+    ARGS = _parser.parse_args()  # --help before torch and the kernels load
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dilated_attention.kernels.cudnn import CudnnKernel  # noqa: E402
 from dilated_attention.kernels.fused import FusedKernel  # noqa: E402
-from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
+from dilated_attention.kernels.chunk_loop import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.views import pack_kv  # noqa: E402
@@ -92,14 +99,15 @@ def pattern_cases(F, tag):
             close(f"{tag} ring d{nme} causal={causal}", x, y, 3e-2)
 
 
-torch.manual_seed(1234)
-if "--only-cudnn" not in sys.argv:
-    block_cases(FusedKernel())
-    pattern_cases(FusedKernel(), "fused")
-if "--cudnn" in sys.argv or "--only-cudnn" in sys.argv:
-    pattern_cases(CudnnKernel(), "cudnn")
+if __name__ == "__main__":
+    torch.manual_seed(1234)
+    if not ARGS.only_cudnn:
+        block_cases(FusedKernel())
+        pattern_cases(FusedKernel(), "fused")
+    if ARGS.cudnn or ARGS.only_cudnn:
+        pattern_cases(CudnnKernel(), "cudnn")
 
-if dev == "cuda":
-    torch.cuda.synchronize()
-print("FAILED: " + ", ".join(bad) if bad else "all sanitizer cases match the reference")
-sys.exit(1 if bad else 0)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    print("FAILED: " + ", ".join(bad) if bad else "all sanitizer cases match the reference")
+    sys.exit(1 if bad else 0)

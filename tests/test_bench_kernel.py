@@ -81,7 +81,7 @@ def test_refine_by_pipeline_times_every_combination_of_close_calls():
     pytest.importorskip("triton")
     bk = _benchmark("bench_kernel")
     from dilated_attention.kernels.fused import FusedKernel
-    from dilated_attention.kernels.pattern import ChunkLoop
+    from dilated_attention.kernels.chunk_loop import ChunkLoop
     from dilated_attention.kernels.reference import ReferenceKernel
     from dilated_attention.patterns import plan_patterns
 
