@@ -811,7 +811,7 @@ def write_table(path: str) -> int:
     for gpu, entry in result["auto_table"].items():
         choices = {k: SAME_FORWARD.get(c, c) if k.startswith("fwd/") else c
                    for k, c in entry["choices"].items() if c in deterministic}
-        for key, name in sorted(choices.items()):  # a measurement before the declared rule could list one
+        for key, name in sorted(choices.items()):  # a result JSON may list any measured winner
             if key.startswith("bwd/") and not deterministic[name]:
                 print(f"dropping {key} -> {name}: {name}'s backward is not deterministic (the fused kernel runs it)")
                 del choices[key]

@@ -401,7 +401,7 @@ def hybrid_team(gpus: int, heads: int, hw: Hardware) -> int | None:
 
 
 def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
-    """Rough peak per GPU: q, k, v, out, dout, dq, dk, dv (input dtype) plus 40% (issue 9's target)."""
+    """Rough peak per GPU: q, k, v, out, dout, dq, dk, dv (input dtype) plus 40% headroom."""
     per_token = (6 * p.heads + 2 * 2 * p.hkv) * p.head_dim * p.dtype_bytes
     return 1.4 * p.batch * tokens_per_gpu * per_token / 2**30
 
