@@ -4,12 +4,13 @@ Predictions: forward+backward time, exposed communication, efficiency and memory
 strategy, for a LongNet or full-attention problem. ``--validate``: predicted vs measured efficiency
 of every multi-GPU record of the library in scaling JSONs (``bench_scaling.py``). ``--calibrate``:
 fit the kernel and memory constants to single-GPU measurements (a kernel benchmark JSON of the
-fused kernel, and the ``single_gpu`` entries of scaling JSONs).
+fused kernel, and the ``single_gpu`` entries of scaling JSONs) of the code the model describes: it
+says so when no physical fit exists (the committed ``kernel_h200.json`` measures compact parts
+combined once, which the model's memory terms do not describe).
 
     python benchmarks/cost_model.py --tokens 1073741824 --gpus 64,128,256,512,1024
     python benchmarks/cost_model.py --validate benchmarks/results/scaling_h200_x[24].json --host-waits
-    python benchmarks/cost_model.py --calibrate benchmarks/results/kernel_h200.json \\
-        benchmarks/results/scaling_h200_x*.json
+    python benchmarks/cost_model.py --calibrate kernel_<gpu>.json scaling_<gpu>_x*.json
 """
 
 from __future__ import annotations
