@@ -309,7 +309,7 @@ def _mask_codes() -> dict:
 
         one = torch.zeros(1, 1, dtype=torch.long)
         base = mu.causal_mask_function
-        probes = {  # name of the factory -> (how to build one instance, meaning)
+        factories = {  # name of the factory -> (how to build one instance, meaning)
             "and_masks": (lambda f: f(base), "and"),
             "or_masks": (lambda f: f(base), "a custom mask overlay (or_masks)"),
             "remap_positions_for_packed_sequence": (lambda f: f(base, one), "remap"),
@@ -321,7 +321,7 @@ def _mask_codes() -> dict:
             "padding_mask_function": (lambda f: f(one.bool()), "padding"),
         }
         codes: dict = {}
-        for name, (build, meaning) in probes.items():
+        for name, (build, meaning) in factories.items():
             factory = getattr(mu, name, None)
             if factory is None:
                 continue
