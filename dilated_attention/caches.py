@@ -1,20 +1,100 @@
-"""What the hot path remembers per configuration or geometry: bounded tables and the keys into them.
+"""Every cache the library keeps per process, in one registry: ``cache_info()`` and ``clear_caches()``.
 
 A call's host work (validation, plans, kernel choice, launch parameters) depends on a handful of properties
-that repeat step after step in training, so each is worked out once and looked up after. A table that fills
-up starts over: the configurations a run sees are few, a full table means an unusual workload, and starting
-over costs less than LRU bookkeeping on every hit.
+that repeat step after step in training, so each is worked out once and looked up after. A module makes each
+of its caches here, under a name (``table``, ``keys``, ``memoize``), with a bound: a ``Table`` that fills up
+starts over (the configurations a run sees are few, a full table means an unusual workload, and starting
+over costs less than LRU bookkeeping on every hit).
+
+``cache_info()`` tells what each cache holds against its bound (debugging memory); ``clear_caches()``
+empties them all, e.g. after the environment a kernel choice reads changed (a package installed, a GPU
+setting). Emptying costs only the time to work things out again: no result changes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 
-def remember(cache: dict, key: Any, value: Any, kept: int) -> Any:
-    """Store ``value`` under ``key`` in ``cache`` (emptied first when it holds ``kept`` entries); return it."""
-    if len(cache) >= kept:
-        cache.clear()
+class CacheInfo(NamedTuple):
+    """What one cache holds: ``size`` entries of at most ``bound`` (``None``: kept while anything refers to them)."""
+
+    size: int
+    bound: int | None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    size: Callable[[], int]
+    bound: int | None
+    clear: Callable[[], None] | None  # None: not a cache to drop (its entries must live as long as the process)
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+class Table(dict):
+    """A dict that empties itself before it would hold more than ``kept`` entries."""
+
+    def __init__(self, kept: int) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if len(self) >= self.kept and key not in self:
+            self.clear()
+        super().__setitem__(key, value)
+
+
+class KeySet(set):
+    """A set that empties itself before it would hold more than ``kept`` keys (what was seen once: a warning
+    given, a configuration refused)."""
+
+    def __init__(self, kept: int) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def add(self, key: Any) -> None:
+        if len(self) >= self.kept and key not in self:
+            self.clear()
+        super().add(key)
+
+
+def register(name: str, size: Callable[[], int], bound: int | None, clear: Callable[[], None] | None) -> None:
+    """List a cache kept elsewhere under ``name``: ``size()`` its entries, ``clear()`` empties it (``None``: shown
+    by ``cache_info`` but never emptied)."""
+    _REGISTRY[name] = _Entry(size, bound, clear)
+
+
+def table(name: str, kept: int) -> Table:
+    """A new registered ``Table`` of at most ``kept`` entries."""
+    cache = Table(kept)
+    register(name, cache.__len__, kept, cache.clear)
+    return cache
+
+
+def keys(name: str, kept: int) -> KeySet:
+    """A new registered ``KeySet`` of at most ``kept`` keys."""
+    seen = KeySet(kept)
+    register(name, seen.__len__, kept, seen.clear)
+    return seen
+
+
+def memoize(name: str, maxsize: int) -> Callable[[Callable], Callable]:
+    """``functools.lru_cache(maxsize)``, registered under ``name``."""
+
+    def decorate(fn: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        register(name, lambda: cached.cache_info().currsize, maxsize, cached.cache_clear)
+        return cached
+
+    return decorate
+
+
+def remember(cache: dict, key: Any, value: Any) -> Any:
+    """Store ``value`` under ``key`` in ``cache`` and return it (a lookup's miss path in one expression)."""
     cache[key] = value
     return value
 
@@ -27,4 +107,17 @@ def typed(value: Any) -> tuple:
     return (type(value), value)
 
 
-__all__ = ["remember", "typed"]
+def cache_info() -> dict[str, CacheInfo]:
+    """Every per-process cache of the library by name (``module.what``): its entries and bound."""
+    return {name: CacheInfo(entry.size(), entry.bound) for name, entry in sorted(_REGISTRY.items())}
+
+
+def clear_caches() -> None:
+    """Empty every per-process cache (``cache_info`` lists them); later calls work out again what they need."""
+    for entry in _REGISTRY.values():
+        if entry.clear is not None:
+            entry.clear()
+
+
+__all__ = ["CacheInfo", "KeySet", "Table", "cache_info", "clear_caches", "keys", "memoize", "register", "remember",
+           "table", "typed"]

@@ -3,8 +3,10 @@
 Under ``torch.compile`` a call is one opaque op, ``dilated_attention::attend``, whose arguments are
 tensors and primitives, and its gradient a second one, ``dilated_attention::attend_backward``
 (``torch.library.register_autograd``). Both are thin wrappers around ``functional``'s one code path
-(``_prepare`` / ``_forward`` / ``_backward``): at run time they plan the call, agree on it across
-ranks, gather key masks and run the rings and all-to-alls, none of which enters the traced graph.
+(``_prepare`` / ``_forward`` / ``_backward``), which ``functional`` hands over when it loads (``bind``):
+so the entry point imports the ops and the ops import nothing of the call path. At run time they plan
+the call, agree on it across ranks, gather key masks and run the rings and all-to-alls, none of which
+enters the traced graph.
 Their fake implementations plan from shapes alone (so invalid shapes raise while tracing) and
 return empty tensors.
 
@@ -18,15 +20,27 @@ A ``CommBackend`` or kernel object travels as a string key into ``_OBJECTS`` (he
 the process, as the compiled graph is); names (``"collective"``, ``"auto"``) travel as themselves.
 """
 
+from types import SimpleNamespace
+
 import torch
 
-from . import functional as _f
+from . import caches
 from .comm import CommBackend, resolve_comm
 
 # torch.library.custom_op and register_autograd arrived in torch 2.4; without them a compiled call
 # runs the eager path (graph breaks around it).
 AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
 _OBJECTS: dict[str, object] = {}
+# kept for the life of the process (a compiled graph refers to its entries): listed, never emptied
+caches.register("custom_ops.objects", _OBJECTS.__len__, None, None)
+# functional's call path (``bind``)
+_f = SimpleNamespace()
+
+
+def bind(**call_path) -> None:
+    """The functions the ops run: ``functional``'s ``check_flags``, ``check_scale_type``, ``prepare``,
+    ``forward``, ``backward``, ``schedule`` and ``saved_like`` (called once, when it loads)."""
+    vars(_f).update(call_path)
 
 
 def _key(obj) -> str:
@@ -63,8 +77,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, d
            kernel) -> torch.Tensor:
     """``dilated_attention`` under ``torch.compile``: the op call (traced), everything else inside it."""
     # Type errors the op's schema would blur (a bool is not a scale; an int is not a flag), as eager raises them.
-    _f._check_flags(causal, pad_to_segments, strategy)
-    _f._check_scale_type(softmax_scale)
+    _f.check_flags(causal, pad_to_segments, strategy)
+    _f.check_scale_type(softmax_scale)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)
     for name, t in (("key_padding_mask", key_padding_mask), ("cu_seqlens", cu_seqlens)):
         if t is not None and not isinstance(t, torch.Tensor):
@@ -88,8 +102,8 @@ if AVAILABLE:
         options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
                            key_padding_mask, cu_seqlens)
         backend = resolve_comm(_lookup(comm))
-        spec, call = _f._prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
-        out, saved = _f._forward(spec, call, q, k, v, key_padding_mask)
+        spec, call = _f.prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
+        out, saved = _f.forward(spec, call, q, k, v, key_padding_mask)
         # Contiguous, as the fake implementation promises (inductor asserts output strides).
         return out.contiguous(), [t.contiguous() for t in saved] + [torch.tensor(call, dtype=torch.int64)]
 
@@ -98,9 +112,9 @@ if AVAILABLE:
           pad_to_segments, head_offsets, comm, strategy, kernel, requires_grad):
         options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
                            key_padding_mask, cu_seqlens)
-        spec = _f._schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
+        spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
                             shapes_only=True, **options)
-        saved = _f._saved_like(spec, q, k, key_padding_mask)
+        saved = _f.saved_like(spec, q, k, key_padding_mask)
         return q.new_empty(q.shape), saved + [torch.empty((), dtype=torch.int64, device="cpu")]
 
     @torch.library.custom_op("dilated_attention::attend_backward", mutates_args=())
@@ -113,9 +127,9 @@ if AVAILABLE:
         options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
                            key_padding_mask, cu_seqlens)
         # The forward planned this call successfully: the same plan (no new agreement, no debug record).
-        spec = _f._schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
+        spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
                             record=False, **options)
-        grads = _f._backward(spec, int(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
+        grads = _f.backward(spec, int(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
         return tuple(g.contiguous() for g in grads)
 
     @_attend_backward_op.register_fake

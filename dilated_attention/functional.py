@@ -26,15 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch._functorch.utils import unwrap_dead_wrappers
 
+from . import caches, hooks
+from . import custom_ops as _ops
+from .caches import typed
 from .comm import CommBackend, resolve_comm
 from .consistency import agree, call_signature
-from .diagnostics import debug as _debug
-from .diagnostics.guard import guard_kernel
 from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_sequence_backward, sequence_to_heads,
                             sequence_to_heads_backward)
-from .kernels.base import BlockKernel, PatternKernel
 from .kernels.dispatch import select_kernel
-from .memo import remember, typed
+from .kernels.guard import guard_kernel
+from .kernels.protocol import BlockKernel, PatternKernel
 from .merge import accum_dtype
 from .patterns import PatternPlan, hybrid_team_size, padded_length, plan_patterns
 from .ring import RingCall, RingLayout, ring_backward, ring_forward
@@ -375,7 +376,7 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     """Validate a call and decide everything but the data: raises ``ValueError``/``TypeError``.
 
     ``shapes_only``: what output shapes need, from shapes alone (no ``cu_seqlens`` values, no kernel):
-    a custom op's fake implementation. ``record``: debug mode records the call (once per call, not
+    a custom op's fake implementation. ``record``: kernel hooks may record the call (once per call, not
     again when a compiled backward plans it anew).
     """
     world = backend.world_size if backend is not None else 1
@@ -420,34 +421,29 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
             batches[0].spans is not None or batches[0].length != local * world))
         chosen = select_kernel(kernel, q, k, masked)
         meta = {}
-        if _debug.enabled():  # off by default: one module-global check
-            from .diagnostics.repro import call_extras
-
-            meta = _debug.call_meta(q, k, v, segment_lengths, dilation_rates, mode=mode, causal=causal,
-                                    softmax_scale=softmax_scale, kernel=kernel, comm=backend, strategy=strategy,
-                                    pad_to_segments=pad_to_segments, head_offsets=head_offsets)
-            meta.update(call_extras(key_padding_mask, cu_seqlens, rank=meta["rank"], world=meta["world_size"]))
-            if record:
-                _debug.record_call(meta, {"q": q, "k": k, "v": v})
-            chosen = _debug.wrap_kernel(chosen, meta)
+        if hooks.active():  # none by default (debug mode, the runtime audit): one module-global check
+            options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+                           cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
+                           strategy=strategy, kernel=kernel)
+            call = hooks.Call(q, k, v, segment_lengths, dilation_rates, backend, options, record, meta)
+            chosen = hooks.apply_kernel_hooks(chosen, call)
         chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
     return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale)
 
 
-_SCHEDULES: dict[tuple, _Schedule] = {}
-_SCHEDULES_KEPT = 256
+_SCHEDULES = caches.table("functional.schedules", 256)
 # environment the kernel choice reads (auto's nondeterministic entries; the fused kernel on CPU tensors)
 _KERNEL_CHOICE_ENV = ("DILATED_ATTENTION_NONDETERMINISTIC", "TRITON_INTERPRET")
 
 
 def _schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tuple | None:
     """Everything a single-device call's ``_schedule`` reads, as a key, or ``None`` where it reads more (a key
-    mask or documents: their values; debug mode: it records each call). Validating and planning a call costs
+    mask or documents: their values; a kernel hook: it may record each call). Validating and planning a call costs
     about 0.2 ms of host time, and a LongNet forward is host-bound: a training loop's repeated calls reuse the
     schedule. Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
     property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment), and
     the environment variables the kernel choice reads."""
-    if options["key_padding_mask"] is not None or options["cu_seqlens"] is not None or _debug.enabled():
+    if options["key_padding_mask"] is not None or options["cu_seqlens"] is not None or hooks.active():
         return None
     # (tensor subclasses and torch.func's wrapped tensors, which have no storage: planned every time)
     if not all(type(t) is torch.Tensor for t in (q, k, v)) or torch._C._are_functorch_transforms_active():
@@ -477,7 +473,7 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
         if spec is None:
             spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=None, **options)
             if key is not None:
-                remember(_SCHEDULES, key, spec, _SCHEDULES_KEPT)
+                _SCHEDULES[key] = spec
         return spec, 0
     try:
         spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)
@@ -648,4 +644,5 @@ class _AttentionBackward(torch.autograd.Function):
                             spec, call, *saved)
 
 
-from . import custom_ops as _ops  # noqa: E402  (it wraps this module's functions: imported once they exist)
+_ops.bind(check_flags=_check_flags, check_scale_type=_check_scale_type, prepare=_prepare, forward=_forward,
+          backward=_backward, schedule=_schedule, saved_like=_saved_like)

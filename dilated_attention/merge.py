@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.fused import interpreting, triton  # (Triton or None: the fused kernel's import of it)
-from .memo import remember
+from . import caches
+from .caches import remember
 from .patterns import PatternPlan
+from .triton_support import JITTED, interpreting, triton
 from .views import chunk_views, compact_view, region_views
 
 tl = None if triton is None else triton.language
@@ -135,14 +136,15 @@ _merge_weights = None  # merge_weights jitted (``_jitted``): the kernels resolve
 # (one Triton mode per process: TRITON_INTERPRET is read when a kernel is first jitted)
 
 
-def _jitted(cache: dict, kernel):
+def _jitted(kernel):
     """``kernel`` jitted for the current mode (at first use, so TRITON_INTERPRET is read then, not at import),
-    with the helper it calls."""
+    with the helpers it calls."""
     global _merge_weights, _compact_row
-    fn = cache.get(interpreting())
+    key = (interpreting(), kernel)
+    fn = JITTED.get(key)
     if fn is None:
         _merge_weights, _compact_row = triton.jit(merge_weights), triton.jit(compact_row)
-        fn = cache[interpreting()] = triton.jit(kernel)
+        fn = JITTED[key] = triton.jit(kernel)
     return fn
 
 
@@ -208,7 +210,6 @@ def merge_kernel(
 
 
 PART_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_JIT: dict[bool, object] = {}
 
 
 def triton_reason(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
@@ -296,9 +297,9 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
     plan = _LAUNCHES.get(key)
     if plan is None:
         plan = remember(_LAUNCHES, key, _launch_plan(out.shape, out.stride(), part_out.stride(), *lse_strides, fresh,
-                                                     weighted), _LAUNCHES_KEPT)
+                                                     weighted))
     ints, meta, grid = plan
-    fn = _jitted(_JIT, merge_kernel)
+    fn = _jitted(merge_kernel)
     args = (out, lse if weighted else out, part_out, part_lse if weighted else part_out, *ints)
     if interpreting():
         fn[grid](*args, **meta)
@@ -309,8 +310,7 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
             fn[grid](*args, **meta, num_warps=NUM_WARPS)
 
 
-_LAUNCHES: dict[tuple, tuple] = {}  # launch plans by geometry: a call pays only for Triton's own launch
-_LAUNCHES_KEPT = 1024
+_LAUNCHES = caches.table("merge.launch_plans", 1024)  # by geometry: a call pays only for Triton's own launch
 
 
 def _launch_plan(shape, so, sp, sl, sq, fresh: bool, weighted: bool) -> tuple[tuple[int, ...], dict, tuple[int]]:
@@ -525,8 +525,6 @@ def combine_kernel(
     tl.store(OUT + b * so_b + n.to(tl.int64) * so_n + head * so_h + cols, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
-_COMBINE_JIT: dict[bool, object] = {}
-_COMBINE_LSE_JIT: dict[bool, object] = {}
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the combine kernel's batch)
 COMBINE_TILE = 2048  # elements per program (rows x head-dim block)
 COMBINE_WARPS = 4
@@ -571,8 +569,7 @@ def current_raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}  # combine tables on the device, by content
-_TABLES_KEPT = 64
+_TABLES = caches.table("merge.combine_tables", 64)  # combine tables on the device, by content
 
 
 def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -585,7 +582,7 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     table = _TABLES.get(key)
     if table is None:
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-        table = remember(_TABLES, key, host.to(device, non_blocking=True), _TABLES_KEPT)  # pinned: no host wait
+        table = remember(_TABLES, key, host.to(device, non_blocking=True))  # pinned: no host wait
     return table
 
 
@@ -618,7 +615,7 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
             slots = len(parts) + (running is not None)  # (the running result's weight is the last slot)
             weights = torch.empty((bsz, slots, n * heads), dtype=torch.float32, device=like.device)
             rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
-            _jitted(_COMBINE_LSE_JIT, combine_lse_kernel)[(triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz)](
+            _jitted(combine_lse_kernel)[(triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz)](
                 table, lse_base, lse_base if run_lse is None else run_lse, lse, weights, n,
                 *rl_strides, *lse.stride(), weights.stride(1), weights.stride(0),
                 H=heads, P=len(parts), HAS_RUN=running is not None, BLOCK=COMBINE_LSE_BLOCK, **launch)
@@ -626,7 +623,7 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
         block_r = max(1, COMBINE_TILE // block_d)
         r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
         w_strides = (weights.stride(1), weights.stride(0)) if weighted else (0, 0)
-        _jitted(_COMBINE_JIT, combine_kernel)[(triton.cdiv(n, block_r), heads, bsz)](
+        _jitted(combine_kernel)[(triton.cdiv(n, block_r), heads, bsz)](
             table, base, weights, out if run_out is None else run_out, out, n, dim, *r_strides, *out.stride()[:3],
             *w_strides, H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align,
             WIDE=wide, BLOCK_R=block_r, BLOCK_D=block_d, **launch)

@@ -7,12 +7,12 @@ rank or as a ring of ``G`` consecutive ranks.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .memo import remember, typed
+from . import caches
+from .caches import remember, typed
 
 MODES = ("longnet", "grouped")
 HEAD_OFFSET_RULES = ("spread", "torchscale")
@@ -81,7 +81,7 @@ class PatternPlan:
         return self.ring_size == 1 and (direction == "fwd" or self.head_offsets(num_kv_heads, kv=True) is not None)
 
 
-@functools.lru_cache(maxsize=1024)  # asked per pattern and step on the hot path; plans are few
+@caches.memoize("patterns.head_offsets", 1024)  # asked per pattern and step on the hot path; plans are few
 def _head_offsets(plan: PatternPlan, num_heads: int, kv: bool) -> tuple[int, ...] | None:
     offsets = [-1] * num_heads
     for c in plan.chunks:
@@ -270,11 +270,10 @@ def plan_patterns(
     except TypeError:  # unhashable: planning raises the clear error
         return _plan_patterns(*args)
     hit = _PLANS.get(key)
-    return hit if hit is not None else remember(_PLANS, key, _plan_patterns(*args), _PLANS_KEPT)
+    return hit if hit is not None else remember(_PLANS, key, _plan_patterns(*args))
 
 
-_PLANS: dict[tuple, tuple[PatternPlan, ...]] = {}
-_PLANS_KEPT = 256
+_PLANS = caches.table("patterns.plans", 256)
 
 
 def _plan_patterns(segment_lengths, dilation_rates, seq_len, local_len, num_heads, num_kv_heads, mode,

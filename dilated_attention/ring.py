@@ -36,8 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm.base import CommBackend
-from .kernels.base import PatternKernel
-from .kernels.pattern import clear_result_
+from .kernels.protocol import PatternKernel, clear_result_
 from .merge import Part, accum_dtype, combine_results, sum_grads
 from .patterns import PatternPlan
 from .views import pack_kv, unpack_add_

@@ -15,7 +15,7 @@ import torch._dynamo.testing
 from torch import nn
 
 from dilated_attention import MultiheadDilatedAttention, dilated_attention
-from dilated_attention.kernels.pattern import ChunkLoop
+from dilated_attention.kernels.chunk_loop import ChunkLoop
 from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.testing.spawn import spawn_ranks
 

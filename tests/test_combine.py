@@ -261,7 +261,7 @@ def test_ring_mixing_parts_and_a_fresh_in_place_pattern_matches_the_oracle(causa
     differentiable fp64 oracle, forward and backward."""
     from dilated_attention.kernels.auto import AutoKernel, table_key
     from dilated_attention.kernels.fused import FusedKernel
-    from dilated_attention.kernels.pattern import ChunkLoop
+    from dilated_attention.kernels.chunk_loop import ChunkLoop
     from dilated_attention.kernels.reference import ReferenceKernel
     from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward
     from dilated_attention.testing.oracle import dense_dilated_attention

@@ -15,9 +15,10 @@ import sys
 import pytest
 import torch
 
-from dilated_attention.diagnostics import audit, debug, fuzz, guard, repro, sanitize
+from dilated_attention.diagnostics import audit, debug, fuzz, repro, sanitize
 from dilated_attention.diagnostics import health
-from dilated_attention.kernels.pattern import ChunkLoop
+from dilated_attention.kernels import guard
+from dilated_attention.kernels.chunk_loop import ChunkLoop
 from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import as_layout

@@ -35,7 +35,7 @@ from dilated_attention.kernels.fused import (  # noqa: E402
     padded_dim,
     shared_memory_reason,
 )
-from dilated_attention.kernels.pattern import ChunkLoop  # noqa: E402
+from dilated_attention.kernels.chunk_loop import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel, _expand_kv  # noqa: E402
 from dilated_attention.merge import Part, merge_pattern_, sum_grads  # noqa: E402
 from dilated_attention.ring import RingCall, RingLayout, ring_forward  # noqa: E402

@@ -30,6 +30,12 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
+
+from .. import hooks
+from ..comm.base import CommBackend
+from ..kernels.protocol import CALL_ARGUMENTS
+from ..kernels.wrapper import KernelWrapper
 
 VIEW_METHODS = {"transpose", "permute", "narrow", "select", "expand", "expand_as", "as_strided", "unfold",
                 "diagonal", "t", "swapaxes", "swapdims", "movedim", "moveaxis", "unbind", "split", "chunk",
@@ -269,58 +275,30 @@ def _check(audit: RuntimeAudit, entry: str, name: str, t, *, must_be_contiguous:
                                              " and ".join(why), _caller(), severity))
 
 
-class _AuditedKernel:
+class _AuditedKernel(KernelWrapper):
     """Records what reaches a PatternKernel, then calls it."""
 
     def __init__(self, kernel, audit: RuntimeAudit) -> None:
-        self.kernel, self.audit, self.name = kernel, audit, kernel.name
-        self.key_masks = kernel.key_masks
-        self.deterministic_backward = kernel.deterministic_backward
+        super().__init__(kernel)
+        self.audit = audit
 
-    def supports(self, q, k):
-        return self.kernel.supports(q, k)
-
-    def forward_pattern(self, q, k, v, plan, **kw):
-        for n, t in (("q", q), ("k", k), ("v", v)):
-            _check(self.audit, f"{self.name}.forward_pattern (pattern {plan.index})", n, t, must_be_contiguous=False)
-        return self.kernel.forward_pattern(q, k, v, plan, **kw)
-
-    def forward_pattern_into(self, q, k, v, plan, out, lse, **kw):
-        for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
-            _check(self.audit, f"{self.name}.forward_pattern_into (pattern {plan.index})", n, t,
-                   must_be_contiguous=False)
-        return self.kernel.forward_pattern_into(q, k, v, plan, out, lse, **kw)
-
-    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, **kw):
-        for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout), ("dq", dq),
-                     ("dk", dk), ("dv", dv)):
-            _check(self.audit, f"{self.name}.backward_pattern (pattern {plan.index})", n, t, must_be_contiguous=False)
-        return self.kernel.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
-
-    def parts(self, direction, plan, q, k, **kw):
-        return self.kernel.parts(direction, plan, q, k, **kw)
-
-    def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, **kw):
-        for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout)):
-            _check(self.audit, f"{self.name}.backward_pattern_parts (pattern {plan.index})", n, t,
-                   must_be_contiguous=False)
-        return self.kernel.backward_pattern_parts(q, k, v, plan, out, lse, dout, **kw)
+    def call(self, op, args, kwargs):
+        entry = f"{self.name}.{op} (pattern {args[3].index})"
+        for n, t in zip(CALL_ARGUMENTS[op], args):
+            if n != "plan":
+                _check(self.audit, entry, n, t, must_be_contiguous=False)
+        return super().call(op, args, kwargs)
 
 
 @contextlib.contextmanager
 def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = False) -> Iterator[RuntimeAudit]:
     """Record non-contiguous/misaligned tensors reaching kernels and sends while the block runs.
 
-    Patches (and restores on exit) ``CommBackend.send_recv``, the ``select_kernel``
-    that ``functional`` uses, and with ``torch_p2p`` ``torch.distributed``'s
-    ``send``/``isend``/``P2POp``. The calls still run (a send of a strided view
+    Patches (and restores on exit) ``CommBackend.send_recv`` and, with ``torch_p2p``,
+    ``torch.distributed``'s ``send``/``isend``/``P2POp``; sees every kernel a call plans
+    through a kernel hook (``hooks.py``). The calls still run (a send of a strided view
     still raises the library's own error after being recorded).
     """
-    import torch.distributed as dist
-
-    from .. import functional
-    from ..comm.base import CommBackend
-
     audit = RuntimeAudit()
     saved: list[tuple[object, str, object]] = []
 
@@ -337,13 +315,9 @@ def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = 
             return original_send_recv(self, send, dst, recv, src)
 
         patch(CommBackend, "send_recv", send_recv)
-    if kernels:
-        original_select = functional.select_kernel
-
-        def select_kernel(kernel, q, k, masked=False):
-            return _AuditedKernel(original_select(kernel, q, k, masked), audit)
-
-        patch(functional, "select_kernel", select_kernel)
+    hook = (lambda kernel, call: _AuditedKernel(kernel, audit)) if kernels else None
+    if hook is not None:
+        hooks.add_kernel_hook(hook)
     if torch_p2p:
         for fname in ("send", "isend"):
             original = getattr(dist, fname)
@@ -365,6 +339,8 @@ def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = 
     try:
         yield audit
     finally:
+        if hook is not None:
+            hooks.remove_kernel_hook(hook)
         for owner, attr, value in reversed(saved):
             setattr(owner, attr, value)
 

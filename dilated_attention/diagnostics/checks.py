@@ -24,11 +24,14 @@ import sys
 
 import torch
 
+from ..comm import get_backend
+from ..functional import dilated_attention
 from ..kernels.dispatch import select_kernel
 from ..patterns import plan_patterns
 from ..testing.compare import LAYOUTS, as_layout, rel_err, tolerance
 from ..testing.oracle import dense_dilated_attention
 from ..views import chunk_views, pack_kv
+from .health import ring_neighbours
 
 KERNELS = ("reference", "sdpa", "sdpa-cudnn", "fused", "cudnn", "cudnn-dkdv")
 
@@ -100,8 +103,6 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, kerne
         try:
             qd, kd, vd, dd = (t.to(device, dtype) for t in (q, k, v, dout))
             kern = select_kernel(name, qd, kd)
-            from ..functional import dilated_attention
-
             leaves = [t.clone().requires_grad_() for t in (qd, kd, vd)]
             out = dilated_attention(*leaves, segs, rates, causal=causal, kernel=kern)
             grads = torch.autograd.grad(out, leaves, dd)
@@ -139,10 +140,6 @@ def _isolated(name, device, dtype, heads, kv_heads, seq_len, head_dim, causal) -
 
 def check_ring(backend: str, device: torch.device) -> list[tuple[str, bool, str]]:
     """Run on every rank of an initialised world. ``[(check, ok, detail)]`` for this rank."""
-    from ..comm import get_backend
-    from ..functional import dilated_attention
-    from .health import ring_neighbours
-
     comm = get_backend(backend)
     out = []
     world, rank = comm.world_size, comm.rank

@@ -1,8 +1,9 @@
 """Debug mode: validate what reaches kernels and sends, name the call that faulted, write a repro.
 
-Off by default and free when off: call sites test ``enabled()`` (one module
-global) before doing anything else. Turn it on with ``DILATED_ATTENTION_DEBUG=1``
-(read once, at import) or for a block of code::
+Off by default and free when off: while on, it is a kernel hook (``hooks.py``) that sees
+each call's kernel; off, nothing of it runs (the core never imports this module). Turn it on
+with ``DILATED_ATTENTION_DEBUG=1`` (read once, when ``dilated_attention`` is imported, which
+then loads this module) or for a block of code::
 
     with dilated_attention.debug(shadow=0.25):
         out = dilated_attention(q, k, v, [64, 128], [1, 2])
@@ -39,6 +40,15 @@ from typing import Any, Iterator
 
 import torch
 
+from .. import hooks
+from ..kernels.chunk_loop import ChunkLoop
+from ..kernels.reference import ReferenceKernel
+from ..kernels.wrapper import KernelWrapper
+from ..merge import Part, merge_pattern_, sum_grads
+from ..testing.compare import rel_err
+from . import repro
+from .repro import call_extras, call_meta, describe_tensor
+
 ENV = "DILATED_ATTENTION_DEBUG"
 
 
@@ -53,8 +63,8 @@ def _env_fraction(name: str) -> float:
         return 0.0
 
 
-# The one global that call sites read. Everything else is only touched when it is True.
-_ENABLED: bool = _env_flag(ENV)
+# On: ``_hook`` is registered at the kernel seam. Everything else is only touched while it is.
+_ENABLED: bool = False
 _settings: dict[str, Any] = {
     "shadow": _env_fraction(ENV + "_SHADOW"),
     "sync": True,
@@ -83,6 +93,28 @@ def enabled() -> bool:
     return _ENABLED
 
 
+def _set_enabled(on: bool) -> None:
+    global _ENABLED
+    _ENABLED = bool(on)
+    (hooks.add_kernel_hook if _ENABLED else hooks.remove_kernel_hook)(_hook)
+
+
+def _hook(kernel, call: hooks.Call):
+    """The kernel seam's view of a call while debug mode is on: its metadata recorded (the first time it is
+    planned), shared with the kernel guard (``call.meta``), and its kernel checked (``DebugKernel``)."""
+    options = call.options
+    meta = call_meta(call.q, call.k, call.v, call.segment_lengths, call.dilation_rates, mode=options["mode"],
+                     causal=options["causal"], softmax_scale=options["softmax_scale"], kernel=options["kernel"],
+                     comm=call.comm, strategy=options["strategy"], pad_to_segments=options["pad_to_segments"],
+                     head_offsets=options["head_offsets"])
+    meta.update(call_extras(options["key_padding_mask"], options["cu_seqlens"], rank=meta["rank"],
+                            world=meta["world_size"]))
+    call.meta.update(meta)
+    if call.record:
+        record_call(call.meta, {"q": call.q, "k": call.k, "v": call.v})
+    return wrap_kernel(kernel, call.meta)
+
+
 @contextlib.contextmanager
 def debug(enabled: bool = True, *, shadow: float | None = None, sync: bool = True, history: int | None = None,
           repro_dir: str | os.PathLike | None = None, save_tensors: bool | None = None) -> Iterator[None]:
@@ -93,13 +125,13 @@ def debug(enabled: bool = True, *, shadow: float | None = None, sync: bool = Tru
     many calls' metadata to keep. ``repro_dir``: where repro files go.
     ``save_tensors``: also save the last call's real tensors next to the repro.
     """
-    global _ENABLED, _history
+    global _history
     if shadow is not None and not (isinstance(shadow, (int, float)) and 0.0 <= shadow <= 1.0):
         raise ValueError(f"shadow must be a fraction in [0, 1], got {shadow!r}")
     if history is not None and (not isinstance(history, int) or history < 1):
         raise ValueError(f"history must be a positive int, got {history!r}")
     saved = (_ENABLED, dict(_settings), _history)
-    _ENABLED = bool(enabled)
+    _set_enabled(enabled)
     if shadow is not None:
         _settings["shadow"] = float(shadow)
     if repro_dir is not None:
@@ -112,57 +144,13 @@ def debug(enabled: bool = True, *, shadow: float | None = None, sync: bool = Tru
     try:
         yield
     finally:
-        _ENABLED, old, _history = saved
+        was_enabled, old, _history = saved
+        _set_enabled(was_enabled)
         _settings.clear()
         _settings.update(old)
 
 
 # -- call metadata -------------------------------------------------------------------------------
-
-
-def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
-    """What a repro needs to rebuild a tensor's exact layout (values come from a seed)."""
-    return {
-        "shape": list(t.shape), "stride": list(t.stride()), "storage_offset": int(t.storage_offset()),
-        "dtype": str(t.dtype).replace("torch.", ""), "device": str(t.device),
-        "requires_grad": bool(t.requires_grad), "data_ptr_mod_16": int(t.data_ptr() % 16),
-    }
-
-
-def call_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, dilation_rates, *,
-              mode: str = "longnet", causal: bool = False, softmax_scale: float | None = None,
-              kernel: Any = "auto", comm: Any = None, **extra: Any) -> dict[str, Any]:
-    """The metadata of one ``dilated_attention`` call, in the repro file's vocabulary.
-
-    ``kernel``/``comm`` may be names or objects; ``extra`` (e.g. ``strategy``,
-    ``head_offsets``) is stored under ``kwargs`` and passed back on replay.
-    """
-    meta: dict[str, Any] = {
-        "segment_lengths": [int(x) for x in segment_lengths] if _int_list(segment_lengths) else repr(segment_lengths),
-        "dilation_rates": [int(x) for x in dilation_rates] if _int_list(dilation_rates) else repr(dilation_rates),
-        "mode": mode, "causal": causal, "softmax_scale": softmax_scale,
-        "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__name__),
-        "backend": None, "world_size": 1, "rank": 0,
-        "kwargs": {key: val for key, val in extra.items() if isinstance(val, (str, int, float, bool, type(None)))},
-        "grad_enabled": torch.is_grad_enabled(),
-    }
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        meta[name] = describe_tensor(t) if isinstance(t, torch.Tensor) else {"type": type(t).__name__}
-    if comm is not None:
-        meta["backend"] = comm if isinstance(comm, str) else getattr(comm, "name", type(comm).__name__)
-        if not isinstance(comm, str):
-            try:
-                meta["world_size"], meta["rank"] = int(comm.world_size), int(comm.rank)
-            except Exception:  # the backend may be the thing that is broken
-                pass
-    return meta
-
-
-def _int_list(x) -> bool:
-    try:
-        return all(isinstance(i, int) and not isinstance(i, bool) for i in x)
-    except TypeError:
-        return False
 
 
 def record_call(meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -295,18 +283,12 @@ def _shadow_due() -> bool:
 SHADOW_TOL = {torch.float64: 1e-8, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 
-class DebugKernel:
+class DebugKernel(KernelWrapper):
     """A ``PatternKernel`` that checks what goes in and out of another one (see module doc)."""
 
     def __init__(self, kernel, meta: dict[str, Any] | None = None) -> None:
-        self.kernel = kernel
+        super().__init__(kernel)
         self.meta = meta if meta is not None else {}
-        self.name = kernel.name
-        self.key_masks = kernel.key_masks
-        self.deterministic_backward = kernel.deterministic_backward
-
-    def supports(self, q, k):
-        return self.kernel.supports(q, k)
 
     def _meta(self, op: str, plan) -> dict[str, Any]:
         # read at call time: the caller may update meta["step"] / meta["rank"] between calls
@@ -347,7 +329,7 @@ class DebugKernel:
     def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float, **mask):
         meta = self._meta("forward_pattern", plan)
         self._inputs(meta, q, k, v, plan, packed)
-        out, lse = self._call(meta, q, self.kernel.forward_pattern, q, k, v, plan,
+        out, lse = self._call(meta, q, self.inner.forward_pattern, q, k, v, plan,
                               packed=packed, causal=causal, scale=scale, **mask)
         _, oshape, lshape = _plan_shapes(q, k, plan, packed)
         heads = _covered_heads(plan)
@@ -371,13 +353,11 @@ class DebugKernel:
         if _shadow_due():
             before = (torch.zeros_like(out), torch.full_like(lse, float("-inf"))) if fresh else (
                 out.detach().clone(), lse.detach().clone())
-        self._call(meta, q, self.kernel.forward_pattern_into, q, k, v, plan, out, lse,
+        self._call(meta, q, self.inner.forward_pattern_into, q, k, v, plan, out, lse,
                    packed=packed, causal=causal, scale=scale, fresh=fresh, **mask)
         check_tensor("out (after)", out, meta)
         check_tensor("lse (after)", lse, meta, allow_inf=True)
         if before is not None:
-            from ..merge import merge_pattern_
-
             d = [t.detach().double() for t in (q, k, v)]
             want_out, want_lse = (t.double() for t in before)
             merge_pattern_(want_out, want_lse, plan, *self._reference().forward_pattern(
@@ -396,7 +376,7 @@ class DebugKernel:
             check_tensor(name, acc, meta, shape=like.shape, device=q.device, accumulator=True, finite=not fresh)
         shadow = _shadow_due()
         before = [torch.zeros_like(a) if fresh else a.detach().clone() for a in (dq, dk, dv)] if shadow else None
-        self._call(meta, q, self.kernel.backward_pattern, q, k, v, plan, out, lse, dout, dq, dk, dv,
+        self._call(meta, q, self.inner.backward_pattern, q, k, v, plan, out, lse, dout, dq, dk, dv,
                    packed=packed, causal=causal, scale=scale, fresh=fresh, **mask)
         for name, acc in (("dq", dq), ("dk", dk), ("dv", dv)):
             check_tensor(name + " (after)", acc, meta)
@@ -404,19 +384,14 @@ class DebugKernel:
             self._shadow_backward(meta, q, k, v, plan, out, lse, dout, (dq, dk, dv), before, packed, causal, scale,
                                   mask)
 
-    def parts(self, direction: str, plan, q, k, *, causal: bool, masked: bool) -> bool:
-        return self.kernel.parts(direction, plan, q, k, causal=causal, masked=masked)
-
     def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, *, causal: bool, scale: float, **mask):
         meta = self._meta("backward_pattern_parts", plan)
         self._inputs(meta, q, k, v, plan, False)
         check_tensor("out", out, meta, shape=q.shape, device=q.device)
         check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
         check_tensor("dout", dout, meta, shape=q.shape, device=q.device)
-        grads = self._call(meta, q, self.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
+        grads = self._call(meta, q, self.inner.backward_pattern_parts, q, k, v, plan, out, lse, dout,
                            causal=causal, scale=scale, **mask)
-        from ..merge import Part, sum_grads
-
         rows = q.shape[1] // plan.dilation
         placed = []  # each part in full layout: the slots a combine reads (uncovered ones are unspecified)
         for name, grad, like, kv in zip(("dq", "dk", "dv"), grads, (q, k, v), (False, True, True)):
@@ -433,9 +408,6 @@ class DebugKernel:
 
     @staticmethod
     def _reference():
-        from ..kernels.pattern import ChunkLoop
-        from ..kernels.reference import ReferenceKernel
-
         return ChunkLoop(ReferenceKernel())
 
     def _shadow_forward(self, meta, q, k, v, plan, packed, causal, scale, out, lse, heads, mask):
@@ -466,8 +438,6 @@ def _compare_lse(meta, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
 
 
 def _compare(meta, name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    from ..testing.compare import rel_err
-
     err = rel_err(got, want)
     if not err <= SHADOW_TOL[dtype]:
         diff = (got.double() - want).abs()
@@ -498,8 +468,6 @@ def on_exception(exc: BaseException, meta: dict[str, Any] | None = None) -> str 
     """
     if not _ENABLED or getattr(exc, "_dilated_attention_repro", None):
         return getattr(exc, "_dilated_attention_repro", None)
-    from . import repro
-
     spec = dict(meta) if meta else (dict(_history[-1]) if _history else None)
     if spec is None or "q" not in spec:
         return None
@@ -520,6 +488,8 @@ def on_exception(exc: BaseException, meta: dict[str, Any] | None = None) -> str 
     warnings.warn(f"dilated_attention debug: repro written to {path}", stacklevel=2)
     return path
 
+
+_set_enabled(_env_flag(ENV))
 
 __all__ = [
     "DebugCheckError", "DebugKernel", "KernelFault", "ShadowMismatch", "call_meta", "check_send", "check_tensor",

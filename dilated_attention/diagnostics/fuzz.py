@@ -36,9 +36,14 @@ from typing import Any, Callable
 
 import torch
 
+from ..comm import get_backend
+from ..functional import dilated_attention
+from ..kernels.guard import STICKY
+from ..patterns import hybrid_team_size, padded_length, validate_patterns
 from ..testing.compare import LAYOUTS, as_layout
-from .debug import describe_tensor
+from ..testing.spawn import init_local_rank, run_spawned
 from . import repro
+from .repro import describe_tensor
 
 CPU_KERNELS = ("auto", "reference", "sdpa")
 # The project's rule (testing/compare.py) with one change: fp32 results may also be off by 1e-5 (not 1e-6)
@@ -85,8 +90,6 @@ def _layout_desc(shape, layout: str, dtype: torch.dtype, rng: random.Random) -> 
 
 
 def _tiles(segs, rates, n: int) -> bool:
-    from ..patterns import validate_patterns
-
     try:
         validate_patterns(segs, rates, n)
         return True
@@ -95,8 +98,6 @@ def _tiles(segs, rates, n: int) -> bool:
 
 
 def _padded(segs, rates, n: int) -> int:
-    from ..patterns import padded_length
-
     return padded_length(segs, rates, n) if n > 0 else 0
 
 
@@ -146,8 +147,6 @@ def random_spec(rng: random.Random, *, world: int = 1, kernels=CPU_KERNELS, dtyp
                 device: str = "cpu", backend: str | None = None, max_local: int = 32,
                 option_rate: float = OPTION_RATE) -> dict[str, Any]:
     """A random valid call for ``world`` ranks, as a repro spec."""
-    from ..patterns import hybrid_team_size
-
     use_mask, use_docs, untiled = (rng.random() < option_rate for _ in range(3))
     mask_kernels = [k for k in kernels if k in MASK_KERNELS]
     if not mask_kernels:  # e.g. --kernels sdpa: no kernel takes masks, so no masked case
@@ -252,8 +251,6 @@ def random_spec(rng: random.Random, *, world: int = 1, kernels=CPU_KERNELS, dtyp
 
 def random_invalid(rng: random.Random) -> tuple[str, Callable[[], Any]]:
     """``(what is wrong, a call that must raise ValueError/TypeError)``."""
-    from ..functional import dilated_attention
-
     b, n, h, d = rng.choice([1, 2]), rng.choice([8, 16, 24]), rng.choice([2, 4]), rng.choice([4, 8])
     g = torch.Generator().manual_seed(rng.randrange(2**31))
 
@@ -437,8 +434,6 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
 
 
 def _sticky(raised: str | None) -> bool:
-    from .guard import STICKY
-
     return raised is not None and STICKY.search(raised) is not None
 
 
@@ -482,9 +477,6 @@ def _write_text(out_dir: str, name: str, text: str) -> str:
 def _spawn_worker(rank, world, port, kwargs, out_dir_results):
     import torch.distributed as dist
 
-    from ..comm import get_backend
-    from ..testing.spawn import init_local_rank
-
     torch.set_num_threads(1)
     init_local_rank(rank, world, port)
     try:
@@ -509,8 +501,6 @@ def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float 
                  kernels=CPU_KERNELS, dtypes=CPU_DTYPES, invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
                  progress: bool = False, backend: str = "collective", option_rate: float = OPTION_RATE) -> FuzzResult:
     """Fuzz over several world sizes on ``max(world_sizes)`` gloo ranks spawned on this machine (CPU)."""
-    from ..testing.spawn import run_spawned
-
     world_sizes = sorted(set(int(w) for w in world_sizes))
     if not world_sizes or world_sizes[0] < 1:
         raise ValueError(f"world_sizes must be positive ints, got {world_sizes}")

@@ -36,6 +36,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..comm import get_backend
+
 
 class HealthTimeout(RuntimeError):
     """A communication step did not finish within the timeout (the message names the link)."""
@@ -177,7 +179,6 @@ def _bandwidth(comm, device, timeout, sizes_bytes, iters) -> list[Check]:
 def check_backend(name: str, device: torch.device, *, timeout: float = 30.0, sizes_bytes=(2**20, 16 * 2**20, 64 * 2**20),
                   iters: int = 5, drop_links: set[tuple[int, int]] | None = None) -> list[Check]:
     """Every check for one backend, on this rank; raises ``HealthTimeout``/``RuntimeError`` on the first hang."""
-    from ..comm import get_backend
 
     comm = with_timeout(lambda: get_backend(name), timeout, f"creating the {name} backend", device)
     results = _link_pings(comm, device, timeout, drop_links or set())

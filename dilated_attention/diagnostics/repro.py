@@ -44,8 +44,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .debug import call_meta
+from ..comm import get_backend
+from ..functional import dilated_attention
+from ..kernels.registry import KERNEL_NAMES
+from ..patterns import head_groups, longnet_offsets
+from ..testing.compare import rel_err, tolerance
+from ..testing.oracle import dense_dilated_attention
+from ..testing.spawn import init_local_rank, run_spawned
 
 VERSION = 2  # 2: key_padding_mask, cu_seqlens (version 1 files have neither)
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +61,51 @@ _TENSOR_KWARGS = ("key_padding_mask", "cu_seqlens")  # stored as top-level keys,
 
 
 # -- capture ------------------------------------------------------------------------------------
+
+
+def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """What a repro needs to rebuild a tensor's exact layout (values come from a seed)."""
+    return {
+        "shape": list(t.shape), "stride": list(t.stride()), "storage_offset": int(t.storage_offset()),
+        "dtype": str(t.dtype).replace("torch.", ""), "device": str(t.device),
+        "requires_grad": bool(t.requires_grad), "data_ptr_mod_16": int(t.data_ptr() % 16),
+    }
+
+
+def call_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, dilation_rates, *,
+              mode: str = "longnet", causal: bool = False, softmax_scale: float | None = None,
+              kernel: Any = "auto", comm: Any = None, **extra: Any) -> dict[str, Any]:
+    """The metadata of one ``dilated_attention`` call, in the repro file's vocabulary.
+
+    ``kernel``/``comm`` may be names or objects; ``extra`` (e.g. ``strategy``,
+    ``head_offsets``) is stored under ``kwargs`` and passed back on replay.
+    """
+    meta: dict[str, Any] = {
+        "segment_lengths": [int(x) for x in segment_lengths] if _int_list(segment_lengths) else repr(segment_lengths),
+        "dilation_rates": [int(x) for x in dilation_rates] if _int_list(dilation_rates) else repr(dilation_rates),
+        "mode": mode, "causal": causal, "softmax_scale": softmax_scale,
+        "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__name__),
+        "backend": None, "world_size": 1, "rank": 0,
+        "kwargs": {key: val for key, val in extra.items() if isinstance(val, (str, int, float, bool, type(None)))},
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        meta[name] = describe_tensor(t) if isinstance(t, torch.Tensor) else {"type": type(t).__name__}
+    if comm is not None:
+        meta["backend"] = comm if isinstance(comm, str) else getattr(comm, "name", type(comm).__name__)
+        if not isinstance(comm, str):
+            try:
+                meta["world_size"], meta["rank"] = int(comm.world_size), int(comm.rank)
+            except Exception:  # the backend may be the thing that is broken
+                pass
+    return meta
+
+
+def _int_list(x) -> bool:
+    try:
+        return all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+    except TypeError:
+        return False
 
 
 def capture(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, dilation_rates, *,
@@ -383,8 +435,6 @@ def _oracle_kwargs(spec: dict[str, Any], whole_mask: torch.Tensor | None) -> dic
 
 
 def _oracle(spec, q, k, v, dout, dtype, segs, rates, extra=None):
-    from ..testing.oracle import dense_dilated_attention
-
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     out = dense_dilated_attention(*leaves, segs, rates, mode=spec.get("mode", "longnet"),
                                   causal=bool(spec.get("causal", False)), softmax_scale=spec.get("softmax_scale"),
@@ -407,8 +457,6 @@ def _document(spec, pos: int) -> tuple[int, int] | None:
 def _covering(spec, heads: int, seq_len: int, pos: int, head: int) -> list[int]:
     """Patterns whose dilated set contains (position, head) (DESIGN.md section 1); ``pos`` counts from
     the start of its document (segments restart at each one)."""
-    from ..patterns import head_groups, longnet_offsets
-
     segs, rates = spec["segment_lengths"], spec["dilation_rates"]
     rule = (spec.get("kwargs") or {}).get("head_offsets", "spread")
     found = []
@@ -423,8 +471,6 @@ def _covering(spec, heads: int, seq_len: int, pos: int, head: int) -> list[int]:
 
 
 def _run_once(spec, comm, device, kernel, segs, rates, inputs, extra=None):
-    from ..functional import dilated_attention
-
     q, k, v, dout = inputs
     leaves = [q, k, v]  # leaves built by build_inputs (autograd.grad does not accumulate into them)
     kwargs = extra if extra is not None else _call_kwargs(spec, None, None)
@@ -444,15 +490,7 @@ SCALE_FLOOR = 1.0
 ZERO_RESIDUE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.detach().double()
-    diff = (got.detach().double().to(want.device) - want).abs().max()
-    return (diff / want.abs().max().clamp_min(SCALE_FLOOR)).item()
-
-
 def _judge(spec, comm, rank, got, oracle, plain, dtype, local_len):
-    from ..testing.compare import tolerance
-
     # A rank's rows are judged as part of the whole result (what one device would return): errors are
     # relative to the whole tensor's scale and the bound comes from plain torch on the whole tensor.
     # Judging a shard on its own scale made a shard of one or two rows, where the gradient nearly
@@ -465,7 +503,7 @@ def _judge(spec, comm, rank, got, oracle, plain, dtype, local_len):
             errors[name] = float((g.double() - o[:, rows]).abs().max()) / scale if g.numel() else 0.0
         else:
             errors[name] = float("inf")
-        tols[name] = tolerance(dtype, None if dtype == torch.float64 else rel_err(p, o))
+        tols[name] = tolerance(dtype, None if dtype == torch.float64 else rel_err(p, o, floor=SCALE_FLOOR))
         floor = (spec.get("floor") or {}).get(str(dtype).replace("torch.", ""))
         if floor is not None:
             tols[name] = max(tols[name], float(floor))
@@ -506,8 +544,6 @@ def run_spec(spec: dict[str, Any], *, comm=None, device=None, kernel: Any = None
     world = comm.world_size if comm is not None else 1
     device = torch.device(device) if device is not None else torch.device("cpu")
     kernel = kernel if kernel is not None else spec.get("kernel", "auto")
-    from ..kernels.dispatch import KERNEL_NAMES
-
     rep = Report(rank, True)
     if isinstance(kernel, str) and kernel not in KERNEL_NAMES:
         rep.lines.append(f"kernel {kernel!r} is not a library kernel name; replaying with kernel='auto'")
@@ -607,11 +643,6 @@ def _narrow(spec, comm, device, kernel, segs, rates, inputs, oracle, rep, rank, 
 
 
 def _spawned_worker(rank, world, port, spec, device, backend, out_dir):
-    import torch.distributed as dist
-
-    from ..comm import get_backend
-    from ..testing.spawn import init_local_rank
-
     torch.set_num_threads(1)
     init_local_rank(rank, world, port)
     try:
@@ -625,8 +656,6 @@ def _spawned_worker(rank, world, port, spec, device, backend, out_dir):
 
 def replay_spawned(spec: dict[str, Any], backend: str | None = None) -> list[Report]:
     """Replay a multi-rank repro on this machine: ``world_size`` gloo ranks on CPU."""
-    from ..testing.spawn import run_spawned
-
     world = int(spec.get("world_size") or 1)
     out_dir = run_spawned(_spawned_worker, world, spec, "cpu", backend or spec.get("backend") or "collective")
     reports = []
@@ -636,5 +665,6 @@ def replay_spawned(spec: dict[str, Any], backend: str | None = None) -> list[Rep
     return reports
 
 
-__all__ = ["Report", "build_cu_seqlens", "build_inputs", "build_mask", "call_extras", "capture", "describe_call",
-           "describe_mask", "load", "random_mask", "replay_spawned", "run_spec", "strided_random", "write"]
+__all__ = ["Report", "build_cu_seqlens", "build_inputs", "build_mask", "call_extras", "call_meta", "capture",
+           "describe_call", "describe_mask", "describe_tensor", "load", "random_mask", "replay_spawned", "run_spec",
+           "strided_random", "write"]

@@ -36,10 +36,12 @@ import warnings
 
 import torch
 
+from ..caches import Table, remember
 from ..patterns import PatternPlan
-from ..memo import remember
 from ..views import layout_key
-from .base import PatternKernel
+from . import auto_table
+from .protocol import PatternKernel
+from .wrapper import KernelWrapper
 
 DIRECTIONS = ("fwd", "bwd", "bwd-any")
 _PICKS_KEPT = 1024
@@ -84,10 +86,9 @@ def nondeterministic_allowed() -> bool:
     return os.environ.get("DILATED_ATTENTION_NONDETERMINISTIC", "0").lower() in ("1", "true", "yes", "on")
 
 
-class AutoKernel:
-    """A ``PatternKernel`` that forwards each pattern to the implementation its table names."""
-
-    name = "auto"
+class AutoKernel(KernelWrapper):
+    """A ``PatternKernel`` that forwards each pattern to the implementation its table names (``target``);
+    ``inner`` is the fused kernel, the default."""
 
     def __init__(self, impls: dict[str, PatternKernel], choices: dict[str, str], *,
                  allow_nondeterministic: bool = False) -> None:
@@ -103,17 +104,19 @@ class AutoKernel:
         if racy:
             raise ValueError(f"auto table's deterministic backward entries name implementations whose backward "
                              f"is not deterministic: {racy}")
+        super().__init__(impls["fused"])
+        self.name = "auto"
         self.impls, self.choices = impls, dict(choices)
         self._rows = _by_rows(self.choices)
         self._skipped: set[tuple[str, str]] = set()
-        self._picks: dict[tuple, PatternKernel] = {}
-        self.key_masks = impls["fused"].key_masks
+        self._picks = Table(_PICKS_KEPT)
         self.allow_nondeterministic = allow_nondeterministic
         self.deterministic_backward = not allow_nondeterministic or all(
             impls[name].deterministic_backward for key, name in choices.items() if key.startswith("bwd-any/"))
 
-    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
-        return self.impls["fused"].supports(q, k)
+    def target(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, causal: bool,
+               masked: bool) -> PatternKernel:
+        return self.pick(direction, plan, causal, q, k, masked)
 
     def pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor,
              masked: bool = False) -> PatternKernel:
@@ -123,8 +126,7 @@ class AutoKernel:
             return self.impls["fused"]
         key = (direction, plan, causal, layout_key(q), layout_key(k))
         impl = self._picks.get(key)
-        return impl if impl is not None else remember(self._picks, key, self._pick(direction, plan, causal, q, k),
-                                                      _PICKS_KEPT)
+        return impl if impl is not None else remember(self._picks, key, self._pick(direction, plan, causal, q, k))
 
     def _pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor
               ) -> PatternKernel:
@@ -150,39 +152,11 @@ class AutoKernel:
                           stacklevel=3)
         return self.impls[stand_in or "fused"]
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float, **mask):
-        impl = self.pick("fwd", plan, causal, q, k, bool(mask))
-        return impl.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, **mask)
-
-    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, fresh: bool = False, **mask) -> None:
-        impl = self.pick("fwd", plan, causal, q, k, bool(mask))
-        impl.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale, fresh=fresh,
-                                  **mask)
-
-    def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
-              masked: bool) -> bool:
-        return self.pick(direction, plan, causal, q, k, masked).parts(direction, plan, q, k, causal=causal,
-                                                                      masked=masked)
-
-    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
-                               **mask):
-        impl = self.pick("bwd", plan, causal, q, k, bool(mask))
-        return impl.backward_pattern_parts(q, k, v, plan, out, lse, dout, causal=causal, scale=scale, **mask)
-
-    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float, fresh: bool = False, **mask) -> None:
-        impl = self.pick("bwd", plan, causal, q, k, bool(mask))
-        impl.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, packed=packed, causal=causal, scale=scale,
-                              fresh=fresh, **mask)
-
 
 def device_choices(device: torch.device) -> dict[str, str]:
     """The shipped table's choices for this GPU model (empty if it was never measured)."""
-    from .auto_table import TABLE
-
     name = torch.cuda.get_device_name(device)
-    return dict(TABLE.get(name, {}).get("choices", {}))
+    return dict(auto_table.TABLE.get(name, {}).get("choices", {}))
 
 
 __all__ = ["AutoKernel", "DIRECTIONS", "device_choices", "nondeterministic_allowed", "table_key"]

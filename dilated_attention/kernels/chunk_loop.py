@@ -1,31 +1,8 @@
-"""All heads of one pattern on one (local or ring) block, on top of the block seam.
+"""``ChunkLoop``: any ``BlockKernel`` as a ``PatternKernel``, one block call per head chunk on strided views.
 
-``PatternKernel.forward_pattern``/``backward_pattern`` (``base.py``) are what the
-strategies call. The fused Triton kernel implements them in one launch; any
-``BlockKernel`` becomes one through ``ChunkLoop``, which drives it chunk by
-chunk through ``forward``/``backward`` on strided views.
-
-Layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
-``M = w // r``, head ``h`` of chunk ``c`` uses offset ``c.offset``):
-
-* ``q``: ``(B, L, H, D)`` local queries.
-* ``k``, ``v``: ``packed=False``: local ``(B, L, Hk, D)``, dilated on the fly;
-  ``packed=True``: a ring buffer half ``(B, L // r, Hp, D)`` from ``views.pack_kv``.
-* ``forward_pattern_into`` merges the pattern into the running fp32 ``out``/``lse`` in full
-  layout (ring steps); ``forward_pattern`` returns it alone in *compact* layout (local patterns' parts): ``out``
-  ``(B, L // r, H, D)`` and ``lse`` ``(B, L // r, H)`` fp32 where row
-  ``s * M + j`` of head ``h`` is local position ``s * w + offset(h) + r * j``.
-  Heads outside the plan's chunks are left unspecified.
-* ``key_mask`` (kernels with ``key_masks = True``): ``None`` or a bool ``(B, Lk)`` in the
-  *full* layout of the key block, ``True`` = excluded: the local length for ``packed=False``,
-  ``L`` (the sender's rows) for ``packed=True``; key row ``j`` of segment ``s`` read with
-  offset ``o`` is position ``s * w + o + r * j`` either way.
-* backward takes the final merged ``out``/``lse``/``dout`` in full layout
-  (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``dq``
-  (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``), or (``backward_pattern_parts``,
-  local patterns) returns them in compact layout in the inputs' dtype, ``dk``/``dv`` ``(B, L // r, Hk, D)``.
-* ``parts`` says, per local pattern and direction, which of the two a strategy calls: compact parts
-  are combined in one pass at the end (``merge.combine_results``/``sum_grads``).
+Its pattern methods drive the block through ``forward``/``backward`` chunk by chunk (layouts in
+``protocol.py``); a local pattern's chunks each fill their own heads of a compact part, so it leaves parts
+wherever the layout allows.
 """
 
 from __future__ import annotations
@@ -35,19 +12,8 @@ import torch
 from ..merge import accum_dtype, merge_pattern_
 from ..patterns import PatternPlan
 from ..views import chunk_views, compact_view, dilated_view, new_grad_parts, packed_view
-from .base import BlockKernel
-
-
-def clear_result_(out: torch.Tensor, lse: torch.Tensor) -> None:
-    """The empty running result (0, ``-inf``): what rows no pattern covers hold (``ring.py``)."""
-    out.zero_()
-    lse.fill_(float("-inf"))
-
-
-def clear_grads_(*grads: torch.Tensor) -> None:
-    """Zeroed accumulators: how a kernel without a write-once path honours ``fresh`` in the backward."""
-    for g in grads:
-        g.zero_()
+from .protocol import BlockKernel, clear_grads_
+from .wrapper import KernelWrapper
 
 
 def _mask_view(key_mask, plan, chunk):
@@ -63,17 +29,11 @@ def _kv_views(k, v, plan, chunk, packed):
     return chunk_views(k, plan, chunk, kv=True), chunk_views(v, plan, chunk, kv=True)
 
 
-class ChunkLoop:
-    """A ``PatternKernel`` made from a ``BlockKernel``: one block call per head chunk, on strided views."""
+class ChunkLoop(KernelWrapper):
+    """A ``PatternKernel`` made from a ``BlockKernel`` (``inner``, whose name, flags and ``supports`` it takes):
+    one block call per head chunk, on strided views."""
 
-    def __init__(self, block: BlockKernel) -> None:
-        self.block = block
-        self.name = block.name
-        self.key_masks = block.key_masks
-        self.deterministic_backward = block.deterministic_backward
-
-    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
-        return self.block.supports(q, k)
+    inner: BlockKernel
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
                         key_mask: torch.Tensor | None = None):
@@ -83,7 +43,7 @@ class ChunkLoop:
         lse = torch.empty((bsz, rows, heads), dtype=accum_dtype(q.dtype), device=q.device)
         for c in plan.chunks:
             kc, vc = _kv_views(k, v, plan, c, packed)
-            o, s = self.block.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale,
+            o, s = self.inner.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale,
                                       **_mask_view(key_mask, plan, c))
             compact_view(out, plan, c.h0, c.h1).copy_(o)
             compact_view(lse, plan, c.h0, c.h1).copy_(s)
@@ -124,7 +84,7 @@ class ChunkLoop:
     def _chunk_grads(self, q, k, v, plan, out, lse, dout, packed, causal, scale, key_mask):
         for c in plan.chunks:
             kc, vc = _kv_views(k, v, plan, c, packed)
-            yield c, self.block.backward(
+            yield c, self.inner.backward(
                 chunk_views(q, plan, c), kc, vc, chunk_views(out, plan, c),
                 dilated_view(lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
                 chunk_views(dout, plan, c), causal=causal, scale=scale, **_mask_view(key_mask, plan, c),

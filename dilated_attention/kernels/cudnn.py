@@ -1,6 +1,6 @@
 """Zero-copy cuDNN pattern kernel: strided dilated views straight into cuDNN's fused attention.
 
-``CudnnKernel`` is a ``PatternKernel`` (``base.py``; layouts in ``pattern.py``).
+``CudnnKernel`` is a ``PatternKernel`` (layouts in ``protocol.py``).
 For each pattern it hands cuDNN 4D ``(B', h, M, D)`` *views* of the caller's
 tensors: the dilated rows of a head chunk are ``x.view(B, S, M, r, H, D)[:, :, :,
 o, h0:h1]``, and chunks whose addresses step by a constant amount (every LongNet
@@ -10,7 +10,7 @@ one segment: 16 head chunks, one call; a configuration where cuDNN refuses such 
 stacked call runs chunk by chunk from then on). Forward returns cuDNN's own
 output as the pattern's compact ``out`` (a strided view) when one call covered
 the pattern, else copies the outputs into it; backward feeds the *final* merged ``out``
-and ``lse`` (exact gradients, as ``base.py`` explains) and adds cuDNN's gradients
+and ``lse`` (exact gradients, as ``protocol.py`` explains) and adds cuDNN's gradients
 into the fp32 accumulators (one Triton pass per target, ``merge.add_into_``).
 
 What is copied, and why (everything else is read in place):
@@ -39,7 +39,6 @@ the same contract to check the view logic on CPU.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import warnings
@@ -47,16 +46,18 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import caches
+from ..caches import remember
 from ..patterns import HeadChunk, PatternPlan
-from ..memo import remember
 from ..views import ALIGN_BYTES, compact_view, dilated_view, layout_key, new_grad_parts, packed_view, readable
 from ..merge import add_into_, merge_pattern_
-from .pattern import clear_grads_
+from .fused import FusedKernel
+from .protocol import clear_grads_
 
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=64)  # asked on every call: the answer depends on the device and dtype only
+@caches.memoize("cudnn.device_reason", 64)  # asked on every call: the answer depends on the device and dtype only
 def _device_reason(index: int, dtype: torch.dtype) -> str | None:
     if not torch.backends.cudnn.is_available():
         return "cuDNN is not available in this torch build"
@@ -117,7 +118,7 @@ def _step(a: HeadChunk, b: HeadChunk) -> tuple[int, int, int, int]:
     return b.offset - a.offset, b.h0 - a.h0, b.k0 - a.k0, b.buffer_head - a.buffer_head
 
 
-@functools.lru_cache(maxsize=512)
+@caches.memoize("cudnn.groups", 512)
 def _groups(plan: PatternPlan) -> tuple[_Group, ...]:
     out: list[list[HeadChunk]] = []
     steps: list[tuple[int, int, int, int]] = []
@@ -137,7 +138,7 @@ def _groups(plan: PatternPlan) -> tuple[_Group, ...]:
     return tuple(_Group(tuple(g), s) for g, s in zip(out, steps))
 
 
-@functools.lru_cache(maxsize=512)
+@caches.memoize("cudnn.singles", 512)
 def _singles(plan: PatternPlan) -> tuple[_Group, ...]:
     """Every chunk on its own (what runs where cuDNN refused a stacked call)."""
     return tuple(_Group((c,), (0, 0, 0, 0)) for c in plan.chunks)
@@ -149,7 +150,7 @@ def _stacks(plan: PatternPlan) -> bool:
 
 # Configurations where cuDNN refused a call stacking several chunks: they run chunk by
 # chunk from then on (the same choice every time, so results stay reproducible).
-_REFUSED: set[tuple] = set()
+_REFUSED = caches.keys("cudnn.refused", 1024)
 
 
 def _config_key(q, k, plan: PatternPlan, packed: bool, causal: bool) -> tuple:
@@ -268,7 +269,7 @@ def _adopt(res: torch.Tensor, tsz, merged: list[int], plan: PatternPlan, g: _Gro
     return None if strides is None else res.as_strided(shape, strides, res.storage_offset())
 
 
-@functools.lru_cache(maxsize=512)  # (views built for the self-check: worked out once per geometry, on meta)
+@caches.memoize("cudnn.adopted_strides", 512)  # (views built for the self-check: worked out once per geometry, on meta)
 def _adopted_strides(res_shape, res_stride, tsz, merged, plan: PatternPlan, g: _Group, shape):
     res = torch.empty_strided(res_shape, res_stride, device="meta")
     bsz, rows, heads = shape[:3]
@@ -349,8 +350,7 @@ class _ForwardCall:
     into: _ViewSpec | None  # the out target as a view an op may write in place (``_flat_target``)
 
 
-_BACKWARD_CALLS: dict[tuple, tuple[_BackwardCall, ...]] = {}
-_PLAN_CACHE_SIZE = 512
+_BACKWARD_CALLS = caches.table("cudnn.backward_calls", 512)
 
 
 def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, compact: bool
@@ -384,10 +384,10 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, 
             _ViewSpec.of(f, index[x], tensors) for f, x in zip(flat, ("dq", "dk", "dv")))
         calls.append(_BackwardCall(tuple(tsz), operands, _ViewSpec.of(sub["lse"], index["lse"], tensors), targets,
                                    into))
-    return remember(_BACKWARD_CALLS, key, tuple(calls), _PLAN_CACHE_SIZE)
+    return remember(_BACKWARD_CALLS, key, tuple(calls))
 
 
-_FORWARD_CALLS: dict[tuple, tuple[_ForwardCall, ...]] = {}
+_FORWARD_CALLS = caches.table("cudnn.forward_calls", 512)
 
 
 def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple[_ForwardCall, ...]:
@@ -414,7 +414,7 @@ def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple
             flat = _flat_target(_out_view(sub["out"], nt), nt)
             calls.append(_ForwardCall(tuple(tsz), operands, targets, g, tuple(merged),
                                       None if flat is None else _ViewSpec.of(flat, 3, every)))
-    return remember(_FORWARD_CALLS, key, tuple(calls), _PLAN_CACHE_SIZE)
+    return remember(_FORWARD_CALLS, key, tuple(calls))
 
 
 class CudnnKernel:
@@ -617,8 +617,6 @@ class CudnnDkdvKernel:
     deterministic_backward = True  # one program per key block for dK/dV; dQ from the fused kernel
 
     def __init__(self, ops: CudnnOps | None = None, fused=None) -> None:
-        from .fused import FusedKernel
-
         self.cudnn = CudnnKernel(ops, grads=("dk", "dv"))
         self.fused = fused if fused is not None else FusedKernel(dkdv=False)
 

@@ -24,12 +24,12 @@ with queries ``[k0, M)``: its mask is then cuDNN's top-left one.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import OrderedDict
 
 import torch
 
+from .. import caches
 from ..merge import current_raw_stream
 from .cudnn import CudnnOps
 
@@ -38,7 +38,7 @@ _KEY_TILE = 256  # the workspace holds one fp32 dQ per this many keys (cuDNN 9.1
 _GRAPHS_KEPT = 256
 
 
-@functools.cache  # looked up on every backward call: import once
+@caches.memoize("cudnn_frontend.module", 1)  # looked up on every backward call: import once
 def _frontend():
     """The ``cudnn`` frontend module, or ``None`` when it is not installed or cannot load."""
     try:

@@ -14,59 +14,22 @@ raises ``ValueError`` with the reason when it cannot run. Masked calls (``key_pa
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
+from .. import caches
 from .auto import AutoKernel, device_choices, nondeterministic_allowed
-from .base import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel
-from .pattern import ChunkLoop
-from .reference import ReferenceKernel
-from .sdpa import SdpaKernel
+from .chunk_loop import ChunkLoop
+from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel
+from .registry import KERNEL_NAMES, KERNELS, build_kernel
 
-KERNEL_NAMES = ("auto", "fused", "cudnn", "cudnn-det", "cudnn-dkdv", "sdpa", "sdpa-cudnn", "reference")
-_warned: set[str] = set()
-_auto_kernels: dict[tuple[str, bool], PatternKernel] = {}
+_warned = caches.keys("dispatch.warned", 256)
+_auto_kernels = caches.table("dispatch.auto_kernels", 64)  # per GPU model and determinism setting
 
 
-@functools.cache  # one instance per name: a kernel keeps per-geometry caches (cudnn-det's graphs take 0.5 s to build)
-def _make(name: str) -> PatternKernel:
-    if name == "reference":
-        return ChunkLoop(ReferenceKernel())
-    if name == "sdpa":
-        return ChunkLoop(SdpaKernel("flash"))
-    if name == "sdpa-cudnn":
-        return ChunkLoop(SdpaKernel("cudnn"))
-    if name == "cudnn":
-        from .cudnn import CudnnKernel
-
-        return CudnnKernel()
-    if name == "cudnn-det":
-        from .cudnn import CudnnKernel
-        from .cudnn_frontend import CudnnFrontendOps
-
-        return CudnnKernel(CudnnFrontendOps())
-    if name == "cudnn-dkdv":
-        from .cudnn import CudnnDkdvKernel
-
-        return CudnnDkdvKernel()
-    try:
-        from .fused import FusedKernel
-    except ImportError as exc:  # triton missing or broken
-        return _Unavailable("fused", f"the fused kernel needs Triton ({exc})")
-    return FusedKernel()
-
-
-class _Unavailable:
-    key_masks = False
-    deterministic_backward = False
-
-    def __init__(self, name: str, reason: str) -> None:
-        self.name, self.reason = name, reason
-
-    def supports(self, q, k):
-        return self.reason
+# one instance per name: a kernel keeps per-geometry caches (cudnn-det's graphs take 0.5 s to build)
+_make = caches.memoize("dispatch.kernels", len(KERNELS))(build_kernel)
 
 
 def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k: torch.Tensor,
@@ -88,7 +51,7 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
         raise TypeError(
             f"kernel must be one of {KERNEL_NAMES}, a BlockKernel or a PatternKernel, got {type(kernel).__name__}"
             + (f" (as a PatternKernel it lacks {missing}; parts/backward_pattern_parts are new in this release, "
-               f"kernels/base.py)" if hasattr(kernel, "forward_pattern") else "")
+               f"kernels/protocol.py)" if hasattr(kernel, "forward_pattern") else "")
         )
     reason = chosen.supports(q, k)
     if reason is None and masked and not chosen.key_masks:

@@ -36,22 +36,14 @@ functions (``tl.sum``, ``tl.zeros``, ...) are interpreted.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from .. import caches
 from ..patterns import PatternPlan
+from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, triton
 from ..views import new_grad_parts
-
-try:
-    import triton
-
-    _TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the environment
-    triton = None
-    _TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -62,10 +54,6 @@ def padded_dim(dim: int) -> int:
     """The tile width for head dim ``dim``: the next power of two, at least 16 (``tl.arange``
     needs a power of two, ``tl.dot`` a K dim of 16); the extra columns are masked to zero."""
     return max(16, 1 << (dim - 1).bit_length())
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @dataclass(frozen=True)
@@ -132,7 +120,7 @@ def gpu_config(dim: int, dtype: torch.dtype) -> FusedConfig:
     return FusedConfig(32, 32, 4, 1, 32, 32, 8, 1, 16, 32, 8, 1) if big else FusedConfig(64, 64, 8, 2, 64, 32, 8, 1, 16, 32, 8, 1)
 
 
-@functools.lru_cache(maxsize=256)  # asked on every call (``supports``)
+@caches.memoize("fused.shared_memory_reason", 256)  # asked on every call (``supports``)
 def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: int) -> str | None:
     """``None`` if every kernel of ``cfg`` fits ``limit`` bytes of shared memory, else why not."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -145,7 +133,7 @@ def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: 
     return None
 
 
-@functools.lru_cache(maxsize=64)
+@caches.memoize("fused.device_shared_memory", 64)
 def _shared_memory(index: int) -> int:
     """Shared memory a block may opt in to on CUDA device ``index``."""
     return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
@@ -155,17 +143,13 @@ def _dims(dim: int) -> dict:
     return {"D": dim, "DP": padded_dim(dim), "EVEN_D": padded_dim(dim) == dim}
 
 
-_JIT: dict[tuple[bool, str], object] = {}
-
-
 def _kernel(name: str):
     key = (interpreting(), name)
-    fn = _JIT.get(key)
+    fn = JITTED.get(key)
     if fn is None:
-        from . import _fused_triton
+        from . import _fused_triton  # (its kernels need Triton at import: loaded only where Triton is)
 
-        fn = triton.jit(_fused_triton.KERNEL_FUNCS[name])
-        _JIT[key] = fn
+        fn = JITTED[key] = triton.jit(_fused_triton.KERNEL_FUNCS[name])
     return fn
 
 
@@ -207,7 +191,7 @@ def _dense_rows(hq: int, hk: int) -> tuple[list[list[int]], list[list[int]]]:
     return heads, units
 
 
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES = caches.table("fused.head_tables", 1024)  # per plan (or head counts) and device: a run has a few
 
 
 def _tables(key: tuple, rows_fn, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,8 @@
 * any other CUDA error is re-raised with the same details;
 * everything else (``ValueError``, ``TypeError``, ...) passes through untouched.
 
-The guard adds one ``try`` per kernel call: nothing measurable next to a launch.
+The guard adds one ``try`` per kernel call: nothing measurable next to a launch. ``functional`` wraps
+every kernel a call plans in it (outermost, around whatever debug mode or the audit added).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from typing import Any
 
 import torch
 
+from .. import caches
+from .dispatch import select_kernel
+from .protocol import CALL_ARGUMENTS
+from .wrapper import KernelWrapper
+
 RESOURCE = re.compile(r"out of resource|outofresources|shared memory|too many resources requested|"
                       r"registers|cudaErrorLaunchOutOfResources", re.I)
 STICKY = re.compile(r"illegal memory access|misaligned address|unspecified launch failure|device-side assert|"
@@ -35,12 +41,12 @@ STICKY = re.compile(r"illegal memory access|misaligned address|unspecified launc
                     r"cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL", re.I)
 CUDA = re.compile(r"\bCUDA\b|cuda error|CUBLAS_STATUS|CUDNN_STATUS|NCCL|triton", re.I)
 
-_warned: set[str] = set()
-_fallen_back: dict[tuple, str] = {}  # (kernel, dtype, head dim, device type) -> reason
+_warned = caches.keys("guard.warned", 256)
+_fallen_back = caches.table("guard.fallen_back", 256)  # (kernel, dtype, head dim, device type) -> reason
 # Launch resources depend on the kernel's config (dtype, head dim), not on shapes: once a backward of a
 # key has run, it will launch again. Until then its accumulators are snapshotted, because a backward is
 # several launches and one may fail after another already added into dq.
-_proven: set[tuple] = set()
+_proven = caches.keys("guard.proven", 256)
 
 
 def classify_error(exc: BaseException) -> str | None:
@@ -86,19 +92,13 @@ class KernelError(RuntimeError):
     """A CUDA error inside one of our kernels, with the call's details."""
 
 
-class GuardedKernel:
+class GuardedKernel(KernelWrapper):
     """A ``PatternKernel`` whose GPU failures are explained (and launch-resource failures survived)."""
 
     def __init__(self, kernel, meta: dict[str, Any] | None = None, fallback=None) -> None:
-        self.kernel = kernel
+        super().__init__(kernel)
         self.meta = meta if meta is not None else {}
-        self.name = kernel.name
-        self.key_masks = kernel.key_masks
-        self.deterministic_backward = kernel.deterministic_backward
         self._fallback = fallback
-
-    def supports(self, q, k):
-        return self.kernel.supports(q, k)
 
     def _key(self, q) -> tuple:
         return (self.name, q.dtype, q.shape[-1], q.device.type)
@@ -106,8 +106,6 @@ class GuardedKernel:
     def fallback_kernel(self, q, k, masked: bool = False):
         if self._fallback is not None:
             return self._fallback
-        from ..kernels.dispatch import select_kernel
-
         if q.dtype != torch.float64 and not masked:  # SDPA's ops take no key mask
             try:
                 return select_kernel("sdpa", q, k)
@@ -115,14 +113,20 @@ class GuardedKernel:
                 pass
         return select_kernel("reference", q, k)
 
-    def _run(self, op: str, q, k, plan, args, kwargs, names):
+    def target(self, direction, plan, q, k, causal, masked):
+        """The fallback once this kernel's configuration failed to launch (``parts`` asks it too: a fallback,
+        ``ChunkLoop``, leaves parts wherever the layout allows, at least where this kernel does)."""
+        return self.fallback_kernel(q, k, masked) if self._key(q) in _fallen_back else self.inner
+
+    def call(self, op: str, args: tuple, kwargs: dict[str, Any]):
+        q, k, plan = args[0], args[1], args[3]
         key = self._key(q)
         if key in _fallen_back:
             return getattr(self.fallback_kernel(q, k, "key_mask" in kwargs), op)(*args, **kwargs)
         accs = {"backward_pattern": args[7:], "forward_pattern_into": args[4:6]}.get(op, ())
         snapshot = [a.clone() for a in accs] if accs and key not in _proven else None
         try:
-            result = getattr(self.kernel, op)(*args, **kwargs)
+            result = getattr(self.inner, op)(*args, **kwargs)
             if accs:
                 _proven.add(key)
             return result
@@ -145,36 +149,11 @@ class GuardedKernel:
                 return getattr(fb, op)(*args, **kwargs)
             sticky = kind == "sticky"
             msg = (f"{type(exc).__name__} in {where}: {str(exc).strip().splitlines()[0][:500]}\n"
-                   f"{_describe(args, names)}\n")
+                   f"{_describe(args, CALL_ARGUMENTS[op])}\n")
             if sticky:
                 msg += ("  this error leaves the CUDA context unusable: every later CUDA call in this process will "
                         "fail. Restart the process (a device reset does not make the corrupted state safe).\n")
             raise KernelError(msg + ADVICE) from exc
-
-    def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float, **mask):
-        return self._run("forward_pattern", q, k, plan, (q, k, v, plan),
-                         dict(packed=packed, causal=causal, scale=scale, **mask), ("q", "k", "v"))
-
-    def forward_pattern_into(self, q, k, v, plan, out, lse, *, packed: bool, causal: bool, scale: float,
-                             fresh: bool = False, **mask) -> None:
-        return self._run("forward_pattern_into", q, k, plan, (q, k, v, plan, out, lse),
-                         dict(packed=packed, causal=causal, scale=scale, fresh=fresh, **mask),
-                         ("q", "k", "v", "plan", "out", "lse"))
-
-    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
-                         scale: float, fresh: bool = False, **mask) -> None:
-        return self._run("backward_pattern", q, k, plan, (q, k, v, plan, out, lse, dout, dq, dk, dv),
-                         dict(packed=packed, causal=causal, scale=scale, fresh=fresh, **mask),
-                         ("q", "k", "v", "plan", "out", "lse", "dout", "dq", "dk", "dv"))
-
-    def parts(self, direction: str, plan, q, k, *, causal: bool, masked: bool) -> bool:
-        chosen = self.fallback_kernel(q, k, masked) if self._key(q) in _fallen_back else self.kernel
-        return chosen.parts(direction, plan, q, k, causal=causal, masked=masked)
-
-    def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, *, causal: bool, scale: float, **mask):
-        # (a fallback, ``ChunkLoop``, leaves parts wherever the layout allows: at least where this kernel does)
-        return self._run("backward_pattern_parts", q, k, plan, (q, k, v, plan, out, lse, dout),
-                         dict(causal=causal, scale=scale, **mask), ("q", "k", "v", "plan", "out", "lse", "dout"))
 
 
 def guard_kernel(kernel, meta: dict[str, Any] | None = None, fallback=None):
@@ -185,7 +164,7 @@ def guard_kernel(kernel, meta: dict[str, Any] | None = None, fallback=None):
 
 
 def reset() -> None:
-    """Forget fallbacks and warnings (tests; a process whose GPU config changed)."""
+    """Forget fallbacks and warnings (tests; a process whose GPU config changed); ``clear_caches`` does too."""
     _warned.clear()
     _fallen_back.clear()
     _proven.clear()

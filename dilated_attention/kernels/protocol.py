@@ -1,10 +1,11 @@
-"""The two declared kernel interfaces: the block seam and the pattern interface.
+"""The two declared kernel interfaces, and the layouts they exchange.
 
 ``PatternKernel`` is what strategies (ring, head-parallel) call: all heads of
 one pattern on one block, in one go. ``dispatch.select_kernel`` always returns
-one: the fused kernel implements it natively (one launch per pattern), and any
-``BlockKernel`` is wrapped in ``pattern.ChunkLoop``, which drives it chunk by
-chunk on strided views.
+one: the fused and cuDNN kernels implement it natively (one launch or a few per
+pattern), and any ``BlockKernel`` is wrapped in ``chunk_loop.ChunkLoop``, which
+drives it chunk by chunk on strided views. A kernel that changes another one
+(routing, checks, failure handling) derives from ``wrapper.KernelWrapper``.
 
 ``BlockKernel``: a kernel computes softmax attention of one block: ``(q, k, v) -> (out, lse)``.
 
@@ -22,6 +23,28 @@ chunk on strided views.
   ``P = exp(s - lse)`` make each block's gradient exact for the merged result.
   It returns ``dq``, ``dk``, ``dv`` (fp32 or input dtype) shaped like q, k, v. The final
   ``lse`` is ``-inf`` for a row with no visible key in any pattern: such rows add nothing.
+
+``PatternKernel`` layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
+``M = w // r``, head ``h`` of chunk ``c`` uses offset ``c.offset``):
+
+* ``q``: ``(B, L, H, D)`` local queries.
+* ``k``, ``v``: ``packed=False``: local ``(B, L, Hk, D)``, dilated on the fly;
+  ``packed=True``: a ring buffer half ``(B, L // r, Hp, D)`` from ``views.pack_kv``.
+* ``forward_pattern_into`` merges the pattern into the running fp32 ``out``/``lse`` in full
+  layout (ring steps); ``forward_pattern`` returns it alone in *compact* layout (local patterns' parts): ``out``
+  ``(B, L // r, H, D)`` and ``lse`` ``(B, L // r, H)`` fp32 where row
+  ``s * M + j`` of head ``h`` is local position ``s * w + offset(h) + r * j``.
+  Heads outside the plan's chunks are left unspecified.
+* ``key_mask`` (kernels with ``key_masks = True``): ``None`` or a bool ``(B, Lk)`` in the
+  *full* layout of the key block, ``True`` = excluded: the local length for ``packed=False``,
+  ``L`` (the sender's rows) for ``packed=True``; key row ``j`` of segment ``s`` read with
+  offset ``o`` is position ``s * w + o + r * j`` either way.
+* backward takes the final merged ``out``/``lse``/``dout`` in full layout
+  (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``dq``
+  (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``), or (``backward_pattern_parts``,
+  local patterns) returns them in compact layout in the inputs' dtype, ``dk``/``dv`` ``(B, L // r, Hk, D)``.
+* ``parts`` says, per local pattern and direction, which of the two a strategy calls: compact parts
+  are combined in one pass at the end (``merge.combine_results``/``sum_grads``).
 """
 
 from __future__ import annotations
@@ -64,10 +87,10 @@ class BlockKernel(Protocol):
 
 @runtime_checkable
 class PatternKernel(Protocol):
-    """All heads of one pattern on one (local or ring) block; layouts in ``kernels/pattern.py``."""
+    """All heads of one pattern on one (local or ring) block; layouts in the module doc."""
 
     name: str
-    key_masks: bool  # accepts ``key_mask=`` (see ``kernels/pattern.py``)
+    key_masks: bool  # accepts ``key_mask=`` (see the module doc)
     deterministic_backward: bool  # the same inputs give bitwise-equal gradients on every run
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -118,3 +141,26 @@ class PatternKernel(Protocol):
 # What a PatternKernel has (named in select_kernel's error for an object that implements only part of it)
 PATTERN_KERNEL_MEMBERS = ("name", "key_masks", "deterministic_backward", "supports", "forward_pattern",
                           "forward_pattern_into", "backward_pattern", "parts", "backward_pattern_parts")
+
+# Each computing method's positional arguments (its keywords: packed, causal, scale, key_mask, fresh) and
+# direction: what a wrapper sees of every call (``wrapper.KernelWrapper.call``).
+CALL_ARGUMENTS = {
+    "forward_pattern": ("q", "k", "v", "plan"),
+    "forward_pattern_into": ("q", "k", "v", "plan", "out", "lse"),
+    "backward_pattern": ("q", "k", "v", "plan", "out", "lse", "dout", "dq", "dk", "dv"),
+    "backward_pattern_parts": ("q", "k", "v", "plan", "out", "lse", "dout"),
+}
+DIRECTION = {"forward_pattern": "fwd", "forward_pattern_into": "fwd", "backward_pattern": "bwd",
+             "backward_pattern_parts": "bwd"}
+
+
+def clear_result_(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The empty running result (0, ``-inf``): what rows no pattern covers hold (``ring.py``)."""
+    out.zero_()
+    lse.fill_(float("-inf"))
+
+
+def clear_grads_(*grads: torch.Tensor) -> None:
+    """Zeroed accumulators: how a kernel without a write-once path honours ``fresh`` in the backward."""
+    for g in grads:
+        g.zero_()

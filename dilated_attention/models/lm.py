@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import CommBackend
+from ..comm.deepspeed import DeepSpeedBackend, ensure_initialized
 from ..distributed import all_reduce_gradients, shard_sequence
 from ..modules import MultiheadDilatedAttention
 
@@ -216,10 +217,8 @@ def deepspeed_setup(cfg: LMConfig, sp_size: int, zero_stage: int, micro_batch: i
     group and divides by ``dp = world / sp``: sum over SP, mean over DP -- what
     our per-rank loss shares need. SP groups are consecutive ranks.
     """
-    import deepspeed
+    import deepspeed  # (optional: imported only by the DeepSpeed path)
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    from ..comm.deepspeed import DeepSpeedBackend, ensure_initialized
 
     ensure_initialized()
     if sp_size < 1 or dist.get_world_size() % sp_size:

@@ -70,11 +70,12 @@ def as_layout(x: torch.Tensor, layout: str, *, generator: torch.Generator | None
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Max absolute error relative to the largest magnitude of ``want`` (computed in float64)."""
+def rel_err(got: torch.Tensor, want: torch.Tensor, *, floor: float = 1e-30) -> float:
+    """Max absolute error relative to the largest magnitude of ``want``, or ``floor`` if that is smaller
+    (computed in float64; a floor of 1 judges a result that is near zero in absolute terms)."""
     want = want.detach().double()
     diff = (got.detach().double().to(want.device) - want).abs().max()
-    return (diff / want.abs().max().clamp_min(1e-30)).item()
+    return (diff / want.abs().max().clamp_min(floor)).item()
 
 
 def tolerance(dtype: torch.dtype, plain_err: float | None) -> float:

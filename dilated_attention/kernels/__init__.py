@@ -1,0 +1,14 @@
+"""The local block: ``(q, k, v)`` views of one pattern -> ``(out, lse)``, forward and backward.
+
+* ``protocol``: the interfaces (``BlockKernel``, ``PatternKernel``) and the layouts they exchange
+* ``wrapper``: ``KernelWrapper``, the base of a kernel that changes another one; ``chunk_loop``: ``ChunkLoop``
+* one module per implementation: ``reference`` (plain torch, the oracle), ``sdpa``, ``fused`` (Triton),
+  ``cudnn``/``cudnn_frontend``
+* ``registry``: kernel names -> how to build each; ``dispatch``: the choice per call (``kernel="auto"``,
+  with ``auto``'s measured table); ``guard``: resource-error fallback and explained CUDA errors
+"""
+
+from .protocol import BlockKernel, PatternKernel
+from .wrapper import KernelWrapper
+
+__all__ = ["BlockKernel", "KernelWrapper", "PatternKernel"]

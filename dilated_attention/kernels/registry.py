@@ -1,0 +1,39 @@
+"""Kernel names: each implementation ``kernel="<name>"`` selects, and how to build it.
+
+Adding a kernel is a ``PatternKernel`` (or a ``BlockKernel``, run through ``ChunkLoop``) and one line
+here: ``dispatch.select_kernel`` accepts the name, and ``benchmarks/bench_kernel.py`` builds it the same
+way. ``"auto"`` is not a kernel of its own but a choice among these (``dispatch``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .chunk_loop import ChunkLoop
+from .cudnn import CudnnDkdvKernel, CudnnKernel
+from .cudnn_frontend import CudnnFrontendOps
+from .fused import FusedKernel
+from .protocol import PatternKernel
+from .reference import ReferenceKernel
+from .sdpa import SdpaKernel
+
+KERNELS: dict[str, Callable[[], PatternKernel]] = {
+    "fused": FusedKernel,
+    "cudnn": CudnnKernel,
+    "cudnn-det": lambda: CudnnKernel(CudnnFrontendOps()),
+    "cudnn-dkdv": CudnnDkdvKernel,
+    "sdpa": lambda: ChunkLoop(SdpaKernel("flash")),
+    "sdpa-cudnn": lambda: ChunkLoop(SdpaKernel("cudnn")),
+    "reference": lambda: ChunkLoop(ReferenceKernel()),
+}
+KERNEL_NAMES = ("auto", *KERNELS)
+
+
+def build_kernel(name: str) -> PatternKernel:
+    """A new instance of the kernel ``name`` (one of ``KERNELS``)."""
+    if name not in KERNELS:
+        raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {name!r}")
+    return KERNELS[name]()
+
+
+__all__ = ["KERNELS", "KERNEL_NAMES", "build_kernel"]
