@@ -19,7 +19,8 @@ from typing import Any, Callable, NamedTuple
 
 
 class CacheInfo(NamedTuple):
-    """What one cache holds: ``size`` entries of at most ``bound`` (``None``: kept while anything refers to them)."""
+    """What one cache holds: ``size`` entries of at most ``bound`` (``None``: held for the life of the process,
+    as what refers to its entries is, and not emptied by ``clear_caches``)."""
 
     size: int
     bound: int | None
@@ -29,7 +30,7 @@ class CacheInfo(NamedTuple):
 class _Entry:
     size: Callable[[], int]
     bound: int | None
-    clear: Callable[[], None] | None  # None: not a cache to drop (its entries must live as long as the process)
+    clear: Callable[[], None] | None  # None (with bound None): held for the life of the process
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -62,9 +63,13 @@ class KeySet(set):
         super().add(key)
 
 
-def register(name: str, size: Callable[[], int], bound: int | None, clear: Callable[[], None] | None) -> None:
-    """List a cache kept elsewhere under ``name``: ``size()`` its entries, ``clear()`` empties it (``None``: shown
-    by ``cache_info`` but never emptied)."""
+def register(name: str, size: Callable[[], int], bound: int | None = None,
+             clear: Callable[[], None] | None = None) -> None:
+    """List a cache kept elsewhere under ``name``: ``size()`` its entries, at most ``bound``, ``clear()`` empties
+    it; without a bound and ``clear``, a table held for the life of the process (listed, never emptied)."""
+    if (bound is None) != (clear is None):
+        raise ValueError(f"cache {name!r}: a bounded cache can be emptied, an unbounded one is held (got bound "
+                         f"{bound}, clear {clear})")
     _REGISTRY[name] = _Entry(size, bound, clear)
 
 
@@ -108,7 +113,8 @@ def typed(value: Any) -> tuple:
 
 
 def cache_info() -> dict[str, CacheInfo]:
-    """Every per-process cache of the library by name (``module.what``): its entries and bound."""
+    """Every per-process cache of the library by name (``module.what``): its entries and bound (``None``: held
+    for the life of the process)."""
     return {name: CacheInfo(entry.size(), entry.bound) for name, entry in sorted(_REGISTRY.items())}
 
 

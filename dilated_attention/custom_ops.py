@@ -32,7 +32,7 @@ from .comm import CommBackend, resolve_comm
 AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
 _OBJECTS: dict[str, object] = {}
 # kept for the life of the process (a compiled graph refers to its entries): listed, never emptied
-caches.register("custom_ops.objects", _OBJECTS.__len__, None, None)
+caches.register("custom_ops.objects", _OBJECTS.__len__)
 # functional's call path (``bind``)
 _f = SimpleNamespace()
 

@@ -104,7 +104,7 @@ def merge_into_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, pa
 
 def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part_out: torch.Tensor,
                    part_lse: torch.Tensor, *, fresh: bool = False) -> None:
-    """Merge one pattern's partial in compact layout (``kernels/pattern.py``) into the running full-layout
+    """Merge one pattern's partial in compact layout (``kernels/protocol.py``) into the running full-layout
     ``(out, lse)`` in place: the generic ``PatternKernel.forward_pattern_into`` (the fused kernel merges
     in its epilogue instead). ``fresh``: see ``merge_into_``; rows the pattern does not cover are left as
     they were, so only a pattern that ``covers_all`` may pass it."""
@@ -339,7 +339,7 @@ def _launch_plan(shape, so, sp, sl, sq, fresh: bool, weighted: bool) -> tuple[tu
 
 @dataclass(frozen=True)
 class Part:
-    """One local pattern's result in compact layout (``kernels/pattern.py``): ``out`` ``(B, L // r, heads, D)`` in
+    """One local pattern's result in compact layout (``kernels/protocol.py``): ``out`` ``(B, L // r, heads, D)`` in
     the inputs' dtype and, for attention results, its ``lse`` ``(B, L // r, heads)``; gradients have none.
     ``kv``: the heads are kv heads (dK/dV). The plan must give each (row, head) one slot
     (``PatternPlan.head_offsets`` is not ``None``)."""

@@ -1,8 +1,8 @@
 """Fused dilated block kernel (Triton): strided dilated reads, a whole pattern per launch.
 
-``FusedKernel`` implements the block seam of ``base.py`` (``forward``/``backward``
-on strided ``(B, S, M, H, D)`` views) and the one-launch pattern methods of
-``pattern.py`` (``forward_pattern``/``backward_pattern``). Nothing is copied: the
+``FusedKernel`` implements both interfaces of ``protocol.py``: the block seam (``forward``/``backward``
+on strided ``(B, S, M, H, D)`` views) and the pattern methods, one launch per pattern
+(``forward_pattern``/``backward_pattern``). Nothing is copied: the
 kernels read q/k/v/out/lse/dout through their strides, a head's dilation offset
 and kv head come from small int32 tables built from the plan's chunks, and heads
 in no chunk are never launched.
@@ -17,7 +17,7 @@ here (the benchmark sweeps configs by constructing kernels with other configs).
 Key padding: every method takes ``key_mask=None`` or a bool mask (``True`` = the key
 is excluded; any strides), read in place through a uint8 view of the same memory
 (block seam: ``(B, S, Mk)``; pattern methods: ``(B, Lk)`` in the full layout of
-the key block, see ``pattern.py``). A masked forward and a masked dQ each launch
+the key block, see ``protocol.py``). A masked forward and a masked dQ each launch
 one small kernel first (``tiles``) that lists the key tiles holding a real key;
 their main loops visit only those. ``None`` launches the unmasked kernels
 (``HAS_MASK=False``), unchanged.
