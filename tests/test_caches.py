@@ -47,7 +47,8 @@ def test_every_cache_is_listed_with_its_bound():
     for name, (size, bound) in info.items():
         assert bound is None or (isinstance(bound, int) and bound > 0), (name, bound)
         assert bound is None or 0 <= size <= bound, (name, size, bound)
-    assert [name for name, i in info.items() if i.bound is None] == ["custom_ops.objects"]  # compiled graphs use it
+    held = {name for name, i in info.items() if i.bound is None}  # never emptied: what refers to them lives on
+    assert "custom_ops.objects" in held and held <= {"custom_ops.objects", "models.lm.data_parallel_groups"}, held
 
 
 def test_a_full_table_starts_over():

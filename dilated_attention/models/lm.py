@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import caches
 from ..comm.base import CommBackend
 from ..comm.deepspeed import DeepSpeedBackend, ensure_initialized
 from ..distributed import all_reduce_gradients, shard_sequence
@@ -267,6 +268,8 @@ def deepspeed_train(cfg: LMConfig, sp_size: int, zero_stage: int, steps: int, ba
 
 
 _DP_GROUPS: dict[int, dist.ProcessGroup] = {}
+# made collectively (every rank at once), so kept for the life of the process: listed, never emptied
+caches.register("models.lm.data_parallel_groups", _DP_GROUPS.__len__)
 
 
 def _dp_group(sp_size: int) -> dist.ProcessGroup:
