@@ -1,4 +1,4 @@
-"""Docs that run: every ```python block of README.md is executed on CPU.
+"""Docs that run: every ```python block of README.md and of docs/*.md is executed on CPU.
 
 Conventions for README authors (comment lines at the very top of a block):
 
@@ -14,11 +14,13 @@ Conventions for README authors (comment lines at the very top of a block):
   and the reason is required.
 
 Blocks run with ``__name__ == "__main__"`` and must be small enough for a CPU
-(a few seconds). Each chain is one test, named by the README line it starts on.
+(a few seconds). Each chain is one test, named by the file and line it starts on
+(``README.md:91``, ``docs/diagnostics.md:60``); a chain never crosses files.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import traceback
@@ -29,19 +31,21 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+DOCS = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 DISTRIBUTED = re.compile(r"\bcomm=|\bdist\.|torch\.distributed")
 
 
 @dataclass
 class Chain:
-    line: int  # README line of the first block's opening fence
+    line: int  # line of the first block's opening fence
     sources: list[tuple[int, str]] = field(default_factory=list)  # (line of the code's first line, code)
     ranks: int = 1
     needs_gpu: str | None = None
+    path: str = "README.md"  # the file, relative to the repository root
 
     @property
     def name(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.path}:{self.line}"
 
 
 def _blocks(text: str) -> list[tuple[int, str]]:
@@ -75,27 +79,27 @@ def _markers(code: str) -> dict[str, str]:
     return found
 
 
-def chains(text: str) -> list[Chain]:
+def chains(text: str, path: str = "README.md") -> list[Chain]:
     out: list[Chain] = []
     for line, code in _blocks(text):
         marks = _markers(code)
         if "continues" in marks:
             if not out:
-                raise ValueError(f"README.md:{line}: '# continues' on the first python block")
+                raise ValueError(f"{path}:{line}: '# continues' on the first python block")
             chain = out[-1]
         else:
-            chain = Chain(line)
+            chain = Chain(line, path=path)
             out.append(chain)
         chain.sources.append((line + 1, code))
         if "ranks" in marks:
             if not marks["ranks"].isdigit() or int(marks["ranks"]) < 1:
-                raise ValueError(f"README.md:{line}: '# ranks:' needs a positive int, got {marks['ranks']!r}")
+                raise ValueError(f"{path}:{line}: '# ranks:' needs a positive int, got {marks['ranks']!r}")
             chain.ranks = max(chain.ranks, int(marks["ranks"]))
         elif DISTRIBUTED.search(code):
             chain.ranks = max(chain.ranks, 2)
         if "needs-gpu" in marks:
             if not marks["needs-gpu"]:
-                raise ValueError(f"README.md:{line}: '# needs-gpu:' must give the reason")
+                raise ValueError(f"{path}:{line}: '# needs-gpu:' must give the reason")
             chain.needs_gpu = marks["needs-gpu"]
     return out
 
@@ -104,8 +108,8 @@ def run_chain(chain: Chain) -> None:
     """Execute the chain's blocks in one fresh namespace (exceptions propagate)."""
     namespace = {"__name__": "__main__"}
     for line, code in chain.sources:
-        # compile with the README line numbers, so a traceback points into README.md
-        exec(compile("\n" * (line - 1) + code, README, "exec"), namespace)
+        # compile with the file's line numbers, so a traceback points into the markdown file
+        exec(compile("\n" * (line - 1) + code, os.path.join(ROOT, chain.path), "exec"), namespace)
 
 
 def _rank_worker(rank: int, world_size: int, payload: list[dict]) -> dict[str, str]:
@@ -119,7 +123,7 @@ def _rank_worker(rank: int, world_size: int, payload: list[dict]) -> dict[str, s
     results = {}
     try:
         for item in payload:
-            chain = Chain(item["line"], [tuple(s) for s in item["sources"]], item["ranks"])
+            chain = Chain(item["line"], [tuple(s) for s in item["sources"]], item["ranks"], path=item["path"])
             try:
                 run_chain(chain)
                 results[chain.name] = ""
@@ -130,8 +134,10 @@ def _rank_worker(rank: int, world_size: int, payload: list[dict]) -> dict[str, s
     return results
 
 
-with open(README) as _f:
-    CHAINS = chains(_f.read())
+CHAINS: list[Chain] = []
+for _doc in DOCS:
+    with open(_doc) as _f:
+        CHAINS += chains(_f.read(), os.path.relpath(_doc, ROOT))
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +154,7 @@ def distributed_results() -> dict[str, list[str]]:
     for ranks in sorted({c.ranks for c in CHAINS if c.ranks > 1}):
         todo = [c for c in CHAINS if c.ranks == ranks and (cuda or c.needs_gpu is None)]
         if todo:
-            payload = [{"line": c.line, "sources": c.sources, "ranks": c.ranks} for c in todo]
+            payload = [{"line": c.line, "sources": c.sources, "ranks": c.ranks, "path": c.path} for c in todo]
             for per_rank in spawn_ranks(_rank_worker, ranks, payload):
                 for name, err in per_rank.items():
                     out.setdefault(name, []).append(err)
@@ -156,7 +162,7 @@ def distributed_results() -> dict[str, list[str]]:
 
 
 def test_readme_has_python_blocks():
-    assert CHAINS, "README.md has no ```python block"
+    assert any(c.path == "README.md" for c in CHAINS), "README.md has no ```python block"
 
 
 @pytest.mark.parametrize("chain", CHAINS, ids=[c.name for c in CHAINS])
