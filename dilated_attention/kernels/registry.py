@@ -12,6 +12,7 @@ from typing import Callable
 from .chunk_loop import ChunkLoop
 from .cudnn import CudnnDkdvKernel, CudnnKernel
 from .cudnn_frontend import CudnnFrontendOps
+from .flash4 import Flash4Kernel
 from .fused import FusedKernel
 from .protocol import PatternKernel
 from .reference import ReferenceKernel
@@ -22,6 +23,7 @@ KERNELS: dict[str, Callable[[], PatternKernel]] = {
     "cudnn": CudnnKernel,
     "cudnn-det": lambda: CudnnKernel(CudnnFrontendOps()),
     "cudnn-dkdv": CudnnDkdvKernel,
+    "flash4": lambda: ChunkLoop(Flash4Kernel()),  # flash-attn-4, deterministic backward (pip install ".[flash4]")
     "sdpa": lambda: ChunkLoop(SdpaKernel("flash")),
     "sdpa-cudnn": lambda: ChunkLoop(SdpaKernel("cudnn")),
     "reference": lambda: ChunkLoop(ReferenceKernel()),
