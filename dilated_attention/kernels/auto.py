@@ -114,10 +114,6 @@ class AutoKernel(KernelWrapper):
         self.deterministic_backward = not allow_nondeterministic or all(
             impls[name].deterministic_backward for key, name in choices.items() if key.startswith("bwd-any/"))
 
-    def target(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, causal: bool,
-               masked: bool) -> PatternKernel:
-        return self.pick(direction, plan, causal, q, k, masked)
-
     def pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor,
              masked: bool = False) -> PatternKernel:
         """The implementation for this pattern and direction (``"fwd"`` or ``"bwd"``); masked work runs fused.
@@ -127,6 +123,8 @@ class AutoKernel(KernelWrapper):
         key = (direction, plan, causal, layout_key(q), layout_key(k))
         impl = self._picks.get(key)
         return impl if impl is not None else remember(self._picks, key, self._pick(direction, plan, causal, q, k))
+
+    target = pick  # where each call goes: the table's choice
 
     def _pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor
               ) -> PatternKernel:

@@ -113,7 +113,7 @@ class GuardedKernel(KernelWrapper):
                 pass
         return select_kernel("reference", q, k)
 
-    def target(self, direction, plan, q, k, causal, masked):
+    def target(self, direction, plan, causal, q, k, masked):
         """The fallback once this kernel's configuration failed to launch (``parts`` asks it too: a fallback,
         ``ChunkLoop``, leaves parts wherever the layout allows, at least where this kernel does)."""
         return self.fallback_kernel(q, k, masked) if self._key(q) in _fallen_back else self.inner

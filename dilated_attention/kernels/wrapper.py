@@ -2,7 +2,7 @@
 
 A kernel that changes another one states only what it changes:
 
-* ``target(direction, plan, q, k, causal, masked)``: which kernel a call goes to (``inner``; a router
+* ``target(direction, plan, causal, q, k, masked)``: which kernel a call goes to (``inner``; a router
   such as ``AutoKernel`` picks one per pattern and direction, the guard its fallback);
 * ``call(op, args, kwargs)``: every computing call passes here (``op`` names the ``PatternKernel``
   method, ``args`` are its positional arguments, ``protocol.CALL_ARGUMENTS[op]``): override it to act
@@ -34,14 +34,14 @@ class KernelWrapper:
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return self.inner.supports(q, k)
 
-    def target(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, causal: bool,
+    def target(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor,
                masked: bool) -> PatternKernel:
         """The kernel that runs this pattern in ``direction`` (``"fwd"``/``"bwd"``): ``inner``."""
         return self.inner
 
     def call(self, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run ``op`` on ``target``: ``args`` are the method's positional arguments (q, k, v, plan, ...)."""
-        kernel = self.target(DIRECTION[op], args[3], args[0], args[1], kwargs["causal"], "key_mask" in kwargs)
+        kernel = self.target(DIRECTION[op], args[3], kwargs["causal"], args[0], args[1], "key_mask" in kwargs)
         return getattr(kernel, op)(*args, **kwargs)
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, **kwargs):
@@ -58,7 +58,7 @@ class KernelWrapper:
 
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:
-        return self.target(direction, plan, q, k, causal, masked).parts(direction, plan, q, k, causal=causal,
+        return self.target(direction, plan, causal, q, k, masked).parts(direction, plan, q, k, causal=causal,
                                                                         masked=masked)
 
 
