@@ -10,6 +10,13 @@ training loop repeats one configuration and pays nothing after the first call.
 A rank whose own inputs are invalid always joins the gather (and raises its
 own error); if the others skip it because their configuration is cached, the
 wait ends at the backend's timeout on every rank instead of hanging.
+
+What the cache cannot see (a rank that switches to another agreed configuration,
+runs another call's backward, or skips a call) the stamps see: every exchange
+carries the call's fingerprint and number (``comm/stamps.py``). On CPU tensors a
+rank raises when its forward or backward ends (``settle``); on GPUs the stamps are
+compared on the device and their verdict rides in this gather, which then also runs
+every ``check_every`` calls, or when asked (``verify``): every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import zlib
 import torch
 
 from .comm.base import CommBackend, PeerTimeoutError
+from .comm.stamps import Mismatch, explain, fingerprint, flatten
 
 
 def call_signature(q, k, v, segment_lengths, dilation_rates, **options) -> dict:
@@ -45,32 +53,28 @@ def call_signature(q, k, v, segment_lengths, dilation_rates, **options) -> dict:
     return sig
 
 
-def _flat(sig: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for key, value in sig.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def agree(comm: CommBackend, sig: dict, error: BaseException | None, like: torch.Tensor) -> None:
-    """Raise the same verdict on every rank: this rank's own error, a peer's failure, or a disagreement."""
+    """Raise the same verdict on every rank: this rank's own error, a peer's failure, ranks out of step
+    since the last verdict, or a disagreement."""
     text = json.dumps(sig, sort_keys=True)
-    if error is None and comm.check_calls is True and text in comm.agreed:
+    comm.ledger.begin(comm.calls, fingerprint(text), text)  # the forward's stamps carry its fingerprint
+    due = comm.ledger.deferred(like.device) and comm.calls % comm.check_every == 0
+    if error is None and comm.check_calls is True and text in comm.agreed and not due:
         return
     device = comm.collective_device(like)
     what = f"call {comm.calls}: cross-rank check of the call signature"
     mine = torch.tensor([int(error is None), zlib.crc32(text.encode()), len(text)], dtype=torch.int64)
     try:
-        table = comm.all_gather(mine.to(device), what).cpu().tolist()
+        table = comm.all_gather(torch.cat([mine.to(device), comm.ledger.pending(device)]), what).cpu().tolist()
     except PeerTimeoutError as exc:
         if error is not None:  # the others took a cached path: our own error is the news
             raise error from exc
         raise
+    out_of_step = _verdict(comm, [row[3] for row in table], device, what, f"the cross-rank check of call {comm.calls}")
     if error is not None:
         raise error
+    if out_of_step is not None:
+        raise out_of_step
     failed = [r for r, row in enumerate(table) if row[0] == 0]
     if failed:
         raise ValueError(f"dilated_attention: rank(s) {failed} rejected their inputs (see the error on those ranks)")
@@ -82,10 +86,43 @@ def agree(comm: CommBackend, sig: dict, error: BaseException | None, like: torch
     raw = torch.zeros(width, dtype=torch.uint8)
     raw[: len(text)] = torch.tensor(list(text.encode()), dtype=torch.uint8)
     rows = comm.all_gather(raw.to(device), what).cpu()
-    sigs = [_flat(json.loads(bytes(row[: table[r][2]].tolist()).decode())) for r, row in enumerate(rows)]
+    sigs = [flatten(json.loads(bytes(row[: table[r][2]].tolist()).decode())) for r, row in enumerate(rows)]
     diffs = []
     for key in sigs[0]:
         values = [s.get(key) for s in sigs]
         if any(v != values[0] for v in values):
             diffs.append(f"{key}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
     raise ValueError("dilated_attention: ranks disagree on the call: " + "; ".join(diffs))
+
+
+def verify(comm: CommBackend) -> None:
+    """``CommBackend.verify``: gather the stamps' verdict now; every rank raises the same ``ValueError``."""
+    device = comm.collective_device(torch.empty(0))
+    what = f"after call {comm.calls}: cross-rank check of the call stamps"
+    counts = comm.all_gather(comm.ledger.pending(device), what).cpu().view(-1).tolist()
+    error = _verdict(comm, counts, device, what, f"verify() after call {comm.calls}")
+    if error is not None:
+        raise error
+
+
+def settle(comm: CommBackend | None) -> None:
+    """The end of a call's forward or backward on this rank: raise a mismatch its stamps showed (CPU)."""
+    if comm is not None and comm.ledger.mismatch is not None:
+        raise comm.ledger.error()
+
+
+def _verdict(comm: CommBackend, counts: list[int], device: torch.device, what: str, when: str) -> ValueError | None:
+    """Every rank's count of stamps that did not match (gathered): the error every rank raises, if any.
+    All ranks see the same counts, so all of them take part in the second gather or none does."""
+    if not any(counts):
+        comm.ledger.reset()
+        return None
+    mine = torch.tensor(comm.ledger.first(comm.rank), dtype=torch.int64)
+    records = comm.all_gather(mine.to(device), what).cpu().tolist()
+    comm.ledger.reset()
+    found = [(r, Mismatch.from_row(row)) for r, row in enumerate(records) if row[0]]
+    if not found:  # (a count without a record cannot happen; say what is known)
+        return ValueError(explain(f"rank(s) {[r for r, c in enumerate(counts) if c]} received stamps that did "
+                                  f"not match (found by {when})"))
+    text = found[0][1].describe(comm.ledger.signatures)
+    return ValueError(explain(f"{text} (found by {when}; rank(s) {[r for r, _ in found]} received such data)"))

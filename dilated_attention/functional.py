@@ -30,7 +30,7 @@ from . import caches, hooks
 from . import custom_ops as _ops
 from .caches import typed
 from .comm import CommBackend, resolve_comm
-from .consistency import agree, call_signature
+from .consistency import agree, call_signature, settle
 from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_sequence_backward, sequence_to_heads,
                             sequence_to_heads_backward)
 from .kernels.dispatch import select_kernel
@@ -250,7 +250,7 @@ class _Schedule:
     def swap(self, call: int) -> HeadSwap:
         first = self.backend.rank - self.backend.rank % self.team
         return HeadSwap(self.backend, tuple(range(first, first + self.team)), self.split,
-                        f"call {call}, strategy {self.strategy!r} (team of {self.team})")
+                        f"call {call}, strategy {self.strategy!r} (team of {self.team})", call)
 
 
 def _attend(spec: _Schedule, call: int, q, k, v, key_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +287,7 @@ def _gather_mask(backend: CommBackend, mask: torch.Tensor | None, call: int) -> 
     if mask is None:
         return None
     parts = backend.all_gather(mask.to(torch.uint8), f"call {call}: key_padding_mask all-gather",
-                               host=backend.host_waits)
+                               host=backend.host_waits, stamp=backend.stamp(call, "forward"))
     return parts.permute(1, 0, 2).flatten(1).bool()
 
 
@@ -507,11 +507,14 @@ def _forward(spec: _Schedule, call: int, q, k, v, key_padding_mask) -> tuple[tor
         saved.append(mask)
     if spec.team == 1:
         out, lse = _attend(spec, call, q, k, v, mask)
+        settle(spec.backend)  # a peer in another call or configuration raises here (stamps)
         return out, saved + [lse]
     swap = spec.swap(call)
     qh, kh, vh = sequence_to_heads(q, k, v, swap)
     out_h, lse = _attend(spec, call, qh, kh, vh, mask)
-    return heads_to_sequence(out_h, swap), saved + [qh, kh, vh, out_h, lse]
+    out = heads_to_sequence(out_h, swap)
+    settle(spec.backend)
+    return out, saved + [qh, kh, vh, out_h, lse]
 
 
 def _backward(spec: _Schedule, call: int, q, k, v, key_padding_mask, out, saved: list[torch.Tensor], dout
@@ -522,11 +525,15 @@ def _backward(spec: _Schedule, call: int, q, k, v, key_padding_mask, out, saved:
     if spec.team == 1:
         (lse,) = saved
         q, k, v = _unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)
-        return _attend_backward(spec, call, q, k, v, mask, out, lse, dout)
+        grads = _attend_backward(spec, call, q, k, v, mask, out, lse, dout)
+        settle(spec.backend)
+        return grads
     qh, kh, vh, out_h, lse = saved
     swap = spec.swap(call)
     dq, dk, dv = _attend_backward(spec, call, qh, kh, vh, mask, out_h, lse, heads_to_sequence_backward(dout, swap))
-    return sequence_to_heads_backward(dq, dk, dv, swap, k.shape)
+    grads = sequence_to_heads_backward(dq, dk, dv, swap, k.shape)
+    settle(spec.backend)
+    return grads
 
 
 def _saved_like(spec: _Schedule, q, k, key_padding_mask) -> list[torch.Tensor]:

@@ -26,6 +26,10 @@ joined before the combine; each writes its own parts, so no bit depends on it.
 Key masks (padding, packed documents) cover the whole sequence on every rank (a
 few bytes per token, gathered once per call): a step reads the slice of the
 block it holds, so masks never travel round the ring.
+
+Every exchange carries the call's 16-byte stamp in the same batch (``comm/stamps.py``): a
+rank in another call or configuration raises instead of mixing blocks; the blocks themselves
+and everything computed from them are untouched.
 """
 
 from __future__ import annotations
@@ -90,11 +94,13 @@ def _ring_blocks(k, v, plan, comm, layout, call, direction, causal):
     pos, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
     first = comm.rank // layout.stride - pos  # the ring's first sequence block
     block, spare = pack_kv(k, v, plan), None
+    stamp = comm.stamp(call, direction)
     for step in range(size):
         pending = None
         if step < size - 1:
             spare = torch.empty_like(block) if spare is None else spare
-            pending = comm.send_recv(block, nxt, spare, prv, _what(call, direction, plan, step, size, "K/V block"))
+            pending = comm.send_recv(block, nxt, spare, prv, _what(call, direction, plan, step, size, "K/V block"),
+                                     stamp=stamp)
         src = (pos - step) % size
         yield step, block, _visibility(causal, src, pos), first + src
         if pending is not None:
@@ -114,6 +120,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     size = plan.ring_size
     _, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
     scratch = outgoing = incoming = grads_pending = None
+    stamp = comm.stamp(call, "backward")
     for step, block, seen, src in _ring_blocks(k, v, plan, comm, layout, call, "backward", causal):
         if scratch is None:
             scratch, outgoing, incoming = (torch.empty(block.shape, dtype=accum_dtype(block.dtype),
@@ -131,7 +138,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                 incoming.add_(scratch)
             outgoing, incoming = incoming, outgoing  # the old outgoing buffer has been sent: reuse it
         grads_pending = comm.send_recv(outgoing, nxt, incoming, prv,
-                                       _what(call, "backward", plan, step, size, "dK/dV accumulator"))
+                                       _what(call, "backward", plan, step, size, "dK/dV accumulator"), stamp=stamp)
     grads_pending.wait()  # after size hops the accumulator of our own block is home
     unpack_add_(dk, dv, incoming, plan)
 

@@ -12,11 +12,11 @@ BACKEND_NAMES = ("collective", "fairscale", "deepspeed")
 
 
 def get_backend(name: str, group: dist.ProcessGroup | None = None, *, timeout: float | timedelta | None = None,
-                check_calls: bool | str = True) -> CommBackend:
+                check_calls: bool | str = True, check_every: int = 64) -> CommBackend:
     """Build a backend by name on ``group`` (each backend has its own default group).
 
     ``timeout``: seconds every wait on a peer may take (default ``DILATED_ATTENTION_TIMEOUT``,
-    else the process group's own timeout). ``check_calls``: see ``CommBackend``.
+    else the process group's own timeout). ``check_calls``, ``check_every``: see ``CommBackend``.
     """
     if name == "collective":
         from .collective import CollectiveBackend as backend
@@ -26,7 +26,7 @@ def get_backend(name: str, group: dist.ProcessGroup | None = None, *, timeout: f
         from .deepspeed import DeepSpeedBackend as backend
     else:
         raise ValueError(f"comm must be one of {BACKEND_NAMES}, a CommBackend or None, got {name!r}")
-    return backend(group, timeout=timeout, check_calls=check_calls)
+    return backend(group, timeout=timeout, check_calls=check_calls, check_every=check_every)
 
 
 _by_name: dict[str, tuple[object, CommBackend]] = {}

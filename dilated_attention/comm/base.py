@@ -17,12 +17,20 @@ process group's timeout; the cross-rank signature gather is always timed. On exp
 naming the peer it waited for and what it was doing (call number, direction,
 pattern, step), so a rank that skipped a call or a backward turns into an error
 on every rank that waits for it instead of a hang.
+
+Every exchange of a call also carries the call's stamp (``stamps.py``: configuration
+fingerprint, call number, direction; 16 bytes): ring steps as a small tensor in the same
+batched send/receive, all-to-alls and all-gathers after each block (``Blocks``). A rank whose
+peer is in another call or configuration raises ``ValueError`` instead of mixing their data.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
+import sys
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any, Protocol
@@ -30,11 +38,28 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .stamps import STAMP_BYTES, Ledger, Stamp
+
 TIMEOUT_ENV = "DILATED_ATTENTION_TIMEOUT"
 
 
 class Pending(Protocol):
     def wait(self) -> None: ...
+
+
+@contextlib.contextmanager
+def without_setup_prints(*noise: str):
+    """Run a third-party set-up step without the set-up lines it ``print``s (once per rank in a user's own
+    script): lines containing one of ``noise`` are dropped, anything else it prints still appears.
+    Warnings and log records are not prints: they pass untouched."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        kept = [line for line in captured.getvalue().splitlines(keepends=True) if not any(n in line for n in noise)]
+        if kept:
+            sys.stdout.write("".join(kept))
 
 
 class PeerTimeoutError(TimeoutError):
@@ -116,19 +141,67 @@ class _Waiting:
         )
 
 
+class _Stamped:
+    """A wait, then the peers' stamps: compared now (CPU) or logged for the next verdict (device). A wait
+    that fails after a mismatch raises the mismatch: the peer's call made other exchanges than ours."""
+
+    def __init__(self, waiting: _Waiting, ledger: Ledger, stamp: Stamp, rows: torch.Tensor, logged: bool) -> None:
+        self.waiting, self.ledger, self.stamp, self.rows, self.logged = waiting, ledger, stamp, rows, logged
+
+    def wait(self) -> None:
+        try:
+            self.waiting.wait()
+        except (PeerTimeoutError, RuntimeError) as exc:
+            if not self.ledger.deferred(self.rows.device):  # stamps that did arrive still count
+                self.ledger.landed(self.stamp, self.rows, self.logged)
+            known = self.ledger.error()
+            if known is not None:
+                raise known from exc
+            raise
+        self.ledger.landed(self.stamp, self.rows, self.logged)
+
+
+class Blocks:
+    """``data`` ``(A, ...)`` whose block ``m`` travels as one unit (to member ``m`` of an all-to-all, or
+    as this rank's row of an all-gather), laid out in ``raw`` ``(A, row)`` with room for a stamp after
+    each block when stamped: ``header`` ``(A, 4)`` int32. Unstamped, ``raw`` is ``data`` (no padding)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, stamped: bool,
+                 raw: torch.Tensor | None = None) -> None:
+        self.shape, self.stamped = tuple(shape), stamped
+        per = math.prod(self.shape[1:])
+        step = max(STAMP_BYTES // dtype.itemsize, 1)  # elements in 16 bytes: the stamp, and the data's alignment
+        self._per, self._pad = per, -(-per // step) * step
+        width = self._pad + step if stamped else per
+        self.raw = raw if raw is not None else torch.empty((self.shape[0], width), dtype=dtype, device=device)
+        if not stamped:
+            self.data, self.header = self.raw.view(self.shape), None
+        else:
+            self.data = self.raw[:, :per].view(self.shape)
+            self.header = self.raw[:, self._pad:].view(torch.int32)
+
+    def empty_like(self) -> Blocks:
+        return Blocks(self.shape, self.raw.dtype, self.raw.device, self.stamped, torch.empty_like(self.raw))
+
+
 class CommBackend(ABC):
     """One process group over which sequence shards are spread (rank ``j`` holds shard ``j``)."""
 
     name = "base"
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float | timedelta | None = None,
-                 check_calls: bool | str = True) -> None:
+                 check_calls: bool | str = True, check_every: int = 64) -> None:
         """``check_calls``: agree on a small signature of each new call configuration first
-        (``True``, cached per configuration: the steady state pays nothing), of every call
-        (``"always"``), or never (``False``). ``timeout``: seconds for every wait on a peer."""
+        (``True``, cached per configuration: the steady state pays no host sync), of every call
+        (``"always"``), or never (``False``, and no stamps either). With ``True`` or ``"always"`` every
+        exchange carries the call's stamp (``stamps.py``); on GPUs their verdict is gathered at each
+        agreement and at least every ``check_every`` calls. ``timeout``: seconds for every wait on a peer.
+        Every rank must pass the same values."""
         if check_calls not in (True, False, "always"):
             raise ValueError(f'check_calls must be True, False or "always", got {check_calls!r}')
-        self.check_calls = check_calls
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every must be a positive int (calls between verdicts), got {check_every!r}")
+        self.check_calls, self.check_every = check_calls, check_every
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"comm={self.name!r} needs torch.distributed to be initialised "
@@ -141,6 +214,7 @@ class CommBackend(ABC):
         self.host_waits = asked or "nccl" not in str(dist.get_backend(self._group))
         self.calls = 0  # calls made through this backend: names the call in timeout messages
         self.agreed: set = set()  # call signatures every rank has agreed on (consistency.py)
+        self.ledger = Ledger()  # stamps received (stamps.py)
 
     # -- what an adapter provides -------------------------------------------------
     def _resolve_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -182,46 +256,105 @@ class CommBackend(ABC):
     def _handles(self, work: Any) -> list:
         return [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
 
-    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, what: str = "") -> Pending:
-        """Post ``send -> dst`` and ``recv <- src`` (group ranks) together; call ``.wait()`` before use."""
+    def stamp(self, call: int, direction: str) -> Stamp | None:
+        """What call ``call``'s exchanges in ``direction`` (``"forward"``/``"backward"``) carry; None when
+        ``check_calls=False``."""
+        return self.ledger.stamp(call, direction, self.rank) if self.check_calls else None
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` on every rank if any exchange since the last verdict carried a stamp that did
+        not match (a collective: every rank of the group calls it, e.g. before saving a checkpoint). On
+        CPU tensors mismatches raise at once; on GPUs the agreement gathers this verdict every
+        ``check_every`` calls, so call it where a mismatch must not wait for that."""
+        from ..consistency import verify
+
+        verify(self)
+
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, what: str = "", *,
+                  stamp: Stamp | None = None) -> Pending:
+        """Post ``send -> dst`` and ``recv <- src`` (group ranks) together; call ``.wait()`` before use.
+        ``stamp``: a 16-byte stamp goes each way in the same batch, and ``wait`` checks the one received."""
         if not send.is_contiguous() or not recv.is_contiguous():
             raise ValueError("ring buffers must be contiguous (pack them with views.pack_kv)")
-        works = self._batch_p2p([(send, self.global_rank(dst))], [(recv, self.global_rank(src))])
+        sends, recvs = [(send, self.global_rank(dst))], [(recv, self.global_rank(src))]
+        if stamp is not None:  # the stamp each way, in the same batch as the block
+            rows = self.ledger.landing(stamp, 1, recv.device)
+            sends.insert(0, (stamp.header(send.device), sends[0][1]))
+            recvs.insert(0, (rows[0], recvs[0][1]))
+        works = self._batch_p2p(sends, recvs)
         peers = f"the exchange with rank {src} (receive) and rank {dst} (send)"
-        return self._waiting(works, peers, what or "ring exchange")
+        waiting = self._waiting(works, peers, what or "ring exchange")
+        return waiting if stamp is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
 
     def _waiting(self, works: Any, peers: str, what: str) -> _Waiting:
         return _Waiting(self._handles(works), self.timeout, self.host_waits, self.rank, peers, what)
 
-    def all_gather(self, x: torch.Tensor, what: str = "all-gather", *, host: bool = True) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, what: str = "all-gather", *, host: bool = True,
+                   stamp: Stamp | None = None) -> torch.Tensor:
         """``(world, *x.shape)``: every group rank's ``x``. ``host=False``: a stream-ordered wait
-        (for results only kernels read; the signature gather reads its result on the host)."""
-        flat = x.contiguous().view(-1)
+        (for results only kernels read; the signature gather reads its result on the host).
+        ``stamp``: each rank's row carries it, and every row's is checked."""
+        if stamp is not None:
+            mine = Blocks((1, *x.shape), x.dtype, x.device, stamped=True)
+            mine.data[0].copy_(x)
+            mine.header.copy_(stamp.header(x.device).expand_as(mine.header))
+            flat = mine.raw.view(-1)
+        else:
+            flat = x.contiguous().view(-1)
         out = torch.empty(self.world_size * flat.numel(), dtype=x.dtype, device=x.device)
-        _Waiting(self._handles(self._all_gather(out, flat)), self.timeout, host, self.rank,
-                 "an all-gather over the group", what).wait()
-        return out.view(self.world_size, *x.shape)
+        if stamp is not None:
+            rows = Blocks((self.world_size, *x.shape), x.dtype, x.device, True, out.view(self.world_size, -1))
+            if not self.ledger.deferred(out.device):
+                rows.header.zero_()  # what a failed wait leaves there: "nothing arrived"
+        waiting = _Waiting(self._handles(self._all_gather(out, flat)), self.timeout, host, self.rank,
+                           "an all-gather over the group", what)
+        if stamp is None:
+            waiting.wait()
+            return out.view(self.world_size, *x.shape)
+        _Stamped(waiting, self.ledger, stamp, rows.header, logged=False).wait()
+        return rows.data
 
-    def all_to_all(self, x: torch.Tensor, ranks: tuple[int, ...], what: str = "all-to-all"
-                   ) -> tuple[torch.Tensor, Pending]:
+    def blocks(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+               stamp: Stamp | None) -> Blocks:
+        """An all-to-all send buffer: ``.data`` ``shape`` (block ``m`` = ``data[m]``), with room for ``stamp``."""
+        return Blocks(shape, dtype, device, stamped=stamp is not None)
+
+    def all_to_all(self, x: torch.Tensor | Blocks, ranks: tuple[int, ...], what: str = "all-to-all", *,
+                   stamp: Stamp | None = None) -> tuple[torch.Tensor | Blocks, Pending]:
         """Start an all-to-all among group ranks ``ranks`` (this rank among them).
 
-        ``x``: contiguous, dim 0 indexed by position in ``ranks`` (block ``m`` goes to ``ranks[m]``).
-        Returns ``(received, pending)``: block ``m`` of ``received`` comes from ``ranks[m]`` once
-        ``pending.wait()`` returns.
+        ``x``: contiguous, dim 0 indexed by position in ``ranks`` (block ``m`` goes to ``ranks[m]``), or
+        ``Blocks`` from ``blocks(...)`` (then ``stamp`` travels after each block and is checked on arrival).
+        Returns ``(received, pending)`` of the same kind: block ``m`` of ``received`` comes from ``ranks[m]``
+        once ``pending.wait()`` returns.
         """
-        if x.shape[0] != len(ranks) or not x.is_contiguous():
+        given = x if isinstance(x, Blocks) else Blocks(tuple(x.shape), x.dtype, x.device, False, x)
+        if stamp is not None and given.header is None:
+            raise ValueError("a stamped all_to_all needs Blocks made by CommBackend.blocks(..., stamp)")
+        raw = given.raw
+        if raw.shape[0] != len(ranks) or not raw.is_contiguous():
             raise ValueError(f"all_to_all needs a contiguous tensor with dim 0 = {len(ranks)} ranks, "
-                             f"got shape {tuple(x.shape)}")
-        out = torch.empty_like(x)
+                             f"got shape {tuple(raw.shape)}")
+        if stamp is not None:
+            given.header.copy_(stamp.header(raw.device).expand_as(given.header))
+        got = given.empty_like()
+        out = got.raw
+        if stamp is not None and not self.ledger.deferred(out.device):
+            got.header.zero_()  # what a failed wait leaves there: "nothing arrived"
         peers = f"the all-to-all with ranks {list(ranks)}"
         if list(ranks) == list(range(self.world_size)):  # the whole group: the library's tuned collective
-            return out, self._waiting(self._all_to_all(out, x), peers, what)
-        me = ranks.index(self.rank)
-        out[me].copy_(x[me])
-        others = [(m, self.global_rank(r)) for m, r in enumerate(ranks) if m != me]
-        works = self._batch_p2p([(x[m], g) for m, g in others], [(out[m], g) for m, g in others]) if others else []
-        return out, self._waiting(works, peers, what)
+            waiting = self._waiting(self._all_to_all(out, raw), peers, what)
+        else:
+            me = ranks.index(self.rank)
+            out[me].copy_(raw[me])
+            others = [(m, self.global_rank(r)) for m, r in enumerate(ranks) if m != me]
+            works = (self._batch_p2p([(raw[m], g) for m, g in others], [(out[m], g) for m, g in others])
+                     if others else [])
+            waiting = self._waiting(works, peers, what)
+        result = got if isinstance(x, Blocks) else out
+        if stamp is None:
+            return result, waiting
+        return result, _Stamped(waiting, self.ledger, stamp, got.header, logged=False)
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
         """Where small control tensors must live for this group's collectives."""

@@ -26,7 +26,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from .base import CommBackend
+from .base import CommBackend, without_setup_prints
+
+_BUILT = "built successfully"  # DeepSpeed prints this from every rank that loads its CPU communication op
 
 
 def _ds_comm():
@@ -50,7 +52,8 @@ def ensure_initialized() -> None:
         os.environ.setdefault(key, str(value))
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    with without_setup_prints(_BUILT):
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
 
 
 def prebuild_ops() -> None:
@@ -63,7 +66,8 @@ def prebuild_ops() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     from deepspeed.comm.torch import build_shm_op
 
-    build_shm_op()
+    with without_setup_prints(_BUILT):
+        build_shm_op()
 
 
 def deepspeed_sequence_parallel_group() -> dist.ProcessGroup | None:

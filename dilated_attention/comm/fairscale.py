@@ -22,6 +22,7 @@ import warnings
 
 import torch.distributed as dist
 
+from .base import group_timeout, without_setup_prints
 from .collective import CollectiveBackend
 
 _announced = False  # say once per process that we initialised fairscale ourselves
@@ -52,7 +53,8 @@ def sequence_parallel_group() -> dist.ProcessGroup:
     mp = _fairscale_mp()
     if not mp.model_parallel_is_initialized():
         world = dist.get_world_size()
-        mp.initialize_model_parallel(world)
+        with without_setup_prints("> initializing "):  # fairscale's rank-0 lines; our warning below says it
+            mp.initialize_model_parallel(world)
         _inherit_world_timeout(mp.get_model_parallel_group(), mp.get_data_parallel_group())
         if not _announced:
             _announced = True
@@ -72,8 +74,6 @@ def _inherit_world_timeout(*groups: dist.ProcessGroup) -> None:
     from datetime import timedelta
 
     from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    from .base import group_timeout
 
     limit = timedelta(seconds=group_timeout(dist.group.WORLD))
     for group in groups:

@@ -1,0 +1,243 @@
+"""Call stamps: 16 bytes that travel with every exchange of a call, so ranks out of step raise.
+
+The cross-rank agreement (``consistency.py``) is cached per configuration: a steady training loop
+pays no host sync for it. A rank that then switches to another configuration agreed earlier with
+the same shapes (``causal``, scale, mode, head offsets, patterns whose buffers have the same
+size), runs the backward of another call than its peers, or skips a call would exchange blocks
+of the right size and compute a wrong result without any error. So every exchange of a call
+carries a stamp, four int32 words::
+
+    [configuration fingerprint, call number, direction | poisoned << 8, sender's group rank]
+
+(the fingerprint is the crc32 of the agreed call signature; backward stamps carry 0 there, their
+call number and direction identify them) and the receiver compares each stamp it gets with its own.
+Ring steps send it as a 16-byte tensor in the same batched send/receive as the block; all-to-alls
+and the key-mask all-gather append it to each block they already send. No extra collective.
+
+Where the comparison happens:
+
+* CPU tensors (gloo): on the host, right after each wait; it costs nothing there. A mismatch
+  does not stop the call: its remaining exchanges go on with stamps marked ``poisoned``, so every
+  rank that exchanges with this one during the call learns of it too, and each raises
+  ``ValueError`` when its forward or backward ends (``settle``). A wait that fails after a
+  mismatch (the peers' calls made different exchanges) raises the mismatch, within the timeout.
+* CUDA tensors: received stamps land in a log on the device; nothing is compared or read on the
+  host per call. The cross-rank agreement (a new configuration, ``check_calls="always"``, and
+  every ``check_every``-th call) compares the log on the device and gathers the count with the
+  row it gathers anyway, so every rank of the group raises the same ``ValueError`` there;
+  ``CommBackend.verify()`` asks for that verdict at any point every rank reaches.
+
+Configurations whose exchanged buffers differ in size fail in the transport before any stamp is
+read (gloo aborts with "Received data size doesn't match expected size"; NCCL times out).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import astuple, dataclass
+
+import torch
+
+DIRECTIONS = {"forward": 1, "backward": 2}
+_NAMES = {code: name for name, code in DIRECTIONS.items()}
+WORDS = 4  # int32 words per stamp
+STAMP_BYTES = 4 * WORDS
+_POISONED = 1 << 8
+_LOG_ROWS = 1024  # rows per chunk of the device log
+
+
+def fingerprint(text: str) -> int:
+    """The crc32 of a signature as a signed int32 word, never 0 (0 stands for "no configuration")."""
+    crc = zlib.crc32(text.encode())
+    return (crc - (1 << 32) if crc >= 1 << 31 else crc) or 1
+
+
+def flatten(sig: dict, prefix: str = "") -> dict[str, object]:
+    """``{"q": {"shape": ...}}`` -> ``{"q.shape": ...}``: the fields a message names."""
+    out = {}
+    for key, value in sig.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A stamp that did not match the receiver's: who received it in which call, and what it said."""
+
+    rank: int
+    call: int
+    direction: int
+    fingerprint: int
+    peer: int
+    peer_call: int
+    peer_direction: int
+    peer_fingerprint: int
+    poisoned: int
+
+    def row(self) -> list[int]:
+        return [1, *astuple(self)]
+
+    @classmethod
+    def from_row(cls, row: list[int]) -> Mismatch | None:
+        return cls(*row[1:]) if row[0] else None
+
+    def describe(self, signatures: dict[int, str]) -> str:
+        """One sentence naming the call, the ranks and, where both configurations are known, the fields."""
+        own = f"in call {self.call} ({_NAMES.get(self.direction, '?')}), rank {self.rank} received data from rank {self.peer}"
+        same_call = (self.peer_call, self.peer_direction) == (self.call, self.direction)
+        if not same_call:
+            own += f"'s call {self.peer_call} ({_NAMES.get(self.peer_direction, 'unknown direction')})"
+        if self.peer_fingerprint != self.fingerprint and self.fingerprint and self.peer_fingerprint:
+            mine, theirs = signatures.get(self.fingerprint), signatures.get(self.peer_fingerprint)
+            if mine is None or theirs is None:
+                return own + ", of a different configuration"
+            a, b = flatten(json.loads(mine)), flatten(json.loads(theirs))
+            order = sorted([(self.rank, a), (self.peer, b)], key=lambda item: item[0])
+            diffs = [f"{key}: " + ", ".join(f"rank {r}={s.get(key)}" for r, s in order)
+                     for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+            return own + ", whose configuration differs: " + "; ".join(diffs)
+        if same_call and self.poisoned:
+            return (own + ", which had found ranks out of step earlier in this call (the error on the ranks that "
+                    "found it names the difference)")
+        return own if not same_call else own + " with a stamp that does not match"
+
+
+class Stamp:
+    """One direction of one call on this rank: the words it sends and expects back."""
+
+    __slots__ = ("ledger", "call", "direction", "fingerprint", "rank", "_device")
+
+    def __init__(self, ledger: Ledger, call: int, direction: int, fingerprint: int, rank: int) -> None:
+        self.ledger, self.call, self.direction, self.fingerprint, self.rank = ledger, call, direction, fingerprint, rank
+        self._device: torch.Tensor | None = None
+
+    def header(self, device: torch.device) -> torch.Tensor:
+        """``(4,)`` int32 on ``device``: what this rank sends. On the host it says whether this rank has
+        found a mismatch already; on a device it is made once per call and direction (no host sync)."""
+        words = [self.fingerprint, self.call, self.direction, self.rank]
+        if device.type == "cpu":
+            if self.ledger.mismatch is not None:
+                words[2] |= _POISONED
+            return torch.tensor(words, dtype=torch.int32)
+        if self._device is None or self._device.device != device:
+            host = torch.tensor(words, dtype=torch.int32)
+            if device.type == "cuda":  # an asynchronous copy: a pageable one would wait for the stream
+                host = host.pin_memory()
+            self._device = host.to(device, non_blocking=True)
+        return self._device
+
+
+class Ledger:
+    """A backend's record of the stamps it received: a host verdict (CPU) or a device log (CUDA)."""
+
+    def __init__(self) -> None:
+        self.defer = False  # True: log and compare at the next verdict on the host too (tests the device path)
+        self.mismatch: Mismatch | None = None  # found on the host, raised by settle()
+        self.signatures: dict[int, str] = {}  # fingerprint -> agreed signature (to name differing fields)
+        self._current: tuple[int, int] = (0, 0)  # (call, fingerprint) of the call agreed last
+        self._stamp: Stamp | None = None
+        self._chunks: list[torch.Tensor] = []  # the device log: rows of received stamps
+        self._used = 0  # rows used in the last chunk
+        self._expect: list[tuple[int, int, int] | None] = []  # per log row: (fingerprint, call, direction)
+
+    # -- what the agreement and the exchanges call ------------------------------------
+    def begin(self, call: int, fp: int, text: str) -> None:
+        """The call about to run has configuration ``text`` (fingerprint ``fp``)."""
+        self._current = (call, fp)
+        self.signatures.setdefault(fp, text)
+
+    def stamp(self, call: int, direction: str, rank: int) -> Stamp:
+        code = DIRECTIONS[direction]
+        held = self._stamp
+        if held is not None and (held.call, held.direction) == (call, code):
+            return held
+        fp = self._current[1] if code == DIRECTIONS["forward"] and self._current[0] == call else 0
+        self._stamp = Stamp(self, call, code, fp, rank)
+        return self._stamp
+
+    def deferred(self, device: torch.device) -> bool:
+        return self.defer or device.type != "cpu"
+
+    def landing(self, stamp: Stamp, n: int, device: torch.device) -> torch.Tensor:
+        """``(n, 4)`` int32 to receive ``n`` peers' stamps into: rows of the device log (deferred), else
+        zeros (a row still 0 after a failed wait says that nothing arrived)."""
+        if not self.deferred(device):
+            return torch.zeros(n, WORDS, dtype=torch.int32, device=device)
+        last = self._chunks[-1] if self._chunks else None
+        if last is None or last.device != device or self._used + n > len(last):
+            if last is not None:  # the rest of the old chunk stays unused
+                self._expect.extend([None] * (len(last) - self._used))
+            self._chunks.append(torch.empty(max(_LOG_ROWS, n), WORDS, dtype=torch.int32, device=device))
+            self._used = 0
+        rows = self._chunks[-1][self._used:self._used + n]
+        self._used += n
+        self._expect.extend([(stamp.fingerprint, stamp.call, stamp.direction)] * n)
+        return rows
+
+    def landed(self, stamp: Stamp, rows: torch.Tensor, logged: bool) -> None:
+        """The peers' stamps are in ``rows`` (after the wait). ``logged``: ``rows`` came from ``landing``."""
+        if self.deferred(rows.device):
+            if not logged:
+                self.landing(stamp, len(rows), rows.device).copy_(rows)
+            return
+        for word in rows.tolist():
+            if word[2] == 0:  # nothing arrived here (the wait failed)
+                continue
+            direction, poisoned = word[2] & 0xFF, int(bool(word[2] & _POISONED))
+            if ((word[0], word[1], direction) != (stamp.fingerprint, stamp.call, stamp.direction) or poisoned) \
+                    and self.mismatch is None:
+                self.mismatch = Mismatch(stamp.rank, stamp.call, stamp.direction, stamp.fingerprint,
+                                         word[3], word[1], direction, word[0], poisoned)
+
+    def error(self) -> ValueError | None:
+        """The host-found mismatch as the error to raise (and forget), if any."""
+        found, self.mismatch = self.mismatch, None
+        return None if found is None else ValueError(explain(found.describe(self.signatures)))
+
+    # -- the verdict (consistency.py gathers it) ----------------------------------------
+    def pending(self, device: torch.device) -> torch.Tensor:
+        """``(1,)`` int64 on ``device``: received stamps that did not match since the last verdict.
+        Compares the device log without reading it (the caller's gather is the sync)."""
+        count = torch.tensor([int(self.mismatch is not None)], dtype=torch.int64).to(device)
+        rows = self._log_rows()
+        if rows is None:
+            return count
+        valid = [e is not None for e in self._expect]
+        expect = torch.tensor([e or (0, 0, 0) for e in self._expect], dtype=torch.int32).to(rows.device)
+        bad = (rows[:, :3] != expect).any(1) & torch.tensor(valid).to(rows.device)
+        return count + bad.sum().to(device, torch.int64).view(1)
+
+    def first(self, rank: int) -> list[int]:
+        """This rank's first mismatch as a row of ints (``Mismatch.row``; all 0 when it has none)."""
+        if self.mismatch is not None:
+            return self.mismatch.row()
+        rows = self._log_rows()
+        if rows is not None:
+            for word, expect in zip(rows.cpu().tolist(), self._expect):
+                if expect is not None and tuple(word[:3]) != expect:
+                    return Mismatch(rank, expect[1], expect[2], expect[0], word[3], word[1], word[2] & 0xFF,
+                                    word[0], 0).row()
+        return [0] * (1 + len(Mismatch.__dataclass_fields__))
+
+    def reset(self) -> None:
+        """After a verdict: every logged row has been read (the gather synchronised), so reuse the log."""
+        self.mismatch = None
+        self._expect.clear()
+        del self._chunks[1:]
+        self._used = 0
+
+    def _log_rows(self) -> torch.Tensor | None:
+        if not self._expect:
+            return None
+        full = self._chunks[:-1]
+        return torch.cat([*full, self._chunks[-1][:self._used]]) if full else self._chunks[-1][:self._used]
+
+
+def explain(what: str) -> str:
+    return (f"dilated_attention: ranks out of step: {what}. Every rank must make the same dilated_attention calls, "
+            "forward and backward, in the same order (a configuration agreed once is not agreed again before each "
+            'call; check_calls="always" does that, at a host sync per call)')
