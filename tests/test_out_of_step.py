@@ -70,11 +70,28 @@ def _deferred_periodic(rank: int, world: int) -> dict:
     return {"error": None, "message": ""}
 
 
+def _setup_output(backends: list[str]) -> dict:
+    """What building each backend for the first time prints and warns in a user's script (this rank)."""
+    import contextlib
+    import io
+    import warnings
+
+    seen = {}
+    for name in backends:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            get_backend(name)  # fairscale: initialises its model parallel over the world
+        seen[name] = {"printed": text.getvalue(), "warnings": [str(w.message) for w in caught]}
+    return seen
+
+
 def _scenarios(rank: int, world: int, backends: list[str]) -> dict:
     from dataclasses import asdict
 
+    setup = _setup_output(backends) if world == 2 else {}
     cpu = torch.device("cpu")
-    out = {"drifts": [asdict(r) for r in run_out_of_step(backends, _group(world), cpu, timeout=TIMEOUT)],
+    out = {"setup": setup,"drifts": [asdict(r) for r in run_out_of_step(backends, _group(world), cpu, timeout=TIMEOUT)],
            # the device path (GPUs), emulated on CPU tensors: every drift, one backend
            "deferred": [asdict(r) for r in run_out_of_step(["collective"], _group(world), cpu, timeout=TIMEOUT,
                                                            defer=True) if r.case.startswith("out-of-step")]}
@@ -193,3 +210,23 @@ def test_check_every_must_be_a_positive_int():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="check_every"):
             get_backend("collective", check_every=bad)
+
+
+def test_backend_set_up_prints_nothing_and_warns_once(two):
+    for rank, got in enumerate(two):
+        for name, seen in got["setup"].items():
+            assert seen["printed"] == "", (rank, name, seen["printed"])
+            expected = 1 if name == "fairscale" and rank == 0 else 0  # "initialised fairscale model parallel"
+            assert len(seen["warnings"]) == expected, (rank, name, seen["warnings"])
+
+
+def test_setup_prints_are_dropped_and_anything_else_kept(capsys):
+    import warnings
+
+    from dilated_attention.comm.base import without_setup_prints
+
+    with pytest.warns(UserWarning, match="a real warning"), without_setup_prints("built successfully"):
+        print("DeepSpeed op built successfully")
+        print("something else")
+        warnings.warn("a real warning")
+    assert capsys.readouterr().out == "something else\n"

@@ -153,10 +153,10 @@ class Ledger:
     def stamp(self, call: int, direction: str, rank: int) -> Stamp:
         code = DIRECTIONS[direction]
         held = self._stamp
-        if held is not None and (held.call, held.direction) == (call, code):
+        if held is not None and (held.call, held.direction) == (call & 0x7FFFFFFF, code):
             return held
         fp = self._current[1] if code == DIRECTIONS["forward"] and self._current[0] == call else 0
-        self._stamp = Stamp(self, call, code, fp, rank)
+        self._stamp = Stamp(self, call & 0x7FFFFFFF, code, fp, rank)  # an int32 word (wraps after 2**31 calls)
         return self._stamp
 
     def deferred(self, device: torch.device) -> bool:
