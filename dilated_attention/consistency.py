@@ -27,7 +27,7 @@ import zlib
 import torch
 
 from .comm.base import CommBackend, PeerTimeoutError
-from .comm.stamps import Mismatch, explain, fingerprint, flatten
+from .comm.stamps import fingerprint, flatten, verdict
 
 
 def call_signature(q, k, v, segment_lengths, dilation_rates, **options) -> dict:
@@ -70,7 +70,7 @@ def agree(comm: CommBackend, sig: dict, error: BaseException | None, like: torch
         if error is not None:  # the others took a cached path: our own error is the news
             raise error from exc
         raise
-    out_of_step = _verdict(comm, [row[3] for row in table], device, what, f"the cross-rank check of call {comm.calls}")
+    out_of_step = verdict(comm, [row[3] for row in table], device, what, f"the cross-rank check of call {comm.calls}")
     if error is not None:
         raise error
     if out_of_step is not None:
@@ -95,34 +95,7 @@ def agree(comm: CommBackend, sig: dict, error: BaseException | None, like: torch
     raise ValueError("dilated_attention: ranks disagree on the call: " + "; ".join(diffs))
 
 
-def verify(comm: CommBackend) -> None:
-    """``CommBackend.verify``: gather the stamps' verdict now; every rank raises the same ``ValueError``."""
-    device = comm.collective_device(torch.empty(0))
-    what = f"after call {comm.calls}: cross-rank check of the call stamps"
-    counts = comm.all_gather(comm.ledger.pending(device), what).cpu().view(-1).tolist()
-    error = _verdict(comm, counts, device, what, f"verify() after call {comm.calls}")
-    if error is not None:
-        raise error
-
-
 def settle(comm: CommBackend | None) -> None:
     """The end of a call's forward or backward on this rank: raise a mismatch its stamps showed (CPU)."""
     if comm is not None and comm.ledger.mismatch is not None:
         raise comm.ledger.error()
-
-
-def _verdict(comm: CommBackend, counts: list[int], device: torch.device, what: str, when: str) -> ValueError | None:
-    """Every rank's count of stamps that did not match (gathered): the error every rank raises, if any.
-    All ranks see the same counts, so all of them take part in the second gather or none does."""
-    if not any(counts):
-        comm.ledger.reset()
-        return None
-    mine = torch.tensor(comm.ledger.first(comm.rank), dtype=torch.int64)
-    records = comm.all_gather(mine.to(device), what).cpu().tolist()
-    comm.ledger.reset()
-    found = [(r, Mismatch.from_row(row)) for r, row in enumerate(records) if row[0]]
-    if not found:  # (a count without a record cannot happen; say what is known)
-        return ValueError(explain(f"rank(s) {[r for r, c in enumerate(counts) if c]} received stamps that did "
-                                  f"not match (found by {when})"))
-    text = found[0][1].describe(comm.ledger.signatures)
-    return ValueError(explain(f"{text} (found by {when}; rank(s) {[r for r, _ in found]} received such data)"))

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import caches
 from .comm.base import CommBackend
 from .kernels.protocol import PatternKernel, clear_result_
 from .merge import Part, accum_dtype, combine_results, sum_grads
@@ -145,6 +146,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
 
 CAUSAL_PART_STREAMS = 2  # side streams for causal local patterns (1: none); why, in _SideStreams
 _STREAM_POOLS: dict[int, tuple[torch.cuda.Stream, ...]] = {}
+caches.register("ring.side_streams", _STREAM_POOLS.__len__)  # held: one pool per device, reused by every call
 
 
 class _SideStreams:
@@ -152,7 +154,7 @@ class _SideStreams:
 
     A causal LongNet pattern's calls are small (r = 16: one call of 256 query tiles, most of them short),
     so one after another the GPU idles in each call's tail. On side streams the tails overlap: measured on
-    an H200 with LongNet's ten cuDNN calls per direction (``benchmarks/probe_side_streams.py``), causal
+    an H200 with LongNet's ten cuDNN calls per direction, causal
     forward 1.30 -> 1.08 ms and backward 3.64 -> 3.38 ms on two streams; non-causal calls are long enough
     that it does not pay (forward 1.68 -> 1.82 ms), so they stay on the caller's stream. Each pattern writes
     tensors of its own (parts), so the order of the streams' work does not change a bit of the result. The

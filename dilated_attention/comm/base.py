@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .stamps import STAMP_BYTES, Ledger, Stamp
+from .stamps import STAMP_BYTES, Ledger, Stamp, verdict
 
 TIMEOUT_ENV = "DILATED_ATTENTION_TIMEOUT"
 
@@ -266,9 +266,12 @@ class CommBackend(ABC):
         not match (a collective: every rank of the group calls it, e.g. before saving a checkpoint). On
         CPU tensors mismatches raise at once; on GPUs the agreement gathers this verdict every
         ``check_every`` calls, so call it where a mismatch must not wait for that."""
-        from ..consistency import verify
-
-        verify(self)
+        device = self.collective_device(torch.empty(0))
+        what = f"after call {self.calls}: cross-rank check of the call stamps"
+        counts = self.all_gather(self.ledger.pending(device), what).cpu().view(-1).tolist()
+        error = verdict(self, counts, device, what, f"verify() after call {self.calls}")
+        if error is not None:
+            raise error
 
     def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, what: str = "", *,
                   stamp: Stamp | None = None) -> Pending:

@@ -241,3 +241,20 @@ def explain(what: str) -> str:
     return (f"dilated_attention: ranks out of step: {what}. Every rank must make the same dilated_attention calls, "
             "forward and backward, in the same order (a configuration agreed once is not agreed again before each "
             'call; check_calls="always" does that, at a host sync per call)')
+
+
+def verdict(comm, counts: list[int], device: torch.device, what: str, when: str) -> ValueError | None:
+    """Every rank's count of stamps that did not match (gathered): the error every rank raises, if any.
+    All ranks see the same counts, so all of them take part in the second gather or none does."""
+    if not any(counts):
+        comm.ledger.reset()
+        return None
+    mine = torch.tensor(comm.ledger.first(comm.rank), dtype=torch.int64)
+    records = comm.all_gather(mine.to(device), what).cpu().tolist()
+    comm.ledger.reset()
+    found = [(r, Mismatch.from_row(row)) for r, row in enumerate(records) if row[0]]
+    if not found:  # (a count without a record cannot happen; say what is known)
+        return ValueError(explain(f"rank(s) {[r for r, c in enumerate(counts) if c]} received stamps that did "
+                                  f"not match (found by {when})"))
+    text = found[0][1].describe(comm.ledger.signatures)
+    return ValueError(explain(f"{text} (found by {when}; rank(s) {[r for r, _ in found]} received such data)"))

@@ -309,10 +309,10 @@ def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = 
     if comm:
         original_send_recv = CommBackend.send_recv
 
-        def send_recv(self, send, dst, recv, src):
+        def send_recv(self, send, dst, recv, src, *args, **kwargs):
             _check(audit, f"{self.name}.send_recv (to rank {dst})", "send", send, must_be_contiguous=True)
             _check(audit, f"{self.name}.send_recv (from rank {src})", "recv", recv, must_be_contiguous=True)
-            return original_send_recv(self, send, dst, recv, src)
+            return original_send_recv(self, send, dst, recv, src, *args, **kwargs)
 
         patch(CommBackend, "send_recv", send_recv)
     hook = (lambda kernel, call: _AuditedKernel(kernel, audit)) if kernels else None

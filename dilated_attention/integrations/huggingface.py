@@ -66,6 +66,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .. import caches
 from ..comm import CommBackend, resolve_comm
 from ..functional import dilated_attention
 
@@ -294,6 +295,7 @@ def _cells(fn: Callable) -> dict[str, Any]:
 
 
 _MASK_CODES: dict | None = None
+caches.register("huggingface.mask_codes", lambda: len(_MASK_CODES or ()))  # held: code objects of one release
 
 
 def _mask_codes() -> dict:
