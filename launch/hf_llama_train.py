@@ -10,7 +10,7 @@ Under torchrun every rank holds a contiguous shard of each sequence: it feeds it
 tokens with their *global* positions (``shard_positions``, so RoPE sees the true
 positions), its loss is its share of the mean over all tokens, and parameter
 gradients are summed over the ranks (``all_reduce_gradients``) before the
-optimizer step. The losses equal single-process training (``tests/test_hf.py``).
+optimizer step. The losses equal single-process training (``tests/integrations/test_huggingface.py``).
 Rank 0 prints the loss of every step and tokens/s. The data is learnable
 (arithmetic sequences), so the loss falls.
 

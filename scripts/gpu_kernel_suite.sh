@@ -50,7 +50,7 @@ run_tests() {
   python3 -c "import xdist" 2>/dev/null && xdist="-n $WORKERS"
   stamp "pytest (GPU $T_GPU)"
   CUDA_VISIBLE_DEVICES=$T_GPU OMP_NUM_THREADS=2 timeout -s INT -k 15 "$T_TESTS" python3 -m pytest -q -p no:cacheprovider $xdist \
-    tests/test_fused.py tests/test_merge.py tests/test_kernels_cudnn.py tests/test_kernels_cudnn_frontend.py tests/test_kernels_auto.py -rfE 2>&1 | tail -60
+    tests/kernels/test_fused.py tests/test_merge.py tests/kernels/test_cudnn.py tests/kernels/test_cudnn_frontend.py tests/kernels/test_auto.py -rfE 2>&1 | tail -60
   echo "pytest exit ${PIPESTATUS[0]} (130 or 124 = timed out: the failures so far are listed above)"
 }
 

@@ -13,7 +13,7 @@ Runs inside an initialised process group:
 Ranks out of step (``drifts``): after agreeing on two configurations, one rank runs the other
 one, runs its backwards in another order, or skips a call; every rank must raise ``ValueError``
 (at the call on CPU, at ``verify()`` on GPUs) naming the call and the difference, and stamped
-calls must give the same bits as unstamped ones. ``tests/test_out_of_step.py`` runs them on gloo.
+calls must give the same bits as unstamped ones. ``tests/parallel/test_out_of_step.py`` runs them on gloo.
 """
 
 from __future__ import annotations

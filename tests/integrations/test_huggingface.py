@@ -29,7 +29,7 @@ from dilated_attention.testing.compare import FLOOR, rel_err  # noqa: E402
 from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
 from dilated_attention.testing.oracle import dense_dilated_attention  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 32
 TOL = FLOOR[torch.float64]
 

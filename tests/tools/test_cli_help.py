@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(os.path.relpath(p, ROOT) for folder in ("benchmarks", "scripts") for ext in ("py", "sh")
                  for p in glob.glob(os.path.join(ROOT, folder, f"*.{ext}")))
 TIMEOUT = 120

@@ -165,7 +165,7 @@ def test_pattern_local(case, dtype):
     check_pattern_local(kernel(), mode, heads, kv_heads, layout, causal, dtype, seed, DIM, N)
 
 
-@pytest.mark.skipif(CUDA, reason="MathOps stand-in (the frontend's backward runs in test_kernels_cudnn_frontend.py)")
+@pytest.mark.skipif(CUDA, reason="MathOps stand-in (the frontend's backward runs in test_cudnn_frontend.py)")
 @pytest.mark.parametrize("case", [("longnet", 8, 8, "contiguous", False), ("longnet", 8, 4, "transposed", True),
                                   ("grouped", 6, 3, "head_slice", False)], ids=str)
 def test_backward_parts_written_in_place(case):

@@ -25,7 +25,7 @@ from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import assert_within_rule
 from dilated_attention.testing.oracle import dense_dilated_attention
 
-from test_kernels_cudnn import MathOps
+from test_cudnn import MathOps
 
 
 class Recorder:

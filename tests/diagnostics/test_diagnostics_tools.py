@@ -23,7 +23,7 @@ from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import as_layout
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 

@@ -16,7 +16,7 @@ import torch
 
 # first: test_fused sets TRITON_INTERPRET on CPU, which must precede triton's import
 from test_fused import CUDA, DEVICE, check_packed_ring_block, check_pattern_local, seeded  # noqa: I001
-from test_kernels_cudnn import DIM, LOW, MathOps, N
+from test_cudnn import DIM, LOW, MathOps, N
 
 from dilated_attention.kernels.cudnn import CudnnKernel
 from dilated_attention.kernels.cudnn_frontend import (

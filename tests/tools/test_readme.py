@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(ROOT, "README.md")
 DOCS = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 DISTRIBUTED = re.compile(r"\bcomm=|\bdist\.|torch\.distributed")

@@ -2,7 +2,7 @@
 one gloo process each) rendezvous over c10d at 127.0.0.1 through launch/multinode.sh, run
 the library's ring on a small problem and check their rows against single-process float64.
 
-This file is also the worker: ``python tests/test_multinode.py --worker OUT_DIR``.
+This file is also the worker: ``python tests/tools/test_multinode.py --worker OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Local (16 <= L = 32) and spanning (64 > L: a ring over both nodes) patterns, GQA.
 N, H, HKV, D, SEGMENTS, RATES = 64, 4, 2, 8, [16, 64], [1, 2]
 
@@ -62,7 +62,7 @@ def test_two_nodes_on_localhost(tmp_path):
                NPROC_PER_NODE="1", RDZV_ID=f"pytest-{port}", RDZV_CONF="join_timeout=60", OMP_NUM_THREADS="1",
                DS_ACCELERATOR="cpu", DILATED_ATTENTION_TIMEOUT="30", CUDA_VISIBLE_DEVICES="")
     cmd = ["bash", os.path.join(ROOT, "launch", "multinode.sh")]
-    script = [os.path.join(ROOT, "tests", "test_multinode.py"), "--worker", str(tmp_path)]
+    script = [os.path.join(ROOT, "tests", "tools", "test_multinode.py"), "--worker", str(tmp_path)]
     procs = [subprocess.Popen([*cmd, "--node-rank", str(r), *script], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in (0, 1)]
     logs = []

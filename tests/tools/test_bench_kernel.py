@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke is the CPU path; a GPU runs the real benchmark")
