@@ -1,4 +1,4 @@
-"""Cross-rank agreement on a call before its first exchange (DESIGN.md section 2).
+"""Cross-rank agreement on a call before its first exchange (docs/design.md section 3).
 
 Ranks that disagree on a call (shapes, patterns, dtype, whether a backward
 follows, ...) would otherwise pair up wrong messages and hang or compute

@@ -1,7 +1,7 @@
 """Cost model for sequence-parallel dilated attention: compute per step vs bytes per step.
 
 Pure arithmetic (no devices, no process groups). It predicts the time of one
-forward+backward on ``K`` GPUs for each strategy (DESIGN.md section 2), the
+forward+backward on ``K`` GPUs for each strategy (docs/design.md section 2), the
 per-GPU efficiency ``T1(N) / (K * TK(N))`` against one GPU running the whole
 sequence (``T1`` predicted by the same model), and checks itself against
 measured scaling JSONs.

@@ -1,7 +1,7 @@
 """Sequence-parallel helpers: split a sequence across ranks, put it back, and what a training loop needs.
 
 A sequence-parallel (SP) group of ``P`` ranks holds one sequence: rank ``j`` has
-positions ``[jL, (j+1)L)``, ``L = N / P`` (DESIGN.md section 2). Three things a
+positions ``[jL, (j+1)L)``, ``L = N / P`` (docs/design.md section 2). Three things a
 training loop must then do besides calling the attention:
 
 * feed each rank's tokens at their *global* positions (RoPE, learned position

@@ -1,6 +1,6 @@
 """``dilated_attention(...)``: validation, cross-rank agreement, strategy, then the computation.
 
-Strategies (``comm`` given, ``P`` ranks, DESIGN.md section 2) are one code path with a team
+Strategies (``comm`` given, ``P`` ranks, docs/design.md section 2) are one code path with a team
 size ``A``: an all-to-all inside teams of ``A`` consecutive ranks swaps sequence for heads
 (``head_parallel.py``), then every pattern runs locally or as a ring across teams
 (``ring.py``), then a second all-to-all swaps back. ``"ring"`` is ``A = 1``, ``"head"``
@@ -309,7 +309,7 @@ def dilated_attention(
     strategy: str = "auto",
     kernel: str | BlockKernel | PatternKernel = "auto",
 ) -> torch.Tensor:
-    """Dilated attention over ``(B, N, H, D)`` inputs (DESIGN.md sections 1-2).
+    """Dilated attention over ``(B, N, H, D)`` inputs (docs/design.md sections 1-2).
 
     With ``comm`` (a backend name or object), ``q, k, v`` are this rank's shard
     of the sequence (rank ``j`` holds rows ``[jL, (j+1)L)``) and the result is

@@ -23,7 +23,7 @@ from .functional import dilated_attention
 class DilatedAttention(nn.Module):
     """Holds a pattern; ``forward(q, k, v)`` on ``(B, N, H, D)`` tensors (local shards with ``comm``).
 
-    Every argument is ``dilated_attention``'s (see its docstring and DESIGN.md).
+    Every argument is ``dilated_attention``'s (see its docstring and docs/design.md).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Pattern validation, head offsets, head groups and ring plans (DESIGN.md 1-2).
+"""Pattern validation, head offsets, head groups and ring plans (docs/design.md sections 1-2).
 
 A *plan* says, for one (segment, dilation) pattern, which heads read which
 offset, which kv heads they need, and whether the pattern runs locally on each
@@ -142,7 +142,7 @@ def validate_patterns(
 
 
 def padded_length(segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int) -> int:
-    """The shortest length ``>= seq_len`` that the patterns tile (DESIGN.md 1: internal padding).
+    """The shortest length ``>= seq_len`` that the patterns tile (docs/design.md section 1: internal padding).
 
     At length ``P`` a segment ``w <= P`` must divide ``P``, and a longer one is clamped to ``P``,
     so ``P`` must then be a multiple of its dilation. Each round moves ``P`` up to the next

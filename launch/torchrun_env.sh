@@ -44,7 +44,7 @@ export TORCH_NCCL_TRACE_BUFFER_SIZE TORCH_NCCL_DUMP_ON_TIMEOUT
 export PYTORCH_CUDA_ALLOC_CONF
 #
 # dilated_attention and DeepSpeed ---------------------------------------------------------
-# Seconds any rank waits for a peer before raising an error that names it (DESIGN.md 2).
+# Seconds any rank waits for a peer before raising an error that names it (docs/design.md section 3).
 : "${DILATED_ATTENTION_TIMEOUT:=600}"
 export DILATED_ATTENTION_TIMEOUT
 # DeepSpeed chooses its accelerator on import; skip its detection (cpu for gloo-only runs).

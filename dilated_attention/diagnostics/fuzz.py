@@ -15,7 +15,7 @@ run on the kernels that take key masks (``MASK_KERNELS``). It is run through
 ``repro.run_spec``, so the first mismatch is already a repro file: replaying it
 runs the very same tensors (same strides, offsets and seeded values).
 
-An invalid case breaks exactly one rule of DESIGN.md (a segment that does not
+An invalid case breaks exactly one rule of docs/design.md (a segment that does not
 divide the sequence, a dilation that does not divide a segment, mixed dtypes,
 a bool where an int belongs, ...) and must raise ``ValueError``/``TypeError``.
 

@@ -455,7 +455,7 @@ def _document(spec, pos: int) -> tuple[int, int] | None:
 
 
 def _covering(spec, heads: int, seq_len: int, pos: int, head: int) -> list[int]:
-    """Patterns whose dilated set contains (position, head) (DESIGN.md section 1); ``pos`` counts from
+    """Patterns whose dilated set contains (position, head) (docs/design.md section 1); ``pos`` counts from
     the start of its document (segments restart at each one)."""
     segs, rates = spec["segment_lengths"], spec["dilation_rates"]
     rule = (spec.get("kwargs") or {}).get("head_offsets", "spread")

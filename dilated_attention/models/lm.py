@@ -1,7 +1,7 @@
 """A small LongNet-style causal LM and sequence-parallel training helpers.
 
 An example model, not library API: used by ``launch/train_lm.py`` (torchrun) and
-``tests/models/test_lm.py`` (spawned gloo ranks). Sequence parallelism (DESIGN.md
+``tests/models/test_lm.py`` (spawned gloo ranks). Sequence parallelism (docs/design.md
 section 2): the ranks of a sequence-parallel (SP) group each hold a contiguous
 shard of every sequence's tokens and targets. Positions are *global*
 (``offset = sp_rank * local_len``), the loss is the mean over the SP group's global tokens (each rank contributes

@@ -3,7 +3,7 @@
 Every battery (pytest files, the multi-rank harness, diagnostics, fuzzing) uses
 these so that "non-contiguous" and "close enough" mean one thing everywhere.
 
-Tolerance rule (DESIGN.md section 5, flash-attention's): a low-precision result
+Tolerance rule (docs/design.md section 7, flash-attention's): a low-precision result
 is within the rule when its error against the float64 oracle is at most
 ``FACTOR`` times the error of plain torch in the same precision, plus a small
 floor for that dtype. float64 results must match the oracle to ``FLOOR[float64]``.

@@ -1,4 +1,4 @@
-"""The one multi-rank battery every communication backend passes (DESIGN.md section 5).
+"""The one multi-rank battery every communication backend passes (docs/design.md section 7).
 
 Every case builds global inputs from a seed (identical on all ranks), computes
 the float64 dense oracle, shards the sequence, runs the ring on the group's

@@ -1,4 +1,4 @@
-"""Independent oracle: dense masked attention straight from DESIGN.md section 1.
+"""Independent oracle: dense masked attention straight from docs/design.md section 1.
 
 No views, chunks, kernels or rings: one ``(H, N, N)`` mask per pattern, plain
 softmax per pattern, then the log-sum-exp combination. Use float64 on CPU for
@@ -82,7 +82,7 @@ def dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, mode="l
                             pad_to_segments=True):
     """Differentiable dense reference in the inputs' dtype. ``(B, N, H, D)`` in and out.
 
-    Masks and documents straight from DESIGN.md: each document (``cu_seqlens``) alone, padded
+    Masks and documents straight from docs/design.md: each document (``cu_seqlens``) alone, padded
     at its end to a length the segments tile with its pad keys masked, the pad rows dropped.
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale

@@ -101,7 +101,7 @@ def test_bench_ring_smoke(tmp_path):
     assert all(len(t) == report["config"]["iters"] for t in report["times_ms"].values())
 
 
-# -- warnings through the backends (issue 12): no FutureWarning from our calls, one message per job --------
+# -- warnings through the backends: no FutureWarning from our calls, one message per job --------
 
 
 def _warnings_worker(rank: int, world: int, backend: str) -> list[dict]:

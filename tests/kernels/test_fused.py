@@ -3,7 +3,7 @@
 Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set
 below before any kernel is built) on small shapes; with CUDA the same tests run
 on real shapes. Inputs are fresh random draws from fixed seeds (the seed is in
-every message). Low precision is judged by ``testing/compare.py``'s rule (DESIGN.md 5):
+every message). Low precision is judged by ``testing/compare.py``'s rule (docs/design.md section 7):
 error vs the fp64 oracle at most 2x the error of plain torch in the same
 precision, plus a floor. "Plain torch in the same precision" is whichever is
 worse of ReferenceKernel run on the low-precision inputs (fp32 inside) and
