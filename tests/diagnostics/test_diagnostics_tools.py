@@ -557,6 +557,8 @@ def test_runtime_audit_names_a_strided_view_reaching_a_send():
         with audit.runtime_audit(torch_p2p=True) as rec:
             with pytest.raises(ValueError, match="contiguous"):
                 comm.send_recv(k[:, :, 1:3], 0, torch.empty(2, 16, 2, 8), 0)  # planted: head-sliced send
+            with pytest.raises(ValueError, match="contiguous"):  # the ring's call: what and stamp passed on
+                comm.send_recv(k[:, :, 1:3], 0, torch.empty(2, 16, 2, 8), 0, "ring step", stamp=None)
             q = as_layout(torch.randn(1, 16, 2, 8), "head_slice").requires_grad_()
             from dilated_attention import dilated_attention
 
@@ -564,7 +566,7 @@ def test_runtime_audit_names_a_strided_view_reaching_a_send():
     finally:
         dist.destroy_process_group()
     errors = [f for f in rec.dedup() if f.severity == "error"]
-    assert len(errors) == 1, [f.text() for f in rec.dedup()]
+    assert len(errors) == 2, [f.text() for f in rec.dedup()]  # the two planted sends, nothing from the call
     text = errors[0].text()
     assert "send_recv" in text and "stride (512, 32, 8, 1)" in text and "not contiguous" in text
     assert "test_diagnostics_tools.py" in errors[0].caller
