@@ -5,8 +5,12 @@
 #
 #   OUT=/tmp/hf bash launch/hf_gpu_run.sh     # writes $OUT/hf_gpu.log and $OUT/hf_gpu_summary.txt
 #
-# Offline machines: transformers and its dependencies install from .whl-hf/ (pip download
-# transformers --python-version 3.12 --only-binary=:all: -d .whl-hf), einops from .whl/.
+# Offline machines: a tested transformers (5.23-5.24) and its dependencies install from .whl-hf/
+# (pip download 'transformers>=5.23,<5.25' --python-version 3.12 --only-binary=:all: -d .whl-hf),
+# einops from .whl/.
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header above is the manual
+  echo "usage: OUT=/tmp/hf bash launch/hf_gpu_run.sh"; sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
+fi
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hf_gpu}
@@ -16,8 +20,8 @@ SUMMARY=$OUT/hf_gpu_summary.txt
 : >"$LOG"
 export PYTHONPATH=/tmp/site_hf:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python -c "import einops" 2>/dev/null || pip install -q --no-deps --target /tmp/site .whl/einops*.whl >>"$LOG" 2>&1
-python -c "import transformers" 2>/dev/null ||
-  pip install -q --no-index --find-links .whl-hf --target /tmp/site_hf transformers >>"$LOG" 2>&1
+python -c "import transformers, sys; sys.exit(not transformers.__version__.startswith(('5.23.', '5.24.')))" 2>/dev/null ||
+  pip install -q --no-index --find-links .whl-hf --target /tmp/site_hf 'transformers>=5.23,<5.25' >>"$LOG" 2>&1
 python -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)" | tee -a "$LOG"
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 export OMP_NUM_THREADS=4
