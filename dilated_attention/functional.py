@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 from . import caches, hooks
 from . import custom_ops as _ops
 from .caches import typed
+from .callers import user_stacklevel
 from .comm import CommBackend, resolve_comm
 from .consistency import agree, call_signature, settle
 from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_sequence_backward, sequence_to_heads,
@@ -351,15 +351,7 @@ def _warn_if_heads_first(shape: torch.Size, seq_len: int, segment_lengths) -> No
         warnings.warn(
             f"q has shape {tuple(shape)}, read as (B, N, H, D): a sequence of {seq_len} tokens and {shape[2]} heads, "
             f"so every segment (the shortest is {shortest}) is clamped to {seq_len}. If the heads come first "
-            f"(B, H, N, D), pass q.transpose(1, 2) (likewise k and v)", UserWarning, stacklevel=_user_stacklevel())
-
-
-def _user_stacklevel() -> int:
-    """``stacklevel`` of the first frame outside the package: a warning points at the user's line."""
-    frame, level, package = sys._getframe(1), 1, os.path.dirname(os.path.abspath(__file__))
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+            f"(B, H, N, D), pass q.transpose(1, 2) (likewise k and v)", UserWarning, stacklevel=user_stacklevel())
 
 
 def _check_flags(causal, pad_to_segments, strategy) -> None:

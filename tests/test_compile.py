@@ -1,7 +1,7 @@
 """torch.compile and torch.func tests (``compile_cases.py``), run in a process of their own.
 
 Compiling in a process imports parts of Triton's runtime that break Triton's interpreter, which the
-fused-kernel tests use on CPU later in the same session; a child process keeps them apart.
+fused-kernel tests use on CPU later in the same pytest run; a child process keeps them apart.
 """
 
 import os

@@ -16,27 +16,15 @@ touched then).
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import torch.distributed as dist
 
+from ..callers import user_stacklevel
 from .base import group_timeout, without_setup_prints
 from .collective import CollectiveBackend
 
 _announced = False  # say once per process that we initialised fairscale ourselves
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../dilated_attention
-
-
-def _user_stacklevel() -> int:
-    """``stacklevel`` for a ``warnings.warn`` in this module's caller that names the first frame
-    outside this package: the user's ``get_backend(...)``/``dilated_attention(..., comm=...)``
-    line, however many library frames lie between (``skip_file_prefixes`` needs Python 3.12)."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _fairscale_mp():
@@ -64,7 +52,7 @@ def sequence_parallel_group() -> dist.ProcessGroup:
                     f"initialize_model_parallel({world}) (sequence parallel over all {world} ranks). "
                     "Call fairscale.nn.model_parallel.initialize.initialize_model_parallel(k) first to choose k.",
                     RuntimeWarning,
-                    stacklevel=_user_stacklevel(),
+                    stacklevel=user_stacklevel(),
                 )
     return mp.get_model_parallel_group()
 

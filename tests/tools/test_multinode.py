@@ -64,13 +64,13 @@ def test_two_nodes_on_localhost(tmp_path):
     cmd = ["bash", os.path.join(ROOT, "launch", "multinode.sh")]
     script = [os.path.join(ROOT, "tests", "tools", "test_multinode.py"), "--worker", str(tmp_path)]
     procs = [subprocess.Popen([*cmd, "--node-rank", str(r), *script], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in (0, 1)]
+                              stderr=subprocess.STDOUT, text=True, preexec_fn=os.setsid) for r in (0, 1)]
     logs = []
     try:
         for p in procs:
             logs.append(p.communicate(timeout=120)[0])
     finally:
-        for p in procs:  # a hung node must not outlive the test: end the session we started
+        for p in procs:  # a hung node must not outlive the test: end the process group we started
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
