@@ -34,7 +34,8 @@ cuDNN's deterministic backward instead, through NVIDIA's cuDNN frontend.
 Triton kernel, a reproducible backward when cuDNN's dK/dV are (measured).
 
 ``CudnnOps`` are the two aten ops; tests substitute a plain-torch stand-in with
-the same contract to check the view logic on CPU.
+the same contract to check the view logic on CPU. Any ops with that contract get
+the same view logic: ``flash4.Flash4Kernel`` is this kernel on flash-attn-4's ops.
 """
 
 from __future__ import annotations
@@ -153,14 +154,14 @@ def _stacks(plan: PatternPlan) -> bool:
 _REFUSED = caches.keys("cudnn.refused", 1024)
 
 
-def _config_key(q, k, plan: PatternPlan, packed: bool, causal: bool) -> tuple:
-    return (plan, packed, causal, layout_key(q), layout_key(k))
+def _config_key(q, k, plan: PatternPlan, packed: bool, causal: bool, ops: str) -> tuple:
+    return (ops, plan, packed, causal, layout_key(q), layout_key(k))
 
 
-def _refuse(key: tuple, exc: BaseException) -> None:
+def _refuse(key: tuple, exc: BaseException, name: str) -> None:
     if key not in _REFUSED:
         _REFUSED.add(key)
-        warnings.warn(f"cudnn kernel: cuDNN refused a call stacking head chunks ({str(exc)[:300]}); "
+        warnings.warn(f"{name} kernel: the op refused a call stacking head chunks ({str(exc)[:300]}); "
                       f"running this configuration chunk by chunk", stacklevel=3)
 
 
@@ -449,7 +450,7 @@ class CudnnKernel:
     def _check(self, q, k) -> None:
         reason = self.supports(q, k)
         if reason is not None:
-            raise ValueError(f"cudnn kernel cannot run: {reason}")
+            raise ValueError(f"{self.name} kernel cannot run: {reason}")
 
     @staticmethod
     def _kv_role(packed: bool) -> str:
@@ -471,7 +472,7 @@ class CudnnKernel:
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
         self._check(q, k)
         self._geometry(q, k, plan, packed)
-        key = _config_key(q, k, plan, packed, causal)
+        key = _config_key(q, k, plan, packed, causal, self.name)
         if key in _REFUSED or not _stacks(plan):
             return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale)
         try:
@@ -479,7 +480,7 @@ class CudnnKernel:
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:  # cuDNN refused a stacked call: chunk by chunk (no side effects yet)
-            _refuse(key, exc)
+            _refuse(key, exc, self.name)
             return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale)
 
     def _forward(self, q, k, v, plan: PatternPlan, groups, packed: bool, causal: bool, scale: float):
@@ -546,7 +547,7 @@ class CudnnKernel:
         """The pattern's gradients in new compact tensors: cuDNN writes them there (the frontend's backward)
         or they are copied from its results; nothing is accumulated."""
         if not self.parts("bwd", plan, q, k, causal=causal, masked=False):
-            raise ValueError(f"cudnn kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
+            raise ValueError(f"{self.name} kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
                              f"read at two offsets, or not every gradient): call backward_pattern")
         self._check_backward(q, k, v, plan, False, out, lse, dout)
         grads = new_grad_parts(q, k, v, plan)
@@ -558,7 +559,7 @@ class CudnnKernel:
         q, k, out, dout = tensors[0], tensors[1], tensors[3], tensors[5]
         kv = self._kv_role(packed)
         same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
-        key = _config_key(q, k, plan, packed, causal)
+        key = _config_key(q, k, plan, packed, causal, self.name)
         stacked = key not in _REFUSED
         for g in _groups(plan) if stacked else _singles(plan):
             try:
@@ -568,7 +569,7 @@ class CudnnKernel:
             except RuntimeError as exc:  # nothing of this group was stored yet: its chunks one by one
                 if len(g.chunks) == 1:
                     raise
-                _refuse(key, exc)
+                _refuse(key, exc, self.name)
                 for c in g.chunks:
                     self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale,
                                          written, compact)

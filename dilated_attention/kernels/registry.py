@@ -23,7 +23,7 @@ KERNELS: dict[str, Callable[[], PatternKernel]] = {
     "cudnn": CudnnKernel,
     "cudnn-det": lambda: CudnnKernel(CudnnFrontendOps()),
     "cudnn-dkdv": CudnnDkdvKernel,
-    "flash4": lambda: ChunkLoop(Flash4Kernel()),  # flash-attn-4, deterministic backward (pip install ".[flash4]")
+    "flash4": Flash4Kernel,  # flash-attn-4, deterministic backward (pip install ".[flash4]")
     "sdpa": lambda: ChunkLoop(SdpaKernel("flash")),
     "sdpa-cudnn": lambda: ChunkLoop(SdpaKernel("cudnn")),
     "reference": lambda: ChunkLoop(ReferenceKernel()),

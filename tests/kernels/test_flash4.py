@@ -1,4 +1,4 @@
-"""The flash-attn-4 block kernel (``kernels/flash4.py``) against the fp64 oracle.
+"""The flash-attn-4 pattern kernel (``kernels/flash4.py``) against the fp64 oracle.
 
 On CPU, FA4's two entry points are replaced by a fake ``flash_attn.cute`` module
 (``FakeFA4``): float64 plain torch with FA4's signatures and output layouts
@@ -6,9 +6,10 @@ On CPU, FA4's two entry points are replaced by a fake ``flash_attn.cute`` module
 ``-inf`` LSE as 0, as FA4 does) that also *asserts* FA4's rules, so a layout
 FA4 would copy silently fails here: every operand read in place (unit last
 stride, 16-byte aligned address and strides), outputs of the declared shapes,
-``deterministic=True``. That checks the wrapper's view handling, LSE
-conversion, GQA, per-batch calls and error messages on any layout. With CUDA
-and flash-attn-4 on a Hopper or Blackwell GPU the real kernels run in bf16/fp16.
+``deterministic=True``. That checks the kernel's calls (one per head-offset
+group, zero copy), LSE conversion, GQA, causal, packed ring blocks and error
+messages on any layout. With CUDA and flash-attn-4 on a Hopper or Blackwell GPU
+the real kernels run in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -23,18 +24,20 @@ import torch
 from test_fused import (  # noqa: I001
     CUDA,
     DEVICE,
-    _check_block,
+    LOWP_P,
+    REF_P,
     check_packed_ring_block,
     check_pattern_local,
-    rand5,
+    d64,
+    plans_for,
+    rand,
     seeded,
 )
 
 from dilated_attention import dilated_attention
-from dilated_attention.kernels import flash4
+from dilated_attention.kernels import dispatch, flash4
 from dilated_attention.kernels.dispatch import select_kernel
-from dilated_attention.kernels.flash4 import Flash4Kernel, reads_in_place
-from dilated_attention.kernels.chunk_loop import ChunkLoop
+from dilated_attention.kernels.flash4 import Flash4Kernel, Flash4Ops
 from dilated_attention.testing.compare import assert_within_rule
 from dilated_attention.testing.oracle import dense_dilated_attention
 
@@ -43,7 +46,7 @@ def _real_fa4() -> bool:
     if not CUDA:
         return False
     flash4._api.cache_clear()
-    return not isinstance(flash4._api(), str) and not isinstance(flash4._device_arch(DEVICE), str)
+    return flash4.unavailable_reason(DEVICE) is None
 
 
 DEVICE_ARCH = flash4._device_arch
@@ -84,9 +87,10 @@ class FakeFA4:
             s = s.masked_fill(torch.ones(m, n, dtype=torch.bool, device=s.device).triu(n - m + 1), float("-inf"))
         return s, g
 
-    def _record(self, kind, q, k, v, **kw):
+    def _record(self, kind, q, k, v, outputs, **kw):
         self.calls.append(dict(kind=kind, shapes=(tuple(q.shape), tuple(k.shape)),
-                               storages=tuple(x.untyped_storage().data_ptr() for x in (q, k, v)), **kw))
+                               storages=tuple(x.untyped_storage().data_ptr() for x in (q, k, v)),
+                               written=tuple(x.untyped_storage().data_ptr() for x in outputs), **kw))
 
     def fwd(self, q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, softmax_scale=None, causal=False,
             window_size_left=None, window_size_right=None, pack_gqa=None, return_lse=False, out=None, lse=None):
@@ -97,7 +101,7 @@ class FakeFA4:
         assert out is not None and lse is not None, "the wrapper allocates out and lse"
         assert out.shape == q.shape and out.dtype == q.dtype and _fa4_aligned(out), (out.shape, out.stride())
         assert lse.shape == (b, h, m) and lse.dtype == torch.float32 and lse.stride(-1) == 1, (lse.shape, lse.stride())
-        self._record("fwd", q, k, v, causal=causal)
+        self._record("fwd", q, k, v, (out,), causal=causal)
         s, g = self._scores(q, k, causal, softmax_scale)
         l64 = torch.logsumexp(s, -1)
         p = torch.exp(s - torch.where(torch.isneginf(l64), 0.0, l64)[..., None])
@@ -114,7 +118,7 @@ class FakeFA4:
         assert lse.shape == (b, h, m) and lse.dtype == torch.float32 and lse.is_contiguous(), (lse.shape, lse.stride())
         for x, like in ((dq, q), (dk, k), (dv, v)):
             assert x is not None and x.shape == like.shape and x.dtype == like.dtype and _fa4_aligned(x)
-        self._record("bwd", q, k, v, causal=causal)
+        self._record("bwd", q, k, v, (dq, dk, dv), causal=causal)
         s, g = self._scores(q, k, causal, softmax_scale)
         lse_read = torch.where(torch.isneginf(lse), 0.0, lse.double())  # what FA4's preprocess does
         p = torch.exp(s - lse_read[..., None])
@@ -189,8 +193,7 @@ def test_absent_package_is_named_with_the_install_command(monkeypatch):
 
 @cpu_only
 def test_a_release_without_the_output_arguments_is_refused(monkeypatch):
-    fake = FakeFA4()
-    _install(monkeypatch, fake, bwd=False)
+    _install(monkeypatch, FakeFA4(), bwd=False)
     q = torch.randn(1, 64, 4, 16, dtype=torch.bfloat16)
     reason = Flash4Kernel().supports(q, q)
     assert reason is not None and "_flash_attn_bwd" in reason and "4.0.0b36" in reason
@@ -202,6 +205,7 @@ def test_needs_a_cuda_device(monkeypatch):
     monkeypatch.setattr(flash4, "_device_arch", DEVICE_ARCH)  # the real check: the fake module alone
     q = torch.randn(1, 64, 4, 16, dtype=torch.bfloat16)
     assert "needs a CUDA device" in Flash4Kernel().supports(q, q)
+    assert "needs a CUDA device" in flash4.unavailable_reason(q.device)
 
 
 @pytest.mark.parametrize("case", [
@@ -226,133 +230,19 @@ def test_head_dim_rule_per_architecture():
     assert flash4._dim_reason(40, 9) is None and flash4._dim_reason(44, 9) is not None
 
 
-def test_supports_accepts_half_precision_gqa(fake):
+def test_supports_accepts_half_precision_gqa_and_refuses_key_masks(fake):
     for dtype in LOW:
         q = torch.randn(1, 64, 8, 64, device=DEVICE, dtype=dtype)
         assert Flash4Kernel().supports(q, q[:, :, :2]) is None
     kern = select_kernel("flash4", q, q[:, :, :2])
-    assert kern.name == "flash4" and kern.deterministic_backward and not kern.key_masks
-
-
-def test_reads_in_place():
-    x = torch.randn(2, 64, 8, 32, dtype=torch.bfloat16, device=DEVICE)
-    assert reads_in_place(x) and reads_in_place(x[:, :, 1:3]) and reads_in_place(x.transpose(1, 2))
-    assert not reads_in_place(x[..., 1:17])  # address off by 2 bytes
-    assert not reads_in_place(x[..., ::2])  # head dim not unit-stride
-    assert not reads_in_place(torch.randn(4, 64, 3, 12, dtype=torch.bfloat16)[..., :8])  # head stride 24 bytes
-    assert reads_in_place(x[:1].expand(3, -1, -1, -1))  # stride 0: FA4 broadcasts it
+    assert isinstance(kern, Flash4Kernel) and kern.deterministic_backward and not kern.key_masks
+    with pytest.raises(ValueError, match="kernel='flash4' cannot run.*takes no key mask"):
+        select_kernel("flash4", q, q[:, :, :2], masked=True)
+    assert select_kernel("auto", q, q, masked=True).key_masks  # masked work runs on a kernel that takes masks
 
 
 # ---------------------------------------------------------------------------
-# Blocks
-
-
-@pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("layout,heads", [("contiguous", (4, 2)), ("transposed", (6, 2)), ("head_slice", (2, 2))],
-                         ids=["contiguous-H4-2", "transposed-H6-2", "head_slice-H2-2"])
-def test_block_forward_backward(fake, dtype, causal, layout, heads):
-    m, mk = (256, 256) if causal else (256, 384)
-    if not REAL:
-        m, mk = (24, 24) if causal else (24, 40)
-    seed = seeded("flash4-block", dtype, causal, heads, layout)
-    b, s = 2, 2
-    q = rand5((b, s, m, heads[0], DIM), dtype, layout)
-    k = rand5((b, s, mk, heads[1], DIM), dtype, layout)
-    v = rand5((b, s, mk, heads[1], DIM), dtype, layout)
-    dout = rand5((b, s, m, heads[0], DIM), dtype, layout)
-    _check_block(Flash4Kernel(), q, k, v, dout, causal, DIM**-0.5, seed)
-
-
-@cpu_only
-def test_dilated_views_are_read_in_place_in_one_call(fake):
-    """A LongNet chunk ``x.view(B, S, M, r, H, D)[:, :, :, o, h0:h1]`` goes to FA4 as one ``(B * S, M, h, D)``
-    view of the caller's storage, forward and backward."""
-    torch.manual_seed(seeded("flash4-views"))
-    b, n, h, d, w, r = 2, 64, 8, 16, 16, 4
-    x = [torch.randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(3)]
-    views = [t.view(b, n // w, w // r, r, h, d)[:, :, :, 1, 2:4] for t in x]
-    out, lse = Flash4Kernel().forward(*views, causal=True, scale=0.25)
-    assert out.shape == views[0].shape and lse.shape == views[0].shape[:4] and lse.dtype == torch.float32
-    dout = torch.randn(out.shape, dtype=out.dtype)
-    Flash4Kernel().backward(*views, out, lse, dout, causal=True, scale=0.25)
-    assert [c["kind"] for c in fake.calls] == ["fwd", "bwd"]
-    for call in fake.calls:
-        assert call["shapes"] == ((b * n // w, w // r, 2, d), (b * n // w, w // r, 2, d))
-        assert call["storages"] == tuple(t.untyped_storage().data_ptr() for t in x), "an operand was copied"
-
-
-@cpu_only
-def test_batch_rows_that_do_not_merge_run_one_call_each(fake):
-    """A ``(B, H, N, D)`` buffer seen as ``(B, N, H, D)``: ``B`` and ``S`` share no stride, so one call per batch row,
-    still without copies."""
-    seed = seeded("flash4-batches")
-    b, s, m, h, d = 3, 2, 8, 4, 16
-    q, k, v, dout = (rand5((b, s, m, h, d), torch.bfloat16, "transposed") for _ in range(4))
-    _check_block(Flash4Kernel(), q, k, v, dout, False, d**-0.5, seed)
-    kinds = [c["kind"] for c in fake.calls]
-    assert kinds == ["fwd"] * b + ["bwd"] * b
-    assert all(c["shapes"][0] == (s, m, h, d) for c in fake.calls)
-    assert all(c["storages"][0] == q.untyped_storage().data_ptr() for c in fake.calls), "q was copied"
-
-
-@cpu_only
-@pytest.mark.parametrize("layout", ["strided_head_dim", "unbind_last", "permuted", "zero_stride", "storage_offset"])
-def test_layouts_fa4_would_copy_are_copied_here(fake, layout):
-    """Operands FA4 cannot read in place reach it as compact copies (the fake asserts it never sees one it
-    would copy); the others still go in place."""
-    seed = seeded("flash4-layout", layout)
-    b, s, m, h, d = 2, 2, 16, 4, 16
-    q, k, v, dout = (rand5((b, s, m, h, d), torch.float16, layout) for _ in range(4))
-    _check_block(Flash4Kernel(), q, k, v, dout, True, d**-0.5, seed)
-    copied = not reads_in_place(q.flatten(0, 1) if q.stride(0) == s * q.stride(1) else q[0])
-    fwd = fake.calls[0]
-    assert (fwd["storages"][0] != q.untyped_storage().data_ptr()) == copied, layout
-
-
-def test_lse_is_natural_log_in_the_seam_layout(fake):
-    """FA4's ``(B', h, M)`` LSE comes back as a ``(B, S, M, h)`` view, natural log: exp(lse) is the row sum."""
-    torch.manual_seed(seeded("flash4-lse"))
-    q, k, v = (torch.randn(1, 2, 64, 4, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-    _, lse = Flash4Kernel().forward(q, k, v, causal=False, scale=0.125)
-    s = torch.einsum("bsmhd,bsnhd->bsmhn", q.double(), k.double()) * 0.125
-    want = torch.logsumexp(s, -1)
-    assert lse.shape == (1, 2, 64, 4)
-    assert torch.allclose(lse.double(), want, atol=2e-2, rtol=0), (lse.double() - want).abs().max()
-
-
-def test_rows_no_pattern_covers_get_no_gradient(fake):
-    """A final ``lse`` of ``-inf`` (no pattern covers the row) gives that row no gradient; FA4 alone would read it
-    as 0 and give it one."""
-    torch.manual_seed(seeded("flash4-empty-row"))
-    b, s, m, h, d = 1, 1, 64, 2, 64
-    q, k, v, dout = (torch.randn(b, s, m, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
-    out, lse = Flash4Kernel().forward(q, k, v, causal=False, scale=0.125)
-    out, lse = out.clone(), lse.clone()
-    out[:, :, 5] = 0.0
-    lse[:, :, 5] = float("-inf")
-    dq, dk, dv = Flash4Kernel().backward(q, k, v, out, lse, dout, causal=False, scale=0.125)
-    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
-    assert (dq[:, :, 5] == 0).all() and (dq[:, :, 4] != 0).any()
-    only = torch.zeros_like(dout)  # row 5's dout alone: no dk/dv either
-    only[:, :, 5] = dout[:, :, 5]
-    _, dk, dv = Flash4Kernel().backward(q, k, v, out, lse, only, causal=False, scale=0.125)
-    assert (dk == 0).all() and (dv == 0).all()
-
-
-def test_errors_are_named(fake):
-    q = torch.randn(1, 1, 32, 2, 64, device=DEVICE, dtype=torch.bfloat16)
-    k = torch.randn(1, 1, 48, 2, 64, device=DEVICE, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="causal block needs equal query and key rows"):
-        Flash4Kernel().forward(q, k, k, causal=True, scale=0.1)
-    with pytest.raises(ValueError, match="no key mask"):
-        Flash4Kernel().forward(q, k, k, causal=False, scale=0.1, key_mask=torch.zeros(1, 1, 48, dtype=torch.bool))
-    with pytest.raises(ValueError, match="fp16 or bf16"):
-        Flash4Kernel().forward(q.float(), k.float(), k.float(), causal=False, scale=0.1)
-
-
-# ---------------------------------------------------------------------------
-# Patterns (ChunkLoop over the block kernel) and the public API
+# Patterns
 
 
 PATTERN_CASES = [
@@ -362,22 +252,129 @@ PATTERN_CASES = [
     ("grouped", 4, 2, "head_slice", True, torch.bfloat16),
     ("longnet", 8, 8, "storage_offset", True, torch.bfloat16),
     ("longnet", 4, 1, "strided_head_dim", False, torch.float16),
+    ("grouped", 6, 3, "contiguous", False, torch.float16),
 ]
 
 
 @pytest.mark.parametrize("case", PATTERN_CASES, ids=lambda c: f"{c[0]}-H{c[1]}-{c[2]}-{c[3]}-{c[4]}-{c[5]}")
 def test_pattern_local(fake, case):
+    """Compact forward parts, backward added into fp32 accumulators and (where the pattern leaves them)
+    compact backward parts, each against the fp64 oracle; heads and rows a pattern does not read untouched."""
     mode, heads, kv_heads, layout, causal, dtype = case
     seed = seeded("flash4-pattern", case)
-    check_pattern_local(ChunkLoop(Flash4Kernel()), mode, heads, kv_heads, layout, causal, dtype, seed, DIM, PAT_N,
-                        segs=SEGS)
+    check_pattern_local(Flash4Kernel(), mode, heads, kv_heads, layout, causal, dtype, seed, DIM, PAT_N, segs=SEGS)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_pattern_packed_ring_block(fake, causal):
-    seed = seeded("flash4-ring", causal)
-    check_packed_ring_block(ChunkLoop(Flash4Kernel()), "longnet", 8 if REAL else 4, 2, causal, torch.bfloat16, seed,
-                            dim=DIM, n=PAT_N)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 8)])
+def test_pattern_packed_ring_block(fake, causal, heads, kv_heads):
+    """Ring steps on ``views.pack_kv`` halves, with a final ``lse`` of ``-inf`` on rows the block does not cover."""
+    seed = seeded("flash4-ring", causal, heads, kv_heads)
+    check_packed_ring_block(Flash4Kernel(), "longnet", heads * (2 if REAL else 1), kv_heads, causal, torch.bfloat16,
+                            seed, dim=DIM, n=PAT_N)
+
+
+@cpu_only
+def test_one_call_per_head_offset_group_read_in_place(fake):
+    """LongNet H=16, r=1..16: every segment of a pattern and every head chunk whose offset and heads step by
+    constants go into the batch dim of one FA4 call, read in the caller's storage (forward and backward);
+    a one-call pattern's output is FA4's own, a backward part is written by FA4 in place."""
+    seeded("flash4-calls")
+    heads, n, dim = 16, 512, 16
+    kern = Flash4Kernel()
+    plans = plans_for("longnet", heads, heads, n, n, [32, 64, 128, 256, 512], [1, 2, 4, 8, 16])
+    q, k, v = (torch.randn(1, n, heads, dim, dtype=torch.bfloat16) for _ in range(3))
+    storages = tuple(x.untyped_storage().data_ptr() for x in (q, k, v))
+    expect_calls = {1: 1, 2: 2, 4: 4, 8: 2, 16: 1}  # r=8: 2 segments x 8 offsets -> 2 calls of 8 chunks
+    for p in plans:
+        fake.calls.clear()
+        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        assert len(fake.calls) == expect_calls[p.dilation], (p.dilation, [c["shapes"] for c in fake.calls])
+        assert all(c["storages"] == storages for c in fake.calls), "an input was copied"
+        if expect_calls[p.dilation] == 1:  # FA4's result is the part: no copy
+            assert out.untyped_storage().data_ptr() == fake.calls[0]["written"][0]
+        else:  # FA4 wrote into the part
+            assert all(c["written"][0] == out.untyped_storage().data_ptr() for c in fake.calls)
+        o64, _ = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=True, scale=0.25)
+        plain, _ = LOWP_P.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        assert_within_rule(f"r={p.dilation} out", out, o64, plain)
+        fin, dout = torch.randn(1, n, heads, dim, dtype=torch.bfloat16), torch.randn(1, n, heads, dim, dtype=torch.bfloat16)
+        fake.calls.clear()
+        grads = kern.backward_pattern_parts(q, k, v, p, fin, lse.new_zeros(1, n, heads) + 4.0, dout, causal=True,
+                                            scale=0.25)
+        assert len(fake.calls) == expect_calls[p.dilation]
+        assert all(c["storages"] == storages for c in fake.calls), "an input was copied in the backward"
+        parts = tuple(g.untyped_storage().data_ptr() for g in grads)
+        assert all(c["written"] == parts for c in fake.calls), "a gradient part was copied, not written by FA4"
+
+
+def test_rows_no_pattern_covers_get_no_gradient(fake):
+    """A final ``lse`` of ``-inf`` (no pattern covers the row) gives that row no gradient; FA4 alone would read it
+    as 0 and give it one."""
+    torch.manual_seed(seeded("flash4-empty-row"))
+    b, h, m, d = 2, 2, 64, 64
+    q, k, v, dout = (torch.randn(b, h, m, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
+    ops = Flash4Ops()
+    out, lse = ops.forward(q, k, v, causal=False, scale=0.125)
+    assert out.shape == q.shape and lse.shape == (b, h, m) and lse.dtype == torch.float32
+    s = torch.einsum("bhmd,bhnd->bhmn", q.double(), k.double()) * 0.125
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=2e-2, rtol=0)  # natural log
+    out, lse = out.clone(), lse.clone()
+    out[:, :, 5] = 0.0
+    lse[:, :, 5] = float("-inf")
+    dq, dk, dv = ops.backward(dout, q, k, v, out, lse.unsqueeze(-1).clone(), causal=False, scale=0.125)
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert (dq[:, :, 5] == 0).all() and (dq[:, :, 4] != 0).any()
+    only = torch.zeros_like(dout)  # row 5's dout alone: no dk/dv either
+    only[:, :, 5] = dout[:, :, 5]
+    _, dk, dv = ops.backward(only, q, k, v, out, lse.unsqueeze(-1).clone(), causal=False, scale=0.125)
+    assert (dk == 0).all() and (dv == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fresh_first_pattern_writes_what_merging_into_empty_gives(fake, causal):
+    """``fresh=True`` on the first pattern (covering every row and head) ignores the running result and the
+    accumulators, here NaN-filled, and gives bit for bit what merging/adding into (0, -inf)/zeros gives."""
+    seed = seeded("flash4-fresh", causal)
+    heads, kv_heads, n = 4, 2, PAT_N
+    plans = plans_for("longnet", heads, kv_heads, n, n, SEGS)
+    assert plans[0].covers_all(heads, kv_heads) and not plans[1].covers_all(heads, kv_heads)
+    dtype = torch.bfloat16
+    q, dout = rand((2, n, heads, DIM), dtype, "transposed"), rand((2, n, heads, DIM), dtype, "transposed")
+    k, v = rand((2, n, kv_heads, DIM), dtype), rand((2, n, kv_heads, DIM), dtype)
+    kern = Flash4Kernel()
+    kw = dict(packed=False, causal=causal, scale=DIM**-0.5)
+    out, lse = torch.zeros(q.shape, device=DEVICE), torch.full(q.shape[:3], float("-inf"), device=DEVICE)
+    kern.forward_pattern_into(q, k, v, plans[0], out, lse, **kw)
+    out_f, lse_f = torch.full(q.shape, float("nan"), device=DEVICE), torch.full(q.shape[:3], float("nan"), device=DEVICE)
+    kern.forward_pattern_into(q, k, v, plans[0], out_f, lse_f, **kw, fresh=True)
+    assert torch.equal(out_f, out) and torch.equal(lse_f, lse), f"fresh forward differs (seed {seed})"
+    for p in plans[1:]:
+        kern.forward_pattern_into(q, k, v, p, out, lse, **kw)
+    o = out.to(dtype)
+    for p in plans[:2]:
+        want = [torch.zeros(x.shape, device=DEVICE) for x in (q, k, v)]
+        kern.backward_pattern(q, k, v, p, o, lse, dout, *want, **kw)
+        got = [torch.full(x.shape, float("nan"), device=DEVICE) for x in (q, k, v)]
+        kern.backward_pattern(q, k, v, p, o, lse, dout, *got, **kw, fresh=True)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(g, w), f"fresh {name} differs on plan {p.index} (seed {seed})"
+
+
+def test_errors_are_named(fake):
+    q = torch.randn(1, 32, 2, 64, device=DEVICE, dtype=torch.bfloat16)
+    plan = plans_for("longnet", 2, 2, 32, 32, [16, 32], [1, 2])[1]
+    with pytest.raises(ValueError, match="flash4 kernel cannot run.*fp16 or bf16"):
+        Flash4Kernel().forward_pattern(q.float(), q.float(), q.float(), plan, packed=False, causal=False, scale=0.1)
+    with pytest.raises(ValueError, match="do not tile"):
+        Flash4Kernel().forward_pattern(q[:, :24], q[:, :24], q[:, :24], plan, packed=False, causal=False, scale=0.1)
+    with pytest.raises(ValueError, match="lse has shape"):
+        Flash4Kernel().backward_pattern(q, q, q, plan, q, q[..., 0, 0], q, *(torch.zeros(q.shape),) * 3,
+                                        packed=False, causal=False, scale=0.1)
+
+
+# ---------------------------------------------------------------------------
+# The public API
 
 
 API_CASES = [
@@ -447,28 +444,30 @@ def test_backward_is_bitwise_reproducible(causal):
 
 
 @gpu
-@pytest.mark.parametrize("layout", ["dense", "dilated"])
-def test_forward_allocates_only_out_and_lse(layout):
-    torch.manual_seed(seeded("flash4-alloc", layout))
+@pytest.mark.parametrize("rates", [(1,), (4,)], ids=["dense", "dilated"])
+def test_forward_allocates_only_the_part(rates):
+    """One pattern's forward: FA4 reads the dilated views in place and writes the compact part (and its lse);
+    nothing else is allocated beyond FA4's own small scratch."""
+    torch.manual_seed(seeded("flash4-alloc", rates))
     b, n, h, d = 1, 16384, 8, 128
     x = [torch.randn(b, n, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(3)]
-    w, r, o = (n, 1, 0) if layout == "dense" else (4096, 4, 1)
-    views = [t.view(b, n // w, w // r, r, h, d)[:, :, :, o, 2:6] for t in x]
+    plan = plans_for("longnet", h, h, n, n, [4096], list(rates))[0]
     kern = Flash4Kernel()
-    kern.forward(*views, causal=True, scale=d**-0.5)  # compiles and warms up
+    kw = dict(packed=False, causal=True, scale=d**-0.5)
+    kern.forward_pattern(*x, plan, **kw)  # compiles and warms up
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out, lse = kern.forward(*views, causal=True, scale=d**-0.5)
+    out, lse = kern.forward_pattern(*x, plan, **kw)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     expected = out.numel() * out.element_size() + lse.numel() * 4
-    copy = views[0].numel() * 2  # what one copied operand would add
-    assert torch.cuda.memory_allocated() - before == _rounded(out) + _rounded(lse)
+    copy = x[0].numel() * 2 // rates[0]  # what one copied operand would add
     assert peak < expected + copy // 4, (peak, expected)
 
 
-def _rounded(t: torch.Tensor) -> int:
-    """Bytes the caching allocator takes for ``t`` (blocks of 512 bytes)."""
-    size = t.numel() * t.element_size()
-    return -(-size // 512) * 512
+@gpu
+def test_dispatch_and_auto_name_flash4_only_where_it_runs():
+    q = torch.randn(1, 256, 4, 64, device=DEVICE, dtype=torch.bfloat16)
+    assert isinstance(select_kernel("flash4", q, q), Flash4Kernel)
+    assert "flash4" in dispatch.auto_implementations(q.device)
