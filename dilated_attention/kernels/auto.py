@@ -2,18 +2,23 @@
 
 The choice is a table lookup, never a guess: ``benchmarks/bench_kernel.py``
 times every implementation on each pattern class of its configuration and
-writes the winners into ``auto_table.py`` under the GPU's name
+writes the ranking into ``auto_table.py`` under the GPU's name
 (``--write-table``). The key is (direction, dense ``r = 1`` or dilated, causal,
-head dim, dtype, rows per segment ``M = w / r``); a key the table does not list
-runs the fused kernel. So one configuration always runs the same implementation,
+head dim, dtype, length class of the segment rows ``M = w / r``); a key the table does
+not list runs the fused kernel. So one configuration always runs the same implementation,
 on every rank and every run.
 
-Rows: the winner depends on the segment length (on an H200 the fused forward wins
-on LongNet's 2048-row segments, cuDNN's on one 32768-row segment). Entries are
-measured at some row counts; a pattern with ``M`` rows uses the entry measured at
-the largest row count not above ``M`` (the smallest one when ``M`` is below them
-all). A key without rows (tables written before rows were measured) stands for
-row count 0.
+Length class: the winner depends on the segment length (on an H100 the fused and cuDNN
+kernels win on LongNet's 2048-row segments, flash-attn-4 on full attention over 65536
+rows), so keys end in ``/short`` (``M <= LONG_ROWS``) or ``/long`` (longer segments, full
+attention). Tables written before classes keyed rows as ``/M<rows>``: such an entry stands
+for the class of its rows (of several in one class, the one measured at the most rows),
+and a key with neither stands for every class that has no entry of its own.
+
+Ranking: an entry is a name or a tuple of names, fastest first; the first that can run
+here is taken (flash-attn-4 not installed, or a GPU it does not support: the next one).
+``dispatch`` offers only the implementations available on the device, so ``auto``
+never names one that is not.
 
 Determinism: backward entries come in two flavours. ``bwd/...`` holds the
 fastest implementation whose backward gave bitwise-equal results run to run in
@@ -52,34 +57,57 @@ _PICKS_KEPT = 1024
 FORWARD_STAND_INS = {"cudnn-det": "cudnn"}
 
 
+LONG_ROWS = 8192  # segment rows above this are the "long" class (long dense segments, full attention)
+LENGTH_CLASSES = ("short", "long")
+
+
+def length_class(rows: int) -> str:
+    """``"short"`` for a segment of at most ``LONG_ROWS`` rows, else ``"long"``."""
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    return "short" if rows <= LONG_ROWS else "long"
+
+
 def table_key(direction: str, dilation: int, causal: bool, dim: int, dtype: torch.dtype,
               rows: int | None = None) -> str:
-    """``direction/dense|dilated/full|causal/D<dim>/<dtype>[/M<rows>]``."""
+    """``direction/dense|dilated/full|causal/D<dim>/<dtype>[/short|long]`` (the class of ``rows``)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     key = (f"{direction}/{'dense' if dilation == 1 else 'dilated'}/{'causal' if causal else 'full'}"
            f"/D{dim}/{str(dtype).removeprefix('torch.')}")
-    return key if rows is None else f"{key}/M{rows}"
+    return key if rows is None else f"{key}/{length_class(rows)}"
 
 
-def _by_rows(choices: dict[str, str]) -> dict[str, list[tuple[int, str]]]:
-    """Choices grouped by their key without rows: ``{key: [(rows, implementation), ...]}``, rows ascending."""
-    grouped: dict[str, list[tuple[int, str]]] = {}
-    for key, name in choices.items():
+def ranked(entry: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """A table entry as its names, fastest first (an entry is one name or several)."""
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"a table entry must be a name or a non-empty sequence of names, got {entry!r}")
+    return names
+
+
+def normalize_choices(choices: dict[str, str | tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """``choices`` keyed by length class: a ``/M<rows>`` key becomes its class's key (of several in one class,
+    the one measured at the most rows; a class key itself wins), keys without rows stay; entries as tuples."""
+    out: dict[str, tuple[str, ...]] = {}
+    measured_at: dict[str, int] = {}
+    for key, entry in choices.items():
         base, _, last = key.rpartition("/")
         if last.startswith("M") and last[1:].isdigit():
-            grouped.setdefault(base, []).append((int(last[1:]), name))
+            rows, key = int(last[1:]), f"{base}/{length_class(int(last[1:]))}"
+            if key in out and (key not in measured_at or measured_at[key] > rows):
+                continue  # a class key, or a legacy one measured at more rows, already answers
+            measured_at[key] = rows
         else:
-            grouped.setdefault(key, []).append((0, name))
-    return {k: sorted(v) for k, v in grouped.items()}
+            measured_at.pop(key, None)
+        out[key] = ranked(entry)
+    return out
 
 
-def _nearest_below(entries: list[tuple[int, str]] | None, rows: int) -> str | None:
-    """The entry measured at the largest row count not above ``rows`` (else the smallest)."""
-    if not entries:
-        return None
-    below = [name for r, name in entries if r <= rows]
-    return below[-1] if below else entries[0][1]
+def available_choices(choices: dict[str, str | tuple[str, ...]], names) -> dict[str, tuple[str, ...]]:
+    """``choices`` with only the implementations in ``names`` (those available here); emptied entries dropped."""
+    kept = {key: tuple(n for n in ranked(entry) if n in names) for key, entry in choices.items()}
+    return {key: entry for key, entry in kept.items() if entry}
 
 
 def nondeterministic_allowed() -> bool:
@@ -94,25 +122,26 @@ class AutoKernel(KernelWrapper):
                  allow_nondeterministic: bool = False) -> None:
         if "fused" not in impls:
             raise ValueError(f"AutoKernel needs a 'fused' implementation (the default), got {sorted(impls)}")
-        unknown = sorted({c for c in choices.values() if c not in impls})
+        choices = normalize_choices(choices)
+        unknown = sorted({n for entry in choices.values() for n in entry if n not in impls})
         if unknown:
             raise ValueError(f"auto table names implementations {unknown} not among {sorted(impls)}")
         # Two equal runs in a measurement do not prove a backward deterministic: implementations
         # declare it (cuDNN's adds dQ with atomics), and a deterministic entry may only name those.
-        racy = sorted({f"{key} -> {name}" for key, name in choices.items()
+        racy = sorted({f"{key} -> {name}" for key, entry in choices.items() for name in entry
                        if key.startswith("bwd/") and not impls[name].deterministic_backward})
         if racy:
             raise ValueError(f"auto table's deterministic backward entries name implementations whose backward "
                              f"is not deterministic: {racy}")
         super().__init__(impls["fused"])
         self.name = "auto"
-        self.impls, self.choices = impls, dict(choices)
-        self._rows = _by_rows(self.choices)
+        self.impls, self.choices = impls, choices
         self._skipped: set[tuple[str, str]] = set()
         self._picks = Table(_PICKS_KEPT)
         self.allow_nondeterministic = allow_nondeterministic
         self.deterministic_backward = not allow_nondeterministic or all(
-            impls[name].deterministic_backward for key, name in choices.items() if key.startswith("bwd-any/"))
+            impls[name].deterministic_backward for key, entry in choices.items() if key.startswith("bwd-any/")
+            for name in entry)
 
     def pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor,
              masked: bool = False) -> PatternKernel:
@@ -126,20 +155,33 @@ class AutoKernel(KernelWrapper):
 
     target = pick  # where each call goes: the table's choice
 
+    def _entry(self, direction: str, plan: PatternPlan, causal: bool, dim: int, dtype: torch.dtype
+               ) -> tuple[str, ...] | None:
+        """The table's ranking for this pattern: its length class's key, else the key without a class."""
+        rows = plan.local_segment // plan.dilation
+        for key in (table_key(direction, plan.dilation, causal, dim, dtype, rows),
+                    table_key(direction, plan.dilation, causal, dim, dtype)):
+            if key in self.choices:
+                return self.choices[key]
+        return None
+
     def _pick(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor
               ) -> PatternKernel:
-        dim, dtype, rows = q.shape[-1], q.dtype, plan.local_segment // plan.dilation
-        name = None
+        dim, dtype = q.shape[-1], q.dtype
+        names = None
         if direction == "bwd" and self.allow_nondeterministic:
-            name = _nearest_below(self._rows.get(table_key("bwd-any", plan.dilation, causal, dim, dtype)), rows)
-        if name is None:
-            name = _nearest_below(self._rows.get(table_key(direction, plan.dilation, causal, dim, dtype)), rows)
-        impl = self.impls[name or "fused"]
-        reason = impl.supports(q, k)
-        if reason is None:
-            return impl
+            names = self._entry("bwd-any", plan, causal, dim, dtype)
+        if names is None:
+            names = self._entry(direction, plan, causal, dim, dtype)
+        reasons = []
+        for name in names or ("fused",):
+            reason = self.impls[name].supports(q, k)
+            if reason is None:
+                return self.impls[name]
+            reasons.append((name, reason))
         # e.g. the table names cudnn-det and the frontend is missing: a forward runs the same cuDNN kernel
         # through torch's op (its stand-in) if it can, else fused
+        name, reason = reasons[0]
         stand_in = FORWARD_STAND_INS.get(name) if direction == "fwd" else None
         if stand_in is not None and (stand_in not in self.impls or self.impls[stand_in].supports(q, k) is not None):
             stand_in = None
@@ -157,4 +199,5 @@ def device_choices(device: torch.device) -> dict[str, str]:
     return dict(auto_table.TABLE.get(name, {}).get("choices", {}))
 
 
-__all__ = ["AutoKernel", "DIRECTIONS", "device_choices", "nondeterministic_allowed", "table_key"]
+__all__ = ["AutoKernel", "DIRECTIONS", "LENGTH_CLASSES", "LONG_ROWS", "available_choices", "device_choices",
+           "length_class", "normalize_choices", "nondeterministic_allowed", "ranked", "table_key"]

@@ -5,7 +5,8 @@ inputs: fused (CUDA + Triton), then SDPA, then the reference. On a GPU model
 with measurements in ``auto_table.py`` the fused kernel comes wrapped in
 ``auto.AutoKernel``, which runs each pattern and direction on the implementation
 measured fastest there (fused, zero-copy cuDNN, cuDNN with its deterministic
-backward through the cuDNN frontend, or cuDNN with the fused dQ). Falling back from fused warns
+backward through the cuDNN frontend, cuDNN with the fused dQ, or flash-attn-4 where it is
+installed and the GPU runs it). Falling back from fused warns
 once with the reason (shared memory, alignment, dtype, ...), so a configuration
 that would fail at launch never reaches the GPU. Naming a kernel forces it and
 raises ``ValueError`` with the reason when it cannot run. Masked calls (``key_padding_mask``,
@@ -19,8 +20,9 @@ import warnings
 import torch
 
 from .. import caches
-from .auto import AutoKernel, device_choices, nondeterministic_allowed
+from .auto import AutoKernel, available_choices, device_choices, nondeterministic_allowed, ranked
 from .chunk_loop import ChunkLoop
+from .flash4 import unavailable_reason as flash4_unavailable
 from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel
 from .registry import KERNEL_NAMES, KERNELS, build_kernel
 
@@ -77,14 +79,21 @@ def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:
     return _make("reference")
 
 
+def auto_implementations(device: torch.device) -> dict[str, PatternKernel]:
+    """The implementations ``kernel="auto"`` may run on this device: fused, the cuDNN kernels, and flash-attn-4
+    where it is installed and the GPU runs it (sm90+); the table's other names are dropped."""
+    names = ("fused", "cudnn", "cudnn-det", "cudnn-dkdv") + (("flash4",) if flash4_unavailable(device) is None else ())
+    return {name: _make(name) for name in names}
+
+
 def _measured(device: torch.device, fused: PatternKernel) -> PatternKernel:
     """The fused kernel, inside an ``AutoKernel`` when this GPU model's measured choices name another
     implementation for some pattern (with the nondeterministic entries only when they are allowed)."""
-    key = (torch.cuda.get_device_name(device), nondeterministic_allowed())
+    key = (torch.cuda.get_device_name(device), nondeterministic_allowed(), flash4_unavailable(device) is None)
     chosen = _auto_kernels.get(key)
     if chosen is None:
-        impls = {"fused": fused, **{name: _make(name) for name in ("cudnn", "cudnn-det", "cudnn-dkdv")}}
-        chosen = auto_for(device_choices(device), impls, allow_nondeterministic=key[1])
+        impls = {**auto_implementations(device), "fused": fused}
+        chosen = auto_for(available_choices(device_choices(device), impls), impls, allow_nondeterministic=key[1])
         _auto_kernels[key] = chosen
     return chosen
 
@@ -94,5 +103,5 @@ def auto_for(choices: dict[str, str], impls: dict[str, PatternKernel], *, allow_
     """``impls["fused"]`` itself when every choice that can apply names it (no per-call lookup), else an
     ``AutoKernel`` over ``impls`` (which validates the table)."""
     auto = AutoKernel(impls, choices, allow_nondeterministic=allow_nondeterministic)  # refuses a bad table
-    applicable = [v for k, v in choices.items() if allow_nondeterministic or not k.startswith("bwd-any/")]
+    applicable = [ranked(v)[0] for k, v in choices.items() if allow_nondeterministic or not k.startswith("bwd-any/")]
     return impls["fused"] if all(name == "fused" for name in applicable) else auto

@@ -18,7 +18,14 @@ from test_fused import CUDA, DEVICE, seeded  # noqa: F401, I001
 
 from dilated_attention import dilated_attention
 from dilated_attention.kernels import auto_table, dispatch
-from dilated_attention.kernels.auto import AutoKernel, table_key
+from dilated_attention.kernels.auto import (
+    LONG_ROWS,
+    AutoKernel,
+    available_choices,
+    length_class,
+    normalize_choices,
+    table_key,
+)
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel
 from dilated_attention.kernels.fused import FusedKernel
 from dilated_attention.patterns import plan_patterns
@@ -67,26 +74,81 @@ def _run(kern: AutoKernel, causal: bool) -> None:
 def test_table_key():
     assert table_key("fwd", 1, False, 128, torch.bfloat16) == "fwd/dense/full/D128/bfloat16"
     assert table_key("bwd-any", 4, True, 40, torch.float16) == "bwd-any/dilated/causal/D40/float16"
-    assert table_key("fwd", 1, True, 128, torch.float16, 2048) == "fwd/dense/causal/D128/float16/M2048"
+    assert table_key("fwd", 1, True, 128, torch.float16, 2048) == "fwd/dense/causal/D128/float16/short"
+    assert table_key("bwd", 1, True, 128, torch.float16, LONG_ROWS) == "bwd/dense/causal/D128/float16/short"
+    assert table_key("bwd", 1, True, 128, torch.float16, LONG_ROWS + 1) == "bwd/dense/causal/D128/float16/long"
     with pytest.raises(ValueError, match="direction"):
         table_key("sideways", 1, False, 64, torch.float16)
 
 
-def test_rows_class_takes_the_entry_measured_at_the_nearest_shorter_segment():
-    """Entries measured at 8 and 32 rows: a pattern uses the largest measured row count not above its own
-    rows (below them all: the smallest); a key without rows stands for 0 rows."""
-    fused, other = Recorder("fused"), Recorder("cudnn")
-    key = lambda rows: table_key("fwd", 1, False, 32, torch.bfloat16, rows)  # noqa: E731
-    kern = AutoKernel({"fused": fused, "cudnn": other}, {key(8): "fused", key(32): "cudnn"})
-    for n, want in ((4, fused), (8, fused), (16, fused), (31, fused), (32, other), (64, other)):
-        plan = plan_patterns([n], [1], seq_len=n, local_len=n, num_heads=4, num_kv_heads=4)[0]
-        assert kern.pick("fwd", plan, False, Q, Q) is want, n
-    dilated = plan_patterns([64], [2], seq_len=64, local_len=64, num_heads=4, num_kv_heads=4)[0]
-    assert kern.pick("fwd", dilated, False, Q, Q) is fused  # 32 rows, but a dilated pattern: not listed
-    legacy = AutoKernel({"fused": fused, "cudnn": other},
-                        {table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn", key(32): "fused"})
-    plan16, plan32 = (plan_patterns([n], [1], seq_len=n, local_len=n, num_heads=4, num_kv_heads=4)[0] for n in (16, 32))
-    assert legacy.pick("fwd", plan16, False, Q, Q) is other and legacy.pick("fwd", plan32, False, Q, Q) is fused
+def _plan(rows: int, r: int = 1):
+    return plan_patterns([rows * r], [r], seq_len=rows * r, local_len=rows * r, num_heads=4, num_kv_heads=4)[0]
+
+
+def test_length_class_picks_the_entry_of_the_segment_class():
+    """``/short`` answers segments of at most ``LONG_ROWS`` rows, ``/long`` longer ones (long dense segments,
+    full attention); a key without a class answers a class without an entry."""
+    fused, other, third = Recorder("fused"), Recorder("cudnn"), Recorder("flash4")
+    key = lambda rows, r=1: table_key("fwd", r, False, 32, torch.bfloat16, rows)  # noqa: E731
+    kern = AutoKernel({"fused": fused, "cudnn": other, "flash4": third},
+                      {key(16): "cudnn", key(LONG_ROWS * 8): "flash4"})
+    for rows, want in ((16, other), (LONG_ROWS, other), (LONG_ROWS + 8, third), (LONG_ROWS * 8, third)):
+        assert kern.pick("fwd", _plan(rows), False, Q, Q) is want, rows
+    assert kern.pick("fwd", _plan(16, 2), False, Q, Q) is fused  # a dilated pattern: not listed
+    classless = AutoKernel({"fused": fused, "cudnn": other},
+                           {table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn", key(16): "fused"})
+    assert classless.pick("fwd", _plan(16), False, Q, Q) is fused
+    assert classless.pick("fwd", _plan(LONG_ROWS * 2), False, Q, Q) is other
+
+
+def test_tables_keyed_by_rows_read_as_length_classes():
+    """``/M<rows>`` keys (tables written before classes) stand for the class of their rows; of two in one class
+    the one measured at more rows, and a class key itself, wins."""
+    base = "fwd/dense/full/D32/bfloat16"
+    got = normalize_choices({f"{base}/M2048": "cudnn", f"{base}/M4096": "fused", f"{base}/M32768": "flash4",
+                             f"{base}/M65536": "cudnn-det", "bwd/dense/full/D32/bfloat16/M1024": "fused"})
+    assert got == {f"{base}/short": ("fused",), f"{base}/long": ("cudnn-det",),
+                   "bwd/dense/full/D32/bfloat16/short": ("fused",)}
+    for order in (1, -1):
+        items = [(f"{base}/short", ("cudnn", "fused")), (f"{base}/M8192", "flash4")][::order]
+        assert normalize_choices(dict(items)) == {f"{base}/short": ("cudnn", "fused")}
+    with pytest.raises(ValueError, match="table entry"):
+        normalize_choices({base: ()})
+    assert length_class(LONG_ROWS) == "short" and length_class(LONG_ROWS + 1) == "long"
+    with pytest.raises(ValueError, match="rows"):
+        length_class(-1)
+
+
+def test_ranked_entry_takes_the_first_implementation_that_runs():
+    """An entry ranks implementations fastest first: where the first cannot run (flash-attn-4 absent), the next
+    measured one runs, without a warning; ``available_choices`` drops names not offered on a device."""
+    fused, det = Recorder("fused"), Recorder("cudnn-det")
+    absent = Recorder("flash4", refuse="flash-attn-4 is not installed")
+    key = table_key("bwd", 1, False, 32, torch.bfloat16, LONG_ROWS * 2)
+    kern = AutoKernel({"fused": fused, "cudnn-det": det, "flash4": absent}, {key: ("flash4", "cudnn-det")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kern.pick("bwd", _plan(LONG_ROWS * 2), False, Q, Q) is det
+    assert available_choices({key: ("flash4", "cudnn-det"), "fwd/x": ("flash4",)}, {"fused", "cudnn-det"}) == {
+        key: ("cudnn-det",)}
+
+
+def test_auto_names_flash4_only_where_it_is_available(monkeypatch):
+    """``dispatch`` offers flash4 to ``auto`` only where it is installed and the GPU runs it: otherwise the table's
+    flash4 entries fall to their next measured implementation, never to flash4."""
+    fused = Recorder("fused")
+    key = table_key("fwd", 1, False, 32, torch.bfloat16, LONG_ROWS * 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU")
+    monkeypatch.setattr(auto_table, "TABLE", {"Imaginary GPU": {"choices": {key: ("flash4", "cudnn")}}})
+    for available in (False, True):
+        monkeypatch.setattr(dispatch, "_auto_kernels", {})
+        monkeypatch.setattr(dispatch, "flash4_unavailable",
+                            lambda device, ok=available: None if ok else "flash-attn-4 is not installed")
+        assert ("flash4" in dispatch.auto_implementations(torch.device("cpu"))) is available
+        chosen = dispatch._measured(torch.device("cpu"), fused)
+        assert isinstance(chosen, AutoKernel)
+        assert chosen.choices[key] == (("flash4", "cudnn") if available else ("cudnn",))
+        assert ("flash4" in chosen.impls) is available
 
 
 def test_auto_follows_the_table_per_pattern_and_direction():
