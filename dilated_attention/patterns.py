@@ -2,7 +2,11 @@
 
 A *plan* says, for one (segment, dilation) pattern, which heads read which
 offset, which kv heads they need, and whether the pattern runs locally on each
-rank or as a ring of ``G`` consecutive ranks.
+rank or as a ring over the ranks holding a segment's chunks.
+
+Shard layouts (``SHARD_LAYOUTS``): ``"contiguous"``: rank ``j`` of ``K`` holds chunk ``j`` of ``K``;
+``"zigzag"``: the sequence is cut in ``2K`` chunks and rank ``j`` holds chunk ``j`` followed by chunk
+``2K - 1 - j`` (``distributed.shard_indices``), which balances causal rings.
 """
 
 from __future__ import annotations
@@ -16,6 +20,21 @@ from .caches import remember, typed
 
 MODES = ("longnet", "grouped")
 HEAD_OFFSET_RULES = ("spread", "torchscale")
+SHARD_LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: str) -> None:
+    """Raise ``ValueError`` unless ``layout`` names a shard layout."""
+    if not isinstance(layout, str) or layout not in SHARD_LAYOUTS:
+        raise ValueError(f"layout must be one of {SHARD_LAYOUTS}, got {layout!r}")
+
+
+def zigzag_half(local_len: int) -> int:
+    """Rows of one zigzag chunk (half a rank's ``local_len`` rows); ``ValueError`` if they do not halve."""
+    if local_len % 2:
+        raise ValueError(f"layout='zigzag' cuts each rank's rows into two chunks, so the local shard length must "
+                         f"be even, got {local_len}; use layout='contiguous' or an even shard length")
+    return local_len // 2
 
 
 @dataclass(frozen=True)
@@ -42,7 +61,9 @@ class PatternPlan:
     segment: int  # effective global segment w' = min(w, N)
     dilation: int
     local_segment: int  # rows of one segment inside a rank's shard: min(w', L)
-    ring_size: int  # G: 1 = computed locally, > 1 = ring of G consecutive ranks
+    # G: 1 = computed locally; > 1 = the segment spans G chunks (contiguous: shards, a ring of G consecutive
+    # ranks; zigzag: half shards, a ring of the ranks holding them, ring.RingLayout.members)
+    ring_size: int
     chunks: tuple[HeadChunk, ...]
     head_runs: tuple[tuple[int, int, int], ...]  # (offset, h0, h1): consecutive heads sharing an offset
 
@@ -75,6 +96,11 @@ class PatternPlan:
         (row, head) of the full layout at most once: what combining compact parts relies on."""
         return _head_offsets(self, num_heads, kv)
 
+    def with_local_segment(self, rows: int) -> "PatternPlan":
+        """This plan read on ``rows``-row blocks (a zigzag ring step's half-shard calls); the same object for
+        the same ``rows``, so the kernels' per-plan caches keep hitting."""
+        return _with_local_segment(self, rows)
+
     def leaves_parts(self, direction: str, num_kv_heads: int) -> bool:
         """Whether this pattern's results can be compact parts (``PatternKernel.parts``) in ``direction``
         (``"fwd"``/``"bwd"``): it runs locally and, for gradients, each kv head reads one offset."""
@@ -90,6 +116,11 @@ def _head_offsets(plan: PatternPlan, num_heads: int, kv: bool) -> tuple[int, ...
                 return None
             offsets[h] = c.offset
     return tuple(offsets)
+
+
+@caches.memoize("patterns.resegmented", 256)
+def _with_local_segment(plan: PatternPlan, rows: int) -> PatternPlan:
+    return PatternPlan(plan.index, plan.segment, plan.dilation, rows, plan.ring_size, plan.chunks, plan.head_runs)
 
 
 def _check_int_list(name: str, values: Sequence[int]) -> list[int]:
@@ -251,8 +282,12 @@ def plan_patterns(
     head_offsets: str = "spread",
     head_start: int = 0,
     total_heads: int | None = None,
+    layout: str = "contiguous",
 ) -> tuple[PatternPlan, ...]:
     """Validate the patterns for a global length ``seq_len`` split in shards of ``local_len``.
+
+    ``layout="zigzag"``: each shard is two half-shard chunks (module doc); a segment no longer than a
+    half is local (it must tile the half), a longer one spans whole halves.
 
     ``num_heads``/``num_kv_heads`` are the heads present locally; with a head-parallel
     strategy they are heads ``[head_start, head_start + num_heads)`` of ``total_heads``,
@@ -263,7 +298,7 @@ def plan_patterns(
     """
     total_heads = num_heads if total_heads is None else total_heads
     args = (segment_lengths, dilation_rates, seq_len, local_len, num_heads, num_kv_heads, mode, head_offsets,
-            head_start, total_heads)
+            head_start, total_heads, layout)
     try:  # keyed with each value's type: 2048.0 must still be refused where 2048 was planned
         key = tuple(typed(a) for a in args)
         hash(key)
@@ -277,7 +312,14 @@ _PLANS = caches.table("patterns.plans", 256)
 
 
 def _plan_patterns(segment_lengths, dilation_rates, seq_len, local_len, num_heads, num_kv_heads, mode,
-                   head_offsets, head_start, total_heads) -> tuple[PatternPlan, ...]:
+                   head_offsets, head_start, total_heads, layout) -> tuple[PatternPlan, ...]:
+    check_layout(layout)
+    # a chunk: what a local pattern must tile and a spanning one spans whole (a shard, or half of one)
+    chunk = zigzag_half(local_len) if layout == "zigzag" else local_len
+    zigzag = layout == "zigzag"
+    what = f"half the local shard ({chunk} of {local_len} rows, layout='zigzag')" if zigzag else \
+        f"the local shard of {local_len} rows"
+    length = f"the zigzag half-shard length {chunk}" if zigzag else f"the local shard length {local_len}"
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if head_offsets not in HEAD_OFFSET_RULES:
@@ -292,25 +334,24 @@ def _plan_patterns(segment_lengths, dilation_rates, seq_len, local_len, num_head
     local_end = head_start + num_heads
     plans = []
     for i, (w, r) in enumerate(pats):
-        if w <= local_len:
-            if local_len % w:
+        if w <= chunk:
+            if chunk % w:
                 raise ValueError(
-                    f"segment_lengths[{i}]={w} does not tile the local shard of {local_len} rows "
+                    f"segment_lengths[{i}]={w} does not tile {what} "
                     f"(sequence {seq_len} split over {seq_len // local_len} ranks)" + _HEAD_HINT
                 )
             local_segment, ring = w, 1
         else:
-            if w % local_len:
+            if w % chunk:
                 raise ValueError(
-                    f"segment_lengths[{i}]={w} spans ranks but is not a multiple of the local "
-                    f"shard length {local_len}" + _HEAD_HINT
+                    f"segment_lengths[{i}]={w} spans ranks but is not a multiple of {length}" + _HEAD_HINT
                 )
-            if local_len % r:
+            if chunk % r:
                 raise ValueError(
-                    f"segment_lengths[{i}]={w} spans ranks, so the local shard length {local_len} "
+                    f"segment_lengths[{i}]={w} spans ranks, so {length} "
                     f"must be divisible by dilation_rates[{i}]={r}" + _HEAD_HINT
                 )
-            local_segment, ring = local_len, w // local_len
+            local_segment, ring = local_len, w // chunk
         if groups is None:
             offsets = longnet_offsets(total_heads, r, head_offsets)[head_start:local_end]
             runs = _offset_runs(offsets)

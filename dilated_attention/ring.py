@@ -1,9 +1,12 @@
 """The ring schedule, forward and backward: the one place the ring algorithm lives.
 
 Every pattern is either local (its segments fit a rank's sequence block) or a
-ring over ``G`` ranks holding consecutive blocks. On a ring each rank packs its
-dilated K/V once, then ``G - 1`` steps pass the packed block to the next rank;
-the receive for step ``t + 1`` is posted before step ``t`` is computed. Ring steps
+ring over the ranks holding a segment's chunks (``RingLayout``: consecutive blocks,
+or, in the zigzag layout, the blocks holding a segment and its mirror). On a ring
+each rank packs its dilated K/V once, then ``G - 1`` steps pass the packed block to
+the next rank; the receive for step ``t + 1`` is posted before step ``t`` is
+computed. Each step compares query chunks with key chunks by global chunk id
+(``_step_calls``): one kernel call per block, or per visible pair of half blocks. Ring steps
 merge into one running fp32 result (``forward_pattern_into``); local patterns do too,
 or, where the kernel says so (``PatternKernel.parts``), leave compact parts in the
 inputs' dtype that one pass combines at the end with the running result, if any,
@@ -48,34 +51,89 @@ from .views import pack_kv, unpack_add_
 
 
 class Visibility(enum.Enum):
-    """How a query block sees a key block on a causal (or full) ring."""
+    """How a query chunk sees a key chunk on a ring."""
 
-    FULL = "full"        # every key visible (non-causal, or a block from an earlier rank)
-    CAUSAL = "causal"    # the rank's own block: keys up to the query's position
-    HIDDEN = "hidden"    # a later rank's block under causal masking: skipped (still forwarded)
+    FULL = "full"        # every key visible (non-causal, or an earlier chunk of the segment)
+    CAUSAL = "causal"    # the same chunk: keys up to the query's position
+    HIDDEN = "hidden"    # a later chunk under causal masking, or another segment: skipped (still forwarded)
 
 
-def _visibility(causal: bool, src: int, pos: int) -> Visibility:
-    if not causal or src < pos:
+def _visibility(causal: bool, key: int, query: int, span: int) -> Visibility:
+    """Key chunk ``key`` seen from query chunk ``query`` (global chunk ids; a segment spans ``span`` chunks)."""
+    if key // span != query // span:
+        return Visibility.HIDDEN
+    if not causal or key < query:
         return Visibility.FULL
-    return Visibility.CAUSAL if src == pos else Visibility.HIDDEN
+    return Visibility.CAUSAL if key == query else Visibility.HIDDEN
 
 
 @dataclass(frozen=True)
 class RingLayout:
-    """Which group ranks hold which sequence block.
+    """Which group ranks hold which chunks of the sequence.
 
     ``stride`` ranks share each block (head-parallel inside a block: rank ``j`` holds block
-    ``j // stride`` for head slice ``j % stride``); a ring joins the ranks with the same head
-    slice over ``G`` consecutive blocks. ``stride = 1`` is the plain sequence-parallel ring.
+    ``j // stride`` for head slice ``j % stride``); a ring joins the ranks with the same head slice.
+    ``zigzag=False``: block ``b`` of ``K`` is chunk ``b``, and a ring is the ``G`` consecutive blocks
+    one segment spans. ``zigzag=True``: the sequence is cut in ``2K`` chunks, block ``b`` holds chunks
+    ``b`` and ``2K - 1 - b`` (its halves), and a ring is the blocks holding one segment's chunks; they
+    hold its mirror segment too, so every rank of a causal ring gets the same share of work.
+    ``stride = 1``, ``zigzag=False`` is the plain sequence-parallel ring.
     """
 
     stride: int = 1
+    zigzag: bool = False
 
-    def members(self, rank: int, ring_size: int) -> tuple[int, ...]:
+    def chunks(self, block: int, blocks: int) -> tuple[int, ...]:
+        """The global chunk ids block ``block`` of ``blocks`` holds, in its row order."""
+        return (block, 2 * blocks - 1 - block) if self.zigzag else (block,)
+
+    def members(self, rank: int, span: int, blocks: int) -> tuple[int, ...]:
+        """The group ranks of ``rank``'s ring for a segment of ``span`` chunks, ascending. Zigzag rings have
+        ``span`` ranks, but the segment holding the sequence's middle (its own mirror) ``span / 2``."""
         block, lane = divmod(rank, self.stride)
-        start = (block // ring_size) * ring_size
-        return tuple(lane + self.stride * b for b in range(start, start + ring_size))
+        first = block // span * span  # the first chunk of the segment holding chunk ``block``
+        holders = sorted({min(c, 2 * blocks - 1 - c) if self.zigzag else c for c in range(first, first + span)})
+        return tuple(lane + self.stride * b for b in holders)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One kernel call of a ring step: local query rows ``rows`` against the visiting block's packed rows
+    ``keys``, whose key mask is ``mask`` of the whole-sequence mask (block order), with ``plan``."""
+
+    rows: slice
+    keys: slice
+    mask: slice
+    plan: PatternPlan
+    causal: bool
+
+
+@caches.memoize("ring.step_calls", 4096)  # asked per pattern and ring step; a model has few configurations
+def _step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, blocks: int, rows: int, causal: bool
+                ) -> tuple[_Call, ...]:
+    """The kernel calls of a ring step on block ``own`` (``rows`` rows) with block ``src``'s K/V.
+
+    Each (query chunk, key chunk) pair is compared by global chunk id. Where the pairs see each other as the
+    block's own rows do (all visible, or causal by local row: rows are in global order in both layouts), one
+    call covers the block; else one call per visible pair on half-block views (zigzag). For a segment
+    spanning the whole sequence that is, causal, on every rank: its own block (one causal call), then per
+    step either both query halves against the first key half or the second query half against both key
+    halves: half a block's work each step, whatever the rank.
+    """
+    queries, keys = layout.chunks(own, blocks), layout.chunks(src, blocks)
+    seen = [[_visibility(causal, kc, qc, plan.ring_size) for kc in keys] for qc in queries]
+    pairs = [(i, j) for i in range(len(queries)) for j in range(len(keys))]
+    if all(seen[i][j] is Visibility.HIDDEN for i, j in pairs):
+        return ()
+    for whole in (False, True):  # the block's own rows: full, or causal by row
+        if all(seen[i][j] is _visibility(whole, j, i, len(keys)) for i, j in pairs):
+            return (_Call(slice(0, rows), slice(0, rows // plan.dilation), slice(src * rows, (src + 1) * rows),
+                          plan, whole),)
+    size = rows // len(queries)
+    half = plan.with_local_segment(size)
+    return tuple(_Call(slice(i * size, (i + 1) * size), slice(j * size // plan.dilation, (j + 1) * size // plan.dilation),
+                       slice(src * rows + j * size, src * rows + (j + 1) * size), half, seen[i][j] is Visibility.CAUSAL)
+                 for i, j in pairs if seen[i][j] is not Visibility.HIDDEN)
 
 
 def _what(call: int, direction: str, plan: PatternPlan, step: int, size: int, exchange: str) -> str:
@@ -88,12 +146,16 @@ def _block_mask(key_mask: torch.Tensor | None, block: int, length: int) -> dict:
     return {} if key_mask is None else {"key_mask": key_mask[:, block * length:(block + 1) * length]}
 
 
-def _ring_blocks(k, v, plan, comm, layout, call, direction, causal):
-    """Yield ``(step, packed K/V block, visibility, sequence block it came from)`` round the ring; the
-    next block's exchange is in flight while the caller computes on this one."""
-    size = plan.ring_size
-    pos, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
-    first = comm.rank // layout.stride - pos  # the ring's first sequence block
+def _call_mask(key_mask: torch.Tensor | None, call: _Call) -> dict:
+    return {} if key_mask is None else {"key_mask": key_mask[:, call.mask]}
+
+
+def _ring_blocks(k, v, plan, comm, layout, call, direction):
+    """Yield ``(step, packed K/V block, sequence block it came from)`` round the ring; the next block's
+    exchange is in flight while the caller computes on this one."""
+    members = layout.members(comm.rank, plan.ring_size, comm.world_size // layout.stride)
+    size = len(members)
+    pos, nxt, prv = comm.ring_peers(members)
     block, spare = pack_kv(k, v, plan), None
     stamp = comm.stamp(call, direction)
     for step in range(size):
@@ -102,44 +164,54 @@ def _ring_blocks(k, v, plan, comm, layout, call, direction, causal):
             spare = torch.empty_like(block) if spare is None else spare
             pending = comm.send_recv(block, nxt, spare, prv, _what(call, direction, plan, step, size, "K/V block"),
                                      stamp=stamp)
-        src = (pos - step) % size
-        yield step, block, _visibility(causal, src, pos), first + src
+        yield step, block, members[(pos - step) % size] // layout.stride
         if pending is not None:
             pending.wait()
             block, spare = spare, block
 
 
 def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale, out, lse):
-    for _, block, seen, src in _ring_blocks(k, v, plan, comm, layout, call, "forward", causal):
-        if seen is not Visibility.HIDDEN:
-            kernel.forward_pattern_into(q, block[0], block[1], plan, out, lse, packed=True,
-                                        causal=seen is Visibility.CAUSAL, scale=scale,
-                                        **_block_mask(key_mask, src, q.shape[1]))
+    own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
+    for _, block, src in _ring_blocks(k, v, plan, comm, layout, call, "forward"):
+        for c in _step_calls(plan, layout, own, src, blocks, q.shape[1], causal):
+            kernel.forward_pattern_into(q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys], c.plan,
+                                        out[:, c.rows], lse[:, c.rows], packed=True, causal=c.causal, scale=scale,
+                                        **_call_mask(key_mask, c))
 
 
 def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv):
-    size = plan.ring_size
-    _, nxt, prv = comm.ring_peers(layout.members(comm.rank, size))
+    own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
+    members = layout.members(comm.rank, plan.ring_size, blocks)
+    size = len(members)
+    _, nxt, prv = comm.ring_peers(members)
     scratch = outgoing = incoming = grads_pending = None
     stamp = comm.stamp(call, "backward")
-    for step, block, seen, src in _ring_blocks(k, v, plan, comm, layout, call, "backward", causal):
+    for step, block, src in _ring_blocks(k, v, plan, comm, layout, call, "backward"):
+        calls = _step_calls(plan, layout, own, src, blocks, q.shape[1], causal)
         if scratch is None:
             scratch, outgoing, incoming = (torch.empty(block.shape, dtype=accum_dtype(block.dtype),
                                                        device=block.device) for _ in range(3))
-        if seen is not Visibility.HIDDEN:  # this block's dK/dV from our queries, while its accumulator travels
+        if calls:  # this block's dK/dV from our queries, while its accumulator travels
             scratch.zero_()
-            kernel.backward_pattern(q, block[0], block[1], plan, out, lse, dout, dq, scratch[0], scratch[1],
-                                    packed=True, causal=seen is Visibility.CAUSAL, scale=scale,
-                                    **_block_mask(key_mask, src, q.shape[1]))
-        if step == 0:  # our own block: its accumulator starts here
+            for c in calls:
+                kernel.backward_pattern(q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys], c.plan,
+                                        out[:, c.rows], lse[:, c.rows], dout[:, c.rows], dq[:, c.rows],
+                                        scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=c.causal,
+                                        scale=scale, **_call_mask(key_mask, c))
+        if step == 0:  # our own block (always visible): its accumulator starts here
             scratch, outgoing = outgoing, scratch
         else:
             grads_pending.wait()
-            if seen is not Visibility.HIDDEN:
+            if calls:
                 incoming.add_(scratch)
             outgoing, incoming = incoming, outgoing  # the old outgoing buffer has been sent: reuse it
-        grads_pending = comm.send_recv(outgoing, nxt, incoming, prv,
-                                       _what(call, "backward", plan, step, size, "dK/dV accumulator"), stamp=stamp)
+        if size > 1:
+            grads_pending = comm.send_recv(outgoing, nxt, incoming, prv,
+                                           _what(call, "backward", plan, step, size, "dK/dV accumulator"),
+                                           stamp=stamp)
+    if size == 1:  # a ring of one rank (zigzag: the middle segment held whole): nothing travelled
+        unpack_add_(dk, dv, outgoing, plan)
+        return
     grads_pending.wait()  # after size hops the accumulator of our own block is home
     unpack_add_(dk, dv, incoming, plan)
 
