@@ -5,8 +5,18 @@ gives each rank the team's whole block of ``A * L`` rows for ``H / A`` of the
 query heads (and the kv heads those need), the attention runs on that block
 (locally, or as a ring across teams: the hybrid strategy), and a second
 all-to-all brings the output rows home. Each swap's gradient is the reverse swap
-(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each block
-sent carries the call's stamp after it (``CommBackend.blocks``, ``comm/stamps.py``).
+(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each swap is one
+batch of transfers (q, k and v together) with the call's stamp beside them (``comm/stamps.py``).
+
+Copies: one per tensor and swap, where heads interleave (packing one member's heads,
+merging every member's heads); the side where rows follow member blocks is a view at
+batch size 1 (``_by_member_rows``, ``member_rows``), as in DeepSpeed Ulysses.
+
+In the zigzag layout (``RingLayout``) member ``m`` holds two half-shard chunks; the team's rows are
+put in the team's own zigzag order (``member_rows``, and back: ``_by_member_rows``): the members' first
+halves in member order, then their second halves in reverse member order. For a team of the whole group
+that is the natural order; for a team inside a ring it is the zigzag order of the ring's blocks. It is
+the copy those functions make anyway above batch size 1, and one copy per tensor and swap at batch 1.
 
 K/V heads travel no more than needed: with ``A | Hkv`` each rank gets its
 ``Hkv / A`` kv heads; with ``Hkv | A`` each rank gets the one kv head its query
@@ -19,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm.base import Blocks, CommBackend
-from .comm.stamps import Stamp
+from .comm.base import CommBackend
 
 
 @dataclass(frozen=True)
@@ -59,113 +68,109 @@ class HeadSplit:
         return None
 
 
-def _send_buffer(q, k, v, swap: HeadSwap, stamp: Stamp | None) -> Blocks:
-    """``(A, B, L, h + 2 hk, D)`` blocks: block ``m`` holds member ``m``'s query heads and kv heads of our rows."""
-    split = swap.split
-    bsz, n, _, dim = q.shape
-    hl, hk = split.local_heads, split.local_kv_heads
-    blocks = swap.comm.blocks((split.team, bsz, n, hl + 2 * hk, dim), q.dtype, q.device, stamp)
-    buf = blocks.data
-    buf[:, :, :, :hl].copy_(q.unflatten(2, (split.team, hl)).permute(2, 0, 1, 3, 4))
-    if split.kv_heads % split.team == 0:  # kv heads split evenly: two strided copies, no loop
-        buf[:, :, :, hl:hl + hk].copy_(k.unflatten(2, (split.team, hk)).permute(2, 0, 1, 3, 4))
-        buf[:, :, :, hl + hk:].copy_(v.unflatten(2, (split.team, hk)).permute(2, 0, 1, 3, 4))
-        return blocks
-    for m in range(split.team):
-        for i, src in enumerate(split.kv_sources(m)):
-            buf[m, :, :, hl + i].copy_(k[:, :, src])
-            buf[m, :, :, hl + hk + i].copy_(v[:, :, src])
+def _by_member_heads(x: torch.Tensor, a: int) -> torch.Tensor:
+    """``(B, L, A h, D)`` -> ``(A, B, L, h, D)``: block ``m`` holds member ``m``'s heads (one copy)."""
+    return x.unflatten(2, (a, x.shape[2] // a)).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def _by_member_rows(x: torch.Tensor, a: int, zigzag: bool = False) -> torch.Tensor:
+    """``(B, A L, h, D)`` the team's rows -> ``(A, B, L, h, D)``: block ``m`` holds member ``m``'s rows (a view
+    at batch 1; ``zigzag``: one copy). The inverse of ``member_rows``."""
+    if not zigzag:
+        return x.unflatten(1, (a, x.shape[1] // a)).transpose(0, 1).contiguous()
+    bsz, rows, *rest = x.shape
+    n = rows // a
+    half = n // 2
+    blocks = x.new_empty((a, bsz, n, *rest))
+    blocks[:, :, :half].copy_(x[:, :a * half].unflatten(1, (a, half)).transpose(0, 1))
+    for m in range(a):  # member m's second half is the team's chunk 2A - 1 - m
+        blocks[m, :, half:].copy_(x[:, (2 * a - 1 - m) * half:(2 * a - m) * half])
     return blocks
 
 
-def _exchange(send: Blocks, swap: HeadSwap, stamp: Stamp | None, what: str) -> torch.Tensor:
-    """The team's all-to-all of ``send``: the received ``(A, ...)`` blocks, block ``m`` from member ``m``
-    (a view past the stamps, which have been checked)."""
-    got, pending = swap.comm.all_to_all(send, swap.team, what, stamp=stamp)
-    pending.wait()
-    return got.data
-
-
-def _member_rows(recv: torch.Tensor) -> torch.Tensor:
-    """``(A, B, L, c, D)``, member ``m``'s rows in block ``m`` -> ``(B, A L, c, D)``, contiguous (one copy)."""
-    a, bsz, n, c, dim = recv.shape
-    return recv.permute(1, 0, 2, 3, 4).reshape(bsz, a * n, c, dim).contiguous()
-
-
-def _to_sequence(parts: list[torch.Tensor], swap: HeadSwap, direction: str, what: str) -> torch.Tensor:
-    """``parts`` ``(B, A L, c_i, D)`` (our heads, every member's rows, side by side) -> ``(A, B, L, c, D)``:
-    block ``m`` is member ``m``'s heads of our rows."""
-    a = len(swap.team)
-    bsz, rows, _, dim = parts[0].shape
-    dtype = parts[0].dtype
-    for part in parts[1:]:
-        dtype = torch.promote_types(dtype, part.dtype)
-    stamp = swap.comm.stamp(swap.call, direction)
-    send = swap.comm.blocks((a, bsz, rows // a, sum(p.shape[2] for p in parts), dim), dtype, parts[0].device, stamp)
-    start = 0
-    for part in parts:  # each straight into its heads of the send buffer
-        send.data[:, :, :, start:start + part.shape[2]].copy_(part.unflatten(1, (a, rows // a)).transpose(0, 1))
-        start += part.shape[2]
-    return _exchange(send, swap, stamp, what)
+def member_rows(recv: torch.Tensor, zigzag: bool = False) -> torch.Tensor:
+    """``(A, B, L, *rest)`` with member ``m``'s rows in block ``m`` -> the team's ``(B, A L, *rest)`` rows: the
+    members' in order (a view at batch 1), or ``zigzag`` (module doc; one copy)."""
+    a, bsz, n, *rest = recv.shape
+    if not zigzag:
+        return recv.transpose(0, 1).reshape(bsz, a * n, *rest).contiguous()
+    half = n // 2
+    rows = recv.new_empty((bsz, a * n, *rest))
+    rows[:, :a * half].unflatten(1, (a, half)).copy_(recv[:, :, :half].transpose(0, 1))
+    for m in range(a):  # member m's second half is the team's chunk 2A - 1 - m
+        rows[:, (2 * a - 1 - m) * half:(2 * a - m) * half].copy_(recv[m, :, half:])
+    return rows
 
 
 def _merge_heads(recv: torch.Tensor) -> torch.Tensor:
-    """``(A, B, L, c, D)`` with member ``m``'s heads in block ``m`` -> ``(B, L, A c, D)``."""
-    a, bsz, n, c, dim = recv.shape
-    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, a * c, dim)
+    """``(A, B, L, h, D)`` with member ``m``'s heads in block ``m`` -> ``(B, L, A h, D)`` (one copy)."""
+    a, bsz, n, h, dim = recv.shape
+    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, a * h, dim)
+
+
+def _kv_by_member(x: torch.Tensor, split: HeadSplit) -> torch.Tensor:
+    """``(B, L, Hkv, D)`` -> ``(A, B, L, hk, D)``: block ``m`` holds the kv heads member ``m`` reads."""
+    if split.kv_heads % split.team == 0:  # kv heads split evenly: one strided copy, no loop
+        return _by_member_heads(x, split.team)
+    return torch.stack([x[:, :, split.kv_sources(m)] for m in range(split.team)])
+
+
+def _swap(sends: list[torch.Tensor], swap: HeadSwap, direction: str, what: str) -> list[torch.Tensor]:
+    """The team's all-to-all of ``sends`` (each ``(A, ...)``, block ``m`` to member ``m``), in one batch;
+    the received blocks, block ``m`` from member ``m``, once their stamps have been checked."""
+    got, pending = swap.comm.all_to_all(sends, swap.team, f"{swap.what}, {what}",
+                                        stamp=swap.comm.stamp(swap.call, direction))
+    pending.wait()
+    return got
 
 
 @dataclass(frozen=True)
 class HeadSwap:
     """One call's swaps: the team's group ranks (consecutive, this rank among them), how heads are dealt,
-    what timeout messages name, and the call number its exchanges' stamps carry."""
+    what timeout messages name, the call number its exchanges' stamps carry, and the shard layout."""
 
     comm: CommBackend
     team: tuple[int, ...]
     split: HeadSplit
     what: str
     call: int = 0
+    zigzag: bool = False  # members hold zigzag shards (module doc)
 
 
 def sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, swap: HeadSwap
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(B, L, H, D)`` q/k/v shards of the team -> ``(B, A L, H/A, D)`` q and the kv heads it reads."""
-    stamp = swap.comm.stamp(swap.call, "forward")
-    recv = _exchange(_send_buffer(q, k, v, swap, stamp), swap, stamp, swap.what + ", sequence-to-heads all-to-all")
-    hl, hk = swap.split.local_heads, swap.split.local_kv_heads
-    return (_member_rows(recv[:, :, :, :hl]), _member_rows(recv[:, :, :, hl:hl + hk]),
-            _member_rows(recv[:, :, :, hl + hk:]))
+    sends = [_by_member_heads(q, swap.split.team), _kv_by_member(k, swap.split), _kv_by_member(v, swap.split)]
+    return tuple(member_rows(x, swap.zigzag) for x in _swap(sends, swap, "forward", "sequence-to-heads all-to-all"))
 
 
 def sequence_to_heads_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, swap: HeadSwap,
                                kv_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of ``sequence_to_heads``: the reverse swap (kv heads several members read add up)."""
-    team, split = swap.team, swap.split
-    recv = _to_sequence([dq, dk, dv], swap, "backward", swap.what + ", backward of sequence-to-heads all-to-all")
-    hl, hk = split.local_heads, split.local_kv_heads
-    gq = _merge_heads(recv[:, :, :, :hl])
-    if split.kv_heads % len(team) == 0:  # each kv head came from exactly one member
-        return gq, _merge_heads(recv[:, :, :, hl:hl + hk]), _merge_heads(recv[:, :, :, hl + hk:])
-    gk = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
-    gv = torch.zeros(kv_shape, dtype=dq.dtype, device=dq.device)
-    for m in range(len(team)):  # several members may have read one kv head: their gradients add
-        for i, src in enumerate(split.kv_sources(m)):
-            gk[:, :, src].add_(recv[m, :, :, hl + i])
-            gv[:, :, src].add_(recv[m, :, :, hl + hk + i])
-    return gq, gk, gv
+    team, split = len(swap.team), swap.split
+    gq, gk, gv = _swap([_by_member_rows(g, team, swap.zigzag) for g in (dq, dk, dv)], swap, "backward",
+                       "backward of sequence-to-heads all-to-all")
+    if split.kv_heads % team == 0:  # each kv head came from exactly one member
+        return _merge_heads(gq), _merge_heads(gk), _merge_heads(gv)
+    sums = []
+    for got in (gk, gv):  # several members may have read one kv head: their gradients add
+        total = torch.zeros(kv_shape, dtype=got.dtype, device=got.device)
+        for m in range(team):
+            for i, src in enumerate(split.kv_sources(m)):
+                total[:, :, src].add_(got[m, :, :, i])
+        sums.append(total)
+    return _merge_heads(gq), sums[0], sums[1]
 
 
 def heads_to_sequence(out: torch.Tensor, swap: HeadSwap) -> torch.Tensor:
     """``(B, A L, H/A, D)`` output of a team rank -> this rank's ``(B, L, H, D)`` rows, all heads."""
-    return _merge_heads(_to_sequence([out], swap, "forward", swap.what + ", heads-to-sequence all-to-all"))
+    (got,) = _swap([_by_member_rows(out, len(swap.team), swap.zigzag)], swap, "forward",
+                   "heads-to-sequence all-to-all")
+    return _merge_heads(got)
 
 
 def heads_to_sequence_backward(dout: torch.Tensor, swap: HeadSwap) -> torch.Tensor:
     """The gradient of ``heads_to_sequence``: the reverse swap."""
-    a = len(swap.team)
-    bsz, n, heads, dim = dout.shape
-    stamp = swap.comm.stamp(swap.call, "backward")
-    send = swap.comm.blocks((a, bsz, n, heads // a, dim), dout.dtype, dout.device, stamp)
-    send.data.copy_(dout.unflatten(2, (a, heads // a)).permute(2, 0, 1, 3, 4))  # block m: member m's heads
-    recv = _exchange(send, swap, stamp, swap.what + ", backward of heads-to-sequence all-to-all")
-    return recv.permute(1, 0, 2, 3, 4).reshape(bsz, a * n, heads // a, dim)
+    (got,) = _swap([_by_member_heads(dout, len(swap.team))], swap, "backward",
+                   "backward of heads-to-sequence all-to-all")
+    return member_rows(got, swap.zigzag)

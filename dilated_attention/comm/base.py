@@ -1,10 +1,10 @@
 """The interface the strategies use. A backend only moves bytes and names its group.
 
-Subclasses provide ``_resolve_group`` (which process group) and three
+Subclasses provide ``_resolve_group`` (which process group) and two
 asynchronous primitives returning work handles: ``_batch_p2p`` (a batch of
-sends and receives with *global* peer ranks: one pair for a ring step, one per
-peer for an all-to-all inside a team), ``_all_gather`` (into a preallocated
-tensor) and ``_all_to_all`` (the whole group, equal blocks).
+sends and receives with *global* peer ranks: one pair for a ring step, every
+block to every peer for an all-to-all) and ``_all_gather`` (into a preallocated
+tensor).
 Everything else lives here once: ring topology, all-to-all over any set of
 ranks, rank bookkeeping, and the timeout on every wait.
 
@@ -19,8 +19,9 @@ pattern, step), so a rank that skipped a call or a backward turns into an error
 on every rank that waits for it instead of a hang.
 
 Every exchange of a call also carries the call's stamp (``stamps.py``: configuration
-fingerprint, call number, direction; 16 bytes): ring steps as a small tensor in the same
-batched send/receive, all-to-alls and all-gathers after each block (``Blocks``). A rank whose
+fingerprint, call number, direction; 16 bytes): ring steps and all-to-alls as a small tensor
+to each peer in the same batch of transfers (so received blocks stay contiguous and callers
+read them as views), all-gathers after each rank's row (``Blocks``). A rank whose
 peer is in another call or configuration raises ``ValueError`` instead of mixing their data.
 """
 
@@ -33,6 +34,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -162,8 +164,7 @@ class _Stamped:
 
 
 class Blocks:
-    """``data`` ``(A, ...)`` whose block ``m`` travels as one unit (to member ``m`` of an all-to-all, or
-    as this rank's row of an all-gather), laid out in ``raw`` ``(A, row)`` with room for a stamp after
+    """``data`` ``(A, ...)`` whose block ``m`` travels as one unit (rank ``m``'s row of an all-gather), laid out in ``raw`` ``(A, row)`` with room for a stamp after
     each block when stamped: ``header`` ``(A, 4)`` int32. Unstamped, ``raw`` is ``data`` (no padding)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, stamped: bool,
@@ -179,9 +180,6 @@ class Blocks:
         else:
             self.data = self.raw[:, :per].view(self.shape)
             self.header = self.raw[:, self._pad:].view(torch.int32)
-
-    def empty_like(self) -> Blocks:
-        return Blocks(self.shape, self.raw.dtype, self.raw.device, self.stamped, torch.empty_like(self.raw))
 
 
 class CommBackend(ABC):
@@ -227,10 +225,6 @@ class CommBackend(ABC):
     @abstractmethod
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         """Start: 1-D ``out`` of ``world * inp.numel()`` gets group rank ``i``'s flat ``inp`` at block ``i``."""
-
-    @abstractmethod
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
-        """Start: block ``i`` of ``inp`` (dim 0, equal blocks) goes to group rank ``i``; block ``i`` of ``out`` comes from it."""
 
     # -- shared by every backend --------------------------------------------------
     @property
@@ -317,47 +311,37 @@ class CommBackend(ABC):
         _Stamped(waiting, self.ledger, stamp, rows.header, logged=False).wait()
         return rows.data
 
-    def blocks(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
-               stamp: Stamp | None) -> Blocks:
-        """An all-to-all send buffer: ``.data`` ``shape`` (block ``m`` = ``data[m]``), with room for ``stamp``."""
-        return Blocks(shape, dtype, device, stamped=stamp is not None)
+    def all_to_all(self, sends: Sequence[torch.Tensor], ranks: tuple[int, ...], what: str = "all-to-all", *,
+                   stamp: Stamp | None = None) -> tuple[list[torch.Tensor], Pending]:
+        """Start an all-to-all of each tensor of ``sends`` among group ranks ``ranks`` (this rank among them).
 
-    def all_to_all(self, x: torch.Tensor | Blocks, ranks: tuple[int, ...], what: str = "all-to-all", *,
-                   stamp: Stamp | None = None) -> tuple[torch.Tensor | Blocks, Pending]:
-        """Start an all-to-all among group ranks ``ranks`` (this rank among them).
-
-        ``x``: contiguous, dim 0 indexed by position in ``ranks`` (block ``m`` goes to ``ranks[m]``), or
-        ``Blocks`` from ``blocks(...)`` (then ``stamp`` travels after each block and is checked on arrival).
-        Returns ``(received, pending)`` of the same kind: block ``m`` of ``received`` comes from ``ranks[m]``
-        once ``pending.wait()`` returns.
+        Each tensor is contiguous with dim 0 indexed by position in ``ranks``: block ``m`` goes to
+        ``ranks[m]``. Returns ``(received, pending)``: tensors of the same shapes, block ``m`` from
+        ``ranks[m]`` once ``pending.wait()`` returns. The received blocks of a tensor are contiguous
+        one after the other, so a caller whose rows follow the blocks gets them as a view. Every
+        tensor goes in one batch of point-to-point transfers, with ``stamp`` (16 bytes) to each peer
+        as a separate small transfer of the same batch, checked on arrival.
         """
-        given = x if isinstance(x, Blocks) else Blocks(tuple(x.shape), x.dtype, x.device, False, x)
-        if stamp is not None and given.header is None:
-            raise ValueError("a stamped all_to_all needs Blocks made by CommBackend.blocks(..., stamp)")
-        raw = given.raw
-        if raw.shape[0] != len(ranks) or not raw.is_contiguous():
-            raise ValueError(f"all_to_all needs a contiguous tensor with dim 0 = {len(ranks)} ranks, "
-                             f"got shape {tuple(raw.shape)}")
-        if stamp is not None:
-            given.header.copy_(stamp.header(raw.device).expand_as(given.header))
-        got = given.empty_like()
-        out = got.raw
-        if stamp is not None and not self.ledger.deferred(out.device):
-            got.header.zero_()  # what a failed wait leaves there: "nothing arrived"
-        peers = f"the all-to-all with ranks {list(ranks)}"
-        if list(ranks) == list(range(self.world_size)):  # the whole group: the library's tuned collective
-            waiting = self._waiting(self._all_to_all(out, raw), peers, what)
-        else:
-            me = ranks.index(self.rank)
-            out[me].copy_(raw[me])
-            others = [(m, self.global_rank(r)) for m, r in enumerate(ranks) if m != me]
-            works = (self._batch_p2p([(raw[m], g) for m, g in others], [(out[m], g) for m, g in others])
-                     if others else [])
-            waiting = self._waiting(works, peers, what)
-        result = got if isinstance(x, Blocks) else out
-        if stamp is None:
-            return result, waiting
-        return result, _Stamped(waiting, self.ledger, stamp, got.header, logged=False)
+        for x in sends:
+            if x.shape[0] != len(ranks) or not x.is_contiguous():
+                raise ValueError(f"all_to_all needs contiguous tensors with dim 0 = {len(ranks)} ranks, "
+                                 f"got shape {tuple(x.shape)}")
+        me = ranks.index(self.rank)
+        got = [torch.empty_like(x) for x in sends]
+        peers = [(m, self.global_rank(r)) for m, r in enumerate(ranks) if m != me]
+        out_ops = [(x[m], g) for m, g in peers for x in sends]
+        in_ops = [(y[m], g) for m, g in peers for y in got]
+        rows = None
+        if stamp is not None and peers:  # one stamp per peer, in the same batch as the blocks
+            rows = self.ledger.landing(stamp, len(peers), sends[0].device)
+            header = stamp.header(sends[0].device)
+            out_ops += [(header, g) for _, g in peers]
+            in_ops += [(rows[i], g) for i, (_, g) in enumerate(peers)]
+        works = self._batch_p2p(out_ops, in_ops) if peers else []
+        for x, y in zip(sends, got):
+            y[me].copy_(x[me])
+        waiting = self._waiting(works, f"the all-to-all with ranks {list(ranks)}", what)
+        return got, waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
         """Where small control tensors must live for this group's collectives."""

@@ -21,6 +21,3 @@ class CollectiveBackend(CommBackend):
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         return _all_gather_single(out, inp, group=self.group, async_op=True)
-
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor):
-        return dist.all_to_all_single(out, inp, group=self.group, async_op=True)
