@@ -5,7 +5,8 @@ each local pattern a compact part combined once at the end, or merged into a run
 kernel's ``parts`` says); the "kernel" rows run the patterns alone (forward: compact results; backward:
 ``backward_pattern`` of every plan, with the final merged ``out``/``lse``, into fp32 accumulators).
 
-Methods (``--methods``): ``fused`` (Triton, one launch per pattern), ``cudnn``
+Methods (``--methods``): ``fused`` (Triton, one launch per pattern), ``flash4`` (flash-attn-4, one call per
+pattern and head-offset group, where it is installed and the GPU runs it), ``cudnn``
 (zero-copy strided cuDNN calls, ``kernels/cudnn.py``), ``auto`` (per pattern and
 direction the implementation measured fastest in *this* run, deterministic
 backward only), ``auto-any`` (the same, cuDNN's non-deterministic backward
@@ -18,12 +19,15 @@ attention of exactly the same unmasked work (every pattern is ``N/r / M`` blocks
 of ``M x M`` per head; all patterns here share ``M``).
 
 The auto table: every plan is timed forward and backward with each
-implementation; plans are classed dense (``r = 1``) or dilated and the class sums
-decide (a backward must also be bitwise reproducible to be the deterministic
+implementation (flash4 among them where it runs); plans are classed dense (``r = 1``) or dilated and by
+the length class of their segment rows (``auto.length_class``: LongNet's segments are short, the
+full-attention plan over ``--full-seq`` rows long), and the class sums decide (a backward must also be bitwise reproducible to be the deterministic
 choice, and every implementation must agree with the fused kernel to be chosen at
 all); where a runner-up is close, the combinations are timed on the pipeline
 itself and the fastest is kept (``refine_by_pipeline``, ``pipeline_trials`` in the
-JSON). ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``.
+JSON). Each entry ranks the implementations that qualified, fastest first (auto takes the first that
+runs on the device). ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``;
+``--table-only`` measures just the table (LongNet plans and the full-attention plan).
 
 Reported: median ms of CUDA-event timings after warm-up, TFLOP/s of the unmasked
 work only (fwd: 4*M*M*D per block and head, halved+diag for causal; bwd 2.5x fwd),
@@ -39,6 +43,7 @@ Writes ``kernel_<gpu>.json`` (everything, the markdown included), ``.md`` and ``
     python benchmarks/bench_kernel.py --smoke          # CPU, Triton interpreter, tiny shapes
     python benchmarks/bench_kernel.py --render benchmarks/results/kernel_h200.json       # markdown and plot next to it
     python benchmarks/bench_kernel.py --write-table benchmarks/results/kernel_h200.json
+    python benchmarks/bench_kernel.py --table-only --full-seq 65536 --out /tmp/t   # the table by length class
 """
 
 from __future__ import annotations
@@ -49,7 +54,6 @@ import json
 import os
 import platform
 import pprint
-import re
 import sys
 import time
 from dataclasses import replace
@@ -67,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="time a few fused configs too")
-    ap.add_argument("--methods", default="fused,cudnn,cudnn-det,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
+    ap.add_argument("--methods", default="fused,flash4,cudnn,cudnn-det,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
+    ap.add_argument("--full-seq", type=int, default=None,
+                    help="rows of the full-attention plan (table's long class and comparison; default --seq)")
+    ap.add_argument("--table-only", action="store_true", help="measure only the auto table (by length class)")
     ap.add_argument("--table-extra", default="", help="more table entries, 'dim:dtype,...' (e.g. 64:bfloat16,128:float16)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-attention comparison")
     ap.add_argument("--no-md", action="store_true", help="write only JSON and PNG (the markdown is in the JSON)")
@@ -92,7 +99,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_tag import gpu_tag  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
-from dilated_attention.kernels.auto import AutoKernel, table_key  # noqa: E402
+from dilated_attention.kernels.auto import AutoKernel, length_class, normalize_choices, table_key  # noqa: E402
+from dilated_attention.kernels.flash4 import unavailable_reason as flash4_unavailable  # noqa: E402
 from dilated_attention.kernels.fused import FusedKernel, default_config  # noqa: E402
 from dilated_attention.kernels.registry import KERNELS, build_kernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
@@ -324,11 +332,11 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                   + (f"fwd {r['fwd_ms']:.3f} ms bwd {r['bwd_ms']:.3f} ms rel {r['rel_vs_fused']:.1e} "
                      f"reproducible fwd {r['fwd_reproducible']} bwd {r['bwd_reproducible']}"
                      if "error" not in r else r["error"]), flush=True)
-    choices, ranked = {}, {}
+    choices, ranking = {}, {}
     rows_of = {p.index: p.local_segment // p.dilation for p in plans}
-    for dense, m in sorted({(x["r"] == 1, rows_of[x["plan"]]) for x in rows}):
-        cls = [x for x in rows if (x["r"] == 1) == dense and rows_of[x["plan"]] == m]
-        r0 = cls[0]["r"]
+    for dense, length in sorted({(x["r"] == 1, length_class(rows_of[x["plan"]])) for x in rows}):
+        cls = [x for x in rows if (x["r"] == 1) == dense and length_class(rows_of[x["plan"]]) == length]
+        r0, m = cls[0]["r"], rows_of[cls[0]["plan"]]
         runs = {name for name in impls if all("error" not in x for x in cls if x["impl"] == name)}
         for direction in ("fwd", "bwd", "bwd-any"):
             best, best_ms, timed_ok = None, None, []
@@ -349,8 +357,13 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
             if best is not None:
                 key = table_key(direction, r0, causal, dim, dtype, m)
                 choices[key] = best
-                ranked[key] = [(name, ms) for ms, name in sorted(timed_ok)]
-    return rows, choices, ranked
+                ranking[key] = [(name, ms) for ms, name in sorted(timed_ok)]
+    return rows, choices, ranking
+
+
+def ranked_choices(choices, ranking):
+    """Each key's winner first, then the other qualified implementations fastest first (the table's entries)."""
+    return {key: (name, *(n for n, _ in ranking.get(key, ()) if n != name)) for key, name in choices.items()}
 
 
 CLOSE_CALL = 1.3  # a runner-up within this factor of the fastest pattern timing is tried in the pipeline too
@@ -521,6 +534,9 @@ def main(argv=None):
     plans = plan_patterns(segs, rates, seq_len=args.seq, local_len=args.seq, num_heads=args.heads,
                           num_kv_heads=args.heads, mode="longnet")
     ms_set = {p.local_segment // p.dilation for p in plans}
+    full_seq = args.full_seq or args.seq
+    full_plan = plan_patterns([full_seq], [1], seq_len=full_seq, local_len=full_seq, num_heads=args.heads,
+                              num_kv_heads=args.heads, mode="longnet")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu-smoke ({platform.machine()})"
     tag = gpu_tag(gpu) if device.type == "cuda" else "smoke"
     import triton
@@ -530,43 +546,53 @@ def main(argv=None):
         "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
         "python": platform.python_version(), "command": " ".join([sys.executable] + sys.argv),
         "shape": {"B": args.batch, "N": args.seq, "H": args.heads, "D": args.dim, "dtype": args.dtype},
-        "segment_lengths": segs, "dilation_rates": rates, "mode": "longnet",
+        "segment_lengths": segs, "dilation_rates": rates, "mode": "longnet", "full_seq": full_seq,
         "fused_config": str(default_config(args.dim, dtype)),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     print(json.dumps(meta, indent=1), flush=True)
     # the implementations auto may choose between (on CPU the reference stands in for cuDNN)
     names = ("fused", "cudnn", "cudnn-det", "cudnn-dkdv") if device.type == "cuda" else ("fused", "reference")
+    flash4_reason = flash4_unavailable(device)
+    if flash4_reason is None:
+        names += ("flash4",)
+    elif "flash4" in args.methods.split(","):
+        print(f"flash4 not measured: {flash4_reason}", flush=True)
+        args.methods = ",".join(m for m in args.methods.split(",") if m != "flash4")
+    meta["flash4"] = flash4_reason or "measured"
     table_impls = {name: build_kernel(name) for name in names}
     scale = args.dim ** -0.5
     torch.manual_seed(0)
     shape = (args.batch, args.seq, args.heads, args.dim)
     q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
+    # full attention over --full-seq rows (the table's long class): the same tensors when it is --seq
+    full = (q, k, v, dout) if full_seq == args.seq else tuple(
+        torch.randn((args.batch, full_seq, args.heads, args.dim), device=device, dtype=dtype) for _ in range(4))
     rows, sweeps, checks, table_rows, choices, full_rows, pipeline_trials = [], [], {}, [], {}, [], []
     for causal in (False, True):
         fl = flops_fwd(plans, args.batch, args.seq, args.dim, causal)
         print(f"causal={causal}: unmasked fwd work {fl / 1e12:.3f} TFLOP", flush=True)
         try:
-            t_rows, t_choices, ranked = measure_table(table_impls, q, k, v, dout, plans, causal, scale, args.warmup,
-                                                      args.reps)
-            t_choices, trials = refine_by_pipeline(table_impls, t_choices, ranked, q, k, v, dout, plans, causal,
+            t_rows, t_choices, ranking = measure_table(table_impls, q, k, v, dout, plans, causal, scale, args.warmup,
+                                                       args.reps)
+            t_choices, trials = refine_by_pipeline(table_impls, t_choices, ranking, q, k, v, dout, plans, causal,
                                                    scale, args.warmup, args.reps)
             pipeline_trials += [{"causal": causal, **t} for t in trials]
             table_rows += t_rows
-            choices.update(t_choices)
+            choices.update(ranked_choices(t_choices, ranking))
         except Exception as exc:
             print(f"  table failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        if not args.no_full:  # one long dense segment (full attention): the table's long-rows entries
-            full_plan = plan_patterns([args.seq], [1], seq_len=args.seq, local_len=args.seq, num_heads=args.heads,
-                                      num_kv_heads=args.heads, mode="longnet")
+        if not args.no_full:  # one long dense segment (full attention): the table's long-class entries
             try:
-                t_rows, t_choices, _ = measure_table(table_impls, q, k, v, dout, full_plan, causal, scale, 1,
-                                                     max(3, args.reps // 2))
+                t_rows, t_choices, ranking = measure_table(table_impls, *full, full_plan, causal, scale, 1,
+                                                           max(3, args.reps // 2))
                 table_rows += t_rows
-                choices.update(t_choices)
+                choices.update(ranked_choices(t_choices, ranking))
             except Exception as exc:
                 print(f"  full-attention table failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         print(f"  auto choices so far: {json.dumps(choices)}", flush=True)
+        if args.table_only:
+            continue
         kernels = {}
         for name in args.methods.split(","):
             try:
@@ -579,7 +605,8 @@ def main(argv=None):
             print(f"  check failed: {type(exc).__name__}: {exc}", flush=True)
         for name, kern in kernels.items():
             w, r = (1, 3) if name == "reference" and device.type == "cuda" else (args.warmup, args.reps)
-            api = (segs, rates) if name in ("fused", "auto", "auto-any", "cudnn", "cudnn-det", "cudnn-dkdv") else None
+            api = (segs, rates) if name in ("fused", "flash4", "auto", "auto-any", "cudnn", "cudnn-det",
+                                            "cudnn-dkdv") else None
             try:
                 rows += measure_method(name, kern, q, k, v, dout, plans, causal, scale, w, r, fl, api)
             except Exception as exc:
@@ -598,9 +625,9 @@ def main(argv=None):
                 except Exception as exc:
                     print(f"  dense-{backend} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         if not args.no_full:
-            full_impls = {n: kernels[n] for n in ("fused", "auto", "auto-any") if n in kernels}
+            full_impls = {n: kernels[n] for n in ("fused", "flash4", "cudnn-det", "auto", "auto-any") if n in kernels}
             try:
-                full_rows += full_attention(q, k, v, dout, causal, full_impls, args.warmup, args.reps)
+                full_rows += full_attention(*full, causal, full_impls, args.warmup, args.reps)
             except Exception as exc:
                 print(f"  full attention failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         if args.sweep and device.type == "cuda":
@@ -664,7 +691,7 @@ def summarize(rows, full_rows=()):
         s = {}
         dense = _get(rows, "dense-cudnn", causal, "fwd+bwd kernel")
         densef = _get(rows, "dense-cudnn", causal, "fwd kernel")
-        for method in ("auto", "auto-any", "fused", "cudnn", "cudnn-det", "cudnn-dkdv"):
+        for method in ("auto", "auto-any", "fused", "flash4", "cudnn", "cudnn-det", "cudnn-dkdv"):
             tag = "library" if method == "auto" else f"library_{method.replace('-', '_')}"
             pipe = _get(rows, method, causal, "fwd+bwd pipeline")
             fwd = _get(rows, method, causal, "fwd pipeline")
@@ -800,26 +827,33 @@ SAME_FORWARD = {"cudnn-dkdv": "cudnn-det", "cudnn": "cudnn-det"}
 
 
 def write_table(path: str) -> int:
-    """Merge a result JSON's measured choices (fused and the cuDNN kernels) into ``kernels/auto_table.py``."""
+    """Merge a result JSON's measured rankings (fused, the cuDNN kernels, flash4) into ``kernels/auto_table.py``:
+    a key measured now replaces the old entry of its length class; the others stay."""
     from dilated_attention.kernels.auto_table import TABLE
 
     with open(path) as f:
         result = json.load(f)
     table = {k: dict(v) for k, v in TABLE.items()}
     deterministic = {name: build_kernel(name).deterministic_backward
-                     for name in ("fused", "cudnn", "cudnn-det", "cudnn-dkdv")}
+                     for name in ("fused", "cudnn", "cudnn-det", "cudnn-dkdv", "flash4")}
     for gpu, entry in result["auto_table"].items():
-        choices = {k: SAME_FORWARD.get(c, c) if k.startswith("fwd/") else c
-                   for k, c in entry["choices"].items() if c in deterministic}
-        for key, name in sorted(choices.items()):  # a result JSON may list any measured winner
-            if key.startswith("bwd/") and not deterministic[name]:
-                print(f"dropping {key} -> {name}: {name}'s backward is not deterministic (the fused kernel runs it)")
-                del choices[key]
+        choices = {}
+        for key, names in normalize_choices(entry["choices"]).items():  # a result JSON may list any measured one
+            kept = []
+            for name in names:
+                name = SAME_FORWARD.get(name, name) if key.startswith("fwd/") else name
+                if name not in deterministic or name in kept:
+                    continue
+                if key.startswith("bwd/") and not deterministic[name]:
+                    print(f"dropping {key} -> {name}: {name}'s backward is not deterministic")
+                    continue
+                kept.append(name)
+            if kept:
+                choices[key] = kept[0] if len(kept) == 1 else tuple(kept)
         if not choices:
             continue
-        # a fresh measurement supersedes entries written before keys had rows (they would shadow nothing,
-        # but a stale row-less entry still answers for row counts below every measured one)
-        merged = {k: v for k, v in table.get(gpu, {}).get("choices", {}).items() if re.search(r"/M\d+$", k)}
+        merged = {k: v if len(v) > 1 else v[0]
+                  for k, v in normalize_choices(table.get(gpu, {}).get("choices", {})).items()}
         merged.update(choices)
         table[gpu] = {**{k: v for k, v in entry.items() if k != "choices"}, "choices": dict(sorted(merged.items()))}
     with open(TABLE_FILE) as f:

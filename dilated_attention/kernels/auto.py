@@ -173,24 +173,22 @@ class AutoKernel(KernelWrapper):
             names = self._entry("bwd-any", plan, causal, dim, dtype)
         if names is None:
             names = self._entry(direction, plan, causal, dim, dtype)
-        reasons = []
-        for name in names or ("fused",):
+        names = names or ("fused",)
+        # each ranked name, then (a forward) its stand-in: e.g. the table names cudnn-det and the frontend is
+        # missing, so the same cuDNN forward runs through torch's op; last, fused
+        candidates = [c for name in names for c in (name, FORWARD_STAND_INS.get(name) if direction == "fwd" else None)
+                      if c is not None and c in self.impls] + ["fused"]
+        first_reason = None
+        for name in candidates:
             reason = self.impls[name].supports(q, k)
             if reason is None:
-                return self.impls[name]
-            reasons.append((name, reason))
-        # e.g. the table names cudnn-det and the frontend is missing: a forward runs the same cuDNN kernel
-        # through torch's op (its stand-in) if it can, else fused
-        name, reason = reasons[0]
-        stand_in = FORWARD_STAND_INS.get(name) if direction == "fwd" else None
-        if stand_in is not None and (stand_in not in self.impls or self.impls[stand_in].supports(q, k) is not None):
-            stand_in = None
-        if (name, reason) not in self._skipped:
-            self._skipped.add((name, reason))
-            warnings.warn(f"auto: the measured choice {name!r} for {direction} of w={plan.local_segment}, "
-                          f"r={plan.dilation} cannot run here ({reason}); running {stand_in or 'fused'!r}",
-                          stacklevel=3)
-        return self.impls[stand_in or "fused"]
+                break
+            first_reason = first_reason or reason
+        if name != names[0] and (names[0], first_reason) not in self._skipped:
+            self._skipped.add((names[0], first_reason))
+            warnings.warn(f"auto: the measured choice {names[0]!r} for {direction} of w={plan.local_segment}, "
+                          f"r={plan.dilation} cannot run here ({first_reason}); running {name!r}", stacklevel=3)
+        return self.impls[name]
 
 
 def device_choices(device: torch.device) -> dict[str, str]:
