@@ -10,8 +10,12 @@ For every tokens-per-GPU value, configuration (LongNet ``w=[2048, 8192, 32768,
 N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
 
 - ``ours``: forward+backward of ``dilated_attention`` on K ranks for every
-  strategy (ring, head, hybrid), median over iterations of the slowest rank's
-  time (CUDA events; wall clock on CPU); peak memory of the largest rank.
+  strategy (ring, head, hybrid) and shard layout (``--layouts``: contiguous, and
+  zigzag where the installed package accepts ``layout=``), median over iterations of
+  the slowest rank's time (CUDA events; wall clock on CPU); peak memory of the
+  largest rank. ``--waits stream`` (default: what a user gets, NCCL without a timeout)
+  or ``host`` (``DILATED_ATTENTION_TIMEOUT`` set: a host sync per exchange); the mode
+  the backend ran is ``meta.waits`` (gloo always waits on the host).
 - T1: the same library on ONE GPU over the whole sequence N = K x tokens, measured
   in the same run on rank 0 while the others wait. Efficiency = T1 / (K x TK).
 - ``torch_cp``: PyTorch context parallel (``context_parallel``, cuDNN SDPA), full
@@ -58,6 +62,7 @@ from gpu_tag import gpu_tag  # noqa: E402
 STRATEGIES = ("ring", "head", "hybrid")
 CONFIGS = ("longnet", "full")
 PEERS = ("torch_cp", "ulysses", "ring_flash_attn")
+LAYOUTS = ("contiguous", "zigzag")
 
 
 def int_list(text: str) -> list[int]:
@@ -84,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", type=_names(CONFIGS), default=list(CONFIGS))
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     p.add_argument("--strategies", type=_names(STRATEGIES), default=list(STRATEGIES))
+    p.add_argument("--layouts", type=_names(LAYOUTS), default=["contiguous"],
+                   help="shard layouts of ours (contiguous,zigzag); zigzag is skipped where dilated_attention "
+                        "has no layout= argument")
+    p.add_argument("--waits", choices=["stream", "host"], default="stream",
+                   help="stream: DILATED_ATTENTION_TIMEOUT unset, NCCL's stream-ordered waits (the default a user "
+                        "gets); host: DILATED_ATTENTION_TIMEOUT set (default 300 s), a host-timed wait per exchange")
     p.add_argument("--peers", type=_names(PEERS), default=None, help="'' for none (default: all; none with --smoke)")
     p.add_argument("--backend", default="collective", choices=["collective", "fairscale", "deepspeed"])
     p.add_argument("--kernel", default="auto")
@@ -229,8 +240,16 @@ def has_strategy_argument() -> bool:
     return "strategy" in inspect.signature(dilated_attention).parameters
 
 
-def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: int, comm, strategy: str | None):
-    """A closure running forward+backward of the library on (B, n_local, H, D) inputs."""
+def has_layout_argument() -> bool:
+    from dilated_attention import dilated_attention
+
+    return "layout" in inspect.signature(dilated_attention).parameters
+
+
+def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: int, comm, strategy: str | None,
+              layout: str = "contiguous"):
+    """A closure running forward+backward of the library on (B, n_local, H, D) inputs (random rows:
+    timing needs only the shapes, so a zigzag layout needs no reordering of real data)."""
     from dilated_attention import dilated_attention
 
     a, rank = bench.args, bench.env.rank
@@ -239,6 +258,8 @@ def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: in
     dout = bench.randn(shape, 7000 + rank)
     segs, rates = patterns_for(a, config, n_total)
     extra = {"strategy": strategy} if strategy is not None else {}
+    if layout != "contiguous":
+        extra["layout"] = layout
 
     def step() -> None:
         out = dilated_attention(q, k, v, segs, rates, causal=causal, comm=comm, kernel=a.kernel, **extra)
@@ -472,7 +493,8 @@ def probe(bench: Bench, comm, how: tuple[str | None, str], records: list, meta: 
             failure, ms, peak = _probe_step(bench, comm, how[0], tokens)
             if failure is None:
                 steps.append({"impl": "ours", "strategy": how[1], "config": "longnet", "causal": False,
-                              "gpus": k, "tokens_per_gpu": tokens, "ms": ms, "efficiency": None, "peak_gib": peak})
+                              "gpus": k, "tokens_per_gpu": tokens, "layout": "contiguous", "ms": ms,
+                              "efficiency": None, "peak_gib": peak})
                 last = (tokens, ms, peak)
                 if refined:
                     stop += "; 1.5x ran"
@@ -507,10 +529,13 @@ def versions(torch, cuda: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("DILATED_ATTENTION_TIMEOUT", "300")  # a stuck peer raises instead of hanging
+    if args.waits == "host":  # a stuck peer raises PeerTimeoutError
+        os.environ.setdefault("DILATED_ATTENTION_TIMEOUT", "300")
+    else:  # NCCL's watchdog bounds a stuck peer (the process group's timeout below)
+        os.environ.pop("DILATED_ATTENTION_TIMEOUT", None)
     from dilated_attention.launch_utils import init_distributed
 
-    env = init_distributed("cpu" if args.smoke else "auto", seed=0)
+    env = init_distributed("cpu" if args.smoke else "auto", seed=0, timeout=300)
     import torch
     from tqdm import tqdm
 
@@ -520,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     k = env.world_size
     comm = get_backend(args.backend) if k > 1 else None
     strategies_ok = has_strategy_argument()
+    layouts_ok = has_layout_argument()
     device_name = torch.cuda.get_device_name(env.device) if bench.cuda else "cpu"
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     records: list[dict] = []
@@ -530,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch, "heads": args.heads, "kv_heads": args.heads, "head_dim": args.head_dim,
         "backend": args.backend, "kernel": args.kernel, "tokens_per_gpu": args.tokens,
         "longnet_segments": args.longnet_segments, "longnet_rates": args.longnet_rates,
-        "strategy_argument": strategies_ok, "warmup": args.warmup, "iters": args.iters,
+        "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
+        "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
+        "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,
         "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock"),
         "efficiency": "T1 / (gpus * ms), T1 = one GPU on the whole sequence in this run: the library for ours and "
                       "ulysses, cuDNN SDPA for torch_cp, flash-attn for ring_flash_attn",
@@ -538,14 +566,14 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_memory_gib": torch.cuda.get_device_properties(env.device).total_memory / 2**30 if bench.cuda else None,
     }
 
-    def skip(impl, strategy, config, causal, tokens, reason):
+    def skip(impl, strategy, config, causal, tokens, reason, layout="contiguous"):
         meta["skipped"].append({"impl": impl, "strategy": strategy, "config": config, "causal": causal,
-                                "tokens_per_gpu": tokens, "reason": reason})
+                                "tokens_per_gpu": tokens, "layout": layout, "reason": reason})
 
-    def record(impl, strategy, config, causal, tokens, ms, t1, peak):
+    def record(impl, strategy, config, causal, tokens, ms, t1, peak, layout="contiguous"):
         records.append({"impl": impl, "strategy": strategy, "config": config, "causal": causal, "gpus": k,
-                        "tokens_per_gpu": tokens, "ms": ms, "efficiency": (t1 / (k * ms)) if t1 else None,
-                        "peak_gib": peak})
+                        "tokens_per_gpu": tokens, "layout": layout, "ms": ms,
+                        "efficiency": (t1 / (k * ms)) if t1 else None, "peak_gib": peak})
         save()  # after every record: a later case that hangs or is killed loses nothing measured
 
     def save():
@@ -554,19 +582,19 @@ def main(argv: list[str] | None = None) -> int:
             with open(path, "w") as f:
                 json.dump({"meta": meta, "records": records}, f, indent=1)
 
-    def multi_gpu(impl, strategy, config, causal, tokens, t1, measure):
+    def multi_gpu(impl, strategy, config, causal, tokens, t1, measure, layout="contiguous"):
         """One K-rank measurement, recorded or skipped with the reason. Until it returns, the saved JSON
         lists it as unfinished: a hang that ends the job (or a crash) still says where it stopped."""
         pending = {"impl": impl, "strategy": strategy, "config": config, "causal": causal, "tokens_per_gpu": tokens,
-                   "reason": "started but never finished: the job hung or crashed here"}
+                   "layout": layout, "reason": "started but never finished: the job hung or crashed here"}
         meta["skipped"].append(pending)
         save()
         res, err = run_guarded(bench, measure)
         meta["skipped"].remove(pending)
         if err:
-            skip(impl, strategy, config, causal, tokens, err)
+            skip(impl, strategy, config, causal, tokens, err, layout)
         else:
-            record(impl, strategy, config, causal, tokens, res[0], t1, res[1])
+            record(impl, strategy, config, causal, tokens, res[0], t1, res[1], layout)
         return res
 
     def single_reference(impl, config, causal, tokens, n, make_step):
@@ -583,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = os.path.join(args.out, f"scaling_{args.tag or (gpu_tag(device_name) if bench.cuda else 'cpu')}_x{k}.json")
     cases = [(t, c, z) for t in args.tokens for c in args.configs for z in causals]
-    per_case = 1 + (len(args.strategies) if k > 1 else 0) + len(args.peers)
+    per_case = 1 + (len(args.strategies) * len(args.layouts) if k > 1 else 0) + len(args.peers)
     progress = tqdm(total=len(cases) * per_case + args.probe, disable=env.rank != 0, desc=f"scaling x{k}",
                     dynamic_ncols=True)
     for tokens, config, causal in cases:
@@ -596,13 +624,16 @@ def main(argv: list[str] | None = None) -> int:
         progress.update()
         if k == 1 and t1 is not None:
             record("ours", "single", config, causal, tokens, t1, t1, t1_peak)
-        for strategy in (args.strategies if k > 1 else []):
-            progress.set_postfix_str(f"{label}: ours/{strategy}")
+        for strategy, layout in [(s, lay) for s in args.strategies for lay in args.layouts] if k > 1 else []:
+            progress.set_postfix_str(f"{label}: ours/{strategy}/{layout}")
             if not strategies_ok and strategy != "ring":
-                skip("ours", strategy, config, causal, tokens, "dilated_attention has no strategy= argument yet")
+                skip("ours", strategy, config, causal, tokens, "dilated_attention has no strategy= argument yet", layout)
+            elif layout != "contiguous" and not layouts_ok:
+                skip("ours", strategy, config, causal, tokens, "dilated_attention has no layout= argument yet", layout)
             else:
                 multi_gpu("ours", strategy, config, causal, tokens, t1, lambda: bench.measure(
-                    ours_step(bench, tokens, config, causal, n, comm, strategy if strategies_ok else None)))
+                    ours_step(bench, tokens, config, causal, n, comm, strategy if strategies_ok else None, layout)),
+                    layout)
             progress.update()
         # peers, the established one first: a peer that hangs ends the job (run_scaling.sh bounds each K)
         if "ulysses" in args.peers:
@@ -663,12 +694,14 @@ def main(argv: list[str] | None = None) -> int:
 
     save()
     if env.rank == 0:
-        print(f"wrote {path}: {len(records)} records, {len(meta['skipped'])} skipped", flush=True)
+        print(f"wrote {path}: {len(records)} records, {len(meta['skipped'])} skipped, {meta['waits']} waits",
+              flush=True)
         for rec in records:
             eff = f"{100 * rec['efficiency']:.1f}%" if rec["efficiency"] is not None else "-"
             mem = f"{rec['peak_gib']:.1f} GiB" if rec["peak_gib"] is not None else "-"
             extra = f" max_tokens={rec['max_tokens']}" if "max_tokens" in rec else ""
-            print(f"  {rec['impl']:8s} {rec['strategy']:7s} {rec['config']:8s} causal={str(rec['causal']):5s} "
+            lay = "" if rec.get("layout", "contiguous") == "contiguous" else f"/{rec['layout']}"
+            print(f"  {rec['impl']:8s} {rec['strategy'] + lay:14s} {rec['config']:8s} causal={str(rec['causal']):5s} "
                   f"K={k} tokens/GPU={rec['tokens_per_gpu']:>8d} {rec['ms']:10.2f} ms  eff {eff:>6s}  {mem}{extra}")
         for s in meta["skipped"]:
             print(f"  skipped {s['impl']}/{s['strategy']} {s['config']} causal={s['causal']}: {s['reason']}")

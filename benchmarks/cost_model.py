@@ -1,15 +1,19 @@
-"""The cost model (``dilated_attention.cost_model``) from the command line: predict, validate, calibrate.
+"""The cost model (``dilated_attention.cost_model``) from the command line: predict, validate, fit, calibrate.
 
 Predictions: forward+backward time, exposed communication, efficiency and memory per GPU count and
 strategy, for a LongNet or full-attention problem. ``--validate``: predicted vs measured efficiency
-of every multi-GPU record of the library in scaling JSONs (``bench_scaling.py``). ``--calibrate``:
+of every multi-GPU record of the library in scaling JSONs (``bench_scaling.py``), each in the wait
+mode its file recorded unless ``--waits`` says. ``--fit``: the kernel and memory constants fitted
+to the whole calls of scaling JSONs (how ``Hardware``'s defaults were made). ``--calibrate``:
 fit the kernel and memory constants to single-GPU measurements (a kernel benchmark JSON of the
 fused kernel, and the ``single_gpu`` entries of scaling JSONs) of the code the model describes: it
 says so when no physical fit exists (the committed ``kernel_h200.json`` measures compact parts
 combined once, which the model's memory terms do not describe).
 
     python benchmarks/cost_model.py --tokens 1073741824 --gpus 64,128,256,512,1024
-    python benchmarks/cost_model.py --validate benchmarks/results/scaling_h200_x[24].json --host-waits
+    python benchmarks/cost_model.py --tokens-per-gpu 32768 --gpus 8,16,64,256,1024      # docs/performance.md
+    python benchmarks/cost_model.py --validate tests/data/cost_model_h200_x2.json
+    python benchmarks/cost_model.py --fit tests/data/cost_model_h200_x1.json tests/data/cost_model_h200_x2.json
     python benchmarks/cost_model.py --calibrate kernel_<gpu>.json scaling_<gpu>_x*.json
 """
 
@@ -24,8 +28,8 @@ from typing import Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dilated_attention.cost_model import (  # noqa: E402
-    _FITTED, LONGNET_RATES, LONGNET_SEGMENTS, STRATEGIES, Hardware, Prediction, Problem, calibrate,
-    config_patterns, predict, validate,
+    _FITTED, FIT_NAMES, LONGNET_RATES, LONGNET_SEGMENTS, STRATEGIES, Hardware, Prediction, Problem, calibrate,
+    config_patterns, fit, predict, validate,
 )
 
 
@@ -40,13 +44,13 @@ def _duration(ms: float) -> str:
     return f"{ms:.1f} ms" if ms < 1e3 else f"{ms / 1e3:,.2f} s"
 
 
-def format_predictions(rows: list[Prediction], tokens: int, causal: bool) -> str:
+def format_predictions(rows: list[Prediction], causal: bool) -> str:
     lines = ["| GPUs | tokens/GPU | causal | strategy | compute | exposed comm | fwd+bwd | efficiency | GiB/GPU |",
              "| ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for x in rows:
         mem = f"{x.memory_gib:.0f}" + ("" if x.fits else " (does not fit)")
         note = f" ({'; '.join(x.notes)})" if x.notes else ""
-        lines.append(f"| {x.gpus} | {tokens / x.gpus:,.0f} | {'yes' if causal else 'no'} | {x.strategy}{note} | "
+        lines.append(f"| {x.gpus} | {x.tokens / x.gpus:,.0f} | {'yes' if causal else 'no'} | {x.strategy}{note} | "
                      f"{_duration(x.compute_ms)} | {_duration(x.exposed_comm_ms)} | {_duration(x.ms)} | "
                      f"{100 * x.efficiency:.1f}% | {mem} |")
     return "\n".join(lines)
@@ -54,12 +58,12 @@ def format_predictions(rows: list[Prediction], tokens: int, causal: bool) -> str
 
 def format_validation(rows: list[dict]) -> str:
     lines = ["| config | causal | strategy | GPUs | tokens/GPU | measured ms | predicted ms | measured eff | "
-             "predicted eff | error |",
-             "| --- | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "predicted eff | error | waits |",
+             "| --- | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"| {r['config']} | {'yes' if r['causal'] else 'no'} | {r['strategy']} | {r['gpus']} | "
                      f"{r['tokens_per_gpu']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
-                     f"{100 * r['measured']:.1f}% | {100 * r['predicted']:.1f}% | {r['error_pct']:+.1f}% |")
+                     f"{100 * r['measured']:.1f}% | {100 * r['predicted']:.1f}% | {r['error_pct']:+.1f}% | {r['waits']} |")
     return "\n".join(lines)
 
 
@@ -71,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hw0 = Hardware()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=float, default=2**30, help="whole sequence N (default 2^30)")
+    ap.add_argument("--tokens-per-gpu", type=float, default=None,
+                    help="weak scaling: N = this x GPUs for each GPU count (instead of --tokens)")
     ap.add_argument("--gpus", type=_ints, default=[64, 128, 256, 512, 1024])
     ap.add_argument("--config", choices=["longnet", "full"], default="longnet")
     ap.add_argument("--segments", type=_ints, default=list(LONGNET_SEGMENTS), help="LongNet segments before N")
@@ -82,10 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype-bytes", type=int, default=2, help="2 for bf16/fp16")
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     ap.add_argument("--balanced", action="store_true", help="causal rings in zigzag order (equal work per rank)")
-    ap.add_argument("--host-waits", action="store_true",
-                    help="every exchange waited for on the host (NCCL with a timeout; the committed scaling JSONs)")
+    ap.add_argument("--waits", choices=["stream", "host"], default=None,
+                    help="stream: NCCL's default, stream-ordered (predictions' default); host: every exchange "
+                         "waited for on the host (a timeout set). --validate: default each file's own mode")
+    ap.add_argument("--host-waits", dest="waits", action="store_const", const="host", help="same as --waits host")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    for name in ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "hbm_gbps", "op_us", "dispatch_us",
+    for name in ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "key_penalty", "hbm_gbps", "op_us", "dispatch_us",
                  "nvlink_gbps", "ib_gbps", "latency_us", "poll_ms", "memory_gib"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(hw0, name),
                         help=f"default {getattr(hw0, name):g}")
@@ -94,7 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="compare with measured scaling JSONs (globs allowed) instead of predicting")
     ap.add_argument("--calibrate", nargs="+", default=None, metavar="JSON",
                     help="fit the kernel and memory constants to the single-GPU runs in these JSONs")
+    ap.add_argument("--fit", nargs="+", default=None, metavar="JSON",
+                    help="fit the kernel and memory constants to the whole calls (one GPU and several) in these "
+                         "scaling JSONs")
     a = ap.parse_args(argv)
+    host = None if a.waits is None else a.waits == "host"
     hw = Hardware(**{name: getattr(a, name) for name in Hardware.__dataclass_fields__})
     if a.calibrate:
         try:
@@ -109,36 +121,59 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"| {r['name']} | {r['measured_ms']:.2f} | {r['model_ms']:.2f} | "
                   f"{100 * (r['model_ms'] / r['measured_ms'] - 1):+.1f}% |")
         return 0
+    if a.fit:
+        try:
+            fitted, report = fit(_expand(a.fit), hw)
+        except ValueError as exc:
+            print(f"cost_model.py: {exc}", file=sys.stderr)
+            return 1
+        for name in FIT_NAMES:
+            print(f"{name} = {getattr(fitted, name):.4g}")
+        print("\n| measurement | measured ms | model ms | error | efficiency error |\n| --- | ---: | ---: | ---: | ---: |")
+        for r in report:
+            eff = "" if r["measured_efficiency"] is None else \
+                f"{100 * (r['model_efficiency'] / r['measured_efficiency'] - 1):+.1f}%"
+            print(f"| {r['name']} | {r['measured_ms']:.2f} | {r['model_ms']:.2f} | "
+                  f"{100 * (r['model_ms'] / r['measured_ms'] - 1):+.1f}% | {eff} |")
+        return 0
     if a.validate:
         paths = _expand(a.validate)
-        rows = validate(paths, hw, host_waits=a.host_waits)
+        rows = validate(paths, hw, host_waits=host)
         if rows:
             print(format_validation(rows))
             worst = max(abs(r["error_pct"]) for r in rows)
             mean = sum(abs(r["error_pct"]) for r in rows) / len(rows)
-            print(f"\n{len(rows)} records; mean |error| {mean:.1f}%, worst {worst:.1f}% "
-                  f"({'host-timed' if a.host_waits else 'stream-ordered'} waits)")
+            worst_ms = max(abs(r["ms_error_pct"]) for r in rows)
+            modes = sorted({r["waits"] for r in rows})
+            print(f"\n{len(rows)} records; efficiency: mean |error| {mean:.1f}%, worst {worst:.1f}%; "
+                  f"time: worst {worst_ms:.1f}% ({'/'.join(modes)} waits)")
         else:
             print("no multi-GPU records of 'ours' with an efficiency in", paths)
         return 0
     n = int(a.tokens)
+    per_gpu = int(a.tokens_per_gpu) if a.tokens_per_gpu else None
     strategies = [s for s in a.strategies.split(",") if s]
     for s in strategies:
         if s not in STRATEGIES:
             ap.error(f"--strategies: {s!r} is not one of {STRATEGIES}")
     pats = config_patterns(a.config, n, a.segments, a.rates)
-    print(f"N = {n:,} tokens, {a.config} patterns w={[w for w, _ in pats]} r={[r for _, r in pats]}, "
+    size = f"N = {per_gpu:,} tokens x GPUs" if per_gpu else \
+        f"N = {n:,} tokens, {a.config} patterns w={[w for w, _ in pats]} r={[r for _, r in pats]}"
+    print(f"{size}, {a.config} attention, "
           f"B={a.batch} H={a.heads} Hkv={a.kv_heads or a.heads} D={a.head_dim}, {a.dtype_bytes}-byte dtype")
     print(f"assumed: fused kernel {hw.fwd_tflops:g}/{hw.bwd_tflops:g} TFLOP/s fwd/bwd, HBM passes "
           f"{hw.hbm_gbps:g} GB/s, NVLink {hw.nvlink_gbps:g} GB/s, InfiniBand {hw.ib_gbps:g} GB/s per GPU, "
           f"{hw.gpus_per_node} GPUs per node, {hw.latency_us:g} us per message, {hw.memory_gib:g} GiB per GPU"
-          + (", host-timed waits" if a.host_waits else ""))
+          + f", {'host-timed' if host else 'stream-ordered'} waits" + (", zigzag causal rings" if a.balanced else ""))
     for causal in {"no": [False], "yes": [True], "both": [False, True]}[a.causal]:
-        prob = Problem(n, tuple(pats), a.heads, a.kv_heads, a.head_dim, a.batch, a.dtype_bytes, causal)
-        rows = [x for k in a.gpus for s in strategies
-                if (x := predict(prob, k, s, hw, balanced=a.balanced, host_waits=a.host_waits))]
+        rows = []
+        for k in a.gpus:
+            nk = per_gpu * k if per_gpu else n
+            prob = Problem(nk, tuple(config_patterns(a.config, nk, a.segments, a.rates)), a.heads, a.kv_heads,
+                           a.head_dim, a.batch, a.dtype_bytes, causal)
+            rows += [x for s in strategies if (x := predict(prob, k, s, hw, balanced=a.balanced, host_waits=bool(host)))]
         print()
-        print(format_predictions(rows, n, causal))
+        print(format_predictions(rows, causal))
     return 0
 
 

@@ -31,7 +31,9 @@ def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
 
 
 def _series_key(r: dict) -> tuple:
-    return (r["impl"], r["strategy"], r["config"], r["causal"])
+    """A zigzag-layout ring is its own series ("ring/zigzag"); contiguous shards keep the plain name."""
+    layout = r.get("layout", "contiguous")
+    return (r["impl"], r["strategy"] + ("" if layout == "contiguous" else f"/{layout}"), r["config"], r["causal"])
 
 
 def timed(records: list[dict], tokens: int) -> dict[tuple, dict[int, dict]]:

@@ -14,6 +14,10 @@
 # --peers '' (none), --no-probe. A peer whose package does not import (deepspeed for ulysses,
 # ring-flash-attn with flash-attn for ring_flash_attn) is recorded as skipped. PYTHON names the
 # interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 180).
+# Waits: stream-ordered by default (DILATED_ATTENTION_TIMEOUT is not set here: what a user gets, and
+# what the peers get); --waits host measures host-timed waits (a host sync per exchange). Each JSON
+# records the mode (meta.waits). --layouts contiguous,zigzag adds zigzag rings where the package
+# accepts layout= (skipped with the reason otherwise).
 # SMOKE=1 rehearses the whole script on CPU (gloo, tiny sizes, K = 1, 2).
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header above is the manual
   echo "usage: OUT=benchmarks/results benchmarks/run_scaling.sh [--worlds 1,2,4] [bench_scaling.py options...]"
@@ -45,7 +49,6 @@ log=${LOG:-/tmp/scaling_${slug}.log}
 : >"$log"
 
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}
-export DILATED_ATTENTION_TIMEOUT=${DILATED_ATTENTION_TIMEOUT:-120}
 start=$SECONDS
 status=0
 for k in ${worlds//,/ }; do

@@ -12,7 +12,9 @@ streams (compute, communication) and a host thread (``_Timeline``):
 - **Attention kernels** (the fused kernel, one launch per pattern forward, three
   backward). A pattern ``(w', r)`` over ``n`` query rows has ``F = 4 B H D n w'/r^2``
   forward FLOPs (``w'/r`` keys per segment). Forward: ``F / fwd_tflops``; backward:
-  ``bwd_launch_us + 2.5 F / bwd_tflops`` (the launches' fixed cost does not shrink
+  ``bwd_launch_us + 2.5 F / bwd_tflops``, both times ``1 + key_penalty min(m, 65536) / 65536``
+  for blocks of ``m`` keys (one GPU runs full attention over 65536 keys 12% slower per FLOP than
+  over 32768); the launches' fixed cost does not shrink
   with the block, so small ring blocks run at a lower rate than big dense ones).
   Causal: a segment of ``m`` keys costs ``1/2 + causal_keys / (2 m)`` of the unmasked
   one (diagonal tiles and uneven rows: small causal blocks save far less than half).
@@ -26,30 +28,28 @@ streams (compute, communication) and a host thread (``_Timeline``):
   (``nvlink_gbps``) inside a node of ``gpus_per_node``, InfiniBand (``ib_gbps`` per
   GPU) across nodes. Ring exchanges are posted before the step they overlap (the
   NCCL stream also waits for compute already queued); all-to-alls are not overlapped.
-- **Waits**: by default (NCCL) a wait only orders the compute stream. With
-  ``host_waits=True`` (NCCL with a timeout set; the committed
-  ``benchmarks/results/scaling_h200_x*.json`` were measured that way) the host blocks
-  in torch's timed wait, which polls completion every ``poll_ms``
-  (``kSynchronizeBusyWaitMillis`` = 1 ms in ProcessGroupNCCL): it wakes on the first
-  poll after the transfer ends, and work it then issues to an idle GPU starts
-  ``dispatch_us`` later.
-- **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; without
-  ``balanced`` it sees every earlier block), head (Ulysses: four all-to-alls and
-  copies, then the whole sequence for ``H/K`` heads), hybrid (all-to-all inside
-  teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
+- **Waits** (``host_waits``, every entry point takes it; default stream-ordered, what a user
+  gets by default): with NCCL and no timeout set, a wait only orders the compute stream. With
+  ``host_waits=True`` (NCCL with ``DILATED_ATTENTION_TIMEOUT`` or a ``timeout=`` set; gloo always)
+  the host blocks in torch's timed wait, which polls completion every ``poll_ms``
+  (``kSynchronizeBusyWaitMillis`` = 1 ms in ProcessGroupNCCL): it wakes on the first poll after
+  the transfer ends, and work it then issues to an idle GPU starts ``dispatch_us`` later. A
+  scaling JSON says which mode it measured (``meta.waits``; files without it were host-timed).
+- **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
+  the zigzag order, every step is half a block), head (Ulysses: four all-to-alls and copies,
+  then the whole sequence for ``H/K`` heads), hybrid (all-to-all inside teams of ``A``, ring
+  across teams on ``A L`` rows with ``H/A`` heads).
 
-The memory-pass terms are those of a per-pattern fp32 combine and merge, the code the
-committed scaling records were measured on. The library's compact parts, combined in
-one pass at the end (``merge.combine_results``), and its in-place ring-step merges move
-fewer bytes, so the model overestimates today's forward by those passes until new
-single-GPU records re-fit the constants (``calibrate``).
+Constants: ``fit`` moves the kernel and memory constants to whole-call measurements (one-GPU
+references and multi-GPU records of scaling JSONs, each replayed in the wait mode it was measured
+with); ``calibrate`` solves them linearly from single-GPU runs alone, which needs a kernel
+benchmark's partial pipelines to tell launches from passes. Link, latency and poll constants are
+documented hardware/software figures. The memory-pass terms are those of a per-pattern fp32
+combine and merge; today's code combines compact parts once (``merge.combine_results``), and the
+fitted pass constants absorb the difference (one-GPU LongNet calls at N = 32768 come out about
+12% slow).
 
-The kernel and memory constants are calibrated on one GPU only (``calibrate``:
-least squares on single-GPU times of a kernel benchmark JSON and the ``single_gpu``
-entries of ``scaling_<gpu>_x*.json``); link, latency and poll constants are
-documented hardware/software figures. Nothing is fitted to a multi-GPU measurement.
-
-Command line (predictions, ``--validate``, ``--calibrate``): ``benchmarks/cost_model.py``.
+Command line (predictions, ``--validate``, ``--fit``, ``--calibrate``): ``benchmarks/cost_model.py``.
 """
 
 from __future__ import annotations
@@ -72,20 +72,22 @@ DEFAULT_META = {"heads": 16, "kv_heads": 16, "head_dim": 128, "batch": 1, "dtype
 
 @dataclass(frozen=True)
 class Hardware:
-    """Model constants. Kernel and memory figures: ``calibrate`` on single-GPU H200 runs of the fused
-    kernel (bf16, D=128) on the code the committed scaling records measured: their one-GPU
-    references and a kernel benchmark of that code. Links: H200 nodes of 8 GPUs on NVLink (NV18,
-    450 GB/s per direction nominal, about 350 achievable by NCCL), one InfiniBand NDR
-    400 Gb/s NIC per GPU (50 GB/s), 20 us per message. ``poll_ms``: torch's timed-wait
-    poll (1 ms)."""
+    """Model constants. Kernel and memory figures: ``fit`` (``benchmarks/cost_model.py --fit``) on
+    ``tests/data/cost_model_h200_x{1,2}.json`` (2 x H200, bf16, D=128, 16 heads, host-timed waits):
+    the four one-GPU references at N = 32768 and 65536 and the eight K=2 records. Whole calls do not
+    separate forward from backward rates (only their sum is determined). Links: H200 nodes of 8
+    GPUs on NVLink (NV18, 450 GB/s per direction nominal, about 350 achievable by NCCL), one
+    InfiniBand NDR 400 Gb/s NIC per GPU (50 GB/s), 20 us per message: documented figures, not
+    fitted. ``poll_ms``: torch's timed-wait poll (1 ms)."""
 
-    fwd_tflops: float = 450.0  # fused forward, sustained
-    bwd_tflops: float = 285.5  # fused backward, on 2.5x the forward FLOPs
-    bwd_launch_us: float = 191.0  # fixed GPU time of one pattern's backward (3 launches)
-    causal_keys: float = 350.0  # causal segment of m keys costs 1/2 + causal_keys / (2 m) of unmasked
-    hbm_gbps: float = 4170.0  # elementwise/copy passes
-    op_us: float = 17.5  # per elementwise op of those passes
-    dispatch_us: float = 101.0  # host work before a call's first kernel (or after a host wake-up)
+    fwd_tflops: float = 894.7  # fused forward, short key blocks
+    bwd_tflops: float = 460.8  # fused backward, on 2.5x the forward FLOPs
+    bwd_launch_us: float = 209.4  # fixed GPU time of one pattern's backward (3 launches)
+    causal_keys: float = 73.71  # causal segment of m keys costs 1/2 + causal_keys / (2 m) of unmasked
+    key_penalty: float = 0.2781  # kernel time x (1 + key_penalty x min(keys, 65536) / 65536): long blocks slower
+    hbm_gbps: float = 6290.0  # elementwise/copy passes
+    op_us: float = 26.09  # per elementwise op of those passes
+    dispatch_us: float = 274.8  # host work before a call's first kernel (or after a host wake-up)
     nvlink_gbps: float = 350.0
     ib_gbps: float = 50.0
     gpus_per_node: int = 8
@@ -97,7 +99,7 @@ class Hardware:
         for name in ("fwd_tflops", "bwd_tflops", "hbm_gbps", "nvlink_gbps", "ib_gbps", "poll_ms", "memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("bwd_launch_us", "causal_keys", "op_us", "dispatch_us", "latency_us"):
+        for name in ("bwd_launch_us", "causal_keys", "key_penalty", "op_us", "dispatch_us", "latency_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gpus_per_node < 1:
@@ -134,6 +136,7 @@ class Prediction:
     memory_gib: float
     fits: bool
     notes: list[str] = field(default_factory=list)
+    tokens: int = 0  # the whole sequence N
 
 
 def longnet_patterns(n: int, segments: Sequence[int] = LONGNET_SEGMENTS,
@@ -191,14 +194,21 @@ def causal_factor(keys: float, hw: Hardware) -> float:
     return min(1.0, 0.5 + hw.causal_keys / (2.0 * keys))
 
 
+def key_factor(keys: float, hw: Hardware) -> float:
+    """Time per FLOP over blocks of ``keys`` keys relative to short blocks: ``1 + key_penalty keys / 65536``,
+    held at its value for 65536 keys beyond (the longest blocks measured: no extrapolation)."""
+    return 1.0 + hw.key_penalty * min(keys, 65536) / 65536
+
+
 def kernel_fwd_ms(flops: float, keys: float, causal: bool, hw: Hardware) -> float:
     """One pattern's forward launch over blocks of ``keys`` keys; ``flops`` unmasked."""
-    return flops * (causal_factor(keys, hw) if causal else 1.0) / (hw.fwd_tflops * 1e9)
+    return flops * (causal_factor(keys, hw) if causal else 1.0) * key_factor(keys, hw) / (hw.fwd_tflops * 1e9)
 
 
 def kernel_bwd_ms(flops: float, keys: float, causal: bool, hw: Hardware) -> float:
     """One pattern's backward (delta, dq, dk/dv launches); ``flops`` are the unmasked forward FLOPs."""
-    return hw.bwd_launch_us / 1e3 + 2.5 * flops * (causal_factor(keys, hw) if causal else 1.0) / (hw.bwd_tflops * 1e9)
+    work = 2.5 * flops * (causal_factor(keys, hw) if causal else 1.0) * key_factor(keys, hw)
+    return hw.bwd_launch_us / 1e3 + work / (hw.bwd_tflops * 1e9)
 
 
 def pass_ms(nbytes: float, ops: int, hw: Hardware) -> float:
@@ -410,8 +420,8 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardwa
             *, balanced: bool = False, host_waits: bool = False) -> Prediction | None:
     """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
 
-    ``balanced``: causal rings in zigzag order (every step half a block; not what the library
-    does today). ``host_waits``: every exchange waited for on the host (see the module doc).
+    ``balanced``: causal rings in zigzag order (``layout="zigzag"``: every step half a block).
+    ``host_waits``: every exchange waited for on the host; default stream-ordered (module doc).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -435,12 +445,15 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardwa
             notes.append(f"a2a teams of {team}")
         ms, busy = rank_ms(p, gpus, team, hw, balanced=balanced, host_waits=host_waits)
     mem = memory_gib(p, p.tokens / gpus)
-    return Prediction(strategy, gpus, busy, ms - busy, ms, t1, t1 / (gpus * ms), mem, mem <= hw.memory_gib, notes)
+    return Prediction(strategy, gpus, busy, ms - busy, ms, t1, t1 / (gpus * ms), mem, mem <= hw.memory_gib, notes,
+                      p.tokens)
 
 
-def best(p: Problem, gpus: int, hw: Hardware = Hardware(), *, balanced: bool = False) -> Prediction:
-    """The fastest feasible strategy (what ``strategy="auto"`` should pick by this model)."""
-    preds = [x for s in STRATEGIES if (x := predict(p, gpus, s, hw, balanced=balanced)) is not None]
+def best(p: Problem, gpus: int, hw: Hardware = Hardware(), *, balanced: bool = False,
+         host_waits: bool = False) -> Prediction:
+    """The fastest feasible strategy by this model (``strategy.py`` holds what was measured)."""
+    preds = [x for s in STRATEGIES
+             if (x := predict(p, gpus, s, hw, balanced=balanced, host_waits=host_waits)) is not None]
     return min(preds, key=lambda x: x.ms)
 
 
@@ -450,17 +463,17 @@ def best(p: Problem, gpus: int, hw: Hardware = Hardware(), *, balanced: bool = F
 _FITTED = ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "hbm_gbps", "op_us", "dispatch_us")
 
 
-def _single_terms(p: Problem, causal_keys: float, *, fwd: bool = True, bwd: bool = True, combine: bool = True,
-                  casts: bool = True, dispatch: bool = True) -> list[float]:
+def _single_terms(p: Problem, causal_keys: float, *, key_penalty: float = 0.0, fwd: bool = True, bwd: bool = True,
+                  combine: bool = True, casts: bool = True, dispatch: bool = True) -> list[float]:
     """Coefficients of (1/fwd_tflops, 1/bwd_tflops, bwd_launch_us, 1/hbm_gbps, op_us, dispatch_us) in the
     single-GPU time of ``p`` (ms), for the parts of the call a single-GPU benchmark timed."""
-    unit = Hardware(fwd_tflops=1.0, bwd_tflops=1.0, causal_keys=causal_keys)
+    unit = Hardware(fwd_tflops=1.0, bwd_tflops=1.0, causal_keys=causal_keys, key_penalty=key_penalty)
     d, e, b, n = p.head_dim, p.dtype_bytes, p.batch, p.tokens
     t = [0.0] * 6
     for w, r in p.patterns:
         w = min(w, n)
         flops = pattern_flops(n, w, r, heads=p.heads, head_dim=d, batch=b)
-        factor = causal_factor(w / r, unit) if p.causal else 1.0
+        factor = (causal_factor(w / r, unit) if p.causal else 1.0) * key_factor(w / r, unit)
         if fwd:
             t[0] += flops * factor / 1e9
         if bwd:
@@ -558,7 +571,7 @@ def calibrate(paths: Sequence[str], base: Hardware = Hardware(),
     ys = [ms for *_, ms in samples]
     fits = []
     for ck in causal_keys:
-        rows = [_single_terms(p, ck, **parts) for _, p, parts, _ in samples]
+        rows = [_single_terms(p, ck, key_penalty=base.key_penalty, **parts) for _, p, parts, _ in samples]
         x = _solve(rows, ys)
         if min(x[0], x[1], x[3]) <= 0 or min(x[2], x[4], x[5]) < 0:
             continue  # unphysical (a negative cost): not a candidate
@@ -585,33 +598,164 @@ def _records(path: str) -> tuple[dict, list[dict]]:
     return meta, data.get("records", [])
 
 
-def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: bool = False) -> list[dict]:
+def file_host_waits(meta: dict) -> bool:
+    """Whether a scaling JSON was measured with host-timed waits: its ``meta.waits``; files without it
+    (written before the benchmark recorded the mode) ran with ``DILATED_ATTENTION_TIMEOUT`` set: host."""
+    return meta.get("waits", "host") == "host"
+
+
+def _problem(meta: dict, config: str, causal: bool, n: int) -> Problem:
+    return Problem(n, tuple(config_patterns(config, n, meta["longnet_segments"], meta["longnet_rates"])),
+                   heads=meta["heads"], kv_heads=meta.get("kv_heads"), head_dim=meta["head_dim"],
+                   batch=meta["batch"], dtype_bytes=meta.get("dtype_bytes", 2), causal=causal)
+
+
+def _multi_records(meta: dict, records: list[dict]) -> list[dict]:
+    """Timed multi-GPU records of the library in a strategy the model replays (contiguous shards)."""
+    return [r for r in records if r["impl"] == "ours" and r["gpus"] >= 2 and r.get("efficiency") is not None
+            and r["strategy"] in STRATEGIES and "max_tokens" not in r
+            and r.get("layout", "contiguous") == "contiguous"]
+
+
+def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: bool | None = None) -> list[dict]:
     """Compare predicted with measured efficiency (and ms) for every multi-GPU record of ``ours``.
 
     Efficiency is ``T1 / (K TK)`` on both sides: measured T1 and TK from the file, predicted
-    ones from the model (constants from ``calibrate`` on single-GPU runs: nothing fitted here).
-    ``host_waits``: the files were measured with host-timed waits (see the module doc).
+    ones from the model. ``host_waits``: the wait mode to model; None takes each file's own
+    (``file_host_waits``).
     """
     rows = []
     for path in paths:
         meta, records = _records(path)
-        segs, rates = meta["longnet_segments"], meta["longnet_rates"]
-        for rec in records:
-            if (rec["impl"] != "ours" or rec["gpus"] < 2 or rec.get("efficiency") is None
-                    or rec["strategy"] not in STRATEGIES or "max_tokens" in rec):
-                continue
+        host = file_host_waits(meta) if host_waits is None else host_waits
+        for rec in _multi_records(meta, records):
             n = rec["gpus"] * rec["tokens_per_gpu"]
-            prob = Problem(n, tuple(config_patterns(rec["config"], n, segs, rates)), heads=meta["heads"],
-                           kv_heads=meta.get("kv_heads"), head_dim=meta["head_dim"], batch=meta["batch"],
-                           dtype_bytes=meta.get("dtype_bytes", 2), causal=rec["causal"])
-            pred = predict(prob, rec["gpus"], rec["strategy"], hw, balanced=bool(meta.get("balanced")),
-                           host_waits=host_waits)
+            pred = predict(_problem(meta, rec["config"], rec["causal"], n), rec["gpus"], rec["strategy"], hw,
+                           balanced=bool(meta.get("balanced")), host_waits=host)
             if pred is None:
                 continue
             rows.append({"file": path, "config": rec["config"], "causal": rec["causal"],
                          "strategy": rec["strategy"], "gpus": rec["gpus"], "tokens_per_gpu": rec["tokens_per_gpu"],
+                         "waits": "host" if host else "stream",
                          "measured": rec["efficiency"], "predicted": pred.efficiency,
                          "error_pct": 100.0 * (pred.efficiency - rec["efficiency"]) / rec["efficiency"],
                          "measured_ms": rec["ms"], "predicted_ms": pred.ms,
+                         "ms_error_pct": 100.0 * (pred.ms - rec["ms"]) / rec["ms"],
                          "measured_t1_ms": rec["efficiency"] * rec["gpus"] * rec["ms"], "predicted_t1_ms": pred.t1_ms})
     return rows
+
+
+# -- fit on whole calls, one GPU and several ---------------------------------------------------------
+
+# The constants ``fit`` moves by default: the kernel's and memory passes' rates and fixed costs. Links,
+# latency and the poll interval stay at their documented figures.
+FIT_NAMES = ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "key_penalty", "hbm_gbps", "op_us",
+             "dispatch_us")
+
+
+def _nelder_mead(f, x0: list[float], step: float, iters: int) -> tuple[list[float], float]:
+    """Minimise ``f`` from ``x0`` (the downhill simplex; deterministic, no dependencies)."""
+    pts = [list(x0)] + [[v + (step if i == j else 0.0) for j, v in enumerate(x0)] for i in range(len(x0))]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = sorted(range(len(pts)), key=vals.__getitem__)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if vals[-1] - vals[0] < 1e-12:
+            break
+        c = [sum(col) / (len(pts) - 1) for col in zip(*pts[:-1])]
+
+        def at(t: float) -> list[float]:
+            return [ci + t * (ci - wi) for ci, wi in zip(c, pts[-1])]
+
+        xr = at(1.0)
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = at(2.0)
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = at(-0.5)
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:  # shrink towards the best point
+                pts = [pts[0]] + [[b + 0.5 * (v - b) for b, v in zip(pts[0], p)] for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    best = min(range(len(pts)), key=vals.__getitem__)
+    return pts[best], vals[best]
+
+
+def fit_samples(paths: Sequence[str]) -> list[dict]:
+    """Every whole-call measurement of the library in scaling JSONs: the one-GPU references
+    (``single_gpu``) and the multi-GPU records, each with its problem and wait mode."""
+    out = []
+    for path in paths:
+        meta, records = _records(path)
+        name = os.path.basename(path)
+        for s in meta.get("single_gpu", []):
+            if s.get("impl") == "ours" and not s.get("error") and s.get("ms"):
+                out.append({"name": f"{name}: T1 {s['config']} causal={s['causal']} N={s['tokens']}", "gpus": 1,
+                            "strategy": "ring", "problem": _problem(meta, s["config"], s["causal"], s["tokens"]),
+                            "ms": s["ms"], "efficiency": None, "host_waits": False})
+        for r in _multi_records(meta, records):
+            out.append({"name": f"{name}: {r['strategy']} {r['config']} causal={r['causal']} K={r['gpus']}",
+                        "gpus": r["gpus"], "strategy": r["strategy"],
+                        "problem": _problem(meta, r["config"], r["causal"], r["gpus"] * r["tokens_per_gpu"]),
+                        "ms": r["ms"], "efficiency": r["efficiency"], "host_waits": file_host_waits(meta)})
+    return out
+
+
+def _fit_errors(samples: list[dict], hw: Hardware) -> list[tuple[float, float | None]]:
+    """(ms error, efficiency error) per sample, relative; efficiency only for multi-GPU records."""
+    out = []
+    for s in samples:
+        pred = predict(s["problem"], s["gpus"], s["strategy"], hw, host_waits=s["host_waits"])
+        if pred is None:
+            out.append((1.0, None))
+            continue
+        eff = None if s["efficiency"] is None else pred.efficiency / s["efficiency"] - 1
+        out.append((pred.ms / s["ms"] - 1, eff))
+    return out
+
+
+def fit(paths: Sequence[str], base: Hardware = Hardware(), names: Sequence[str] = FIT_NAMES, *,
+        single_weight: float = 1.0, rounds: int = 4) -> tuple[Hardware, list[dict]]:
+    """Fit ``names`` to whole calls: least squares of relative errors of every multi-GPU time and
+    efficiency, plus ``single_weight`` times those of the one-GPU references, plus the square of the
+    worst multi-GPU error (so no record is sacrificed to the mean). Each record is replayed in the
+    wait mode it was measured with. Nelder-Mead on log constants, from ``base``, restarted
+    ``rounds`` times. Returns the fitted hardware and, per measurement, measured vs model."""
+    samples = fit_samples(paths)
+    if len(samples) <= len(names):
+        raise ValueError(f"need more than {len(names)} measurements to fit {len(names)} constants, "
+                         f"found {len(samples)} in {paths}")
+    floor = {"causal_keys": 1.0, "key_penalty": 0.05, "bwd_launch_us": 1.0, "op_us": 0.1, "dispatch_us": 1.0}
+
+    def make(x: Sequence[float]) -> Hardware:
+        return replace(base, **{n: math.exp(v) for n, v in zip(names, x)})
+
+    def cost(x: Sequence[float]) -> float:
+        try:
+            hw = make(x)
+        except ValueError:
+            return math.inf
+        total, worst = 0.0, 0.0
+        for s, (e_ms, e_eff) in zip(samples, _fit_errors(samples, hw)):
+            if e_eff is None:
+                total += single_weight * e_ms**2
+                continue
+            total += e_ms**2 + e_eff**2
+            worst = max(worst, abs(e_ms), abs(e_eff))
+        return total + worst**2
+
+    x = [math.log(max(getattr(base, n), floor.get(n, 1e-6))) for n in names]
+    for step in [0.5] + [0.15] * (rounds - 1):
+        x, _ = _nelder_mead(cost, x, step, 400 * len(names))
+    hw = make(x)
+    report = [{"name": s["name"], "measured_ms": s["ms"], "model_ms": s["ms"] * (1 + e_ms),
+               "measured_efficiency": s["efficiency"],
+               "model_efficiency": None if e_eff is None else s["efficiency"] * (1 + e_eff)}
+              for s, (e_ms, e_eff) in zip(samples, _fit_errors(samples, hw))]
+    return hw, report

@@ -17,7 +17,8 @@ import plot_scaling  # noqa: E402
 
 from dilated_attention.cost_model import validate  # noqa: E402
 
-RECORD_KEYS = {"impl", "strategy", "config", "causal", "gpus", "tokens_per_gpu", "ms", "efficiency", "peak_gib"}
+RECORD_KEYS = {"impl", "strategy", "config", "causal", "gpus", "tokens_per_gpu", "layout", "ms", "efficiency",
+               "peak_gib"}
 
 
 def test_gpu_tag_names_the_model():

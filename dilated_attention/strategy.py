@@ -1,0 +1,82 @@
+"""``strategy="auto"``: the team size ``A`` the scaling benchmark measured fastest.
+
+``A = 1`` is the ring, ``A = world`` head-parallel, anything between the hybrid (docs/design.md
+section 2). The rule is a table of what ``benchmarks/bench_scaling.py`` measured, per kind of
+pattern set and causality, on 2 x H200 at 32768 tokens per GPU, stream-ordered waits
+(``torchrun --standalone --nproc_per_node=2 benchmarks/bench_scaling.py --waits stream``,
+forward+backward, ms):
+
+=========================  =======  =======  =========
+patterns                   ring     head     measured
+=========================  =======  =======  =========
+LongNet, non-causal          16.7     19.4   ring
+LongNet, causal              11.0     12.9   ring
+full attention, non-causal  144.9    144.1   tie: ring
+full attention, causal      110.4     80.5   head
+=========================  =======  =======  =========
+
+Within 3% the simpler strategy wins: the ring (no all-to-all, no condition on the heads, no
+change of layout). "Full" means a rate-1 pattern spans ranks (dense attention across shards);
+LongNet's spanning patterns are dilated (rate > 1), so most of its work is local and a ring
+moves ``1/r`` of the keys. Where head is measured best but cannot run (the ranks do not divide
+the heads) or the job spans nodes (the all-to-all would cross the network), the hybrid takes its
+place when a team exists (4 x H200: full causal hybrid 304 ms against ring 361), else the ring.
+"""
+
+from __future__ import annotations
+
+from .patterns import hybrid_team_size
+
+LAYOUTS = ("contiguous", "zigzag")
+
+# (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest. A zigzag layout
+# balances causal rings; until the benchmark measures it (``--layouts zigzag``), its rows repeat the
+# contiguous ones.
+MEASURED = {
+    (False, False, "contiguous"): "ring",
+    (False, True, "contiguous"): "ring",
+    (True, False, "contiguous"): "ring",  # within 3% of head: the simpler one
+    (True, True, "contiguous"): "head",  # the contiguous causal ring waits on its last rank
+    (False, False, "zigzag"): "ring",
+    (False, True, "zigzag"): "ring",
+    (True, False, "zigzag"): "ring",
+    (True, True, "zigzag"): "head",
+}
+
+
+def pattern_spans(segment_lengths, dilation_rates, seq_len: int, shard_len: int) -> tuple[bool, bool]:
+    """``(spans, dense)`` of a pattern set over a sequence of ``seq_len`` cut in shards of
+    ``shard_len`` rows: some segment (clamped to the sequence) is longer than a shard, and one of
+    those has rate 1."""
+    long = [r for w, r in zip(segment_lengths, dilation_rates) if min(w, seq_len) > shard_len]
+    return bool(long), any(r == 1 for r in long)
+
+
+def auto_team_size(world: int, heads: int, kv_heads: int, *, causal: bool, spans: bool, dense: bool,
+                   local_world: int = 0, layout: str = "contiguous", whole_sequence: bool = False) -> int:
+    """Ranks per all-to-all team for ``strategy="auto"`` (1: ring, ``world``: head, between: hybrid).
+
+    ``spans``/``dense``: see ``pattern_spans``. ``local_world``: ranks per node (``LOCAL_WORLD_SIZE``,
+    0 unknown). ``layout``: how the shards hold the sequence. ``whole_sequence``: the call needs each
+    rank to hold whole documents or pads internally (``cu_seqlens``, segments that do not tile the
+    shards), which only head-parallel does. ``kv_heads`` does not change the choice: every
+    measurement had ``kv_heads == heads``.
+    """
+    if world < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"need world >= 1 and kv heads dividing heads, got world={world}, heads={heads}, "
+                         f"kv_heads={kv_heads}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if world == 1:
+        return 1
+    head_ok = heads % world == 0
+    if whole_sequence:
+        return world if head_ok else 1  # the ring then raises, naming the head strategy
+    if not spans:
+        return 1  # every pattern is local: the ring exchanges nothing
+    if MEASURED[dense, causal, layout] == "ring":
+        return 1
+    across_nodes = 1 < local_world < world
+    if head_ok and not across_nodes:
+        return world
+    return hybrid_team_size(world, heads, local_world) or (world if head_ok else 1)

@@ -1,0 +1,64 @@
+"""strategy="auto": the team size the scaling benchmark measured fastest (dilated_attention/strategy.py)."""
+
+import pytest
+
+from dilated_attention.strategy import MEASURED, auto_team_size, pattern_spans
+
+LONGNET = ([2048, 8192, 32768, 65536], [1, 2, 4, 8])  # N = 65536 on 2 ranks of 32768
+FULL = ([65536], [1])
+
+
+def _team(patterns, causal, world=2, heads=16, **kw):
+    spans, dense = pattern_spans(*patterns, 32768 * world, 32768)
+    return auto_team_size(world, heads, kw.pop("kv_heads", heads), causal=causal, spans=spans, dense=dense, **kw)
+
+
+def test_pattern_spans():
+    assert pattern_spans(*LONGNET, 65536, 32768) == (True, False)  # only (65536, 8) spans
+    assert pattern_spans(*FULL, 65536, 32768) == (True, True)
+    assert pattern_spans([2048, 8192], [1, 2], 65536, 32768) == (False, False)
+    assert pattern_spans([10**9], [1], 4096, 4096) == (False, False)  # clamped to the sequence
+
+
+@pytest.mark.parametrize("patterns, causal, team", [
+    (LONGNET, False, 1),  # ring 16.7 ms, head 19.4
+    (LONGNET, True, 1),  # ring 11.0, head 12.9
+    (FULL, False, 1),  # ring 144.9, head 144.1: within 3%, the simpler ring
+    (FULL, True, 2),  # ring 110.4 (unbalanced), head 80.5
+])
+def test_two_gpu_measurements(patterns, causal, team):
+    assert _team(patterns, causal) == team
+
+
+def test_local_patterns_need_no_exchange():
+    assert auto_team_size(4, 16, 16, causal=True, spans=False, dense=False) == 1
+    assert auto_team_size(1, 16, 16, causal=True, spans=True, dense=True) == 1
+
+
+def test_head_preferred_but_impossible_or_across_nodes():
+    # 4 ranks, 6 heads: no head split; a team of 2 divides both
+    assert _team(FULL, True, world=4, heads=6) == 2
+    assert _team(FULL, True, world=3, heads=4) == 1  # no team at all: the ring
+    # 16 ranks on nodes of 8: the all-to-all stays inside a node, the ring crosses nodes
+    assert _team(FULL, True, world=16, heads=16, local_world=8) == 8
+    assert _team(FULL, True, world=8, heads=16, local_world=8) == 8  # one node: head
+
+
+def test_whole_sequence_calls_take_head():
+    assert _team(LONGNET, False, whole_sequence=True) == 2
+    assert _team(LONGNET, False, world=3, heads=4, whole_sequence=True) == 1
+
+
+def test_layout_hook_and_table():
+    assert set(MEASURED) == {(d, c, lay) for d in (False, True) for c in (False, True)
+                             for lay in ("contiguous", "zigzag")}
+    assert set(MEASURED.values()) <= {"ring", "head"}
+    assert _team(FULL, True, layout="zigzag") in (1, 2)
+    with pytest.raises(ValueError, match="layout"):
+        _team(FULL, True, layout="striped")
+
+
+def test_kv_heads():
+    assert _team(FULL, True, kv_heads=4) == 2  # grouped-query heads: the same choice
+    with pytest.raises(ValueError, match="kv heads"):
+        _team(FULL, True, kv_heads=3)
