@@ -14,8 +14,8 @@ streams (compute, communication) and a host thread (``_Timeline``):
   forward FLOPs (``w'/r`` keys per segment). Forward: ``F / fwd_tflops``; backward:
   ``bwd_launch_us + 2.5 F / bwd_tflops``, both times ``1 + key_penalty min(m, 65536) / 65536``
   for blocks of ``m`` keys (one GPU runs full attention over 65536 keys 12% slower per FLOP than
-  over 32768); the launches' fixed cost does not shrink
-  with the block, so small ring blocks run at a lower rate than big dense ones).
+  over 32768). The launches' fixed cost does not shrink
+  with the block, so small ring blocks run at a lower rate than big dense ones.
   Causal: a segment of ``m`` keys costs ``1/2 + causal_keys / (2 m)`` of the unmasked
   one (diagonal tiles and uneven rows: small causal blocks save far less than half).
 - **Memory-bound passes** at ``hbm_gbps`` plus ``op_us`` per elementwise op: the
