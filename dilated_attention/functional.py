@@ -31,13 +31,13 @@ from .caches import typed
 from .callers import user_stacklevel
 from .comm import CommBackend, resolve_comm
 from .consistency import agree, call_signature, settle
-from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_sequence_backward, sequence_to_heads,
-                            sequence_to_heads_backward)
+from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_sequence_backward, member_rows,
+                            sequence_to_heads, sequence_to_heads_backward)
 from .kernels.dispatch import select_kernel
 from .kernels.guard import guard_kernel
 from .kernels.protocol import BlockKernel, PatternKernel
 from .merge import accum_dtype
-from .patterns import PatternPlan, hybrid_team_size, padded_length, plan_patterns
+from .patterns import PatternPlan, check_layout, hybrid_team_size, padded_length, plan_patterns, zigzag_half
 from .ring import RingCall, RingLayout, ring_backward, ring_forward
 from .views import layout_key
 
@@ -240,17 +240,19 @@ class _Schedule:
     kernel: PatternKernel | None  # None when planned for shapes only
     causal: bool
     scale: float
+    zigzag: bool = False  # the shards are in the zigzag layout (ring.RingLayout), over more than one rank
 
     def ring(self, call: int, plans: tuple[PatternPlan, ...] | None = None) -> RingCall:
         """Rings across teams, or (``plans`` of a whole-sequence batch) every pattern local."""
         if plans is not None:
             return RingCall(plans, None, RingLayout(), 0, self.kernel, self.causal, self.scale)
-        return RingCall(self.plans, self.backend, RingLayout(self.team), call, self.kernel, self.causal, self.scale)
+        return RingCall(self.plans, self.backend, RingLayout(self.team, self.zigzag), call, self.kernel, self.causal,
+                        self.scale)
 
     def swap(self, call: int) -> HeadSwap:
         first = self.backend.rank - self.backend.rank % self.team
         return HeadSwap(self.backend, tuple(range(first, first + self.team)), self.split,
-                        f"call {call}, strategy {self.strategy!r} (team of {self.team})", call)
+                        f"call {call}, strategy {self.strategy!r} (team of {self.team})", call, self.zigzag)
 
 
 def _attend(spec: _Schedule, call: int, q, k, v, key_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,13 +284,18 @@ def _attend_backward(spec: _Schedule, call: int, q, k, v, key_mask, out, lse, do
     return tuple(_unrows([g[i] for g in grads], spec.batches, n, bsz) for i in range(3))
 
 
-def _gather_mask(backend: CommBackend, mask: torch.Tensor | None, call: int) -> torch.Tensor | None:
-    """Every rank's key mask rows, as one ``(B, N)`` mask of the whole sequence."""
+def _gather_mask(backend: CommBackend, mask: torch.Tensor | None, call: int, team: int, zigzag: bool
+                 ) -> torch.Tensor | None:
+    """Every rank's key mask rows, as one ``(B, N)`` mask of the whole sequence in block order: each team's
+    rows as its all-to-all lays them out (``member_rows``), teams in order. That is the natural order, except
+    for zigzag rings, where block ``b`` holds its two chunks (ring steps read a block's, or a chunk's, mask
+    rows as a slice)."""
     if mask is None:
         return None
     parts = backend.all_gather(mask.to(torch.uint8), f"call {call}: key_padding_mask all-gather",
                                host=backend.host_waits, stamp=backend.stamp(call, "forward"))
-    return parts.permute(1, 0, 2).flatten(1).bool()
+    teams = parts.unflatten(0, (-1, team)).unbind(0)
+    return torch.cat([member_rows(rows, zigzag) for rows in teams], dim=1).bool()
 
 
 def dilated_attention(
@@ -308,6 +315,7 @@ def dilated_attention(
     comm: str | CommBackend | None = None,
     strategy: str = "auto",
     kernel: str | BlockKernel | PatternKernel = "auto",
+    layout: str = "contiguous",
 ) -> torch.Tensor:
     """Dilated attention over ``(B, N, H, D)`` inputs (docs/design.md sections 1-2).
 
@@ -326,6 +334,10 @@ def dilated_attention(
     segments do not tile is padded internally (masked pad keys) unless
     ``pad_to_segments=False``; with ``comm`` only the ``"head"`` strategy pads.
     ``head_offsets="torchscale"`` selects torchscale's head-offset rule.
+    ``layout="zigzag"`` (with ``comm``): the shards are in zigzag order (``distributed.shard_indices``: rank
+    ``j`` of ``K`` holds chunks ``j`` and ``2K - 1 - j`` of ``2K``), which balances causal rings; the
+    result rows and gradients are this rank's rows in the same order. Every strategy; not under
+    ``torch.compile``.
     Returns ``(B, N, H, D)``; differentiable once (double backward raises). Under
     ``torch.compile`` the call is one custom op (``custom_ops.py``); ``torch.func.grad``/``vjp``
     work, ``vmap`` works without ``comm``, forward-mode AD (``jvp``) raises.
@@ -334,8 +346,12 @@ def dilated_attention(
                    cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
                    strategy=strategy, kernel=kernel)
     if torch.compiler.is_compiling() and _ops.AVAILABLE:
+        if layout != "contiguous":  # the custom ops carry no layout argument
+            raise ValueError(f"layout={layout!r} does not run under torch.compile: call dilated_attention outside "
+                             "the compiled region (torch.compiler.disable) or use layout='contiguous'")
         # One opaque op: no graph break, and what talks to other ranks runs inside it, never in the graph.
         return _ops.attend(q, k, v, segment_lengths, dilation_rates, comm=comm, **options)
+    options["layout"] = layout
     backend = resolve_comm(comm)
     spec, call = _prepare(q, k, v, segment_lengths, dilation_rates, backend, None, **options)
     return _Attention.apply(q, k, v, key_padding_mask, spec, call)[0]
@@ -354,17 +370,18 @@ def _warn_if_heads_first(shape: torch.Size, seq_len: int, segment_lengths) -> No
             f"(B, H, N, D), pass q.transpose(1, 2) (likewise k and v)", UserWarning, stacklevel=user_stacklevel())
 
 
-def _check_flags(causal, pad_to_segments, strategy) -> None:
+def _check_flags(causal, pad_to_segments, strategy, layout="contiguous") -> None:
     for name, flag in (("causal", causal), ("pad_to_segments", pad_to_segments)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check_layout(layout)
 
 
 def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend | None, mode, causal,
               softmax_scale, key_padding_mask, cu_seqlens, pad_to_segments, head_offsets, strategy, kernel,
-              shapes_only: bool = False, record: bool = True) -> _Schedule:
+              layout: str = "contiguous", shapes_only: bool = False, record: bool = True) -> _Schedule:
     """Validate a call and decide everything but the data: raises ``ValueError``/``TypeError``.
 
     ``shapes_only``: what output shapes need, from shapes alone (no ``cu_seqlens`` values, no kernel):
@@ -373,9 +390,12 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     """
     world = backend.world_size if backend is not None else 1
     _check_tensors(q, k, v)
-    _check_flags(causal, pad_to_segments, strategy)
+    _check_flags(causal, pad_to_segments, strategy, layout)
     scale = _check_scale(softmax_scale, q.shape[-1], q.dtype)
     bsz, local, heads, _ = q.shape
+    zigzag = layout == "zigzag" and world > 1  # on one rank the zigzag order is the natural one
+    if zigzag:
+        zigzag_half(local)
     _warn_if_heads_first(q.shape, local * world, segment_lengths)
     team = _team_size(strategy, world, heads)
     split = HeadSplit(heads, k.shape[2], team)
@@ -386,11 +406,11 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     key_mask = _check_key_padding_mask(key_padding_mask, q)
     docs = _check_cu_seqlens(cu_seqlens, q, local * world, read=not shapes_only)
 
-    def plan(length: int, local_len: int | None = None) -> tuple[PatternPlan, ...]:
+    def plan(length: int, local_len: int | None = None, shards: str = "contiguous") -> tuple[PatternPlan, ...]:
         return plan_patterns(
             segment_lengths, dilation_rates, seq_len=length, local_len=local_len or length,
             num_heads=split.local_heads, num_kv_heads=split.local_kv_heads, mode=mode,
-            head_offsets=head_offsets, head_start=lane * split.local_heads, total_heads=heads,
+            head_offsets=head_offsets, head_start=lane * split.local_heads, total_heads=heads, layout=shards,
         )
 
     batches = plans = None
@@ -400,8 +420,8 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
         raise ValueError(f"cu_seqlens with comm needs each rank to hold whole documents: strategy='head' (or "
                          f"'auto' with the {heads} heads divisible by the {world} ranks); got "
                          f"strategy={strategy!r} with a ring over {world // team} shards")
-    else:
-        plans = plan(local * world, local * team)
+    else:  # rings across teams; a team's rows are in the shards' layout (head_parallel.member_rows)
+        plans = plan(local * world, local * team, layout)
     if backend is not None:
         for name, t in (("q", q), ("k", k), ("v", v), ("key_padding_mask", key_mask)):
             reason = backend.check_device(name, t) if t is not None else None
@@ -416,11 +436,11 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
         if hooks.active():  # none by default (debug mode, the runtime audit): one module-global check
             options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
                            cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
-                           strategy=strategy, kernel=kernel)
+                           strategy=strategy, kernel=kernel, layout=layout)
             call = hooks.Call(q, k, v, segment_lengths, dilation_rates, backend, options, record, meta)
             chosen = hooks.apply_kernel_hooks(chosen, call)
         chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
-    return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale)
+    return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale, zigzag)
 
 
 _SCHEDULES = caches.table("functional.schedules", 256)
@@ -459,6 +479,7 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
     """
     error: BaseException | None = None
     spec = None
+    options.setdefault("layout", "contiguous")  # (the compiled path's ops carry no layout)
     if backend is None:
         key = _schedule_key(q, k, v, segment_lengths, dilation_rates, options)
         spec = _SCHEDULES.get(key) if key is not None else None
@@ -475,7 +496,7 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
     if backend.check_calls:
         kernel, docs = options["kernel"], spec.docs if spec is not None else None
         same = {name: options[name] for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
-                                                 "pad_to_segments")}
+                                                 "pad_to_segments", "layout")}
         sig = call_signature(q, k, v, segment_lengths, dilation_rates, **same,
                              kernel=kernel if isinstance(kernel, str) else type(kernel).__name__,
                              key_padding_mask=options["key_padding_mask"] is not None,
@@ -495,7 +516,7 @@ def _forward(spec: _Schedule, call: int, q, k, v, key_padding_mask) -> tuple[tor
     q, k, v = _unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)
     saved, mask = [], key_padding_mask
     if spec.backend is not None and mask is not None:
-        mask = _gather_mask(spec.backend, mask, call)
+        mask = _gather_mask(spec.backend, mask, call, spec.team, spec.zigzag)
         saved.append(mask)
     if spec.team == 1:
         out, lse = _attend(spec, call, q, k, v, mask)

@@ -18,10 +18,12 @@ from torch import nn
 
 from .comm import CommBackend
 from .functional import dilated_attention
+from .patterns import check_layout
 
 
 class DilatedAttention(nn.Module):
-    """Holds a pattern; ``forward(q, k, v)`` on ``(B, N, H, D)`` tensors (local shards with ``comm``).
+    """Holds a pattern; ``forward(q, k, v)`` on ``(B, N, H, D)`` tensors (local shards with ``comm``, in the
+    order ``layout`` names: ``distributed.shard_sequence(x, comm, layout=...)`` makes them).
 
     Every argument is ``dilated_attention``'s (see its docstring and docs/design.md).
     """
@@ -38,12 +40,15 @@ class DilatedAttention(nn.Module):
         comm: str | CommBackend | None = None,
         strategy: str = "auto",
         kernel: str = "auto",
+        layout: str = "contiguous",
     ) -> None:
         super().__init__()
+        check_layout(layout)
         self.segment_lengths = list(segment_lengths)
         self.dilation_rates = list(dilation_rates)
         self.mode, self.causal, self.softmax_scale = mode, causal, softmax_scale
         self.head_offsets, self.comm, self.strategy, self.kernel = head_offsets, comm, strategy, kernel
+        self.layout = layout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,12 +58,13 @@ class DilatedAttention(nn.Module):
             q, k, v, self.segment_lengths, self.dilation_rates, mode=self.mode, causal=self.causal,
             softmax_scale=self.softmax_scale, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
             head_offsets=self.head_offsets, comm=self.comm, strategy=self.strategy, kernel=self.kernel,
+            layout=self.layout,
         )
 
     def extra_repr(self) -> str:
         return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
                 f"mode={self.mode!r}, causal={self.causal}, head_offsets={self.head_offsets!r}, "
-                f"comm={self.comm!r}, strategy={self.strategy!r}, kernel={self.kernel!r}")
+                f"comm={self.comm!r}, strategy={self.strategy!r}, kernel={self.kernel!r}, layout={self.layout!r}")
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -90,6 +96,7 @@ class MultiheadDilatedAttention(nn.Module):
         comm: str | CommBackend | None = None,
         strategy: str = "auto",
         kernel: str = "auto",
+        layout: str = "contiguous",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -120,7 +127,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.attention = DilatedAttention(
             segment_lengths, dilation_rates, mode=mode, causal=causal, head_offsets=head_offsets, comm=comm,
-            strategy=strategy, kernel=kernel,
+            strategy=strategy, kernel=kernel, layout=layout,
         )
 
     def forward(

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import get_backend
+from ..distributed import shard_indices
 from ..functional import dilated_attention
 from ..launch_utils import init_distributed
 from ..patterns import hybrid_team_size
@@ -58,6 +59,7 @@ class Case:
     strategy: str = "ring"
     masked: bool = False  # a random key_padding_mask (about a quarter of the keys)
     docs: tuple[int, ...] | None = None  # cu_seqlens over the global sequence (batch 1)
+    shards: str = "contiguous"  # the shard layout (dilated_attention's layout=): which rows each rank holds
 
     @property
     def seq_len(self) -> int:
@@ -124,6 +126,37 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
                     local_len=12, strategy="head"))
     out.append(Case(f"P{world}-masked-bfloat16", world, *spanning, causal=True, heads=4, kv_heads=2, dim=16,
                     dtype="bfloat16", masked=True))
+    if world > 1:
+        out.extend(zigzag_cases(world))
+    return out
+
+
+def zigzag_cases(world: int) -> list[Case]:
+    """The zigzag shard layout (rank ``j`` holds chunks ``j`` and ``2P - 1 - j``): full attention, LongNet-like
+    patterns (local, spanning some chunks, spanning all; at P = 3 the segment of chunks 2-3 lies on one rank),
+    dilation, GQA, key masks, causal and not, ring and head (hybrid at P = 4)."""
+    n = 16 * world
+    longnet = ((8, 16, n), (1, 2, 4))
+    heads = 12 if 12 % world == 0 else 8 * world
+    out = []
+    for causal in (False, True):
+        tag = "causal" if causal else "full"
+        out.append(Case(f"P{world}-zigzag-ring-dense-{tag}", world, (n,), (1,), causal=causal, shards="zigzag"))
+        out.append(Case(f"P{world}-zigzag-ring-longnet-{tag}", world, *longnet, causal=causal, heads=6, kv_heads=2,
+                        layout="transposed", shards="zigzag"))
+        out.append(Case(f"P{world}-zigzag-head-longnet-{tag}", world, *longnet, causal=causal, heads=heads,
+                        kv_heads=4, strategy="head", shards="zigzag"))
+    out.append(Case(f"P{world}-zigzag-ring-dilated-grouped", world, (16, 2 * n), (4, 8), mode="grouped", causal=True,
+                    heads=4, kv_heads=1, shards="zigzag"))
+    out.append(Case(f"P{world}-zigzag-ring-key-padding", world, *longnet, causal=True, heads=4, kv_heads=2, masked=True,
+                    shards="zigzag"))
+    out.append(Case(f"P{world}-zigzag-head-docs", world, (4, 8, 16), (1, 2, 4), causal=True, heads=heads, kv_heads=4,
+                    batch=1, masked=True, strategy="head", docs=(0, 5, 5, n // 2 + 3, n), shards="zigzag"))
+    out.append(Case(f"P{world}-zigzag-ring-bfloat16", world, *longnet, causal=True, heads=4, kv_heads=2, dim=16,
+                    dtype="bfloat16", shards="zigzag"))
+    if world >= 4:
+        out.append(Case(f"P{world}-zigzag-hybrid-causal", world, *longnet, causal=True, heads=heads, kv_heads=4,
+                        masked=True, strategy="hybrid", shards="zigzag"))
     return out
 
 
@@ -170,7 +203,7 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
     else:
         plain = _oracle(case, q, k, v, dout, dtype, seed)
         tol = {n: tolerance(dtype, rel_err(p, o)) for n, p, o in zip(names, plain, oracle)}
-    rows = slice(rank * case.local_len, (rank + 1) * case.local_len)
+    rows = shard_indices(case.seq_len, case.world, rank, case.shards)
     g = torch.Generator(device=device).manual_seed(seed)
     local = [as_layout(t[:, rows].to(device=device, dtype=dtype), case.layout, generator=g).requires_grad_()
              for t in (q, k, v)]
@@ -180,7 +213,7 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
     if "cu_seqlens" in masks:
         masks["cu_seqlens"] = masks["cu_seqlens"].to(device)
     out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode, causal=case.causal,
-                            comm=comm, kernel=case.kernel, strategy=case.strategy, **masks)
+                            comm=comm, kernel=case.kernel, strategy=case.strategy, layout=case.shards, **masks)
     grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
     got = [t.detach().cpu() for t in (out, *grads)]
     errors = {n: rel_err(g, o[:, rows]) for n, g, o in zip(names, got, oracle)}
