@@ -130,8 +130,9 @@ def _step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, block
             return (_Call(slice(0, rows), slice(0, rows // plan.dilation), slice(src * rows, (src + 1) * rows),
                           plan, whole),)
     size = rows // len(queries)
+    packed = size // plan.dilation  # a chunk's rows in the packed K/V block
     half = plan.with_local_segment(size)
-    return tuple(_Call(slice(i * size, (i + 1) * size), slice(j * size // plan.dilation, (j + 1) * size // plan.dilation),
+    return tuple(_Call(slice(i * size, (i + 1) * size), slice(j * packed, (j + 1) * packed),
                        slice(src * rows + j * size, src * rows + (j + 1) * size), half, seen[i][j] is Visibility.CAUSAL)
                  for i, j in pairs if seen[i][j] is not Visibility.HIDDEN)
 
