@@ -19,7 +19,7 @@ import os
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from .kernels.protocol import BlockKernel, PatternKernel
 from .merge import accum_dtype
 from .patterns import PatternPlan, check_layout, hybrid_team_size, padded_length, plan_patterns, zigzag_half
 from .ring import RingCall, RingLayout, ring_backward, ring_forward
+from .strategy import auto_team_size, pattern_spans
 from .views import layout_key
 
 STRATEGIES = ("auto", "ring", "head", "hybrid")
@@ -94,24 +95,38 @@ def _unit_head_dim(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
-def _team_size(strategy: str, world: int, heads: int) -> int:
-    """Ranks that swap sequence for heads (``A``); the documented choice for ``"auto"``/``"hybrid"``.
-
-    ``auto``: head-parallel whenever the heads split evenly over the ranks (perfect balance,
-    causal included, traffic independent of the patterns: 4 all-to-alls of ``(P-1)/P`` of
-    q, k, v, out per direction), else hybrid, else the ring. ``hybrid``: a2a inside a node
-    (``LOCAL_WORLD_SIZE`` ranks) and the ring across nodes when that divides the heads,
+def _team_size(strategy: str, world: int, heads: int, auto: Callable[[], int]) -> int:
+    """Ranks that swap sequence for heads (``A``): 1 for ``"ring"``, the world for ``"head"``, ``auto()``
+    (``strategy.py``: what the scaling benchmark measured fastest) for ``"auto"``. ``hybrid``: a2a
+    inside a node (``LOCAL_WORLD_SIZE`` ranks) and the ring across nodes when that divides the heads,
     else the largest proper divisor of the world that divides the heads.
     """
     if strategy == "ring" or world == 1:
         return 1
-    if strategy == "head" or (strategy == "auto" and heads % world == 0):
+    if strategy == "head":
         return world
-    team = hybrid_team_size(world, heads, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
-    if team is None and strategy == "hybrid":
+    if strategy == "auto":
+        return auto()
+    team = hybrid_team_size(world, heads, _local_world())
+    if team is None:
         raise ValueError(f'strategy="hybrid" needs a team size that divides both the world size ({world}) and the '
                          f"number of query heads ({heads}); none exists")
-    return team or 1
+    return team
+
+
+def _local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+
+
+def _ring_plans(segment_lengths, dilation_rates, n: int, local: int, heads: int, kv_heads: int, layout: str) -> bool:
+    """Whether the patterns tile shards of ``local`` rows so that rings can run them (else only
+    head-parallel, which holds the whole sequence, pads and runs documents)."""
+    try:
+        plan_patterns(segment_lengths, dilation_rates, seq_len=n, local_len=local, num_heads=heads,
+                      num_kv_heads=kv_heads, layout=layout)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_key_padding_mask(mask, q: torch.Tensor) -> torch.Tensor | None:
@@ -397,7 +412,14 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     if zigzag:
         zigzag_half(local)
     _warn_if_heads_first(q.shape, local * world, segment_lengths)
-    team = _team_size(strategy, world, heads)
+    def auto() -> int:
+        spans, dense = pattern_spans(segment_lengths, dilation_rates, local * world, local)
+        whole = cu_seqlens is not None or not _ring_plans(segment_lengths, dilation_rates, local * world, local,
+                                                          heads, k.shape[2], layout)
+        return auto_team_size(world, heads, k.shape[2], causal=causal, spans=spans, dense=dense,
+                              local_world=_local_world(), layout=layout, whole_sequence=whole)
+
+    team = _team_size(strategy, world, heads, auto)
     split = HeadSplit(heads, k.shape[2], team)
     reason = split.check()
     if reason is not None:

@@ -25,9 +25,8 @@ place when a team exists (4 x H200: full causal hybrid 304 ms against ring 361),
 
 from __future__ import annotations
 
+from .patterns import SHARD_LAYOUTS as LAYOUTS
 from .patterns import hybrid_team_size
-
-LAYOUTS = ("contiguous", "zigzag")
 
 # (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest. A zigzag layout
 # balances causal rings; until the benchmark measures it (``--layouts zigzag``), its rows repeat the
