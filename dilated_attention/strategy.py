@@ -2,19 +2,20 @@
 
 ``A = 1`` is the ring, ``A = world`` head-parallel, anything between the hybrid (docs/design.md
 section 2). The rule is a table of what ``benchmarks/bench_scaling.py`` measured, per kind of
-pattern set and causality, on 2 x H200 at 32768 tokens per GPU, stream-ordered waits
-(``torchrun --standalone --nproc_per_node=2 benchmarks/bench_scaling.py --waits stream``,
-forward+backward, ms):
+pattern set, causality and shard layout, on 2 x H200 at 32768 tokens per GPU, stream-ordered waits
+(``benchmarks/run_scaling.sh --worlds 1,2 --strategies ring,head --layouts contiguous,zigzag
+--no-probe``, ``benchmarks/results/scaling_h200_x2.json``; forward+backward, ms):
 
-=========================  =======  =======  =========
-patterns                   ring     head     measured
-=========================  =======  =======  =========
-LongNet, non-causal          16.7     19.4   ring
-LongNet, causal              11.0     12.9   ring
-full attention, non-causal  144.9    144.1   tie: ring
-full attention, causal      110.4     80.5   head
-=========================  =======  =======  =========
+==========================  ====  ====  ===========  ===========  ==========  ==========
+patterns                    ring  head  ring zigzag  head zigzag  contiguous  zigzag
+==========================  ====  ====  ===========  ===========  ==========  ==========
+LongNet, non-causal         15.6  17.3         19.9         18.1  ring        head
+LongNet, causal             10.4  11.8         13.0         12.7  ring        tie: ring
+full attention, non-causal 143.5 139.3        143.6        140.2  head        tie: ring
+full attention, causal     111.2  76.0         74.8         77.6  head        ring
+==========================  ====  ====  ===========  ===========  ==========  ==========
 
+The last two columns are the choice per layout (the fastest; "tie": within 3%).
 Within 3% the simpler strategy wins: the ring (no all-to-all, no condition on the heads, no
 change of layout). "Full" means a rate-1 pattern spans ranks (dense attention across shards);
 LongNet's spanning patterns are dilated (rate > 1), so most of its work is local and a ring
@@ -28,18 +29,16 @@ from __future__ import annotations
 from .patterns import SHARD_LAYOUTS as LAYOUTS
 from .patterns import hybrid_team_size
 
-# (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest. A zigzag layout
-# balances causal rings; until the benchmark measures it (``--layouts zigzag``), its rows repeat the
-# contiguous ones.
+# (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest (the table above).
 MEASURED = {
     (False, False, "contiguous"): "ring",
     (False, True, "contiguous"): "ring",
-    (True, False, "contiguous"): "ring",  # within 3% of head: the simpler one
+    (True, False, "contiguous"): "head",
     (True, True, "contiguous"): "head",  # the contiguous causal ring waits on its last rank
-    (False, False, "zigzag"): "ring",
-    (False, True, "zigzag"): "ring",
-    (True, False, "zigzag"): "ring",
-    (True, True, "zigzag"): "head",
+    (False, False, "zigzag"): "head",  # zigzag turns mid-length segments into rings
+    (False, True, "zigzag"): "ring",  # within 3% of head: the simpler one
+    (True, False, "zigzag"): "ring",  # within 3% of head
+    (True, True, "zigzag"): "ring",  # balanced: every rank does half a block per step
 }
 
 

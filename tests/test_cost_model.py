@@ -16,7 +16,7 @@ from dilated_attention.cost_model import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The scaling measurements Hardware's defaults were fitted on (1 and 2 x H200, host-timed waits), kept here
+# The scaling measurements Hardware's defaults were fitted on (1 and 2 x H200, stream-ordered waits), kept here
 # so that a new benchmark run in benchmarks/results/ does not move the tests' ground.
 DATA = os.path.join(ROOT, "tests", "data")
 SINGLE_GPU = [os.path.join(DATA, f"cost_model_h200_x{k}.json") for k in (1, 2)]
@@ -308,30 +308,16 @@ def _key(r):
 
 
 def test_two_gpu_run_within_10_percent():
-    """Every K=2 record of the fitted run (host-timed waits, read from the file), time and efficiency."""
+    """Every K=2 record of the fitted run (stream-ordered waits, read from the file), time and efficiency."""
     rows = validate(SCALING)
-    assert len(rows) == 8 and {r["waits"] for r in rows} == {"host"}
+    assert len(rows) == 8 and {r["waits"] for r in rows} == {"stream"}
     for r in rows:
         assert abs(r["ms_error_pct"]) <= 10, r
         assert abs(r["error_pct"]) <= 10, r
-    # modelling the wrong wait mode is further off
-    stream = {_key(r): r["ms_error_pct"] for r in validate(SCALING, host_waits=False)}
-    assert sum(abs(stream[_key(r)]) for r in rows) > sum(abs(r["ms_error_pct"]) for r in rows)
-
-
-# The same code on 2 x H200 with stream-ordered waits (DILATED_ATTENTION_TIMEOUT unset), 32768 tokens per GPU, ms.
-STREAM_2 = {("longnet", False, "ring"): 16.7, ("longnet", False, "head"): 19.4, ("longnet", True, "ring"): 11.0,
-            ("longnet", True, "head"): 12.9, ("full", False, "ring"): 144.9, ("full", False, "head"): 144.1,
-            ("full", True, "ring"): 110.4, ("full", True, "head"): 80.5}
-
-
-def test_stream_ordered_waits_within_15_percent():
-    """Not fitted on: the stream-ordered run, predicted in that mode (LongNet causal ring +13%, the rest <= 9%)."""
-    for (config, causal, strategy), ms in STREAM_2.items():
-        p = Problem(65536, tuple(config_patterns(config, 65536)), causal=causal)
-        pred = predict(p, 2, strategy)
-        assert abs(pred.ms / ms - 1) <= 0.15, (config, causal, strategy, pred.ms, ms)
-        assert pred.ms <= predict(p, 2, strategy, host_waits=True).ms
+    # modelling the wrong wait mode is further off, and host-timed waits never come out faster
+    host = {_key(r): r["ms_error_pct"] for r in validate(SCALING, host_waits=True)}
+    assert sum(abs(host[_key(r)]) for r in rows) > sum(abs(r["ms_error_pct"]) for r in rows)
+    assert all(host[_key(r)] >= r["ms_error_pct"] for r in rows)
 
 
 def test_fit_keeps_the_two_gpu_run_within_10_percent():
@@ -400,7 +386,7 @@ def test_cli_validate_and_calibrate(capsys, tmp_path):
     cli = _cli()
     assert cli.main(["--validate", *SCALING]) == 0
     out = capsys.readouterr().out
-    assert "| longnet | no | ring | 2 | 32768 | 19.8 |" in out and "8 records" in out and "(host waits)" in out
+    assert "| longnet | no | ring | 2 | 32768 | 15.6 |" in out and "8 records" in out and "(stream waits)" in out
     assert cli.main(["--validate", *SCALING, "--waits", "stream"]) == 0
     assert "(stream waits)" in capsys.readouterr().out
     assert cli.main(["--calibrate", *_single_gpu_files(tmp_path, TRUTH)]) == 0

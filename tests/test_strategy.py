@@ -20,14 +20,18 @@ def test_pattern_spans():
     assert pattern_spans([10**9], [1], 4096, 4096) == (False, False)  # clamped to the sequence
 
 
-@pytest.mark.parametrize("patterns, causal, team", [
-    (LONGNET, False, 1),  # ring 16.7 ms, head 19.4
-    (LONGNET, True, 1),  # ring 11.0, head 12.9
-    (FULL, False, 1),  # ring 144.9, head 144.1: within 3%, the simpler ring
-    (FULL, True, 2),  # ring 110.4 (unbalanced), head 80.5
+@pytest.mark.parametrize("patterns, causal, layout, team", [
+    (LONGNET, False, "contiguous", 1),  # ring 15.6 ms, head 17.3
+    (LONGNET, True, "contiguous", 1),  # ring 10.4, head 11.8
+    (FULL, False, "contiguous", 2),  # ring 143.5, head 139.3
+    (FULL, True, "contiguous", 2),  # ring 111.2 (unbalanced), head 76.0
+    (LONGNET, False, "zigzag", 2),  # ring 19.9, head 18.1
+    (LONGNET, True, "zigzag", 1),  # ring 13.0, head 12.7: within 3%, the simpler ring
+    (FULL, False, "zigzag", 1),  # ring 143.6, head 140.2: within 3%
+    (FULL, True, "zigzag", 1),  # ring 74.8 (balanced), head 77.6
 ])
-def test_two_gpu_measurements(patterns, causal, team):
-    assert _team(patterns, causal) == team
+def test_two_gpu_measurements(patterns, causal, layout, team):
+    assert _team(patterns, causal, layout=layout) == team
 
 
 def test_local_patterns_need_no_exchange():
