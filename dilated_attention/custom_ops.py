@@ -64,20 +64,20 @@ if AVAILABLE:
     _key = torch.compiler.assume_constant_result(_key)
 
 
-def _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, key_padding_mask,
+def _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout, key_padding_mask,
              cu_seqlens) -> dict:
     return dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
                 cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
-                strategy=strategy, kernel=_lookup(kernel))
+                strategy=strategy, kernel=_lookup(kernel), layout=layout)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, dilation_rates, *, mode: str,
            causal: bool, softmax_scale: float | None, key_padding_mask: torch.Tensor | None,
            cu_seqlens: torch.Tensor | None, pad_to_segments: bool, head_offsets: str, comm, strategy: str,
-           kernel) -> torch.Tensor:
+           kernel, layout: str) -> torch.Tensor:
     """``dilated_attention`` under ``torch.compile``: the op call (traced), everything else inside it."""
     # Type errors the op's schema would blur (a bool is not a scale; an int is not a flag), as eager raises them.
-    _f.check_flags(causal, pad_to_segments, strategy)
+    _f.check_flags(causal, pad_to_segments, strategy, layout)
     _f.check_scale_type(softmax_scale)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)
     for name, t in (("key_padding_mask", key_padding_mask), ("cu_seqlens", cu_seqlens)):
@@ -88,7 +88,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, d
     requires_grad = [torch.is_grad_enabled() and t.requires_grad for t in (q, k, v)]
     out, _ = torch.ops.dilated_attention.attend(
         q, k, v, key_padding_mask, cu_seqlens, list(segment_lengths), list(dilation_rates), mode, causal,
-        softmax_scale, pad_to_segments, head_offsets, _key(comm), strategy, _key(kernel), requires_grad)
+        softmax_scale, pad_to_segments, head_offsets, _key(comm), strategy, _key(kernel), layout, requires_grad)
     return out
 
 
@@ -97,9 +97,9 @@ if AVAILABLE:
     def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None, segment_lengths: list[int], dilation_rates: list[int],
                    mode: str, causal: bool, softmax_scale: float | None, pad_to_segments: bool, head_offsets: str,
-                   comm: str, strategy: str, kernel: str, requires_grad: list[bool]
+                   comm: str, strategy: str, kernel: str, layout: str, requires_grad: list[bool]
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
+        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
                            key_padding_mask, cu_seqlens)
         backend = resolve_comm(_lookup(comm))
         spec, call = _f.prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
@@ -109,8 +109,8 @@ if AVAILABLE:
 
     @_attend_op.register_fake
     def _(q, k, v, key_padding_mask, cu_seqlens, segment_lengths, dilation_rates, mode, causal, softmax_scale,
-          pad_to_segments, head_offsets, comm, strategy, kernel, requires_grad):
-        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
+          pad_to_segments, head_offsets, comm, strategy, kernel, layout, requires_grad):
+        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
                            key_padding_mask, cu_seqlens)
         spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
                             shapes_only=True, **options)
@@ -123,8 +123,8 @@ if AVAILABLE:
                             out: torch.Tensor, saved: list[torch.Tensor], segment_lengths: list[int],
                             dilation_rates: list[int], mode: str, causal: bool, softmax_scale: float | None,
                             pad_to_segments: bool, head_offsets: str, comm: str, strategy: str, kernel: str,
-                            requires_grad: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel,
+                            layout: str, requires_grad: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
                            key_padding_mask, cu_seqlens)
         # The forward planned this call successfully: the same plan (no new agreement, no debug record).
         spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),

@@ -359,14 +359,10 @@ def dilated_attention(
     """
     options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
                    cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
-                   strategy=strategy, kernel=kernel)
+                   strategy=strategy, kernel=kernel, layout=layout)
     if torch.compiler.is_compiling() and _ops.AVAILABLE:
-        if layout != "contiguous":  # the custom ops carry no layout argument
-            raise ValueError(f"layout={layout!r} does not run under torch.compile: call dilated_attention outside "
-                             "the compiled region (torch.compiler.disable) or use layout='contiguous'")
         # One opaque op: no graph break, and what talks to other ranks runs inside it, never in the graph.
         return _ops.attend(q, k, v, segment_lengths, dilation_rates, comm=comm, **options)
-    options["layout"] = layout
     backend = resolve_comm(comm)
     spec, call = _prepare(q, k, v, segment_lengths, dilation_rates, backend, None, **options)
     return _Attention.apply(q, k, v, key_padding_mask, spec, call)[0]
@@ -501,7 +497,6 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
     """
     error: BaseException | None = None
     spec = None
-    options.setdefault("layout", "contiguous")  # (the compiled path's ops carry no layout)
     if backend is None:
         key = _schedule_key(q, k, v, segment_lengths, dilation_rates, options)
         spec = _SCHEDULES.get(key) if key is not None else None

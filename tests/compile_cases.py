@@ -131,16 +131,17 @@ def _spawned(rank: int, world: int) -> dict:
 
     res = {}
     comm = get_backend("collective")
-    for strategy, causal, name in (("ring", True, "collective"), ("head", False, None)):
+    for strategy, causal, name, layout in (("ring", True, "collective", "contiguous"), ("head", False, None, "contiguous"),
+                                           ("ring", True, None, "zigzag")):
         # a backend name, and a backend object (the op gets it by registry key)
-        model = _model(causal, comm=name or comm, strategy=strategy)
+        model = _model(causal, comm=name or comm, strategy=strategy, layout=layout)
         counted = resolve_comm(name or comm)  # the object the calls go through
         x, mask = _inputs(10 + rank, 32)  # this rank's rows
         before = counted.calls
         got = _run(_compiled(model), x, mask)
         compiled_calls = counted.calls - before
         want = _run(model, x, mask)
-        res[strategy] = {"equal": all(torch.equal(a, b) for a, b in zip(got, want)),
+        res[f"{strategy}/{layout}"] = {"equal": all(torch.equal(a, b) for a, b in zip(got, want)),
                          "breaks": len(torch._dynamo.utils.counters["graph_break"]),
                          "calls": [compiled_calls, counted.calls - before - compiled_calls]}
     # the cross-rank check runs inside the op, with what requires_grad was when the graph was traced
@@ -158,7 +159,7 @@ def _spawned(rank: int, world: int) -> dict:
 
 def test_compiled_sequence_parallel_model_equals_eager():
     for rank, res in enumerate(spawn_ranks(_spawned, 2)):
-        for strategy in ("ring", "head"):
+        for strategy in ("ring/contiguous", "head/contiguous", "ring/zigzag"):
             got = res[strategy]
             assert got["equal"] and got["breaks"] == 0, (rank, strategy, got)
             assert got["calls"] == [2, 2], (rank, strategy, got)  # one per layer: no forward recomputed
@@ -220,7 +221,8 @@ def test_opcheck_custom_ops():
     q, k, v = (torch.randn(1, 60, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     mask = torch.rand(1, 60, generator=g) < 0.25
     cu = torch.tensor([0, 10, 45, 60], dtype=torch.int32)
-    common = ([16, 64], [1, 2], "longnet", True, None, True, "spread", "", "auto", "auto", [True, True, True])
+    common = ([16, 64], [1, 2], "longnet", True, None, True, "spread", "", "auto", "auto", "contiguous",
+              [True, True, True])
     for extra in ((mask, None), (None, cu)):
         args = (q, k, v, *extra, *common)
         torch.library.opcheck(torch.ops.dilated_attention.attend.default, args)
