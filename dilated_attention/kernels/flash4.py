@@ -111,8 +111,17 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def _seq_major(x: torch.Tensor) -> torch.Tensor:
-    """A ``(B', h, M, D)`` view (the shared view logic's layout) as FA4's ``(B', M, h, D)``: the same memory."""
-    return x.transpose(1, 2)
+    """A ``(B', h, M, D)`` view (the shared view logic's layout) as FA4's ``(B', M, h, D)``: the same memory.
+
+    FA4 refuses an output with a zero stride even on a dimension of size 1 (views of one segment or one
+    head often have one), where any stride addresses the same memory: such a dimension gets the span of
+    the others, which keeps FA4's alignment rule (a multiple of 16 bytes, as their strides are)."""
+    x = x.transpose(1, 2)
+    if 0 not in x.stride():
+        return x
+    span = max((n * st for n, st in zip(x.shape, x.stride()) if st), default=1)
+    strides = [span if st == 0 and n == 1 else st for n, st in zip(x.shape, x.stride())]
+    return x.as_strided(x.shape, strides, x.storage_offset())
 
 
 def _empty_seq_major(x: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,12 @@ def _fa4_aligned(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s == 0 or s % unit == 0 for s in x.stride()[:-1])
 
 
+def _fa4_writable(x: torch.Tensor) -> bool:
+    """FA4's output rule (``cute_dsl_utils.validate_output_layout``): aligned, and no zero stride, not even
+    on a dimension of size 1."""
+    return _fa4_aligned(x) and 0 not in x.stride()
+
+
 class FakeFA4:
     """``_flash_attn_fwd`` / ``_flash_attn_bwd`` in float64 plain torch, asserting FA4's input rules."""
 
@@ -99,7 +105,7 @@ class FakeFA4:
         assert k.shape[0] == b and k.shape[3] == d and h % k.shape[2] == 0 and v.shape == k.shape
         assert softmax_scale is not None, "the wrapper passes its scale"
         assert out is not None and lse is not None, "the wrapper allocates out and lse"
-        assert out.shape == q.shape and out.dtype == q.dtype and _fa4_aligned(out), (out.shape, out.stride())
+        assert out.shape == q.shape and out.dtype == q.dtype and _fa4_writable(out), (out.shape, out.stride())
         assert lse.shape == (b, h, m) and lse.dtype == torch.float32 and lse.stride(-1) == 1, (lse.shape, lse.stride())
         self._record("fwd", q, k, v, (out,), causal=causal)
         s, g = self._scores(q, k, causal, softmax_scale)
@@ -117,7 +123,7 @@ class FakeFA4:
         assert out.shape == dout.shape == q.shape and out.dtype == dout.dtype == q.dtype
         assert lse.shape == (b, h, m) and lse.dtype == torch.float32 and lse.is_contiguous(), (lse.shape, lse.stride())
         for x, like in ((dq, q), (dk, k), (dv, v)):
-            assert x is not None and x.shape == like.shape and x.dtype == like.dtype and _fa4_aligned(x)
+            assert x is not None and x.shape == like.shape and x.dtype == like.dtype and _fa4_writable(x), x.stride()
         self._record("bwd", q, k, v, (dq, dk, dv), causal=causal)
         s, g = self._scores(q, k, causal, softmax_scale)
         lse_read = torch.where(torch.isneginf(lse), 0.0, lse.double())  # what FA4's preprocess does
