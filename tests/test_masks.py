@@ -12,7 +12,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():  # the fused kernel (the benchmark smoke) in Triton's interpreter
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's import, as tests/kernels/test_fused.py does
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's import, as tests/kernels/kernel_checks.py does
 
 from dilated_attention import dilated_attention
 from dilated_attention.testing.compare import LAYOUTS, as_layout, assert_within_rule, rel_err

@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-# first: test_fused sets TRITON_INTERPRET on CPU, which must precede triton's import
-from test_fused import CUDA, DEVICE, seeded  # noqa: F401, I001
+# first: kernel_checks sets TRITON_INTERPRET on CPU, which must precede triton's import
+from kernel_checks import CUDA, DEVICE, seeded  # noqa: F401, I001
 
 from dilated_attention import dilated_attention
 from dilated_attention.kernels import auto_table, dispatch

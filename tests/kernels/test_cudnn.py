@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-# first: test_fused sets TRITON_INTERPRET on CPU, which must precede triton's import
-from test_fused import (  # noqa: I001
+# first: kernel_checks sets TRITON_INTERPRET on CPU, which must precede triton's import
+from kernel_checks import (  # noqa: I001
     CUDA,
     DEVICE,
     LOWP_P,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-# first: test_fused sets TRITON_INTERPRET on CPU, which must precede triton's import
-from test_fused import CUDA, DEVICE, check_packed_ring_block, check_pattern_local, seeded  # noqa: I001
+# first: kernel_checks sets TRITON_INTERPRET on CPU, which must precede triton's import
+from kernel_checks import CUDA, DEVICE, check_packed_ring_block, check_pattern_local, seeded  # noqa: I001
 from test_cudnn import DIM, LOW, MathOps, N
 
 from dilated_attention.kernels.cudnn import CudnnKernel
