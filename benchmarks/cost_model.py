@@ -71,6 +71,30 @@ def _expand(patterns: Sequence[str]) -> list[str]:
     return sorted({p for pat in patterns for p in (glob.glob(pat) or [pat])})
 
 
+def _print_fit(fitter, patterns: list[str], hw, names, what: str) -> int:
+    """Run ``--calibrate`` or ``--fit``: the fitted constants, then measured against model per measurement
+    (and the efficiency error where the measurement has one)."""
+    try:
+        fitted, report = fitter(_expand(patterns), hw)
+    except ValueError as exc:
+        print(f"cost_model.py: {exc}", file=sys.stderr)
+        return 1
+    for name in names:
+        print(f"{name} = {getattr(fitted, name):.4g}")
+    efficiency = any("measured_efficiency" in r for r in report)  # whole calls on several GPUs (--fit)
+    print(f"\n| {what} | measured ms | model ms | error |" + (" efficiency error |" if efficiency else "")
+          + "\n| --- | ---: | ---: | ---: |" + (" ---: |" if efficiency else ""))
+    for r in report:
+        row = (f"| {r['name']} | {r['measured_ms']:.2f} | {r['model_ms']:.2f} | "
+               f"{100 * (r['model_ms'] / r['measured_ms'] - 1):+.1f}% |")
+        if efficiency:
+            row += "" if r["measured_efficiency"] is None else \
+                f" {100 * (r['model_efficiency'] / r['measured_efficiency'] - 1):+.1f}%"
+            row += " |"
+        print(row)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     hw0 = Hardware()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,33 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = None if a.waits is None else a.waits == "host"
     hw = Hardware(**{name: getattr(a, name) for name in Hardware.__dataclass_fields__})
     if a.calibrate:
-        try:
-            fitted, report = calibrate(_expand(a.calibrate), hw)
-        except ValueError as exc:
-            print(f"cost_model.py: {exc}", file=sys.stderr)
-            return 1
-        for name in _FITTED + ("causal_keys",):
-            print(f"{name} = {getattr(fitted, name):.4g}")
-        print("\n| single-GPU measurement | measured ms | model ms | error |\n| --- | ---: | ---: | ---: |")
-        for r in report:
-            print(f"| {r['name']} | {r['measured_ms']:.2f} | {r['model_ms']:.2f} | "
-                  f"{100 * (r['model_ms'] / r['measured_ms'] - 1):+.1f}% |")
-        return 0
+        return _print_fit(calibrate, a.calibrate, hw, _FITTED + ("causal_keys",), "single-GPU measurement")
     if a.fit:
-        try:
-            fitted, report = fit(_expand(a.fit), hw)
-        except ValueError as exc:
-            print(f"cost_model.py: {exc}", file=sys.stderr)
-            return 1
-        for name in FIT_NAMES:
-            print(f"{name} = {getattr(fitted, name):.4g}")
-        print("\n| measurement | measured ms | model ms | error | efficiency error |\n| --- | ---: | ---: | ---: | ---: |")
-        for r in report:
-            eff = "" if r["measured_efficiency"] is None else \
-                f"{100 * (r['model_efficiency'] / r['measured_efficiency'] - 1):+.1f}%"
-            print(f"| {r['name']} | {r['measured_ms']:.2f} | {r['model_ms']:.2f} | "
-                  f"{100 * (r['model_ms'] / r['measured_ms'] - 1):+.1f}% | {eff} |")
-        return 0
+        return _print_fit(fit, a.fit, hw, FIT_NAMES, "measurement")
     if a.validate:
         paths = _expand(a.validate)
         rows = validate(paths, hw, host_waits=host)

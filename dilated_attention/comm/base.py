@@ -164,22 +164,17 @@ class _Stamped:
 
 
 class Blocks:
-    """``data`` ``(A, ...)`` whose block ``m`` travels as one unit (rank ``m``'s row of an all-gather), laid out in ``raw`` ``(A, row)`` with room for a stamp after
-    each block when stamped: ``header`` ``(A, 4)`` int32. Unstamped, ``raw`` is ``data`` (no padding)."""
+    """``data`` ``(A, ...)`` whose block ``m`` travels as one unit (rank ``m``'s row of an all-gather) with a
+    stamp after it: laid out in ``raw`` ``(A, row)``, ``header`` ``(A, 4)`` int32 after each block's data."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, stamped: bool,
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  raw: torch.Tensor | None = None) -> None:
-        self.shape, self.stamped = tuple(shape), stamped
-        per = math.prod(self.shape[1:])
+        per = math.prod(shape[1:])
         step = max(STAMP_BYTES // dtype.itemsize, 1)  # elements in 16 bytes: the stamp, and the data's alignment
-        self._per, self._pad = per, -(-per // step) * step
-        width = self._pad + step if stamped else per
-        self.raw = raw if raw is not None else torch.empty((self.shape[0], width), dtype=dtype, device=device)
-        if not stamped:
-            self.data, self.header = self.raw.view(self.shape), None
-        else:
-            self.data = self.raw[:, :per].view(self.shape)
-            self.header = self.raw[:, self._pad:].view(torch.int32)
+        pad = -(-per // step) * step
+        self.raw = raw if raw is not None else torch.empty((shape[0], pad + step), dtype=dtype, device=device)
+        self.data = self.raw[:, :per].view(shape)
+        self.header = self.raw[:, pad:].view(torch.int32)
 
 
 class CommBackend(ABC):
@@ -292,7 +287,7 @@ class CommBackend(ABC):
         (for results only kernels read; the signature gather reads its result on the host).
         ``stamp``: each rank's row carries it, and every row's is checked."""
         if stamp is not None:
-            mine = Blocks((1, *x.shape), x.dtype, x.device, stamped=True)
+            mine = Blocks((1, *x.shape), x.dtype, x.device)
             mine.data[0].copy_(x)
             mine.header.copy_(stamp.header(x.device).expand_as(mine.header))
             flat = mine.raw.view(-1)
@@ -300,7 +295,7 @@ class CommBackend(ABC):
             flat = x.contiguous().view(-1)
         out = torch.empty(self.world_size * flat.numel(), dtype=x.dtype, device=x.device)
         if stamp is not None:
-            rows = Blocks((self.world_size, *x.shape), x.dtype, x.device, True, out.view(self.world_size, -1))
+            rows = Blocks((self.world_size, *x.shape), x.dtype, x.device, out.view(self.world_size, -1))
             if not self.ledger.deferred(out.device):
                 rows.header.zero_()  # what a failed wait leaves there: "nothing arrived"
         waiting = _Waiting(self._handles(self._all_gather(out, flat)), self.timeout, host, self.rank,
