@@ -351,17 +351,19 @@ class Part:
 
 
 def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Sequence[Part],
-                    like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    like: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The final ``(out, lse)`` of patterns that left compact parts, merged with the ``running`` fp32 result
     of those merged in place (``None`` if there were none): ``out`` in ``like``'s dtype and shape, ``lse`` in
     the accumulation dtype. ``merge_two``'s semantics (a row no pattern covers: 0 and ``-inf``); on CUDA
     ``combine_lse_kernel`` weighs the parts, then one ``combine_kernel`` pass reads each part once and writes
-    the result once (no fp32 result in between)."""
+    the result once (no fp32 result in between). ``into``: ``(out, lse)`` views (of a larger result: a head
+    range) written instead of new tensors, and returned."""
     _check_parts(parts, like, weighted=True)
     if not parts and running is not None:  # nothing to gather: the cast alone
-        return running[0].to(like.dtype), running[1]
-    if _combine_reason(running, parts, like) is None:
-        return _launch_combine(running, parts, like, weighted=True)
+        return _placed((running[0].to(like.dtype), running[1]), into)
+    if _combine_reason(running, parts, like, into) is None:
+        return _launch_combine(running, parts, like, weighted=True, into=into)
     acc = accum_dtype(like.dtype)
     if running is None:
         out = torch.zeros(like.shape, dtype=acc, device=like.device)
@@ -370,28 +372,40 @@ def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Se
         out, lse = running
     for part in parts:
         merge_pattern_(out, lse, part.plan, part.out, part.lse)
-    return out.to(like.dtype), lse
+    return _placed((out.to(like.dtype), lse), into)
 
 
-def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.Tensor) -> torch.Tensor:
+def _placed(results: tuple[torch.Tensor, ...], into: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
+    """``results``, or copied into ``into`` (the views a caller asked to have them written to)."""
+    if into is None:
+        return results
+    for dst, src in zip(into, results):
+        if dst is not src:
+            dst.copy_(src)
+    return into
+
+
+def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.Tensor,
+              into: torch.Tensor | None = None) -> torch.Tensor:
     """A gradient: the ``running`` fp32 accumulator (``None`` if no pattern accumulated in place) plus every
     compact part, summed in fp32 in that order and cast to ``like``'s dtype (its shape). Bit for bit what
     adding each part into an accumulator, then casting, gives (where the cast rounds to nearest: Triton's
     interpreter truncates to bf16); on CUDA one ``combine_kernel`` pass. The parts are in the inputs' dtype,
     so each pattern's gradient is rounded once before the sum (cuDNN's come that way; the fused kernel's
-    were summed in fp32 before): measured in the tolerance tests, within the rule against fp64."""
+    were summed in fp32 before): measured in the tolerance tests, within the rule against fp64. ``into``: a view written instead of a new tensor, and returned."""
     _check_parts(parts, like, weighted=False)
+    dst = None if into is None else (into,)
     if not parts and running is not None:  # nothing to gather: the cast alone (none for fp32)
-        return running.to(like.dtype)
-    if _combine_reason(running, parts, like) is None:
-        return _launch_combine(running, parts, like, weighted=False)[0]
+        return _placed((running.to(like.dtype),), dst)[0]
+    if _combine_reason(running, parts, like, dst) is None:
+        return _launch_combine(running, parts, like, weighted=False, into=dst)[0]
     acc = running if running is not None else torch.zeros(like.shape, dtype=accum_dtype(like.dtype),
                                                            device=like.device)
     for part in parts:
         for c in part.plan.chunks:
             chunk_views(acc, part.plan, c, kv=part.kv).add_(
                 compact_view(part.out, part.plan, *((c.k0, c.k1) if part.kv else (c.h0, c.h1))))
-    return acc.to(like.dtype)
+    return _placed((acc.to(like.dtype),), dst)[0]
 
 
 def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> None:
@@ -538,7 +552,8 @@ def row_divider(dilation: int) -> tuple[int, int]:
     return (1 << (31 + bits)) // dilation + 1, 31 + bits
 
 
-def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str | None:
+def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor,
+                    into: tuple[torch.Tensor, ...] | None = None) -> str | None:
     """``None`` if ``combine_kernel`` takes these tensors (CUDA, or CPU under ``TRITON_INTERPRET=1``), else why not:
     then the torch path (the merges and adds it replaces) runs."""
     if like.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -558,9 +573,9 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor) -> str |
         return f"{like.shape[1]} rows of {like.shape[2]} heads: the kernel indexes part weights in int32"
     if like.shape[0] > MAX_GRID_Z or like.shape[2] > MAX_GRID_Z:
         return f"batch {like.shape[0]} or heads {like.shape[2]} exceed the launch grid's limit ({MAX_GRID_Z})"
-    if any(t.device != like.device for t in read):
+    if any(t.device != like.device for t in read + list(into or ())):
         return f"needs every part on {like.device}"
-    return _launch_reason((), tuple(read))
+    return _launch_reason(tuple(into or ()), tuple(read))
 
 
 def current_raw_stream(index: int) -> int:
@@ -586,10 +601,14 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     return table
 
 
-def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted: bool):
+def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted: bool,
+                    into: tuple[torch.Tensor, ...] | None = None):
     bsz, n, heads, dim = like.shape
-    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    lse = torch.empty(like.shape[:-1], dtype=torch.float32, device=like.device) if weighted else None
+    if into is not None:
+        out, lse = into[0], (into[1] if weighted else None)
+    else:
+        out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        lse = torch.empty(like.shape[:-1], dtype=torch.float32, device=like.device) if weighted else None
     if out.numel() == 0:
         return out, lse
     run_out, run_lse = running if weighted and running is not None else (running, None)

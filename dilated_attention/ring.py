@@ -284,8 +284,10 @@ def _parts(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor,
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                 ring: RingCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dilated attention over this rank's block: ``(out, lse)``; spanning patterns run as rings.
+                 ring: RingCall, into: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dilated attention over this rank's block: ``(out, lse)``; spanning patterns run as rings. ``into``:
+    ``(out, lse)`` views (a head range of the caller's result) to write them to.
 
     ``key_mask``: ``None`` or bool ``(B, blocks * L)`` over the whole sequence, ``True`` = excluded key.
     Not differentiable itself: ``ring_backward`` is its exact gradient (``functional.py`` pairs them).
@@ -313,13 +315,15 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
             _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal, ring.scale,
                           *running)
     sides.join()
-    return combine_results(running, parts, q)
+    return combine_results(running, parts, q, into)
 
 
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, ring: RingCall
+                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, ring: RingCall,
+                  into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of ``ring_forward``'s ``out`` for ``dout``, from its final ``out`` and ``lse``."""
+    """``(dq, dk, dv)`` of ``ring_forward``'s ``out`` for ``dout``, from its final ``out`` and ``lse``; ``into``:
+    views (a head range of the caller's gradients) to write them to."""
     comm, layout = ring.comm, ring.layout
     own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
@@ -344,5 +348,5 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
             _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, ring.call, ring.kernel,
                            ring.causal, ring.scale, *running)
     sides.join()
-    return tuple(sum_grads(running[i] if running is not None else None, parts[i], x)
-                 for i, x in enumerate((q, k, v)))
+    return tuple(sum_grads(running[i] if running is not None else None, parts[i], x,
+                           None if into is None else into[i]) for i, x in enumerate((q, k, v)))
