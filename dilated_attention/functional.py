@@ -18,14 +18,14 @@ import math
 import os
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from . import caches, hooks
+from . import caches, hooks, memory
 from . import custom_ops as _ops
 from .caches import typed
 from .callers import user_stacklevel
@@ -36,6 +36,7 @@ from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_seq
 from .kernels.dispatch import select_kernel
 from .kernels.guard import guard_kernel
 from .kernels.protocol import BlockKernel, PatternKernel
+from .memory import HeadRange, head_ranges, own_bytes, scratch_bytes
 from .merge import accum_dtype
 from .patterns import PatternPlan, check_layout, hybrid_team_size, padded_length, plan_patterns, zigzag_half
 from .ring import RingCall, RingLayout, ring_backward, ring_forward
@@ -180,20 +181,20 @@ class _Batch:
 
     length: int
     spans: tuple[tuple[int, int], ...] | None
-    plans: tuple[PatternPlan, ...]
+    plans: tuple[tuple[PatternPlan, ...], ...]  # per head range (``_Schedule.heads``)
 
 
 def _whole_batches(segment_lengths, dilation_rates, n: int, docs, pad: bool, plan) -> tuple[_Batch, ...]:
     """The schedule on a whole sequence of ``n`` rows; ``plan(length)`` makes the pattern plans."""
     if docs is None:
         length = padded_length(segment_lengths, dilation_rates, n) if pad else n
-        return (_Batch(length, None, plan(length)),)
+        return (_Batch(length, None, (plan(length),)),)
     groups: dict[int, list[tuple[int, int]]] = {}
     for start, end in zip(docs, docs[1:]):
         if end > start:
             length = padded_length(segment_lengths, dilation_rates, end - start) if pad else end - start
             groups.setdefault(length, []).append((start, end))
-    return tuple(_Batch(length, tuple(spans), plan(length)) for length, spans in sorted(groups.items()))
+    return tuple(_Batch(length, tuple(spans), (plan(length),)) for length, spans in sorted(groups.items()))
 
 
 def _back_to_back(batch: _Batch) -> bool:
@@ -250,19 +251,21 @@ class _Schedule:
     team: int  # ranks that swap sequence for heads (1: no swap)
     split: HeadSplit
     batches: tuple[_Batch, ...] | None  # the whole sequence on this rank (team == world)
-    plans: tuple[PatternPlan, ...] | None  # else this rank's block of rings across teams
+    plans: tuple[tuple[PatternPlan, ...], ...] | None  # else this rank's block of rings across teams (per head range)
     docs: tuple[int, ...] | None
     kernel: PatternKernel | None  # None when planned for shapes only
     causal: bool
     scale: float
     zigzag: bool = False  # the shards are in the zigzag layout (ring.RingLayout), over more than one rank
+    heads: tuple[HeadRange, ...] = ()  # the head chunks run one after another (``memory.py``); () = all at once
 
-    def ring(self, call: int, plans: tuple[PatternPlan, ...] | None = None) -> RingCall:
-        """Rings across teams, or (``plans`` of a whole-sequence batch) every pattern local."""
-        if plans is not None:
-            return RingCall(plans, None, RingLayout(), 0, self.kernel, self.causal, self.scale)
-        return RingCall(self.plans, self.backend, RingLayout(self.team, self.zigzag), call, self.kernel, self.causal,
-                        self.scale)
+    def rings(self, call: int, batch: _Batch | None = None) -> tuple[RingCall, ...]:
+        """Per head range: rings across teams, or (a whole-sequence ``batch``) every pattern local."""
+        if batch is not None:
+            return tuple(RingCall(p, None, RingLayout(), 0, self.kernel, self.causal, self.scale)
+                         for p in batch.plans)
+        return tuple(RingCall(p, self.backend, RingLayout(self.team, self.zigzag), call, self.kernel, self.causal,
+                              self.scale) for p in self.plans)
 
     def swap(self, call: int) -> HeadSwap:
         first = self.backend.rank - self.backend.rank % self.team
@@ -279,9 +282,9 @@ def _attend(spec: _Schedule, call: int, q, k, v, key_mask) -> tuple[torch.Tensor
     at its first row; nothing crosses documents); documents of equal padded length share a launch.
     """
     if spec.batches is None:
-        return ring_forward(q, k, v, key_mask, spec.ring(call))
-    runs = [ring_forward(_rows(q, b), _rows(k, b), _rows(v, b), _run_mask(key_mask, b, q), spec.ring(call, b.plans))
-            for b in spec.batches]
+        return _forward_by_heads(spec.heads, spec.rings(call), q, k, v, key_mask)
+    runs = [_forward_by_heads(spec.heads, spec.rings(call, b), _rows(q, b), _rows(k, b), _rows(v, b),
+                              _run_mask(key_mask, b, q)) for b in spec.batches]
     bsz, n = q.shape[:2]
     return (_unrows([o for o, _ in runs], spec.batches, n, bsz, copy=True),
             _unrows([lse for _, lse in runs], spec.batches, n, bsz))
@@ -291,12 +294,37 @@ def _attend_backward(spec: _Schedule, call: int, q, k, v, key_mask, out, lse, do
     """The gradient of ``_attend``. Pad rows' outputs were dropped, so ``(0, -inf)`` (an uncovered row)
     stands in for them: their ``dout`` is 0, so they add nothing either way."""
     if spec.batches is None:
-        return ring_backward(q, k, v, key_mask, out, lse, dout, spec.ring(call))
-    grads = [ring_backward(_rows(q, b), _rows(k, b), _rows(v, b), _run_mask(key_mask, b, q), _rows(out, b),
-                           _rows(lse, b, float("-inf")), _rows(dout, b), spec.ring(call, b.plans))
+        return _backward_by_heads(spec.heads, spec.rings(call), q, k, v, key_mask, out, lse, dout)
+    grads = [_backward_by_heads(spec.heads, spec.rings(call, b), _rows(q, b), _rows(k, b), _rows(v, b),
+                                _run_mask(key_mask, b, q), _rows(out, b), _rows(lse, b, float("-inf")), _rows(dout, b))
              for b in spec.batches]
     bsz, n = q.shape[:2]
     return tuple(_unrows([g[i] for g in grads], spec.batches, n, bsz) for i in range(3))
+
+
+def _forward_by_heads(heads: tuple[HeadRange, ...], rings: tuple[RingCall, ...], q, k, v, key_mask
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ring_forward`` over every head range in turn, each writing its heads of one ``(out, lse)``."""
+    if not heads:
+        return ring_forward(q, k, v, key_mask, rings[0])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
+    for r, ring in zip(heads, rings):
+        ring_forward(r.query(q), r.kv(k), r.kv(v), key_mask, ring, into=(r.query(out), r.query(lse)))
+    return out, lse
+
+
+def _backward_by_heads(heads: tuple[HeadRange, ...], rings: tuple[RingCall, ...], q, k, v, key_mask, out, lse, dout
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ring_backward`` over every head range in turn, each writing its heads of ``(dq, dk, dv)`` (a kv head's
+    query heads are all in its range, so each gradient element is written once)."""
+    if not heads:
+        return ring_backward(q, k, v, key_mask, out, lse, dout, rings[0])
+    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    for r, ring in zip(heads, rings):
+        ring_backward(r.query(q), r.kv(k), r.kv(v), key_mask, r.query(out), r.query(lse), r.query(dout), ring,
+                      into=(r.query(grads[0]), r.kv(grads[1]), r.kv(grads[2])))
+    return grads
 
 
 def _gather_mask(backend: CommBackend, mask: torch.Tensor | None, call: int, team: int, zigzag: bool
@@ -424,11 +452,14 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     key_mask = _check_key_padding_mask(key_padding_mask, q)
     docs = _check_cu_seqlens(cu_seqlens, q, local * world, read=not shapes_only)
 
-    def plan(length: int, local_len: int | None = None, shards: str = "contiguous") -> tuple[PatternPlan, ...]:
+    def plan(length: int, local_len: int | None = None, shards: str = "contiguous", part: HeadRange | None = None
+             ) -> tuple[PatternPlan, ...]:
+        """The plans of this rank's local heads, or of the head range ``part`` of them."""
+        part = part or HeadRange(0, split.local_heads, 0, split.local_kv_heads)
         return plan_patterns(
             segment_lengths, dilation_rates, seq_len=length, local_len=local_len or length,
-            num_heads=split.local_heads, num_kv_heads=split.local_kv_heads, mode=mode,
-            head_offsets=head_offsets, head_start=lane * split.local_heads, total_heads=heads, layout=shards,
+            num_heads=part.h1 - part.h0, num_kv_heads=part.k1 - part.k0, mode=mode, head_offsets=head_offsets,
+            head_start=lane * split.local_heads + part.h0, total_heads=heads, layout=shards,
         )
 
     batches = plans = None
@@ -439,7 +470,7 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
                          f"'auto' with the {heads} heads divisible by the {world} ranks); got "
                          f"strategy={strategy!r} with a ring over {world // team} shards")
     else:  # rings across teams; a team's rows are in the shards' layout (head_parallel.member_rows)
-        plans = plan(local * world, local * team, layout)
+        plans = (plan(local * world, local * team, layout),)
     if backend is not None:
         for name, t in (("q", q), ("k", k), ("v", v), ("key_padding_mask", key_mask)):
             reason = backend.check_device(name, t) if t is not None else None
@@ -458,7 +489,33 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
             call = hooks.Call(q, k, v, segment_lengths, dilation_rates, backend, options, record, meta)
             chosen = hooks.apply_kernel_hooks(chosen, call)
         chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
+        ranges = _head_chunks(chosen, q, k, split, batches, plans, local * team, causal, masked)
+        if len(ranges) > 1:  # re-planned per head range
+            if batches is not None:
+                batches = tuple(replace(b, plans=tuple(plan(b.length, part=r) for r in ranges)) for b in batches)
+            else:
+                plans = tuple(plan(local * world, local * team, layout, r) for r in ranges)
+            return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale, zigzag,
+                             ranges)
     return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale, zigzag)
+
+
+def _head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, rows: int, causal: bool,
+                 masked: bool) -> tuple[HeadRange, ...]:
+    """The head ranges a call runs in (``memory.py``'s rule), from its whole-heads plans."""
+    if batches is not None:  # the largest batch: documents of one padded length run as batch rows
+        batch = max(batches, key=lambda b: b.length * (len(b.spans) if b.spans else 1))
+        plans, rows = batch.plans[0], batch.length * (len(batch.spans) if batch.spans else 1)
+    else:
+        plans = plans[0]
+    rows *= q.shape[0]
+    shape = (split.local_heads, split.local_kv_heads, q.shape[-1], q.element_size())
+
+    def leaves_part(p: PatternPlan) -> bool:
+        return kernel.parts("bwd", p, q, k, causal=causal, masked=masked)
+
+    return head_ranges(scratch_bytes(plans, leaves_part, rows, *shape), own_bytes(rows, *shape),
+                       split.local_heads, split.local_kv_heads)
 
 
 _SCHEDULES = caches.table("functional.schedules", 256)
@@ -472,7 +529,7 @@ def _schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tu
     about 0.2 ms of host time, and a LongNet forward is host-bound: a training loop's repeated calls reuse the
     schedule. Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
     property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment), and
-    the environment variables the kernel choice reads."""
+    the environment variables the kernel choice reads, and the head-chunk rule's settings (``memory.py``)."""
     if options["key_padding_mask"] is not None or options["cu_seqlens"] is not None or hooks.active():
         return None
     # (tensor subclasses and torch.func's wrapped tensors, which have no storage: planned every time)
@@ -481,7 +538,7 @@ def _schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tu
     try:
         key = (typed(segment_lengths), typed(dilation_rates), *map(layout_key, (q, k, v)),
                *((name, typed(value)) for name, value in options.items()),
-               *(os.environ.get(name) for name in _KERNEL_CHOICE_ENV))
+               *(os.environ.get(name) for name in _KERNEL_CHOICE_ENV), memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR)
         hash(key)
     except TypeError:  # not iterable, or an unhashable kernel object: plan it every time
         return None

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import memory
 from ..comm import get_backend
 from ..distributed import shard_indices
 from ..functional import dilated_attention
@@ -60,6 +61,7 @@ class Case:
     masked: bool = False  # a random key_padding_mask (about a quarter of the keys)
     docs: tuple[int, ...] | None = None  # cu_seqlens over the global sequence (batch 1)
     shards: str = "contiguous"  # the shard layout (dilated_attention's layout=): which rows each rank holds
+    head_chunks: bool = False  # run the heads in as many chunks as there are kv heads (memory.py's rule forced)
 
     @property
     def seq_len(self) -> int:
@@ -126,8 +128,17 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
                     local_len=12, strategy="head"))
     out.append(Case(f"P{world}-masked-bfloat16", world, *spanning, causal=True, heads=4, kv_heads=2, dim=16,
                     dtype="bfloat16", masked=True))
+    # head chunks (memory.py): each kv group's heads in turn, written into slices of one result
+    out.append(Case(f"P{world}-ring-head-chunks-causal", world, *spanning, causal=True, heads=8, kv_heads=4,
+                    layout="transposed", head_chunks=True))
+    out.append(Case(f"P{world}-ring-head-chunks-key-padding", world, *spanning, heads=4, kv_heads=2, masked=True,
+                    dtype="bfloat16", dim=16, head_chunks=True))
+    out.append(Case(f"P{world}-head-chunks-head-docs", world, (4, 8, 16), (1, 2, 4), causal=True, heads=heads,
+                    kv_heads=4, batch=1, strategy="head", docs=(0, 5, 5, n // 2 + 3, n), head_chunks=True))
     if world > 1:
         out.extend(zigzag_cases(world))
+        out.append(Case(f"P{world}-zigzag-ring-head-chunks", world, (8, 2 * n), (1, 2), causal=True, heads=6,
+                        kv_heads=3, shards="zigzag", head_chunks=True))
     return out
 
 
@@ -212,9 +223,16 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
         masks["key_padding_mask"] = masks["key_padding_mask"][:, rows].to(device)
     if "cu_seqlens" in masks:
         masks["cu_seqlens"] = masks["cu_seqlens"].to(device)
-    out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode, causal=case.causal,
-                            comm=comm, kernel=case.kernel, strategy=case.strategy, layout=case.shards, **masks)
-    grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
+    rule = memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR
+    if case.head_chunks:
+        memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR = 0.0, 0
+    try:
+        out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode,
+                                causal=case.causal, comm=comm, kernel=case.kernel, strategy=case.strategy,
+                                layout=case.shards, **masks)
+        grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
+    finally:
+        memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR = rule
     got = [t.detach().cpu() for t in (out, *grads)]
     errors = {n: rel_err(g, o[:, rows]) for n, g, o in zip(names, got, oracle)}
     ok = all(errors[n] <= tol[n] for n in names) and all(torch.isfinite(g).all().item() for g in got)

@@ -1,0 +1,79 @@
+"""Head chunks: a long call runs its heads in a few groups, one after another, to bound its scratch memory.
+
+A call's scratch is what it holds besides its own q, k, v, out, dout, dq, dk, dv: the fp32 accumulators
+of patterns merged in place (``ring.py``), the compact parts of local patterns, and a ring's packed K/V
+blocks and fp32 dK/dV accumulators in flight. Every one of them is per head, so running the heads in
+``C`` chunks divides them by ``C``; the results are written into head slices of the call's output and
+gradients (``ring_forward``/``ring_backward``'s ``into``), so nothing is copied. The cost is more,
+smaller kernel calls and ring messages, which is why short calls run whole.
+
+Rule: a call whose own bytes reach ``SCRATCH_FLOOR`` runs in the fewest chunks (a divisor of its kv
+heads: a chunk holds whole kv groups, so each kv head's gradient comes from one chunk) whose estimated
+scratch is at most ``SCRATCH_SHARE`` of its own bytes. The estimate depends on shapes and patterns only,
+so every rank of a job chooses the same chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .patterns import PatternPlan
+
+SCRATCH_SHARE = 0.4  # peak memory target: 1.4 x the call's own bytes
+SCRATCH_FLOOR = 1 << 28  # own bytes (256 MiB) below which a call always runs whole
+ACCUM_BYTES = 4  # fp32 accumulators (merge.accum_dtype)
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    """Local query heads ``[h0, h1)`` and the kv heads ``[k0, k1)`` they read."""
+
+    h0: int
+    h1: int
+    k0: int
+    k1: int
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """The range's heads of a ``(B, N, H, ...)`` query-side tensor (q, out, lse, dout, dq): a view."""
+        return x[:, :, self.h0:self.h1]
+
+    def kv(self, x: torch.Tensor) -> torch.Tensor:
+        """The range's heads of a ``(B, N, Hkv, D)`` key-side tensor (k, v, dk, dv): a view."""
+        return x[:, :, self.k0:self.k1]
+
+
+def scratch_bytes(plans: Sequence[PatternPlan], leaves_part: Callable[[PatternPlan], bool], rows: int,
+                  heads: int, kv_heads: int, dim: int, elem: int) -> int:
+    """Estimated scratch of one batch row's backward (the larger pass) over ``rows`` rows.
+
+    ``leaves_part(plan)``: whether the kernel leaves that local pattern's gradients as compact parts; any
+    other pattern (a ring, or a kernel without parts) accumulates into fp32 tensors of the full shape."""
+    per_row = (heads + 2 * kv_heads) * dim  # dq, dk, dv elements of one row
+    merged = [p for p in plans if p.chunks and not (p.ring_size == 1 and leaves_part(p))]
+    running = ACCUM_BYTES * rows * per_row if merged else 0
+    parts = sum(elem * (rows // p.dilation) * per_row for p in plans if p.chunks and p not in merged)
+    # a ring: its packed K/V block and the next one (input dtype), and fp32 dK/dV scratch, outgoing, incoming
+    ring = max((2 * (rows // p.dilation) * p.packed_heads * dim * (2 * elem + 3 * ACCUM_BYTES)
+                for p in plans if p.chunks and p.ring_size > 1), default=0)
+    return running + parts + ring
+
+
+def own_bytes(rows: int, heads: int, kv_heads: int, dim: int, elem: int) -> int:
+    """Bytes of one batch row's q, out, dout, dq (query heads) and k, v, dk, dv (kv heads)."""
+    return 4 * elem * rows * (heads + kv_heads) * dim
+
+
+def head_ranges(scratch: int, own: int, heads: int, kv_heads: int) -> tuple[HeadRange, ...]:
+    """The head chunks of a call whose scratch and own bytes are ``scratch`` and ``own`` (the module's rule)."""
+    chunks = 1
+    if own >= SCRATCH_FLOOR:
+        counts = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
+        chunks = next((c for c in counts if scratch <= SCRATCH_SHARE * own * c), counts[-1])
+    group, kv = heads // kv_heads, kv_heads // chunks
+    return tuple(HeadRange(i * kv * group, (i + 1) * kv * group, i * kv, (i + 1) * kv) for i in range(chunks))
+
+
+__all__ = ["HeadRange", "SCRATCH_FLOOR", "SCRATCH_SHARE", "head_ranges", "own_bytes", "scratch_bytes"]
