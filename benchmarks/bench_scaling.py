@@ -31,16 +31,28 @@ N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
   or time budget); every probe step is a record with ``max_tokens`` (= K x the
   largest tokens per GPU that ran).
 
+- ``--profile``: after the timed cases, a few forward+backward steps of the library's cases
+  (``--profile-cases``; default the ring and head strategies) under ``torch.profiler`` on every
+  rank. From the GPU events of each step: its span, compute time (union of non-NCCL kernels,
+  copies and fills), communication time (union of NCCL kernels) and the exposed communication
+  (NCCL running while no compute does), per step and per phase (forward / backward, split by
+  where each kernel was launched), for the slowest rank and for each rank (the ``profile`` list).
+  CPU runs (gloo) have no GPU kernels: the profile says so and records nothing.
+- Memory against the rank's own bytes: every record has ``own_gib``, the bytes of this rank's
+  q, k, v, out, dout, dq, dk, dv (k, v, dk, dv with the kv heads) in the input dtype, so
+  ``peak_gib / own_gib`` is the peak in units of the tensors the caller holds anyway.
+
 Peers are optional: a failed import or call is recorded in ``meta.skipped`` with
 the reason; a measurement that started but never returned (a hang the job was killed
 in, or a crash) is left in ``meta.skipped`` as such. Results:
-``<out>/scaling_<gpu>_x<K>.json`` (``{"meta", "records"}``), ``<gpu>`` the model as
+``<out>/scaling_<gpu>_x<K>.json`` (``{"meta", "records", "profile"}``), ``<gpu>`` the model as
 ``gpu_tag.py`` names it (``h200``). Plots and tables: ``benchmarks/plot_scaling.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import gc
 import importlib.metadata
@@ -52,7 +64,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +92,208 @@ def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"{bad} not in {choices}")
         return names
     return parse
+
+
+# -- profile: which cases, and what the GPU did in each step (pure: no torch, checked on CPU) ------------
+
+PROFILE_CASES = "ring,head"
+CAUSAL_TERMS = ("causal", "non-causal")
+# host ranges around each profiled step and its two phases (record_function names)
+STEP_RANGE, FORWARD_RANGE, BACKWARD_RANGE = "bench_scaling.step", "bench_scaling.forward", "bench_scaling.backward"
+
+
+def parse_profile_cases(text: str) -> list[tuple[str, ...]]:
+    """``"ring:full:causal,head"`` -> ``[("ring", "full", "causal"), ("head",)]``; ValueError on an unknown term."""
+    selectors = []
+    for item in text.split(","):
+        terms = tuple(t for t in item.strip().split(":") if t)
+        if not terms:
+            continue
+        for t in terms:
+            known = t in STRATEGIES or t in LAYOUTS or t in CONFIGS or t in CAUSAL_TERMS or t == "all"
+            if not (known or t.isdigit()):
+                raise ValueError(f"unknown term {t!r} (a strategy {STRATEGIES}, layout {LAYOUTS}, config {CONFIGS}, "
+                                 f"{' or '.join(CAUSAL_TERMS)}, a tokens-per-GPU number, or all)")
+        selectors.append(terms)
+    if not selectors:
+        raise ValueError("no selector given")
+    return selectors
+
+
+def profile_selected(selectors: list[tuple[str, ...]], strategy: str, layout: str, config: str, causal: bool,
+                     tokens: int) -> bool:
+    """Whether a measured case matches any selector (every term of a selector must match)."""
+    def hit(t: str) -> bool:
+        if t == "all":
+            return True
+        if t in STRATEGIES:
+            return t == strategy
+        if t in LAYOUTS:
+            return t == layout
+        if t in CONFIGS:
+            return t == config
+        if t in CAUSAL_TERMS:
+            return causal == (t == "causal")
+        return int(t) == tokens
+
+    return any(all(hit(t) for t in sel) for sel in selectors)
+
+
+class GpuEvent(NamedTuple):
+    """One GPU activity (kernel, copy, fill) in microseconds; ``launch``: host time of its launch call, if known."""
+
+    name: str
+    start: float
+    end: float
+    launch: float | None = None
+
+
+Interval = tuple[float, float]
+
+
+def interval_union(intervals) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same time as ``intervals`` (empty ones dropped)."""
+    out: list[Interval] = []
+    for s, e in sorted((s, e) for s, e in intervals if e > s):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def interval_total(union: list[Interval]) -> float:
+    return sum(e - s for s, e in union)
+
+
+def interval_subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """The time of union ``a`` not covered by union ``b`` (both sorted and disjoint, as interval_union gives)."""
+    out: list[Interval] = []
+    j = 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:  # b ends before this piece of a (and so before every later one)
+            j += 1
+        cur, i = s, j
+        while i < len(b) and b[i][0] < e and cur < e:
+            if b[i][0] > cur:
+                out.append((cur, b[i][0]))
+            cur = max(cur, b[i][1])
+            i += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def is_comm_kernel(name: str) -> bool:
+    """NCCL's kernels (``ncclDevKernel_SendRecv``, ``ncclKernel_AllReduce_...``): communication."""
+    return "nccl" in name.lower()
+
+
+def breakdown(events: list[GpuEvent], compute_cover: list[Interval] | None = None) -> dict:
+    """Where the GPU's time went over ``events`` (one step or one phase), in ms.
+
+    span: first start to last end. compute: union of non-NCCL activity. comm: union of NCCL kernels
+    (which includes an NCCL kernel's wait for its peer). exposed_comm: comm time with no compute running
+    (against ``compute_cover``, default these events' own compute). idle: span with nothing running.
+    span = compute + exposed_comm + idle when the cover is the events' own compute.
+    """
+    comm = interval_union((e.start, e.end) for e in events if is_comm_kernel(e.name))
+    compute = interval_union((e.start, e.end) for e in events if not is_comm_kernel(e.name))
+    cover = compute if compute_cover is None else compute_cover
+    busy = interval_union(comm + compute)
+    span = (max(e.end for e in events) - min(e.start for e in events)) if events else 0.0
+    exposed = interval_total(interval_subtract(comm, cover))
+    return {"span_ms": span / 1e3, "compute_ms": interval_total(compute) / 1e3,
+            "comm_ms": interval_total(comm) / 1e3, "exposed_comm_ms": exposed / 1e3,
+            "exposed_comm_frac": exposed / span if span > 0 else 0.0, "idle_ms": (span - interval_total(busy)) / 1e3,
+            "nccl_kernels": sum(is_comm_kernel(e.name) for e in events), "kernels": len(events)}
+
+
+def mean_breakdown(rows: list[dict]) -> dict:
+    """Per-field mean over steps; the exposed fraction is the mean exposed time over the mean span."""
+    keys = [k for k in rows[0] if k != "exposed_comm_frac"]
+    out = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    out["exposed_comm_frac"] = out["exposed_comm_ms"] / out["span_ms"] if out["span_ms"] > 0 else 0.0
+    return out
+
+
+def assign_steps(events: list[GpuEvent], windows: list[Interval]) -> list[list[GpuEvent]]:
+    """GPU events per host step window (sorted, disjoint): by launch time where known, else by GPU start
+    (each step is bracketed by device synchronizations, so its kernels run inside its window). Events
+    outside every window (the barrier between steps) are dropped."""
+    starts = [w[0] for w in windows]
+    out: list[list[GpuEvent]] = [[] for _ in windows]
+    for e in events:
+        t = e.launch if e.launch is not None else e.start
+        i = bisect.bisect_right(starts, t) - 1
+        if i >= 0 and t <= windows[i][1]:
+            out[i].append(e)
+    return out
+
+
+def split_phases(events: list[GpuEvent], backward_start: float | None) -> tuple[list, list] | None:
+    """(forward, backward) events of one step: launched before the host entered backward, or after.
+    None where that cannot be told (no backward range, or an event without its launch time)."""
+    if backward_start is None or any(e.launch is None for e in events):
+        return None
+    return [e for e in events if e.launch < backward_start], [e for e in events if e.launch >= backward_start]
+
+
+def gpu_activity(events, cuda_type, cpu_type) -> tuple[list[GpuEvent], dict[str, list[Interval]]]:
+    """From ``torch.profiler``'s ``prof.events()``: the GPU activities (kernels, copies, fills; not the GPU
+    copies of annotations) with their launch times, and the host ranges named STEP/FORWARD/BACKWARD_RANGE.
+    Launch times come from the runtime/driver calls that share a kernel's correlation id."""
+    launches = {}
+    for e in events:
+        if e.device_type == cpu_type and str(getattr(e, "activity_type", "") or "").lower() in ("cuda_runtime",
+                                                                                             "cuda_driver"):
+            launches[e.id] = e.time_range.start
+    gpu, ranges = [], {STEP_RANGE: [], FORWARD_RANGE: [], BACKWARD_RANGE: []}
+    for e in events:
+        kind = str(getattr(e, "activity_type", "") or "").lower()
+        if e.device_type == cuda_type:
+            if not getattr(e, "is_user_annotation", False) and not any(
+                    w in kind for w in ("annotation", "sync", "overhead")):
+                gpu.append(GpuEvent(e.name, e.time_range.start, e.time_range.end, launches.get(e.id)))
+        elif e.device_type == cpu_type and e.name in ranges:
+            ranges[e.name].append((e.time_range.start, e.time_range.end))
+    for v in ranges.values():
+        v.sort()
+    return gpu, ranges
+
+
+def rank_profile(gpu: list[GpuEvent], ranges: dict[str, list[Interval]]) -> dict | None:
+    """One rank's profile of one case: the mean step breakdown over its steps and, where every kernel's
+    launch is known, the mean forward and backward breakdowns (exposed against the whole step's
+    compute). None when the profile holds no GPU activity (a CPU run)."""
+    windows = ranges[STEP_RANGE]
+    if not gpu or not windows:
+        return None
+    steps, phases = [], []
+    for window, events in zip(windows, assign_steps(gpu, windows)):
+        if not events:
+            continue
+        steps.append(breakdown(events))
+        bwd = [s for s, _ in ranges[BACKWARD_RANGE] if window[0] <= s <= window[1]]
+        split = split_phases(events, bwd[0] if bwd else None)
+        if split is not None and split[0] and split[1]:
+            cover = interval_union((e.start, e.end) for e in events if not is_comm_kernel(e.name))
+            phases.append((breakdown(split[0], cover), breakdown(split[1], cover)))
+    if not steps:
+        return None
+    out = mean_breakdown(steps)
+    out["steps"] = len(steps)
+    whole = len(phases) == len(steps)  # phases only where every step split
+    out["forward"] = mean_breakdown([f for f, _ in phases]) if whole else None
+    out["backward"] = mean_breakdown([b for _, b in phases]) if whole else None
+    return out
+
+
+def own_bytes(batch: int, rows: int, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of a rank's own tensors: q, out, dout, dq with ``heads``; k, v, dk, dv with ``kv_heads``; ``rows``
+    tokens each."""
+    return 4 * batch * rows * head_dim * (heads + kv_heads) * dtype_bytes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,6 +328,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-strategy", default="ring", choices=STRATEGIES)
     p.add_argument("--probe-cap", type=int, default=1 << 23, help="largest tokens per GPU the probe tries")
     p.add_argument("--probe-seconds", type=float, default=90.0, help="time budget of the probe")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed cases, profile a few steps of the library's cases on every rank: "
+                        "GPU step span, compute, NCCL and exposed NCCL time (the JSON's profile list)")
+    p.add_argument("--profile-cases", default=None, metavar="SELECTORS",
+                   help="which measured cases of the library to profile (implies --profile): comma-separated "
+                        "selectors, each colon-joined terms that must all match: a strategy (ring, head, hybrid), "
+                        "a layout (contiguous, zigzag), a config (longnet, full), causal or non-causal, a "
+                        f"tokens-per-GPU number, or all. Default {PROFILE_CASES!r}; e.g. ring:full:causal,head")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="profiled forward+backward steps per case, after one unprofiled step (default 3)")
+    p.add_argument("--profile-trace", default=None, metavar="DIR",
+                   help="also write each rank's Chrome trace of each profiled case into DIR (implies --profile; "
+                        "traces are large: not into benchmarks/results)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name: scaling_<tag>_x<K>.json (default: the GPU name)")
     p.add_argument("--smoke", action="store_true", help="CPU gloo, tiny sizes (overrides sizes, no peers)")
@@ -129,7 +356,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.probe_cap, a.probe_seconds = 128, 30.0
         a.peers = [] if a.peers is None else a.peers
     a.peers = list(PEERS) if a.peers is None else a.peers
-    for name in ("heads", "head_dim", "batch", "iters", "min_iters", "probe_cap"):
+    a.profile = a.profile or a.profile_cases is not None or a.profile_trace is not None
+    a.profile_cases = PROFILE_CASES if a.profile_cases is None else a.profile_cases
+    try:
+        a.profile_selectors = parse_profile_cases(a.profile_cases)
+    except ValueError as exc:
+        p.error(f"--profile-cases: {exc}")
+    if a.profile_trace is not None:
+        results = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+        trace = os.path.realpath(a.profile_trace)
+        if trace == results or trace.startswith(results + os.sep):
+            p.error("--profile-trace: traces are large, write them outside benchmarks/results")
+    for name in ("heads", "head_dim", "batch", "iters", "min_iters", "probe_cap", "profile_steps"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     if any(t <= 0 for t in a.tokens):
@@ -221,6 +459,11 @@ class Bench:
     def dtype(self):
         return self.torch.bfloat16 if self.cuda else self.torch.float32
 
+    def own_gib(self, rows: int) -> float:
+        """GiB of a rank's own q, k, v, out, dout, dq, dk, dv at ``rows`` tokens (kv heads = heads here)."""
+        a = self.args
+        return own_bytes(a.batch, rows, a.heads, a.heads, a.head_dim, self.torch.finfo(self.dtype).bits // 8) / 2**30
+
     def free(self) -> None:
         gc.collect()
         if self.cuda:
@@ -247,9 +490,10 @@ def has_layout_argument() -> bool:
 
 
 def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: int, comm, strategy: str | None,
-              layout: str = "contiguous"):
+              layout: str = "contiguous", phase=None):
     """A closure running forward+backward of the library on (B, n_local, H, D) inputs (random rows:
-    timing needs only the shapes, so a zigzag layout needs no reordering of real data)."""
+    timing needs only the shapes, so a zigzag layout needs no reordering of real data). ``phase``: a
+    context-manager factory (``record_function``) that names the forward and the backward on the host."""
     from dilated_attention import dilated_attention
 
     a, rank = bench.args, bench.env.rank
@@ -266,7 +510,14 @@ def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: in
         out.backward(dout)
         q.grad = k.grad = v.grad = None
 
-    return step
+    def marked_step() -> None:
+        with phase(FORWARD_RANGE):
+            out = dilated_attention(q, k, v, segs, rates, causal=causal, comm=comm, kernel=a.kernel, **extra)
+        with phase(BACKWARD_RANGE):
+            out.backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return step if phase is None else marked_step
 
 
 def cudnn_sdpa_step(bench: Bench, n: int, causal: bool):
@@ -494,7 +745,7 @@ def probe(bench: Bench, comm, how: tuple[str | None, str], records: list, meta: 
             if failure is None:
                 steps.append({"impl": "ours", "strategy": how[1], "config": "longnet", "causal": False,
                               "gpus": k, "tokens_per_gpu": tokens, "layout": "contiguous", "ms": ms,
-                              "efficiency": None, "peak_gib": peak})
+                              "efficiency": None, "peak_gib": peak, "own_gib": bench.own_gib(tokens)})
                 last = (tokens, ms, peak)
                 if refined:
                     stop += "; 1.5x ran"
@@ -511,6 +762,109 @@ def probe(bench: Bench, comm, how: tuple[str | None, str], records: list, meta: 
     records.extend(steps)
     meta["probe"] = {"stop": stop, "max_tokens": max_tokens, "seconds": time.perf_counter() - start,
                      "cap_tokens_per_gpu": a.probe_cap, "note": "ms of a probe step is one cold forward+backward"}
+
+
+def profile_case(bench: Bench, comm, strategy: str | None, config: str, causal: bool, tokens: int, layout: str,
+                 trace: str | None) -> dict | None:
+    """This rank's profile of one case (``rank_profile``): one unprofiled step, then ``--profile-steps``
+    steps under ``torch.profiler``, each after a barrier and bracketed by device synchronizations so
+    that its GPU work sits inside its host range. ``trace``: Chrome trace path of this rank, or None."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch, k = bench.torch, bench.env.world_size
+
+    def sync() -> None:
+        if bench.cuda:
+            torch.cuda.synchronize()
+
+    step = ours_step(bench, tokens, config, causal, k * tokens, comm, strategy, layout, phase=record_function)
+    step()  # the caches and the allocator as the timed iterations left them
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(bench.args.profile_steps):
+            dist.barrier()
+            sync()
+            with record_function(STEP_RANGE):
+                step()
+                sync()
+    if trace is not None:
+        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+        prof.export_chrome_trace(trace)
+    gpu, ranges = gpu_activity(prof.events(), torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU)
+    return rank_profile(gpu, ranges)
+
+
+def profile_cases(bench: Bench, comm, records: list[dict], meta: dict, strategies_ok: bool, out: list[dict],
+                  save: Callable[[], None], progress) -> None:
+    """``--profile``: every measured multi-GPU case of the library that ``--profile-cases`` selects, profiled
+    on every rank; one entry per case appended to ``out`` (saved at once) with the slowest rank's numbers
+    (largest mean step span) and every rank's in ``per_rank``. Nothing is recorded where the profile has
+    no GPU kernels (CPU, gloo)."""
+    import torch.distributed as dist
+
+    a, env, k = bench.args, bench.env, bench.env.world_size
+    start = time.perf_counter()
+    cases = [r for r in records if r["impl"] == "ours" and r["gpus"] > 1 and "max_tokens" not in r
+             and profile_selected(a.profile_selectors, r["strategy"], r["layout"], r["config"], r["causal"],
+                                  r["tokens_per_gpu"])]
+    info = meta["profiling"] = {
+        "cases": a.profile_cases, "steps": a.profile_steps, "profiled": 0, "seconds": 0.0,
+        "rank": "slowest rank (largest mean step span); per_rank has every rank",
+        "how": "mean over steps of each step's GPU events: span (first start to last end), compute (union of "
+               "non-NCCL kernels, copies, fills), comm (union of NCCL kernels, waits for the peer included), "
+               "exposed_comm (comm while no compute runs), idle (nothing runs); forward/backward split by where "
+               "each kernel was launched on the host (null where a launch time is missing)",
+        "note": None}
+    if k == 1:
+        info["note"] = "one GPU: nothing is exchanged, nothing profiled"
+    elif not cases:
+        info["note"] = f"no measured case of the library matches --profile-cases {a.profile_cases!r}"
+    no_kernels = False
+    for rec in cases:
+        case = f"{rec['strategy']}/{rec['layout']} {rec['config']} {'causal' if rec['causal'] else 'non-causal'} " \
+               f"{rec['tokens_per_gpu']}/GPU"
+        progress.set_postfix_str(f"profile {case}")
+        t0 = time.perf_counter()
+        trace = None
+        if a.profile_trace is not None:
+            trace = os.path.join(a.profile_trace, f"profile_x{k}_{rec['config']}_"
+                                 f"{'causal' if rec['causal'] else 'noncausal'}_{rec['strategy']}_{rec['layout']}_"
+                                 f"{rec['tokens_per_gpu']}_rank{env.rank}.json")
+        info["unfinished"] = f"{case}: started but never finished (the job hung or crashed here)"
+        save()
+        res, err = run_guarded(bench, lambda: profile_case(
+            bench, comm, rec["strategy"] if strategies_ok else None, rec["config"], rec["causal"],
+            rec["tokens_per_gpu"], rec["layout"], trace))
+        everyone: list = [None] * k
+        dist.all_gather_object(everyone, res)
+        del info["unfinished"]
+        seconds = time.perf_counter() - t0
+        if err:
+            info.setdefault("failed", []).append({"case": case, "reason": err})
+            continue
+        if any(r is None for r in everyone):
+            no_kernels = True
+            continue
+        slow = max(range(k), key=lambda i: everyone[i]["span_ms"])
+        top = everyone[slow]
+        entry = {"impl": "ours", "strategy": rec["strategy"], "config": rec["config"], "causal": rec["causal"],
+                 "gpus": k, "tokens_per_gpu": rec["tokens_per_gpu"], "layout": rec["layout"],
+                 "timed_ms": rec["ms"], "steps": top["steps"], "rank": slow, "step_ms": top["span_ms"],
+                 **{key: top[key] for key in ("compute_ms", "comm_ms", "exposed_comm_ms", "exposed_comm_frac",
+                                              "idle_ms", "nccl_kernels", "kernels")},
+                 "forward": top["forward"], "backward": top["backward"], "seconds": seconds,
+                 "per_rank": [{"rank": i, "step_ms": r["span_ms"],
+                               **{key: v for key, v in r.items() if key not in ("span_ms", "forward", "backward")}}
+                              for i, r in enumerate(everyone)]}
+        out.append(entry)
+        info["profiled"], info["seconds"] = len(out), time.perf_counter() - start
+        save()
+    if no_kernels:
+        info["note"] = "no CUDA kernels in the profile (a CPU run): nothing recorded" if not bench.cuda else \
+            "no CUDA kernels in the profile of some cases (is CUPTI available?): those recorded nothing"
+    info["profiled"], info["seconds"] = len(out), time.perf_counter() - start
 
 
 def versions(torch, cuda: bool) -> dict:
@@ -549,6 +903,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(env.device) if bench.cuda else "cpu"
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     records: list[dict] = []
+    profile: list[dict] = []  # --profile: one entry per profiled case
     meta = {
         "gpu": device_name, "gpus": k, "date": datetime.datetime.now().isoformat(timespec="seconds"),
         **versions(torch, bench.cuda), "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
@@ -562,6 +917,9 @@ def main(argv: list[str] | None = None) -> int:
         "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock"),
         "efficiency": "T1 / (gpus * ms), T1 = one GPU on the whole sequence in this run: the library for ours and "
                       "ulysses, cuDNN SDPA for torch_cp, flash-attn for ring_flash_attn",
+        "own_gib": "a rank's own q, k, v, out, dout, dq, dk, dv (k, v, dk, dv with kv_heads) in the input dtype, "
+                   "at its tokens per GPU (one GPU: the whole sequence); peak_gib / own_gib: the peak in those "
+                   "units",
         "single_gpu": [], "skipped": [],
         "gpu_memory_gib": torch.cuda.get_device_properties(env.device).total_memory / 2**30 if bench.cuda else None,
     }
@@ -573,14 +931,15 @@ def main(argv: list[str] | None = None) -> int:
     def record(impl, strategy, config, causal, tokens, ms, t1, peak, layout="contiguous"):
         records.append({"impl": impl, "strategy": strategy, "config": config, "causal": causal, "gpus": k,
                         "tokens_per_gpu": tokens, "layout": layout, "ms": ms,
-                        "efficiency": (t1 / (k * ms)) if t1 else None, "peak_gib": peak})
+                        "efficiency": (t1 / (k * ms)) if t1 else None, "peak_gib": peak,
+                        "own_gib": bench.own_gib(tokens)})
         save()  # after every record: a later case that hangs or is killed loses nothing measured
 
     def save():
         if env.rank == 0:
             os.makedirs(args.out, exist_ok=True)
             with open(path, "w") as f:
-                json.dump({"meta": meta, "records": records}, f, indent=1)
+                json.dump({"meta": meta, "records": records, "profile": profile}, f, indent=1)
 
     def multi_gpu(impl, strategy, config, causal, tokens, t1, measure, layout="contiguous"):
         """One K-rank measurement, recorded or skipped with the reason. Until it returns, the saved JSON
@@ -601,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         """A peer's own T1 on rank 0 (shared with every rank); at K=1 it is the peer's record."""
         t1_, peak_, err_ = single_gpu(bench, make_step)
         meta["single_gpu"].append({"impl": impl, "config": config, "causal": causal, "tokens": n, "ms": t1_,
-                                   "peak_gib": peak_, "error": err_})
+                                   "peak_gib": peak_, "own_gib": bench.own_gib(n), "error": err_})
         if k == 1:
             if err_:
                 skip(impl, "single", config, causal, tokens, err_)
@@ -612,7 +971,8 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(args.out, f"scaling_{args.tag or (gpu_tag(device_name) if bench.cuda else 'cpu')}_x{k}.json")
     cases = [(t, c, z) for t in args.tokens for c in args.configs for z in causals]
     per_case = 1 + (len(args.strategies) * len(args.layouts) if k > 1 else 0) + len(args.peers)
-    progress = tqdm(total=len(cases) * per_case + args.probe, disable=env.rank != 0, desc=f"scaling x{k}",
+    progress = tqdm(total=len(cases) * per_case + args.profile + args.probe, disable=env.rank != 0,
+                    desc=f"scaling x{k}",
                     dynamic_ncols=True)
     for tokens, config, causal in cases:
         n = k * tokens
@@ -620,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.set_postfix_str(f"{label}: T1")
         t1, t1_peak, err = single_gpu(bench, lambda: ours_step(bench, n, config, causal, n, None, None))
         meta["single_gpu"].append({"impl": "ours", "config": config, "causal": causal, "tokens": n, "ms": t1,
-                                   "peak_gib": t1_peak, "error": err})
+                                   "peak_gib": t1_peak, "own_gib": bench.own_gib(n), "error": err})
         progress.update()
         if k == 1 and t1 is not None:
             record("ours", "single", config, causal, tokens, t1, t1, t1_peak)
@@ -676,6 +1036,10 @@ def main(argv: list[str] | None = None) -> int:
                                                       "context_parallel shards in place (their storage keeps its size)"})
                         cp["balance"]["causal" if causal else "non-causal"] = res[2]
             progress.update()
+    if args.profile:  # after the timed cases, before the probe (which ends at an out-of-memory)
+        profile_cases(bench, comm, records, meta, strategies_ok, profile, save, progress)
+        save()
+        progress.update()
     if args.probe:
         # (strategy= argument, name in the records): one GPU runs without a backend; before
         # strategy= exists the ring is the only multi-GPU path.
@@ -698,13 +1062,26 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         for rec in records:
             eff = f"{100 * rec['efficiency']:.1f}%" if rec["efficiency"] is not None else "-"
-            mem = f"{rec['peak_gib']:.1f} GiB" if rec["peak_gib"] is not None else "-"
+            mem = f"{rec['peak_gib']:.1f} GiB ({rec['peak_gib'] / rec['own_gib']:.1f}x own)" \
+                if rec["peak_gib"] is not None else "-"
             extra = f" max_tokens={rec['max_tokens']}" if "max_tokens" in rec else ""
             lay = "" if rec.get("layout", "contiguous") == "contiguous" else f"/{rec['layout']}"
             print(f"  {rec['impl']:8s} {rec['strategy'] + lay:14s} {rec['config']:8s} causal={str(rec['causal']):5s} "
                   f"K={k} tokens/GPU={rec['tokens_per_gpu']:>8d} {rec['ms']:10.2f} ms  eff {eff:>6s}  {mem}{extra}")
         for s in meta["skipped"]:
             print(f"  skipped {s['impl']}/{s['strategy']} {s['config']} causal={s['causal']}: {s['reason']}")
+        if args.profile:
+            info = meta["profiling"]
+            print(f"profile: {info['profiled']} cases, {info['steps']} steps each, {info['seconds']:.1f} s"
+                  + (f"; {info['note']}" if info["note"] else ""))
+            for p in profile:
+                print(f"  {p['strategy'] + '/' + p['layout']:18s} {p['config']:8s} causal={str(p['causal']):5s} "
+                      f"step {p['step_ms']:8.2f} ms (timed {p['timed_ms']:.2f})  compute {p['compute_ms']:8.2f}  "
+                      f"comm {p['comm_ms']:7.2f}  exposed {p['exposed_comm_ms']:7.2f} ms "
+                      f"({100 * p['exposed_comm_frac']:.1f}%)  idle {p['idle_ms']:6.2f}  "
+                      f"nccl/step {p['nccl_kernels']:.0f}  rank {p['rank']}")
+            for f in info.get("failed", []):
+                print(f"  profile failed {f['case']}: {f['reason']}")
     env.shutdown()
     return 0
 

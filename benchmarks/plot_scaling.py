@@ -5,7 +5,10 @@
 
 Prints (and with ``--md`` writes) a markdown table per tokens-per-GPU value: rows are
 implementation / strategy / configuration / causal, columns are GPU counts, cells are
-"ms (efficiency)"; then the max-length probe per GPU count. The PNG has four panels:
+"ms (efficiency)"; the same rows with "peak GiB (peak / own)" where the runs measured memory
+(own: the rank's q, k, v, out, dout, dq, dk, dv); then the max-length probe per GPU count, and
+where ``--profile`` ran, the GPU time of a step split into compute, communication and the
+communication no compute hides. The PNG has four panels:
 efficiency vs GPUs (LongNet; full attention), tokens/s vs GPUs, peak memory vs tokens
 per GPU (the probe). Needs matplotlib only for ``--png``.
 """
@@ -20,14 +23,70 @@ from collections import defaultdict
 
 
 def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
-    """(records of every file, metas); files are sorted by GPU count."""
+    """(records of every file, metas). A record written before ``own_gib`` existed gets it from its meta."""
     metas, records = [], []
     for path in paths:
         with open(path) as f:
             data = json.load(f)
-        metas.append(data["meta"])
+        meta = data["meta"]
+        metas.append(meta)
+        for r in data["records"]:
+            if "own_gib" not in r and all(meta.get(k) for k in ("batch", "heads", "head_dim", "dtype_bytes")):
+                r["own_gib"] = own_gib(meta, r["tokens_per_gpu"])
         records += data["records"]
     return records, metas
+
+
+def load_profile(paths: list[str]) -> list[dict]:
+    """The ``profile`` entries (``bench_scaling.py --profile``) of every file."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            out += json.load(f).get("profile") or []
+    return out
+
+
+def own_gib(meta: dict, rows: int) -> float:
+    """GiB of one rank's q, k, v, out, dout, dq, dk, dv at ``rows`` tokens, from a scaling JSON's meta."""
+    from bench_scaling import own_bytes
+
+    return own_bytes(meta["batch"], rows, meta["heads"], meta.get("kv_heads") or meta["heads"], meta["head_dim"],
+                     meta["dtype_bytes"]) / 2**30
+
+
+def memory_cell(r: dict | None) -> str:
+    """"peak GiB (peak / own x)" of a record; "-" where it has no peak."""
+    if r is None or r.get("peak_gib") is None:
+        return "-"
+    own = r.get("own_gib")
+    return f"{r['peak_gib']:.2f} ({r['peak_gib'] / own:.1f}x)" if own else f"{r['peak_gib']:.2f}"
+
+
+def profile_table(entries: list[dict]) -> list[str]:
+    """Markdown lines: one row per profiled case (``bench_scaling.py --profile``), slowest rank."""
+    if not entries:
+        return []
+    lines = ["**Where communication is exposed** (`--profile`: GPU time of one forward+backward step on the "
+             "slowest rank, mean over the profiled steps; timed = the same case's timed median, without the "
+             "profiler; comm = NCCL kernels, exposed = NCCL running while no compute kernel runs, idle = nothing "
+             "running; step = compute + exposed + idle)", "",
+             "| K | case | step ms | timed ms | compute ms | comm ms | exposed comm ms | exposed % "
+             "| exposed fwd / bwd ms | idle ms | NCCL kernels / step |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    order = sorted(entries, key=lambda e: (e["gpus"], e["tokens_per_gpu"], e["config"], e["causal"], e["strategy"],
+                                           e["layout"]))
+    for e in order:
+        lay = "" if e["layout"] == "contiguous" else f"/{e['layout']}"
+        case = f"{e['strategy']}{lay} {e['config']} {'causal' if e['causal'] else 'non-causal'}, " \
+               f"{e['tokens_per_gpu']}/GPU"
+        phases = f"{e['forward']['exposed_comm_ms']:.2f} / {e['backward']['exposed_comm_ms']:.2f}" \
+            if e.get("forward") and e.get("backward") else "-"
+        timed = f"{e['timed_ms']:.2f}" if e.get("timed_ms") is not None else "-"
+        lines.append(f"| {e['gpus']} | {case} | {e['step_ms']:.2f} | {timed} | {e['compute_ms']:.2f} | "
+                     f"{e['comm_ms']:.2f} | {e['exposed_comm_ms']:.2f} | {100 * e['exposed_comm_frac']:.1f}% | "
+                     f"{phases} | {e['idle_ms']:.2f} | {e['nccl_kernels']:.0f} |")
+    lines.append("")
+    return lines
 
 
 def _series_key(r: dict) -> tuple:
@@ -60,7 +119,7 @@ def timed(records: list[dict], tokens: int) -> dict[tuple, dict[int, dict]]:
     return dict(sorted(out.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0] != "ours", kv[0][0], kv[0][1])))
 
 
-def markdown(records: list[dict], metas: list[dict]) -> str:
+def markdown(records: list[dict], metas: list[dict], profile: list[dict] | None = None) -> str:
     gpus = sorted({m["gpus"] for m in metas})
     tokens_list = sorted({r["tokens_per_gpu"] for r in records if "max_tokens" not in r})
     m0 = metas[0] if metas else {}
@@ -82,6 +141,16 @@ def markdown(records: list[dict], metas: list[dict]) -> str:
                     cells.append(f"{r['ms']:.1f}{eff}")
             lines.append(f"| {impl} | {strategy} | {config} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
         lines.append("")
+        series = timed(records, tokens)
+        if any(r.get("peak_gib") is not None for by_k in series.values() for r in by_k.values()):
+            lines += [f"**Peak memory per GPU, {tokens} tokens per GPU**: GiB (peak / own: the rank's q, k, v, out, "
+                      "dout, dq, dk, dv in the input dtype)", "",
+                      "| impl | strategy | config | causal | " + " | ".join(f"K={k}" for k in gpus) + " |",
+                      "| --- | --- | --- | :---: | " + " | ".join("---:" for _ in gpus) + " |"]
+            for (impl, strategy, config, causal), by_k in series.items():
+                lines.append(f"| {impl} | {strategy} | {config} | {'yes' if causal else 'no'} | "
+                             + " | ".join(memory_cell(by_k.get(k)) for k in gpus) + " |")
+            lines.append("")
     probes = {}
     for m in metas:
         if "probe" in m:
@@ -92,13 +161,20 @@ def markdown(records: list[dict], metas: list[dict]) -> str:
             if "max_tokens" in r and r["gpus"] * r["tokens_per_gpu"] == r["max_tokens"]:
                 peak[r["gpus"]] = r
         lines += ["**Longest LongNet sequence, forward+backward** (tokens per GPU doubled until OOM / cap / time)", "",
-                  "| K | max tokens | per GPU | peak GiB | stopped by |", "| ---: | ---: | ---: | ---: | --- |"]
+                  "| K | max tokens | per GPU | peak GiB | own GiB | peak / own | stopped by |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for k in sorted(probes):
             r, p = peak.get(k), probes[k]
             gib = f"{r['peak_gib']:.1f}" if r and r.get("peak_gib") is not None else "-"
+            own = f"{r['own_gib']:.2f}" if r and r.get("own_gib") else "-"
+            ratio = f"{r['peak_gib'] / r['own_gib']:.1f}x" if gib != "-" and own != "-" else "-"
             per = f"{r['tokens_per_gpu']:,}" if r else "-"
-            lines.append(f"| {k} | {p['max_tokens']:,} | {per} | {gib} | {p['stop']} |")
+            lines.append(f"| {k} | {p['max_tokens']:,} | {per} | {gib} | {own} | {ratio} | {p['stop']} |")
         lines.append("")
+    lines += profile_table(profile or [])
+    notes = sorted({m["profiling"]["note"] for m in metas if (m.get("profiling") or {}).get("note")})
+    if notes:
+        lines += ["Profile: " + "; ".join(notes), ""]
     skipped = [(m["gpus"], s) for m in metas for s in m.get("skipped", [])]
     if skipped:
         lines += ["Skipped: " + "; ".join(sorted({f"{s['impl']}/{s['strategy']} ({s['reason'][:80]})"
@@ -184,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     paths = sorted({p for pat in a.json for p in (glob.glob(pat) or [pat])})
     records, metas = load(paths)
-    table = markdown(records, metas)
+    table = markdown(records, metas, load_profile(paths))
     print(table)
     if a.md:
         with open(a.md, "w") as f:

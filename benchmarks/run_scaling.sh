@@ -11,9 +11,12 @@
 # attention, causal and not, strategies ring/head/hybrid, peers torch_cp, ulysses and
 # ring_flash_attn, and the max-length probe (60 s budget per K). Options after --worlds go to
 # bench_scaling.py, e.g. --tokens 8192,16384,32768,65536 (sweep), --backend deepspeed,
-# --peers '' (none), --no-probe. A peer whose package does not import (deepspeed for ulysses,
-# ring-flash-attn with flash-attn for ring_flash_attn) is recorded as skipped. PYTHON names the
-# interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 180).
+# --peers '' (none), --no-probe, --profile (after the timed cases, a few profiled steps of the
+# ring and head cases: where NCCL runs with no compute beside it; --profile-cases picks others,
+# --profile-trace DIR keeps the Chrome traces). A peer whose package does not import (deepspeed
+# for ulysses, ring-flash-attn with flash-attn for ring_flash_attn) is recorded as skipped. PYTHON
+# names the interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 180;
+# 300 with any --profile option).
 # Waits: stream-ordered by default (DILATED_ATTENTION_TIMEOUT is not set here: what a user gets, and
 # what the peers get); --waits host measures host-timed waits (a host sync per exchange). Each JSON
 # records the mode (meta.waits). --layouts contiguous,zigzag adds zigzag rings where the package
@@ -45,6 +48,10 @@ fi
 if [ -z "$worlds" ]; then
   for k in 1 2 4 8; do [ "$k" -le "$gpus" ] && worlds="$worlds${worlds:+,}$k"; done
 fi
+k_timeout=${K_TIMEOUT:-180}
+for arg in "$@"; do  # the profile adds a few seconds per profiled case
+  case "$arg" in --profile|--profile-*) k_timeout=${K_TIMEOUT:-300} ;; esac
+done
 log=${LOG:-/tmp/scaling_${slug}.log}
 : >"$log"
 
@@ -53,7 +60,7 @@ start=$SECONDS
 status=0
 for k in ${worlds//,/ }; do
   echo "=== K=$k ($((SECONDS - start)) s elapsed) ===" | tee -a "$log"
-  timeout --kill-after=20 "${K_TIMEOUT:-180}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$k" \
+  timeout --kill-after=20 "$k_timeout" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$k" \
     benchmarks/bench_scaling.py --out "$OUT" --tag "$slug" --probe-seconds "${PROBE_SECONDS:-60}" \
     --seconds-per-measurement "${SECONDS_PER_MEASUREMENT:-2}" "${extra[@]}" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}

@@ -1,4 +1,4 @@
-"""The scaling benchmark end to end on 2 CPU ranks (gloo, --smoke): schema, plots, cost-model check."""
+"""The scaling benchmark end to end on 2 CPU ranks (gloo, --smoke, --profile): schema, plots, cost-model check."""
 
 import json
 import math
@@ -18,7 +18,7 @@ import plot_scaling  # noqa: E402
 from dilated_attention.cost_model import validate  # noqa: E402
 
 RECORD_KEYS = {"impl", "strategy", "config", "causal", "gpus", "tokens_per_gpu", "layout", "ms", "efficiency",
-               "peak_gib"}
+               "peak_gib", "own_gib"}
 
 
 def test_gpu_tag_names_the_model():
@@ -44,7 +44,8 @@ def smoke_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DILATED_ATTENTION_TIMEOUT="60")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--smoke", "--out", str(out), "--tag", "smoke"]
+           os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--smoke", "--out", str(out), "--tag", "smoke",
+           "--profile", "--profile-trace", str(out / "traces")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out / "scaling_smoke_x2.json"
@@ -58,6 +59,9 @@ def test_smoke_json_schema(smoke_json):
         extra = set(rec) - RECORD_KEYS
         assert extra == ({"max_tokens"} if extra else set()), rec
         assert rec["gpus"] == 2 and rec["ms"] > 0 and math.isfinite(rec["ms"])
+        # B=1, 2 heads (kv heads too), D=8, float32: 8 tensors of tokens x 2 x 8 x 4 bytes
+        assert rec["own_gib"] * 2**30 == 8 * rec["tokens_per_gpu"] * 2 * 8 * 4, rec
+    assert all(s["own_gib"] * 2**30 == 8 * s["tokens"] * 2 * 8 * 4 for s in meta["single_gpu"])
     timed = [r for r in records if "max_tokens" not in r]
     ring = [r for r in timed if r["impl"] == "ours" and r["strategy"] == "ring"]
     assert {r["causal"] for r in ring} == {False, True}
@@ -72,6 +76,13 @@ def test_smoke_json_schema(smoke_json):
     probe = [r for r in records if "max_tokens" in r]
     assert [r["tokens_per_gpu"] for r in probe] == [64, 128]  # doubled up to the smoke cap
     assert all(r["max_tokens"] == 256 for r in probe) and meta["probe"]["stop"] == "cap"
+    # --profile on gloo: the cases ran under the profiler on both ranks, found no GPU kernels, recorded nothing
+    assert data["profile"] == []
+    prof = meta["profiling"]
+    assert prof["cases"] == "ring,head" and prof["steps"] == 3 and prof["profiled"] == 0
+    assert "no CUDA kernels" in prof["note"] and "failed" not in prof and "unfinished" not in prof
+    traces = sorted(p.name for p in (smoke_json.parent / "traces").iterdir())
+    assert len(traces) == 8 and "profile_x2_longnet_causal_head_contiguous_64_rank1.json" in traces
 
 
 def test_plots_tables_and_validation(smoke_json, tmp_path):
@@ -80,6 +91,7 @@ def test_plots_tables_and_validation(smoke_json, tmp_path):
     assert png.stat().st_size > 10_000
     table = md.read_text()
     assert "| ours | ring | longnet | no |" in table and "| 2 | 256 | 128 |" in table
+    assert "Profile: no CUDA kernels in the profile" in table and "Where communication is exposed" not in table
     rows = validate([str(smoke_json)])
     assert {(r["strategy"], r["causal"]) for r in rows} >= {("ring", False), ("ring", True)}
     assert all(math.isfinite(r["error_pct"]) for r in rows)
