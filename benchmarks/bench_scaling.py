@@ -28,7 +28,7 @@ N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
   flash-attn blocks), full causal attention only (the zigzag order exists to even out
   causal work); efficiency against flash-attn's ``flash_attn_func`` on one GPU.
 - max-length probe: LongNet, tokens per GPU doubled until a clean OOM (or the cap
-  or time budget); every probe step is a record with ``max_tokens`` (= K x the
+  or time budget), then bisected (``--probe-refine``); every probe step is a record with ``max_tokens`` (= K x the
   largest tokens per GPU that ran).
 
 - ``--profile``: after the timed cases, a few forward+backward steps of the library's cases
@@ -328,6 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-strategy", default="ring", choices=STRATEGIES)
     p.add_argument("--probe-cap", type=int, default=1 << 23, help="largest tokens per GPU the probe tries")
     p.add_argument("--probe-seconds", type=float, default=90.0, help="time budget of the probe")
+    p.add_argument("--probe-refine", type=int, default=3,
+                   help="bisection steps between the last size that ran and the first that did not")
     p.add_argument("--profile", action="store_true",
                    help="after the timed cases, profile a few steps of the library's cases on every rank: "
                         "GPU step span, compute, NCCL and exposed NCCL time (the JSON's profile list)")
@@ -723,14 +725,17 @@ def _probe_step(bench: Bench, comm, strategy: str | None, tokens: int) -> tuple[
 
 
 def probe(bench: Bench, comm, how: tuple[str | None, str], records: list, meta: dict, progress) -> None:
-    """LongNet, non-causal: double tokens per GPU until OOM, the cap or the time budget, then try 1.5x
-    the last size that ran. A size whose peak, extrapolated linearly from the last one, exceeds
+    """LongNet, non-causal: double tokens per GPU until OOM, the cap or the time budget, then bisect
+    between the last size that ran and the first that did not (``--probe-refine`` steps, sizes in
+    multiples of the first). A size whose peak, extrapolated linearly from the last one, exceeds
     the GPU is not launched ("predicted OOM"): a rank that really runs out mid-ring leaves its peers
     waiting until the backend's timeout."""
     torch, a, k = bench.torch, bench.args, bench.env.world_size
     capacity = torch.cuda.get_device_properties(bench.env.device).total_memory / 2**30 if bench.cuda else None
-    tokens, start, steps, stop, refined = max(a.tokens), time.perf_counter(), [], "cap", False
+    unit = max(a.tokens)
+    tokens, start, steps, stop = unit, time.perf_counter(), [], "cap"
     last = None  # (tokens, ms, peak) of the largest size that ran
+    too_big, refines = None, 0  # the smallest size that did not run; bisection steps taken
     while True:
         failure = None
         if tokens > a.probe_cap:
@@ -747,15 +752,22 @@ def probe(bench: Bench, comm, how: tuple[str | None, str], records: list, meta: 
                               "gpus": k, "tokens_per_gpu": tokens, "layout": "contiguous", "ms": ms,
                               "efficiency": None, "peak_gib": peak, "own_gib": bench.own_gib(tokens)})
                 last = (tokens, ms, peak)
-                if refined:
-                    stop += "; 1.5x ran"
-                    break
-                tokens *= 2
-                continue
-        if refined or last is None or not (failure == "OOM" or failure.startswith("predicted")):
-            stop = failure if not refined else f"{stop}; 1.5x: {failure}"
+        memory_bound = failure is not None and (failure == "OOM" or failure.startswith("predicted"))
+        if failure is not None and not memory_bound:
+            stop = failure if too_big is None else f"{stop}; then {failure}"
             break
-        stop, refined, tokens = failure, True, last[0] * 3 // 2  # one step between the last size and 2x
+        if failure is not None:
+            too_big, stop = tokens, failure
+        if too_big is None:
+            tokens *= 2
+            continue
+        if last is None or refines >= a.probe_refine:
+            break
+        mid = (last[0] + too_big) // 2 // unit * unit  # bisect in whole multiples of the first size
+        if mid <= last[0]:
+            break
+        tokens, refines = mid, refines + 1
+    stop += f"; {refines} bisection steps" if refines else ""
     max_tokens = k * last[0] if last else 0
     for rec in steps:
         rec["max_tokens"] = max_tokens
