@@ -36,6 +36,13 @@ autograd; the full-attention rows (one pattern ``w = N``, ``r = 1``) compare the
 library with cuDNN SDPA itself. The JSON summary has, per causal flag,
 ``library_fwd_bwd_vs_dense_cudnn`` (library path vs dense cuDNN, rate ratio).
 
+Causal split (``--causal-block N[,N...]``): the ``flash4`` and ``cudnn-det`` methods (and ``auto``'s
+implementations of those names) run with ``causal_block`` = the first value (0: never split; without the
+option each kernel's default), and each further value adds the methods ``flash4-cb<N>`` and
+``cudnn-det-cb<N>``: so ``--causal-block 0,2048`` times unsplit and split in one run. The split happens in the
+library's schedule (``ring.py``), so it shows in the pipeline, ``api`` and full-attention rows, not in the
+``kernel`` rows (patterns called alone). The JSON records the values (``meta.causal_block``).
+
 Writes ``kernel_<gpu>.json`` (everything, the markdown included), ``.md`` and ``.png`` into ``--out``,
 ``<gpu>`` the model (``gpu_tag.py``: ``h200``, ``h100``).
 
@@ -44,6 +51,7 @@ Writes ``kernel_<gpu>.json`` (everything, the markdown included), ``.md`` and ``
     python benchmarks/bench_kernel.py --render benchmarks/results/kernel_h200.json       # markdown and plot next to it
     python benchmarks/bench_kernel.py --write-table benchmarks/results/kernel_h200.json
     python benchmarks/bench_kernel.py --table-only --full-seq 65536 --out /tmp/t   # the table by length class
+    python benchmarks/bench_kernel.py --methods flash4 --full-seq 65536 --causal-block 0,1024,2048,4096
 """
 
 from __future__ import annotations
@@ -57,6 +65,20 @@ import pprint
 import sys
 import time
 from dataclasses import replace
+
+
+SPLIT_METHODS = ("flash4", "cudnn-det")  # the methods --causal-block applies to
+
+
+def causal_blocks(text: str) -> list[int]:
+    """``--causal-block``'s values: ints >= 0, comma-separated, each once."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...] with ints >= 0, got {text!r}") from None
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct ints >= 0, got {text!r}")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--table-only", action="store_true", help="measure only the auto table (by length class)")
     ap.add_argument("--table-extra", default="", help="more table entries, 'dim:dtype,...' (e.g. 64:bfloat16,128:float16)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-attention comparison")
+    ap.add_argument("--causal-block", type=causal_blocks, default=None, metavar="N[,N...]",
+                    help="causal_block of the flash4 and cudnn-det methods (0: no split); each further value adds "
+                         "methods flash4-cb<N>, cudnn-det-cb<N> (e.g. 0,2048: unsplit and split in one run)")
     ap.add_argument("--no-md", action="store_true", help="write only JSON and PNG (the markdown is in the JSON)")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: checks the script")
     ap.add_argument("--render", metavar="JSON", help="write the markdown and plot of a result JSON next to it and exit")
@@ -100,6 +125,9 @@ from gpu_tag import gpu_tag  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import AutoKernel, length_class, normalize_choices, table_key  # noqa: E402
+from dilated_attention.kernels.cudnn import CudnnKernel  # noqa: E402
+from dilated_attention.kernels.cudnn_frontend import CudnnFrontendOps  # noqa: E402
+from dilated_attention.kernels.flash4 import Flash4Kernel  # noqa: E402
 from dilated_attention.kernels.flash4 import unavailable_reason as flash4_unavailable  # noqa: E402
 from dilated_attention.kernels.fused import FusedKernel, default_config  # noqa: E402
 from dilated_attention.kernels.registry import KERNELS, build_kernel  # noqa: E402
@@ -500,11 +528,33 @@ def check_close(impls, q, k, v, dout, plans, causal, scale):
     return res
 
 
-def make_kernel(name, table_impls, choices):
-    """A new instance of method ``name``: ``auto``/``auto-any`` over ``table_impls`` with ``choices``, else the
-    library's kernel of that name (``kernels/registry.py``; ``sdpa-flash`` is ``sdpa``)."""
+def split_kernel(name: str, block: int | None):
+    """The library's kernel ``name`` with ``causal_block=block`` where ``name`` is one of ``SPLIT_METHODS``
+    (``None``: its default), else as the registry builds it."""
+    if block is None or name not in SPLIT_METHODS:
+        return build_kernel(name)
+    if name == "flash4":
+        return Flash4Kernel(causal_block=block)
+    return CudnnKernel(CudnnFrontendOps(), causal_block=block)
+
+
+def split_variants(methods: list[str], blocks: list[int] | None) -> list[str]:
+    """``methods`` with ``<m>-cb<N>`` after each split method ``m`` for every ``--causal-block`` value but the first."""
+    extra = blocks[1:] if blocks else []
+    return [v for m in methods for v in (m, *(f"{m}-cb{b}" for b in extra if m in SPLIT_METHODS))]
+
+
+def make_kernel(name, table_impls, choices, block=None):
+    """A new instance of method ``name``: ``auto``/``auto-any`` over ``table_impls`` with ``choices``, ``<m>-cb<N>``
+    the split method ``m`` with ``causal_block=N``, else the library's kernel of that name (``kernels/registry.py``;
+    ``sdpa-flash`` is ``sdpa``), a split method with ``causal_block=block`` (``None``: its default)."""
     if name in ("auto", "auto-any"):
         return AutoKernel(table_impls, choices, allow_nondeterministic=name == "auto-any")
+    base, _, cb = name.rpartition("-cb")
+    if base in SPLIT_METHODS and cb.isdigit():
+        return split_kernel(base, int(cb))
+    if name in SPLIT_METHODS:
+        return split_kernel(name, block)
     kernel = {"sdpa-flash": "sdpa"}.get(name, name)
     if kernel not in KERNELS:
         raise SystemExit(f"unknown method {name}")
@@ -560,7 +610,11 @@ def main(argv=None):
         print(f"flash4 not measured: {flash4_reason}", flush=True)
         args.methods = ",".join(m for m in args.methods.split(",") if m != "flash4")
     meta["flash4"] = flash4_reason or "measured"
-    table_impls = {name: build_kernel(name) for name in names}
+    block = args.causal_block[0] if args.causal_block else None
+    args.methods = ",".join(split_variants(args.methods.split(","), args.causal_block))
+    table_impls = {name: split_kernel(name, block) for name in names}
+    meta["causal_block"] = {"values": args.causal_block,
+                            **{m: table_impls[m].causal_block for m in SPLIT_METHODS if m in table_impls}}
     scale = args.dim ** -0.5
     torch.manual_seed(0)
     shape = (args.batch, args.seq, args.heads, args.dim)
@@ -596,7 +650,7 @@ def main(argv=None):
         kernels = {}
         for name in args.methods.split(","):
             try:
-                kernels[name] = make_kernel(name, table_impls, choices)
+                kernels[name] = make_kernel(name, table_impls, choices, block)
             except Exception as exc:
                 rows.append({"method": name, "causal": causal, "kind": "error", "error": str(exc)[:300]})
         try:
@@ -605,8 +659,8 @@ def main(argv=None):
             print(f"  check failed: {type(exc).__name__}: {exc}", flush=True)
         for name, kern in kernels.items():
             w, r = (1, 3) if name == "reference" and device.type == "cuda" else (args.warmup, args.reps)
-            api = (segs, rates) if name in ("fused", "flash4", "auto", "auto-any", "cudnn", "cudnn-det",
-                                            "cudnn-dkdv") else None
+            api = (segs, rates) if name.rpartition("-cb")[0] in SPLIT_METHODS or name in (
+                "fused", "flash4", "auto", "auto-any", "cudnn", "cudnn-det", "cudnn-dkdv") else None
             try:
                 rows += measure_method(name, kern, q, k, v, dout, plans, causal, scale, w, r, fl, api)
             except Exception as exc:
@@ -625,7 +679,9 @@ def main(argv=None):
                 except Exception as exc:
                     print(f"  dense-{backend} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         if not args.no_full:
-            full_impls = {n: kernels[n] for n in ("fused", "flash4", "cudnn-det", "auto", "auto-any") if n in kernels}
+            full_impls = {n: kern for n, kern in kernels.items()
+                          if n in ("fused", "flash4", "cudnn-det", "auto", "auto-any")
+                          or n.rpartition("-cb")[0] in SPLIT_METHODS}
             try:
                 full_rows += full_attention(*full, causal, full_impls, args.warmup, args.reps)
             except Exception as exc:

@@ -26,6 +26,11 @@ home. With no backend (single device) every pattern is local: same code.
 Causal local patterns run on two side streams (``_SideStreams``: the tails of their small calls overlap),
 joined before the combine; each writes its own parts, so no bit depends on it.
 
+A kernel with a ``causal_block`` (flash-attn-4: its causal backward is slow on long squares, its non-causal
+one is not) gets a long causal square, local or a ring's own block, split (``_causal_split``): one causal
+call of all diagonal blocks folded into the batch dimension, then one non-causal call per halving level of
+each span's second half against its first, all merged into the running result (no compact parts).
+
 Key masks (padding, packed documents) cover the whole sequence on every rank (a
 few bytes per token, gathered once per call): a step reads the slice of the
 block it holds, so masks never travel round the ring.
@@ -45,6 +50,7 @@ import torch
 from . import caches
 from .comm.base import CommBackend
 from .kernels.protocol import PatternKernel, clear_result_
+from .kernels.wrapper import KernelWrapper
 from .merge import Part, accum_dtype, combine_results, sum_grads
 from .patterns import PatternPlan
 from .views import pack_kv, unpack_add_
@@ -151,6 +157,102 @@ def _call_mask(key_mask: torch.Tensor | None, call: _Call) -> dict:
     return {} if key_mask is None else {"key_mask": key_mask[:, call.mask]}
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """One kernel call of a split causal square (``_causal_split``): ``plan`` on views that cut the rows in
+    spans of ``span`` dilated rows, each span one batch row of the call. ``rectangle``: the queries of each
+    span's second half against the keys of its first half, non-causal; else the spans themselves, causal."""
+
+    span: int
+    rectangle: bool
+    plan: PatternPlan
+
+
+@caches.memoize("ring.causal_split", 1024)  # asked per causal pattern and call; a model has few configurations
+def _causal_split(plan: PatternPlan, block: int) -> tuple[_Piece, ...]:
+    """A causal square of ``M = plan.local_segment / r`` rows (every segment of the plan) as kernel calls
+    whose causal squares have at most ``block`` rows; ``()`` where it stays one call.
+
+    Why: flash-attn-4's deterministic causal backward is slow on long causal squares (full causal attention
+    over 65536 rows: 0.77-0.87x of cuDNN's), while its non-causal backward and small causal blocks are fast;
+    split, it measured 0.91-1.05x. Blocks have ``b = M / 2^j`` rows, the least ``j >= 1`` with ``b <= block``
+    (``()`` if ``M <= block``, ``block <= 0`` or ``2^j`` does not divide ``M``). Calls, all zero-copy views:
+
+    * the diagonal: every block of ``b`` rows, causal, in one call (blocks folded into the batch dimension;
+      ``plan`` read on segments of ``b * r`` rows);
+    * per span ``t = M, M / 2, ..., 2b`` (``j`` calls): every span's second half of queries against its first
+      half of keys, non-causal, in one call (``plan`` on segments of ``t / 2 * r`` rows).
+
+    A (query, key) pair below the diagonal blocks lies in exactly one rectangle: that of the smallest span
+    holding both. Every dilated row stays whole (spans are multiples of ``r`` rows): each view is the kernel's
+    usual dilated view of a block, so what it reads in place it still reads in place.
+    """
+    m = plan.local_segment // plan.dilation
+    if block <= 0 or m <= block:
+        return ()
+    levels = 1
+    while m >> levels > block:
+        levels += 1
+    if m % (1 << levels):
+        return ()
+    b, r = m >> levels, plan.dilation
+    diagonal = _Piece(b, False, plan.with_local_segment(b * r))
+    return (diagonal, *(_Piece(m >> j, True, plan.with_local_segment((m >> j) // 2 * r)) for j in range(levels)))
+
+
+def _cut(x: torch.Tensor, rows: int, half: int | None) -> torch.Tensor:
+    """``x`` ``(B, N, ...)`` cut into spans of ``rows`` rows, ``(B, N / rows, rows, ...)``, or (``half`` 0 or 1) one
+    half of every span, ``(B, N / rows, rows / 2, ...)``: a view."""
+    spans = x.unflatten(1, (x.shape[1] // rows, rows))
+    return spans if half is None else spans.unflatten(2, (2, rows // 2)).select(2, half)
+
+
+def _batched(views: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """``(B, S, rows, ...)`` views as one call's operands, ``(B * S, rows, ...)``, where every one folds its batch
+    and span dims into one stride (views); else one call per batch row, ``(S, rows, ...)`` each."""
+    if all(v.shape[0] == 1 or v.shape[1] == 1 or v.stride(0) == v.shape[1] * v.stride(1) for v in views):
+        return [tuple(v.view(-1, *v.shape[2:]) for v in views)]
+    return [tuple(v[i] for v in views) for i in range(views[0].shape[0])]
+
+
+def _piece_views(piece: _Piece, packed: bool, queries, keys) -> list[tuple[torch.Tensor, ...]]:
+    """Each call's ``(*queries, *keys)`` views of one piece: query-row tensors (full layout) and key-row tensors
+    (full layout, or a packed block's dilated rows)."""
+    rows = piece.span * piece.plan.dilation
+    qh, kh = (1, 0) if piece.rectangle else (None, None)
+    return _batched([_cut(x, rows, qh) for x in queries] + [_cut(x, piece.span if packed else rows, kh) for x in keys])
+
+
+def _split_forward(kernel, pieces, q, k, v, out, lse, *, packed: bool, scale: float, fresh: bool) -> None:
+    """A causal square's pieces merged into the running ``out``/``lse``; ``fresh``: the diagonal (every row)
+    writes them."""
+    for piece in pieces:
+        for qq, oo, ll, kk, vv in _piece_views(piece, packed, (q, out, lse), (k, v)):
+            kernel.forward_pattern_into(qq, kk, vv, piece.plan, oo, ll, packed=packed, causal=not piece.rectangle,
+                                        scale=scale, fresh=fresh and not piece.rectangle)
+
+
+def _split_backward(kernel, pieces, q, k, v, out, lse, dout, dq, dk, dv, *, packed: bool, scale: float,
+                    fresh: bool) -> None:
+    """A causal square's pieces' gradients added into ``dq``/``dk``/``dv``; ``fresh``: the diagonal (every query
+    and key row) writes them."""
+    for piece in pieces:
+        for qq, oo, ll, gg, dqq, kk, vv, dkk, dvv in _piece_views(piece, packed, (q, out, lse, dout, dq),
+                                                                  (k, v, dk, dv)):
+            kernel.backward_pattern(qq, kk, vv, piece.plan, oo, ll, gg, dqq, dkk, dvv, packed=packed,
+                                    causal=not piece.rectangle, scale=scale, fresh=fresh and not piece.rectangle)
+
+
+def _split_block(kernel, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
+    """The ``causal_block`` of the kernel that runs this pattern's causal calls in ``direction`` (0: none): a
+    kernel's own, else, for a wrapper (the guard, ``auto``'s router, debug mode), its target's."""
+    while True:
+        block = getattr(kernel, "causal_block", None)
+        if block is not None or not isinstance(kernel, KernelWrapper):
+            return block or 0
+        kernel = kernel.target(direction, plan, True, q, k, False)
+
+
 def _ring_blocks(k, v, plan, comm, layout, call, direction):
     """Yield ``(step, packed K/V block, sequence block it came from)`` round the ring; the next block's
     exchange is in flight while the caller computes on this one."""
@@ -171,16 +273,23 @@ def _ring_blocks(k, v, plan, comm, layout, call, direction):
             block, spare = spare, block
 
 
-def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale, out, lse):
+def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale, split, out, lse):
+    """``split``: the causal block a causal call is split into (``_causal_split``; 0: none)."""
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
     for _, block, src in _ring_blocks(k, v, plan, comm, layout, call, "forward"):
         for c in _step_calls(plan, layout, own, src, blocks, q.shape[1], causal):
+            pieces = _causal_split(c.plan, split) if c.causal else ()
+            if pieces:
+                _split_forward(kernel, pieces, q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys],
+                               out[:, c.rows], lse[:, c.rows], packed=True, scale=scale, fresh=False)
+                continue
             kernel.forward_pattern_into(q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys], c.plan,
                                         out[:, c.rows], lse[:, c.rows], packed=True, causal=c.causal, scale=scale,
                                         **_call_mask(key_mask, c))
 
 
-def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, dq, dk, dv):
+def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, split,
+                   dq, dk, dv):
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
     members = layout.members(comm.rank, plan.ring_size, blocks)
     size = len(members)
@@ -195,6 +304,13 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
         if calls:  # this block's dK/dV from our queries, while its accumulator travels
             scratch.zero_()
             for c in calls:
+                pieces = _causal_split(c.plan, split) if c.causal else ()
+                if pieces:
+                    _split_backward(kernel, pieces, q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys],
+                                    out[:, c.rows], lse[:, c.rows], dout[:, c.rows], dq[:, c.rows],
+                                    scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, scale=scale,
+                                    fresh=False)
+                    continue
                 kernel.backward_pattern(q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys], c.plan,
                                         out[:, c.rows], lse[:, c.rows], dout[:, c.rows], dq[:, c.rows],
                                         scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=c.causal,
@@ -278,9 +394,18 @@ class RingCall:
     scale: float
 
 
-def _parts(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, mask: dict
-           ) -> bool:
-    return plan.ring_size == 1 and ring.kernel.parts(direction, plan, q, k, causal=ring.causal, masked=bool(mask))
+def _split(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, masked: bool
+           ) -> int:
+    """The causal block this pattern's causal calls split into (``_causal_split``), 0 for none: unmasked causal
+    calls only (a key mask's slices stay whole)."""
+    return _split_block(ring.kernel, direction, plan, q, k) if ring.causal and not masked else 0
+
+
+def _parts(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, mask: dict,
+           pieces: tuple) -> bool:
+    """Whether a local pattern leaves a compact part (``PatternKernel.parts``); a split one never does."""
+    return (plan.ring_size == 1 and not pieces
+            and ring.kernel.parts(direction, plan, q, k, causal=ring.causal, masked=bool(mask)))
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -298,7 +423,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     running, parts = None, []
     sides = _SideStreams(q, ring.causal)
     for plan in (p for p in ring.plans if p.chunks):  # (no local head may use a pattern: grouped mode, head-parallel)
-        if _parts(ring, "fwd", plan, q, k, own):
+        split = _split(ring, "fwd", plan, q, k, key_mask is not None)
+        pieces = _causal_split(plan, split) if plan.ring_size == 1 else ()
+        if _parts(ring, "fwd", plan, q, k, own, pieces):
             parts.append(Part(plan, *sides.issue(ring.kernel.forward_pattern, q, k, v, plan, packed=False,
                                                  causal=ring.causal, scale=ring.scale, **own)))
             continue
@@ -308,12 +435,14 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
                        torch.empty(q.shape[:3], dtype=acc, device=q.device))
             if not fresh:  # rows no pattern covers stay (0, -inf)
                 clear_result_(*running)
-        if plan.ring_size == 1:
+        if pieces:
+            _split_forward(ring.kernel, pieces, q, k, v, *running, packed=False, scale=ring.scale, fresh=fresh)
+        elif plan.ring_size == 1:
             ring.kernel.forward_pattern_into(q, k, v, plan, *running, packed=False, causal=ring.causal,
                                              scale=ring.scale, fresh=fresh, **own)
         else:
             _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal, ring.scale,
-                          *running)
+                          split, *running)
     sides.join()
     return combine_results(running, parts, q, into)
 
@@ -331,7 +460,9 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     running, parts = None, ([], [], [])
     sides = _SideStreams(q, ring.causal)
     for plan in (p for p in ring.plans if p.chunks):
-        if _parts(ring, "bwd", plan, q, k, own):
+        split = _split(ring, "bwd", plan, q, k, key_mask is not None)
+        pieces = _causal_split(plan, split) if plan.ring_size == 1 else ()
+        if _parts(ring, "bwd", plan, q, k, own, pieces):
             grads = sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
                                 causal=ring.causal, scale=ring.scale, **own)
             for held, grad, kv in zip(parts, grads, (False, True, True)):
@@ -341,12 +472,15 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
         if running is None:
             new = torch.empty if fresh else torch.zeros
             running = tuple(new(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-        if plan.ring_size == 1:
+        if pieces:
+            _split_backward(ring.kernel, pieces, q, k, v, out, lse, dout, *running, packed=False, scale=ring.scale,
+                            fresh=fresh)
+        elif plan.ring_size == 1:
             ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, *running, packed=False,
                                          causal=ring.causal, scale=ring.scale, fresh=fresh, **own)
         else:
             _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, ring.call, ring.kernel,
-                           ring.causal, ring.scale, *running)
+                           ring.causal, ring.scale, split, *running)
     sides.join()
     return tuple(sum_grads(running[i] if running is not None else None, parts[i], x,
                            None if into is None else into[i]) for i, x in enumerate((q, k, v)))

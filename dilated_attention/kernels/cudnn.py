@@ -72,6 +72,15 @@ def _device_reason(index: int, dtype: torch.dtype) -> str | None:
     return None
 
 
+def check_causal_block(block: int) -> int:
+    """``block`` if it is a valid ``causal_block`` (an int >= 0), else ``ValueError``/``TypeError``."""
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise TypeError(f"causal_block must be an int (0: never split), got {type(block).__name__}")
+    if block < 0:
+        raise ValueError(f"causal_block must be >= 0 (0: never split), got {block}")
+    return block
+
+
 class CudnnOps:
     """``torch.ops.aten``'s cuDNN attention, forward and backward, on 4D ``(B', h, M, D)`` views."""
 
@@ -423,9 +432,13 @@ class CudnnKernel:
 
     key_masks = False  # masked work runs on the fused kernel (AutoKernel routes it there)
 
-    def __init__(self, ops: CudnnOps | None = None, *, grads: tuple[str, ...] = ("dq", "dk", "dv")) -> None:
+    def __init__(self, ops: CudnnOps | None = None, *, grads: tuple[str, ...] = ("dq", "dk", "dv"),
+                 causal_block: int = 0) -> None:
         """``grads``: which gradients the backward adds (``CudnnDkdvKernel`` keeps dK/dV only).
-        Name and determinism are the ops': ``"cudnn"`` on torch's ops, ``"cudnn-det"`` on the frontend's."""
+        Name and determinism are the ops': ``"cudnn"`` on torch's ops, ``"cudnn-det"`` on the frontend's.
+        ``causal_block``: causal squares longer than this many dilated rows are split into small causal blocks
+        and non-causal rectangles by the strategy (``protocol.py``); 0 (the default here): never."""
+        self.causal_block = check_causal_block(causal_block)
         self.ops = ops if ops is not None else CudnnOps()
         self.name = self.ops.name
         self.deterministic_backward = self.ops.deterministic_backward

@@ -22,6 +22,10 @@ compact by the shared view logic, explicitly (FA4 would copy it silently).
   as 0 and would give such a row gradients, ``+inf`` gives it none.
 * GQA runs natively (query head ``i`` reads kv head ``i // (Hq // Hk)``, FA4's rule); causal blocks are
   square, where FA4's causal mask is the library's; packed ring blocks (``views.pack_kv``) as cuDNN's.
+* Long causal squares are split (``causal_block``, default ``CAUSAL_BLOCK`` dilated rows; ``protocol.py``,
+  ``ring._causal_split``): FA4's deterministic causal backward is slow on long squares (full causal
+  attention over 65536 rows: 0.77-0.87x of cuDNN's), its non-causal backward and small causal blocks are
+  not; one causal call of the diagonal blocks and non-causal rectangles measured 0.91-1.05x.
 * Key masks (padding, packed documents): not taken (``key_masks = False``). FA4 expresses a key mask
   only as per-sequence lengths or a compiled ``mask_mod``, not the per-key boolean the seam passes, so
   ``kernel="auto"`` runs masked calls on the fused kernel and ``kernel="flash4"`` with one raises.
@@ -45,6 +49,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 INSTALL = 'pip install ".[flash4]" (or "dilated-attention[flash4]")'
 _FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "return_lse", "out", "lse")
 _BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "deterministic", "dq", "dk", "dv")
+# Causal squares longer than this many dilated rows are split into causal blocks of at most this many rows
+# and non-causal rectangles (module doc). The default is set by measurement, not by guess:
+# ``benchmarks/bench_kernel.py --methods flash4 --causal-block 0,1024,2048,4096`` times the unsplit and each
+# split pipeline (LongNet and full attention) in one run; keep the fastest block.
+CAUSAL_BLOCK = 2048
 
 
 @caches.memoize("flash4.api", 1)  # imported once: FA4 pulls in the CUTLASS DSL (seconds)
@@ -180,8 +189,9 @@ class Flash4Kernel(CudnnKernel):
 
     key_masks = False  # masked work runs on the fused kernel (see the module doc)
 
-    def __init__(self, ops: Flash4Ops | None = None) -> None:
-        super().__init__(ops if ops is not None else Flash4Ops())
+    def __init__(self, ops: Flash4Ops | None = None, *, causal_block: int = CAUSAL_BLOCK) -> None:
+        """``causal_block``: causal squares longer than this many dilated rows are split (module doc); 0: never."""
+        super().__init__(ops if ops is not None else Flash4Ops(), causal_block=causal_block)
 
 
-__all__ = ["DTYPES", "Flash4Kernel", "Flash4Ops", "unavailable_reason"]
+__all__ = ["CAUSAL_BLOCK", "DTYPES", "Flash4Kernel", "Flash4Ops", "unavailable_reason"]

@@ -45,6 +45,11 @@ drives it chunk by chunk on strided views. A kernel that changes another one
   local patterns) returns them in compact layout in the inputs' dtype, ``dk``/``dv`` ``(B, L // r, Hk, D)``.
 * ``parts`` says, per local pattern and direction, which of the two a strategy calls: compact parts
   are combined in one pass at the end (``merge.combine_results``/``sum_grads``).
+* ``causal_block`` (optional, read as 0 where absent, so kernels written without it keep working): a
+  kernel whose causal calls are slow on long squares sets it to ``b > 0``, and the strategy then splits a
+  causal square of more than ``b`` dilated rows into one causal call of its diagonal blocks and
+  non-causal calls of the rectangles below them (``ring._causal_split``), each an ordinary call on views.
+  A wrapper without its own answers with its target's (``ring._split_block``).
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ class BlockKernel(Protocol):
 
 @runtime_checkable
 class PatternKernel(Protocol):
-    """All heads of one pattern on one (local or ring) block; layouts in the module doc."""
+    """All heads of one pattern on one (local or ring) block; layouts in the module doc. A kernel may also set
+    ``causal_block`` (module doc; not a member here, so ``isinstance`` accepts kernels without it)."""
 
     name: str
     key_masks: bool  # accepts ``key_mask=`` (see the module doc)
