@@ -39,7 +39,7 @@ from .kernels.protocol import BlockKernel, PatternKernel
 from .memory import HeadRange, head_ranges, own_bytes, scratch_bytes
 from .merge import accum_dtype
 from .patterns import PatternPlan, check_layout, hybrid_team_size, padded_length, plan_patterns, zigzag_half
-from .ring import RingCall, RingLayout, ring_backward, ring_forward
+from .ring import RingCall, RingLayout, leaves_part, ring_backward, ring_forward
 from .strategy import auto_team_size, pattern_spans
 from .views import layout_key
 
@@ -511,10 +511,8 @@ def _head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, 
     rows *= q.shape[0]
     shape = (split.local_heads, split.local_kv_heads, q.shape[-1], q.element_size())
 
-    def leaves_part(p: PatternPlan) -> bool:
-        return kernel.parts("bwd", p, q, k, causal=causal, masked=masked)
-
-    return head_ranges(scratch_bytes(plans, leaves_part, rows, *shape), own_bytes(rows, *shape),
+    ring = RingCall(plans, None, RingLayout(), 0, kernel, causal, 1.0)
+    return head_ranges(scratch_bytes(plans, lambda p: leaves_part(ring, "bwd", p, q, k, masked), rows, *shape), own_bytes(rows, *shape),
                        split.local_heads, split.local_kv_heads)
 
 

@@ -408,6 +408,13 @@ def _parts(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor,
             and ring.kernel.parts(direction, plan, q, k, causal=ring.causal, masked=bool(mask)))
 
 
+def leaves_part(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor,
+                masked: bool) -> bool:
+    """Whether ``plan`` leaves a compact part in this call (``memory.py``'s estimate asks)."""
+    pieces = _causal_split(plan, _split(ring, direction, plan, q, k, masked)) if plan.ring_size == 1 else ()
+    return _parts(ring, direction, plan, q, k, {"key_mask": masked} if masked else {}, pieces)
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                  ring: RingCall, into: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
