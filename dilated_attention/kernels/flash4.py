@@ -52,7 +52,9 @@ _BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "de
 # Causal squares longer than this many dilated rows are split into causal blocks of at most this many rows
 # and non-causal rectangles (module doc). The default is set by measurement, not by guess:
 # ``benchmarks/bench_kernel.py --methods flash4 --causal-block 0,1024,2048,4096`` times the unsplit and each
-# split pipeline (LongNet and full attention) in one run; keep the fastest block.
+# split pipeline (LongNet and full attention) in one run; keep the fastest block. Full causal attention over
+# 65536 rows, forward+backward on an H100: 140.4 ms unsplit, 111.4 ms at 2048 (cuDNN SDPA 111.8; cudnn-det
+# 165.1 unsplit, 140.2 at 2048, so it splits at 2048 too).
 CAUSAL_BLOCK = 2048
 
 

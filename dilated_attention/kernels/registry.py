@@ -12,7 +12,7 @@ from typing import Callable
 from .chunk_loop import ChunkLoop
 from .cudnn import CudnnDkdvKernel, CudnnKernel
 from .cudnn_frontend import CudnnFrontendOps
-from .flash4 import Flash4Kernel
+from .flash4 import CAUSAL_BLOCK, Flash4Kernel
 from .fused import FusedKernel
 from .protocol import PatternKernel
 from .reference import ReferenceKernel
@@ -21,7 +21,7 @@ from .sdpa import SdpaKernel
 KERNELS: dict[str, Callable[[], PatternKernel]] = {
     "fused": FusedKernel,
     "cudnn": CudnnKernel,
-    "cudnn-det": lambda: CudnnKernel(CudnnFrontendOps()),
+    "cudnn-det": lambda: CudnnKernel(CudnnFrontendOps(), causal_block=CAUSAL_BLOCK),  # (measured: flash4.py)
     "cudnn-dkdv": CudnnDkdvKernel,
     "flash4": Flash4Kernel,  # flash-attn-4, deterministic backward (pip install ".[flash4]")
     "sdpa": lambda: ChunkLoop(SdpaKernel("flash")),
