@@ -95,3 +95,26 @@ def test_plots_tables_and_validation(smoke_json, tmp_path):
     rows = validate([str(smoke_json)])
     assert {(r["strategy"], r["causal"]) for r in rows} >= {("ring", False), ("ring", True)}
     assert all(math.isfinite(r["error_pct"]) for r in rows)
+
+
+def test_probe_bisects_towards_the_first_size_that_does_not_fit(monkeypatch):
+    """Sizes up to 5 x 64 tokens fit: doubling stops at 512 (OOM), bisection tries 384 (OOM), then 320 (runs);
+    the next midpoint in whole multiples of 64 is 320 again, so it stops there."""
+    import types
+
+    tried = []
+
+    def step(bench, comm, strategy, tokens):
+        tried.append(tokens)
+        return (None, 1.0, tokens / 64) if tokens <= 320 else ("OOM", 1.0, None)
+
+    monkeypatch.setattr(bench_scaling, "_probe_step", step)
+    args = types.SimpleNamespace(tokens=[64], probe_cap=1 << 20, probe_seconds=1e9, probe_refine=3)
+    bench = types.SimpleNamespace(torch=None, args=args, env=types.SimpleNamespace(world_size=2, device="cpu"),
+                                  cuda=False, own_gib=lambda n: n / 1e9)
+    records, meta = [], {}
+    progress = types.SimpleNamespace(set_postfix_str=lambda s: None)
+    bench_scaling.probe(bench, None, (None, "ring"), records, meta, progress)
+    assert tried == [64, 128, 256, 512, 384, 320]
+    assert meta["probe"]["max_tokens"] == 2 * 320 and "2 bisection steps" in meta["probe"]["stop"]
+    assert all(r["max_tokens"] == meta["probe"]["max_tokens"] for r in records)
