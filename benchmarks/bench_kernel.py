@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: checks the script")
     ap.add_argument("--render", metavar="JSON", help="write the markdown and plot of a result JSON next to it and exit")
     ap.add_argument("--write-table", metavar="JSON", help="store a result JSON's auto choices in kernels/auto_table.py")
+    ap.add_argument("--table-classes", default="short,long",
+                    help="with --write-table: the length classes whose entries are replaced (e.g. long: the table "
+                         "times kernels alone, and where the api rows disagree for a class, keep its entries)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     return ap
 
@@ -566,7 +569,7 @@ def main(argv=None):
     if args.render:
         return render(args.render)
     if args.write_table:
-        return write_table(args.write_table)
+        return write_table(args.write_table, tuple(args.table_classes.split(",")))
     if args.smoke:
         args.batch, args.seq, args.heads, args.dim = 1, 64, 4, 16
         args.segments, args.rates, args.warmup, args.reps = "16,32,64", "1,2,4", 0, 1
@@ -882,9 +885,9 @@ def render(path: str) -> int:
 SAME_FORWARD = {"cudnn-dkdv": "cudnn-det", "cudnn": "cudnn-det"}
 
 
-def write_table(path: str) -> int:
+def write_table(path: str, classes: tuple[str, ...] = ("short", "long")) -> int:
     """Merge a result JSON's measured rankings (fused, the cuDNN kernels, flash4) into ``kernels/auto_table.py``:
-    a key measured now replaces the old entry of its length class; the others stay."""
+    a key measured now, of a length class in ``classes``, replaces the old entry of its class; the others stay."""
     from dilated_attention.kernels.auto_table import TABLE
 
     with open(path) as f:
@@ -895,6 +898,8 @@ def write_table(path: str) -> int:
     for gpu, entry in result["auto_table"].items():
         choices = {}
         for key, names in normalize_choices(entry["choices"]).items():  # a result JSON may list any measured one
+            if key.rpartition("/")[2] not in classes:
+                continue
             kept = []
             for name in names:
                 name = SAME_FORWARD.get(name, name) if key.startswith("fwd/") else name
