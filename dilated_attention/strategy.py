@@ -9,10 +9,10 @@ pattern set, causality and shard layout, on 2 x H200 at 32768 tokens per GPU, st
 ==========================  ====  ====  ===========  ===========  ==========  ==========
 patterns                    ring  head  ring zigzag  head zigzag  contiguous  zigzag
 ==========================  ====  ====  ===========  ===========  ==========  ==========
-LongNet, non-causal         15.6  17.3         19.9         18.1  ring        head
-LongNet, causal             10.4  11.8         13.0         12.7  ring        tie: ring
-full attention, non-causal 143.5 139.3        143.6        140.2  head        tie: ring
-full attention, causal     111.2  76.0         74.8         77.6  head        ring
+LongNet, non-causal         16.2  17.4         19.7         18.2  ring        head
+LongNet, causal             16.6  13.7         20.2         14.6  head        head
+full attention, non-causal 145.3 141.1        144.8        141.9  tie: ring   tie: ring
+full attention, causal     108.8  70.3         72.5         71.4  head        tie: ring
 ==========================  ====  ====  ===========  ===========  ==========  ==========
 
 The last two columns are the choice per layout (the fastest; "tie": within 3%).
@@ -32,13 +32,13 @@ from .patterns import hybrid_team_size
 # (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest (the table above).
 MEASURED = {
     (False, False, "contiguous"): "ring",
-    (False, True, "contiguous"): "ring",
-    (True, False, "contiguous"): "head",
+    (False, True, "contiguous"): "head",  # the causal ring's small calls leave the GPU idle
+    (True, False, "contiguous"): "ring",  # within 3% of head
     (True, True, "contiguous"): "head",  # the contiguous causal ring waits on its last rank
     (False, False, "zigzag"): "head",  # zigzag turns mid-length segments into rings
-    (False, True, "zigzag"): "ring",  # within 3% of head: the simpler one
+    (False, True, "zigzag"): "head",
     (True, False, "zigzag"): "ring",  # within 3% of head
-    (True, True, "zigzag"): "ring",  # balanced: every rank does half a block per step
+    (True, True, "zigzag"): "ring",  # balanced: every rank does half a block per step; within 3% of head
 }
 
 

@@ -21,14 +21,14 @@ def test_pattern_spans():
 
 
 @pytest.mark.parametrize("patterns, causal, layout, team", [
-    (LONGNET, False, "contiguous", 1),  # ring 15.6 ms, head 17.3
-    (LONGNET, True, "contiguous", 1),  # ring 10.4, head 11.8
-    (FULL, False, "contiguous", 2),  # ring 143.5, head 139.3
-    (FULL, True, "contiguous", 2),  # ring 111.2 (unbalanced), head 76.0
-    (LONGNET, False, "zigzag", 2),  # ring 19.9, head 18.1
-    (LONGNET, True, "zigzag", 1),  # ring 13.0, head 12.7: within 3%, the simpler ring
-    (FULL, False, "zigzag", 1),  # ring 143.6, head 140.2: within 3%
-    (FULL, True, "zigzag", 1),  # ring 74.8 (balanced), head 77.6
+    (LONGNET, False, "contiguous", 1),  # ring 16.2 ms, head 17.4
+    (LONGNET, True, "contiguous", 2),  # ring 16.6, head 13.7
+    (FULL, False, "contiguous", 1),  # ring 145.3, head 141.1: within 3%, the simpler ring
+    (FULL, True, "contiguous", 2),  # ring 108.8 (unbalanced), head 70.3
+    (LONGNET, False, "zigzag", 2),  # ring 19.7, head 18.2
+    (LONGNET, True, "zigzag", 2),  # ring 20.2, head 14.6
+    (FULL, False, "zigzag", 1),  # ring 144.8, head 141.9: within 3%
+    (FULL, True, "zigzag", 1),  # ring 72.5 (balanced), head 71.4: within 3%
 ])
 def test_two_gpu_measurements(patterns, causal, layout, team):
     assert _team(patterns, causal, layout=layout) == team
