@@ -6,7 +6,8 @@ kernel's ``parts`` says); the "kernel" rows run the patterns alone (forward: com
 ``backward_pattern`` of every plan, with the final merged ``out``/``lse``, into fp32 accumulators).
 
 Methods (``--methods``): ``fused`` (Triton, one launch per pattern), ``flash4`` (flash-attn-4, one call per
-pattern and head-offset group, where it is installed and the GPU runs it), ``cudnn``
+pattern and head-offset group, where it is installed and the GPU runs it; ``flash4-nondet`` with its default,
+non-deterministic backward), ``cudnn``
 (zero-copy strided cuDNN calls, ``kernels/cudnn.py``), ``auto`` (per pattern and
 direction the implementation measured fastest in *this* run, deterministic
 backward only), ``auto-any`` (the same, cuDNN's non-deterministic backward
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="time a few fused configs too")
-    ap.add_argument("--methods", default="fused,flash4,cudnn,cudnn-det,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
+    ap.add_argument("--methods", default="fused,flash4,flash4-nondet,cudnn,cudnn-det,cudnn-dkdv,auto,auto-any,sdpa-cudnn")
     ap.add_argument("--full-seq", type=int, default=None,
                     help="rows of the full-attention plan (table's long class and comparison; default --seq)")
     ap.add_argument("--table-only", action="store_true", help="measure only the auto table (by length class)")
@@ -131,6 +132,7 @@ from dilated_attention.kernels.auto import AutoKernel, length_class, normalize_c
 from dilated_attention.kernels.cudnn import CudnnKernel  # noqa: E402
 from dilated_attention.kernels.cudnn_frontend import CudnnFrontendOps  # noqa: E402
 from dilated_attention.kernels.flash4 import Flash4Kernel  # noqa: E402
+from dilated_attention.kernels.registry import FLASH4_NAMES  # noqa: E402
 from dilated_attention.kernels.flash4 import unavailable_reason as flash4_unavailable  # noqa: E402
 from dilated_attention.kernels.fused import FusedKernel, default_config  # noqa: E402
 from dilated_attention.kernels.registry import KERNELS, build_kernel  # noqa: E402
@@ -608,10 +610,10 @@ def main(argv=None):
     names = ("fused", "cudnn", "cudnn-det", "cudnn-dkdv") if device.type == "cuda" else ("fused", "reference")
     flash4_reason = flash4_unavailable(device)
     if flash4_reason is None:
-        names += ("flash4",)
-    elif "flash4" in args.methods.split(","):
+        names += FLASH4_NAMES
+    elif set(FLASH4_NAMES) & set(args.methods.split(",")):
         print(f"flash4 not measured: {flash4_reason}", flush=True)
-        args.methods = ",".join(m for m in args.methods.split(",") if m != "flash4")
+        args.methods = ",".join(m for m in args.methods.split(",") if m not in FLASH4_NAMES)
     meta["flash4"] = flash4_reason or "measured"
     block = args.causal_block[0] if args.causal_block else None
     args.methods = ",".join(split_variants(args.methods.split(","), args.causal_block))
@@ -663,7 +665,7 @@ def main(argv=None):
         for name, kern in kernels.items():
             w, r = (1, 3) if name == "reference" and device.type == "cuda" else (args.warmup, args.reps)
             api = (segs, rates) if name.rpartition("-cb")[0] in SPLIT_METHODS or name in (
-                "fused", "flash4", "auto", "auto-any", "cudnn", "cudnn-det", "cudnn-dkdv") else None
+                "fused", *FLASH4_NAMES, "auto", "auto-any", "cudnn", "cudnn-det", "cudnn-dkdv") else None
             try:
                 rows += measure_method(name, kern, q, k, v, dout, plans, causal, scale, w, r, fl, api)
             except Exception as exc:
@@ -683,7 +685,7 @@ def main(argv=None):
                     print(f"  dense-{backend} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         if not args.no_full:
             full_impls = {n: kern for n, kern in kernels.items()
-                          if n in ("fused", "flash4", "cudnn-det", "auto", "auto-any")
+                          if n in ("fused", *FLASH4_NAMES, "cudnn-det", "auto", "auto-any")
                           or n.rpartition("-cb")[0] in SPLIT_METHODS}
             try:
                 full_rows += full_attention(*full, causal, full_impls, args.warmup, args.reps)
@@ -750,7 +752,7 @@ def summarize(rows, full_rows=()):
         s = {}
         dense = _get(rows, "dense-cudnn", causal, "fwd+bwd kernel")
         densef = _get(rows, "dense-cudnn", causal, "fwd kernel")
-        for method in ("auto", "auto-any", "fused", "flash4", "cudnn", "cudnn-det", "cudnn-dkdv"):
+        for method in ("auto", "auto-any", "fused", *FLASH4_NAMES, "cudnn", "cudnn-det", "cudnn-dkdv"):
             tag = "library" if method == "auto" else f"library_{method.replace('-', '_')}"
             pipe = _get(rows, method, causal, "fwd+bwd pipeline")
             fwd = _get(rows, method, causal, "fwd pipeline")
@@ -894,7 +896,7 @@ def write_table(path: str, classes: tuple[str, ...] = ("short", "long")) -> int:
         result = json.load(f)
     table = {k: dict(v) for k, v in TABLE.items()}
     deterministic = {name: build_kernel(name).deterministic_backward
-                     for name in ("fused", "cudnn", "cudnn-det", "cudnn-dkdv", "flash4")}
+                     for name in ("fused", "cudnn", "cudnn-det", "cudnn-dkdv", *FLASH4_NAMES)}
     for gpu, entry in result["auto_table"].items():
         choices = {}
         for key, names in normalize_choices(entry["choices"]).items():  # a result JSON may list any measured one

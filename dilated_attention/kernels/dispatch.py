@@ -24,7 +24,7 @@ from .auto import AutoKernel, available_choices, device_choices, nondeterministi
 from .chunk_loop import ChunkLoop
 from .flash4 import unavailable_reason as flash4_unavailable
 from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel
-from .registry import KERNEL_NAMES, KERNELS, build_kernel
+from .registry import FLASH4_NAMES, KERNEL_NAMES, KERNELS, build_kernel
 
 _warned = caches.keys("dispatch.warned", 256)
 _auto_kernels = caches.table("dispatch.auto_kernels", 64)  # per GPU model and determinism setting
@@ -82,7 +82,7 @@ def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:
 def auto_implementations(device: torch.device) -> dict[str, PatternKernel]:
     """The implementations ``kernel="auto"`` may run on this device: fused, the cuDNN kernels, and flash-attn-4
     where it is installed and the GPU runs it (sm90+); the table's other names are dropped."""
-    names = ("fused", "cudnn", "cudnn-det", "cudnn-dkdv") + (("flash4",) if flash4_unavailable(device) is None else ())
+    names = ("fused", "cudnn", "cudnn-det", "cudnn-dkdv") + (FLASH4_NAMES if flash4_unavailable(device) is None else ())
     return {name: _make(name) for name in names}
 
 

@@ -142,11 +142,15 @@ def _empty_seq_major(x: torch.Tensor) -> torch.Tensor:
 
 
 class Flash4Ops:
-    """FA4's forward and deterministic backward with ``cudnn.CudnnOps``' contract: 4D ``(B', h, M, D)`` views
-    (what ``CudnnKernel`` builds), results in the same layout, written into given views where asked."""
+    """FA4's forward and backward with ``cudnn.CudnnOps``' contract: 4D ``(B', h, M, D)`` views (what
+    ``CudnnKernel`` builds), results in the same layout, written into given views where asked.
 
-    name = "flash4"
-    deterministic_backward = True
+    ``deterministic=False`` (kernel ``"flash4-nondet"``): FA4's default backward, whose dQ accumulation is
+    not ordered; for ``DILATED_ATTENTION_NONDETERMINISTIC=1`` (its causal backward needs no split)."""
+
+    def __init__(self, deterministic: bool = True) -> None:
+        self.deterministic_backward = bool(deterministic)
+        self.name = "flash4" if deterministic else "flash4-nondet"
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         reason = unavailable_reason(q.device)
@@ -182,7 +186,7 @@ class Flash4Ops:
         grads = tuple(_seq_major(g) for g in into) if into is not None else tuple(
             _empty_seq_major(x) for x in (q, k, v))
         bwd(*(_seq_major(x) for x in (q, k, v, out, dout)), lse, softmax_scale=scale, causal=causal,
-            deterministic=True, dq=grads[0], dk=grads[1], dv=grads[2])
+            deterministic=self.deterministic_backward, dq=grads[0], dk=grads[1], dv=grads[2])
         return into if into is not None else tuple(_seq_major(g) for g in grads)  # (``into``: no copy after)
 
 

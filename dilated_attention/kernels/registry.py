@@ -12,11 +12,13 @@ from typing import Callable
 from .chunk_loop import ChunkLoop
 from .cudnn import CudnnDkdvKernel, CudnnKernel
 from .cudnn_frontend import CudnnFrontendOps
-from .flash4 import CAUSAL_BLOCK, Flash4Kernel
+from .flash4 import CAUSAL_BLOCK, Flash4Kernel, Flash4Ops
 from .fused import FusedKernel
 from .protocol import PatternKernel
 from .reference import ReferenceKernel
 from .sdpa import SdpaKernel
+
+FLASH4_NAMES = ("flash4", "flash4-nondet")  # the kernels that need flash-attn-4 (offered to auto where it runs)
 
 KERNELS: dict[str, Callable[[], PatternKernel]] = {
     "fused": FusedKernel,
@@ -24,6 +26,7 @@ KERNELS: dict[str, Callable[[], PatternKernel]] = {
     "cudnn-det": lambda: CudnnKernel(CudnnFrontendOps(), causal_block=CAUSAL_BLOCK),  # (measured: flash4.py)
     "cudnn-dkdv": CudnnDkdvKernel,
     "flash4": Flash4Kernel,  # flash-attn-4, deterministic backward (pip install ".[flash4]")
+    "flash4-nondet": lambda: Flash4Kernel(Flash4Ops(deterministic=False), causal_block=0),  # its default backward
     "sdpa": lambda: ChunkLoop(SdpaKernel("flash")),
     "sdpa-cudnn": lambda: ChunkLoop(SdpaKernel("cudnn")),
     "reference": lambda: ChunkLoop(ReferenceKernel()),

@@ -76,6 +76,7 @@ class FakeFA4:
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
+        self.deterministic = True  # the backward the wrapper must ask for (flash4-nondet: FA4's default)
 
     @staticmethod
     def _check_inputs(*xs):
@@ -118,7 +119,7 @@ class FakeFA4:
     def bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
             window_size_left=None, window_size_right=None, deterministic=False, dq=None, dk=None, dv=None):
         self._check_inputs(q, k, v, out, dout)
-        assert deterministic, "the wrapper asks for the deterministic backward"
+        assert deterministic is self.deterministic, f"the wrapper asks for deterministic={self.deterministic}"
         b, m, h, d = q.shape
         assert out.shape == dout.shape == q.shape and out.dtype == dout.dtype == q.dtype
         assert lse.shape == (b, h, m) and lse.dtype == torch.float32 and lse.is_contiguous(), (lse.shape, lse.stride())
@@ -182,6 +183,14 @@ SEGS = [256, 512, 1024] if REAL else [8, 16, 32]
 
 # ---------------------------------------------------------------------------
 # Availability and supports()
+
+
+def test_nondeterministic_variant_is_named_and_never_deterministic():
+    from dilated_attention.kernels.registry import build_kernel
+
+    det, nondet = build_kernel("flash4"), build_kernel("flash4-nondet")
+    assert (det.name, det.deterministic_backward, det.causal_block) == ("flash4", True, flash4.CAUSAL_BLOCK)
+    assert (nondet.name, nondet.deterministic_backward, nondet.causal_block) == ("flash4-nondet", False, 0)
 
 
 @cpu_only
@@ -393,17 +402,20 @@ API_CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernel", ["flash4", "flash4-nondet"])
 @pytest.mark.parametrize("case", API_CASES, ids=lambda c: c[0])
 @pytest.mark.parametrize("dtype", LOW if REAL else [torch.bfloat16], ids=str)
-def test_public_api_matches_oracle(fake, case, dtype):
+def test_public_api_matches_oracle(fake, case, dtype, kernel):
     """``dilated_attention(..., kernel="flash4")`` forward and backward against the fp64 dense oracle, judged by the
-    tolerance rule (plain torch in the same precision)."""
+    tolerance rule (plain torch in the same precision); ``flash4-nondet`` asks FA4 for its default backward."""
     from dilated_attention.testing.compare import as_layout
 
     name, segs, rates, heads, kv_heads, causal, layout = case
     n, dim = (1024, 128) if REAL else (64, 16)
     segs = [n] if segs is None else [n // 4, n // 2, n]
-    seed = seeded("flash4-api", case, dtype)
+    seed = seeded("flash4-api", case, dtype, kernel)
+    if fake is not None:
+        fake.deterministic = kernel == "flash4"
     g = torch.Generator().manual_seed(seed)
     base = [torch.randn(1, n, hh, dim, generator=g, dtype=torch.float64).to(DEVICE) for hh in (heads, kv_heads, kv_heads)]
     dout = torch.randn(1, n, heads, dim, generator=g, dtype=torch.float64).to(DEVICE)
@@ -417,7 +429,7 @@ def test_public_api_matches_oracle(fake, case, dtype):
 
     oracle = run(dense_dilated_attention, base, dout)
     plain = run(dense_dilated_attention, [x.to(dtype) for x in base], dout.to(dtype))
-    got = run(dilated_attention, [as_layout(x.to(dtype), layout) for x in base], dout.to(dtype), kernel="flash4")
+    got = run(dilated_attention, [as_layout(x.to(dtype), layout) for x in base], dout.to(dtype), kernel=kernel)
     for what, gt, w, p in zip(("out", "dq", "dk", "dv"), got, oracle, plain):
         assert gt.dtype == dtype
         assert_within_rule(what, gt, w, p, context=f"{name} {dtype} (seed {seed})")
@@ -476,4 +488,6 @@ def test_forward_allocates_only_the_part(rates):
 def test_dispatch_and_auto_name_flash4_only_where_it_runs():
     q = torch.randn(1, 256, 4, 64, device=DEVICE, dtype=torch.bfloat16)
     assert isinstance(select_kernel("flash4", q, q), Flash4Kernel)
-    assert "flash4" in dispatch.auto_implementations(q.device)
+    assert {"flash4", "flash4-nondet"} <= set(dispatch.auto_implementations(q.device))
+    nondet = select_kernel("flash4-nondet", q, q)
+    assert nondet.name == "flash4-nondet" and not nondet.deterministic_backward and nondet.causal_block == 0
