@@ -884,7 +884,8 @@ def render(path: str) -> int:
 # cudnn-det's is the frontend's graph of that kernel, written straight into the compact parts where torch's
 # op leaves a copy. Where cudnn-det runs, a forward entry names it (one kernel: timing differences are noise
 # plus cudnn's copies); at run time, without the frontend, auto runs torch's op for it (FORWARD_STAND_INS).
-SAME_FORWARD = {"cudnn-dkdv": "cudnn-det", "cudnn": "cudnn-det"}
+# flash4-nondet's forward is flash4's (only their backwards differ).
+SAME_FORWARD = {"cudnn-dkdv": "cudnn-det", "cudnn": "cudnn-det", "flash4-nondet": "flash4"}
 
 
 def write_table(path: str, classes: tuple[str, ...] = ("short", "long")) -> int:

@@ -7,7 +7,8 @@ per segment (``auto.table_key``; ``/M<rows>`` in tables written before classes: 
 Entries: a name, or names fastest first (the first that runs on the device is taken).
 """
 
-TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/causal/D128/bfloat16/long': ('cudnn',
+TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/causal/D128/bfloat16/long': ('flash4-nondet',
+                                                                                   'cudnn',
                                                                                    'flash4',
                                                                                    'fused',
                                                                                    'cudnn-dkdv',
@@ -15,7 +16,8 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                                        'bwd-any/dense/causal/D128/bfloat16/short': 'cudnn-det',
                                        'bwd-any/dense/causal/D128/float16/short': 'cudnn-det',
                                        'bwd-any/dense/causal/D64/bfloat16/short': 'cudnn',
-                                       'bwd-any/dense/full/D128/bfloat16/long': ('flash4',
+                                       'bwd-any/dense/full/D128/bfloat16/long': ('flash4-nondet',
+                                                                                 'flash4',
                                                                                  'cudnn',
                                                                                  'fused',
                                                                                  'cudnn-dkdv',
@@ -55,7 +57,7 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                                        'fwd/dense/causal/D128/bfloat16/short': 'cudnn-det',
                                        'fwd/dense/causal/D128/float16/short': 'cudnn-det',
                                        'fwd/dense/causal/D64/bfloat16/short': 'cudnn-det',
-                                       'fwd/dense/full/D128/bfloat16/long': ('cudnn-det', 'flash4', 'fused'),
+                                       'fwd/dense/full/D128/bfloat16/long': ('flash4', 'cudnn-det', 'fused'),
                                        'fwd/dense/full/D128/bfloat16/short': 'cudnn-det',
                                        'fwd/dense/full/D128/float16/short': 'cudnn-det',
                                        'fwd/dense/full/D64/bfloat16/short': 'cudnn-det',
@@ -66,7 +68,7 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                                        'fwd/dilated/full/D128/float16/short': 'cudnn-det',
                                        'fwd/dilated/full/D64/bfloat16/short': 'cudnn-det'},
                            'cudnn': 91900,
-                           'source': 'benchmarks/results/kernel_h100.json (2026-11-26T06:23:53Z)',
+                           'source': 'benchmarks/results/kernel_h100.json (2026-11-26T06:59:54Z)',
                            'torch': '2.11.0+cu130'},
  'NVIDIA H200': {'choices': {'bwd-any/dense/causal/D128/bfloat16/M2048': 'cudnn-det',
                              'bwd-any/dense/causal/D128/bfloat16/M32768': 'cudnn',
