@@ -476,7 +476,7 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
             reason = backend.check_device(name, t) if t is not None else None
             if reason is not None:
                 raise ValueError(reason)
-    chosen = None
+    chosen, ranges = None, ()
     if not shapes_only:
         masked = key_mask is not None or (batches is not None and (
             batches[0].spans is not None or batches[0].length != local * world))
@@ -490,19 +490,17 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
             chosen = hooks.apply_kernel_hooks(chosen, call)
         chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
         ranges = _head_chunks(chosen, q, k, split, batches, plans, local * team, causal, masked)
-        if len(ranges) > 1:  # re-planned per head range
+        if ranges:  # re-planned per head range
             if batches is not None:
                 batches = tuple(replace(b, plans=tuple(plan(b.length, part=r) for r in ranges)) for b in batches)
             else:
                 plans = tuple(plan(local * world, local * team, layout, r) for r in ranges)
-            return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale, zigzag,
-                             ranges)
-    return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale, zigzag)
+    return _Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale, zigzag, ranges)
 
 
 def _head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, rows: int, causal: bool,
                  masked: bool) -> tuple[HeadRange, ...]:
-    """The head ranges a call runs in (``memory.py``'s rule), from its whole-heads plans."""
+    """The head ranges a call runs in (``memory.py``'s rule, from its whole-heads plans); () for all at once."""
     if batches is not None:  # the largest batch: documents of one padded length run as batch rows
         batch = max(batches, key=lambda b: b.length * (len(b.spans) if b.spans else 1))
         plans, rows = batch.plans[0], batch.length * (len(batch.spans) if batch.spans else 1)
@@ -511,9 +509,11 @@ def _head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, 
     rows *= q.shape[0]
     shape = (split.local_heads, split.local_kv_heads, q.shape[-1], q.element_size())
 
-    ring = RingCall(plans, None, RingLayout(), 0, kernel, causal, 1.0)
-    return head_ranges(scratch_bytes(plans, lambda p: leaves_part(ring, "bwd", p, q, k, masked), rows, *shape), own_bytes(rows, *shape),
-                       split.local_heads, split.local_kv_heads)
+    def scratch() -> int:  # (asked only of calls long enough to chunk: it asks the kernel about every pattern)
+        return scratch_bytes(plans, lambda p: leaves_part(kernel, causal, "bwd", p, q, k, masked), rows, *shape)
+
+    ranges = head_ranges(scratch, own_bytes(rows, *shape), split.local_heads, split.local_kv_heads)
+    return ranges if len(ranges) > 1 else ()
 
 
 _SCHEDULES = caches.table("functional.schedules", 256)

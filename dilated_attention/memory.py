@@ -68,10 +68,12 @@ def own_bytes(rows: int, heads: int, kv_heads: int, dim: int, elem: int) -> int:
     return 4 * elem * rows * (heads + kv_heads) * dim
 
 
-def head_ranges(scratch: int, own: int, heads: int, kv_heads: int) -> tuple[HeadRange, ...]:
-    """The head chunks of a call whose scratch and own bytes are ``scratch`` and ``own`` (the module's rule)."""
+def head_ranges(scratch: int | Callable[[], int], own: int, heads: int, kv_heads: int) -> tuple[HeadRange, ...]:
+    """The head chunks of a call whose scratch and own bytes are ``scratch`` and ``own`` (the module's rule);
+    ``scratch`` may be a function, asked only when ``own`` reaches the floor."""
     chunks = 1
     if own >= SCRATCH_FLOOR:
+        scratch = scratch() if callable(scratch) else scratch
         counts = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
         chunks = next((c for c in counts if scratch <= SCRATCH_SHARE * own * c), counts[-1])
     group, kv = heads // kv_heads, kv_heads // chunks

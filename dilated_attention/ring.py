@@ -394,25 +394,21 @@ class RingCall:
     scale: float
 
 
-def _split(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, masked: bool
-           ) -> int:
-    """The causal block this pattern's causal calls split into (``_causal_split``), 0 for none: unmasked causal
-    calls only (a key mask's slices stay whole)."""
-    return _split_block(ring.kernel, direction, plan, q, k) if ring.causal and not masked else 0
+def _route(kernel, causal: bool, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor,
+           masked: bool) -> tuple[int, tuple[_Piece, ...], bool]:
+    """How ``plan`` runs in ``direction``: the causal block its causal calls split into (``_causal_split``; 0 for
+    none: unmasked causal calls only, a key mask's slices stay whole), a local pattern's split pieces, and
+    whether it leaves a compact part (``PatternKernel.parts``; a split one never does)."""
+    split = _split_block(kernel, direction, plan, q, k) if causal and not masked else 0
+    pieces = _causal_split(plan, split) if plan.ring_size == 1 else ()
+    part = plan.ring_size == 1 and not pieces and kernel.parts(direction, plan, q, k, causal=causal, masked=masked)
+    return split, pieces, part
 
 
-def _parts(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, mask: dict,
-           pieces: tuple) -> bool:
-    """Whether a local pattern leaves a compact part (``PatternKernel.parts``); a split one never does."""
-    return (plan.ring_size == 1 and not pieces
-            and ring.kernel.parts(direction, plan, q, k, causal=ring.causal, masked=bool(mask)))
-
-
-def leaves_part(ring: "RingCall", direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor,
+def leaves_part(kernel, causal: bool, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor,
                 masked: bool) -> bool:
-    """Whether ``plan`` leaves a compact part in this call (``memory.py``'s estimate asks)."""
-    pieces = _causal_split(plan, _split(ring, direction, plan, q, k, masked)) if plan.ring_size == 1 else ()
-    return _parts(ring, direction, plan, q, k, {"key_mask": masked} if masked else {}, pieces)
+    """Whether ``plan`` leaves a compact part in such a call (``memory.py``'s estimate asks)."""
+    return _route(kernel, causal, direction, plan, q, k, masked)[2]
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -430,9 +426,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     running, parts = None, []
     sides = _SideStreams(q, ring.causal)
     for plan in (p for p in ring.plans if p.chunks):  # (no local head may use a pattern: grouped mode, head-parallel)
-        split = _split(ring, "fwd", plan, q, k, key_mask is not None)
-        pieces = _causal_split(plan, split) if plan.ring_size == 1 else ()
-        if _parts(ring, "fwd", plan, q, k, own, pieces):
+        split, pieces, part = _route(ring.kernel, ring.causal, "fwd", plan, q, k, key_mask is not None)
+        if part:
             parts.append(Part(plan, *sides.issue(ring.kernel.forward_pattern, q, k, v, plan, packed=False,
                                                  causal=ring.causal, scale=ring.scale, **own)))
             continue
@@ -467,9 +462,8 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     running, parts = None, ([], [], [])
     sides = _SideStreams(q, ring.causal)
     for plan in (p for p in ring.plans if p.chunks):
-        split = _split(ring, "bwd", plan, q, k, key_mask is not None)
-        pieces = _causal_split(plan, split) if plan.ring_size == 1 else ()
-        if _parts(ring, "bwd", plan, q, k, own, pieces):
+        split, pieces, part = _route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
+        if part:
             grads = sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
                                 causal=ring.causal, scale=ring.scale, **own)
             for held, grad, kv in zip(parts, grads, (False, True, True)):

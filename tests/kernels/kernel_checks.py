@@ -23,12 +23,14 @@ CUDA = torch.cuda.is_available()
 if not CUDA:  # must precede the first kernel build; fused.py jits lazily at first launch
     os.environ["TRITON_INTERPRET"] = "1"
 
+from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.chunk_loop import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel, _expand_kv  # noqa: E402
 from dilated_attention.merge import Part, merge_pattern_, sum_grads  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.ring import RingCall, RingLayout, ring_forward  # noqa: E402
 from dilated_attention.testing.compare import as_layout, assert_within_rule, rel_err  # noqa: E402
+from dilated_attention.testing.oracle import dense_dilated_attention  # noqa: E402
 from dilated_attention.views import chunk_views, compact_view, dilated_view, pack_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -117,6 +119,36 @@ def judge(what, got, oracle, plains, seed):
     plains = plains if isinstance(plains, (list, tuple)) else [plains]
     worst = max(plains, key=lambda p: rel_err(p, oracle))
     assert_within_rule(what, got, oracle, worst, context=f"(seed {seed})")
+
+
+def check_api_against_oracle(base, dout, segs, rates, dtype, layout, context, *, kernel, **options):
+    """``dilated_attention(..., kernel=kernel, **options)`` on fp64 ``base`` q/k/v cast to ``dtype`` (in ``layout``):
+    out, dq, dk, dv against the fp64 dense oracle by the tolerance rule (plain torch in ``dtype``)."""
+
+    def run(fn, xs, do, **extra):
+        xs = [x.detach().requires_grad_(True) for x in xs]
+        out = fn(*xs, segs, rates, **options, **extra)
+        out.backward(do)
+        return [out.detach(), *(x.grad for x in xs)]
+
+    oracle = run(dense_dilated_attention, base, dout)
+    plain = run(dense_dilated_attention, [x.to(dtype) for x in base], dout.to(dtype))
+    got = run(dilated_attention, [as_layout(x.to(dtype), layout) for x in base], dout.to(dtype), kernel=kernel)
+    for what, gt, w, p in zip(("out", "dq", "dk", "dv"), got, oracle, plain):
+        assert gt.dtype == dtype
+        assert_within_rule(what, gt, w, p, context=context)
+
+
+def check_fresh_backward(kern, q, k, v, plans, out, lse, dout, seed, **kw):
+    """``backward_pattern(..., fresh=True)`` into NaN-filled accumulators gives bit for bit what adding into zeros
+    gives, for each of ``plans``."""
+    for p in plans:
+        want = [torch.zeros(x.shape, device=DEVICE) for x in (q, k, v)]
+        kern.backward_pattern(q, k, v, p, out, lse, dout, *want, **kw)
+        got = [torch.full(x.shape, float("nan"), device=DEVICE) for x in (q, k, v)]
+        kern.backward_pattern(q, k, v, p, out, lse, dout, *got, **kw, fresh=True)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(g, w), f"fresh {name} differs on plan {p.index} (seed {seed})"
 
 
 def plans_for(mode, heads, kv_heads, local_len, seq_len, segs=None, rates=None):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 # first: kernel_checks sets TRITON_INTERPRET on CPU, which must precede triton's import
-from kernel_checks import DEVICE, seeded  # noqa: I001
+from kernel_checks import DEVICE, check_api_against_oracle, seeded  # noqa: I001
 from test_cudnn import MathOps
 from test_flash4 import REAL, FakeFA4, _install
 
@@ -166,19 +166,9 @@ def test_public_api_matches_oracle(fa4, kernel, case):
             for h in (heads, kv_heads, kv_heads)]
     dout = torch.randn(bsz, N, heads, DIM, generator=g, dtype=torch.float64).to(DEVICE)
 
-    def run(fn, xs, do, **extra):
-        xs = [x.detach().requires_grad_(True) for x in xs]
-        out = fn(*xs, segs, rates, causal=True, **extra)
-        out.backward(do)
-        return [out.detach(), *(x.grad for x in xs)]
-
     rec = Recorder(_kernel(kernel, BLOCK))
-    oracle = run(dense_dilated_attention, base, dout)
-    plain = run(dense_dilated_attention, [x.to(dtype) for x in base], dout.to(dtype))
-    got = run(dilated_attention, [as_layout(x.to(dtype), layout) for x in base], dout.to(dtype), kernel=rec)
-    for what, gt, w, p in zip(("out", "dq", "dk", "dv"), got, oracle, plain):
-        assert gt.dtype == dtype
-        assert_within_rule(what, gt, w, p, context=f"{name} {kernel} (seed {seed})")
+    check_api_against_oracle(base, dout, segs, rates, dtype, layout, f"{name} {kernel} (seed {seed})", kernel=rec,
+                             causal=True)
     want = expected(segs, rates, BLOCK, bsz if layout == "transposed" else 1)
     assert rec.counts("forward_pattern_into") == want, rec.calls
     assert rec.counts("backward_pattern") == want, rec.calls

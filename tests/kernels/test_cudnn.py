@@ -20,6 +20,7 @@ from kernel_checks import (  # noqa: I001
     DEVICE,
     LOWP_P,
     REF_P,
+    check_fresh_backward,
     check_packed_ring_block,
     check_pattern_local,
     d64,
@@ -391,15 +392,8 @@ def test_fresh_backward_writes_what_adding_into_zeros_gives(which, causal):
     out, lse = torch.zeros(q.shape, device=DEVICE), torch.full(q.shape[:3], float("-inf"), device=DEVICE)
     for i, p in enumerate(plans):
         kern.forward_pattern_into(q, k, v, p, out, lse, packed=False, causal=causal, scale=0.2, fresh=i == 0)
-    o = out.to(dtype)
-    for p in plans[:2] if which == "cudnn" else plans[:1]:  # the fused dQ refuses a fresh non-covering pattern
-        kw = dict(packed=False, causal=causal, scale=0.2)
-        want = [torch.zeros(x.shape, device=DEVICE) for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, p, o, lse, dout, *want, **kw)
-        got = [torch.full(x.shape, float("nan"), device=DEVICE) for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, p, o, lse, dout, *got, **kw, fresh=True)
-        for name, g, w in zip(("dq", "dk", "dv"), got, want):
-            assert torch.equal(g, w), f"fresh {name} differs on plan {p.index} (seed {seed})"
+    fresh = plans[:2] if which == "cudnn" else plans[:1]  # the fused dQ refuses a fresh non-covering pattern
+    check_fresh_backward(kern, q, k, v, fresh, out.to(dtype), lse, dout, seed, packed=False, causal=causal, scale=0.2)
 
 
 def test_fresh_backward_adds_where_two_groups_share_a_kv_head():

@@ -26,6 +26,8 @@ from kernel_checks import (  # noqa: I001
     DEVICE,
     LOWP_P,
     REF_P,
+    check_api_against_oracle,
+    check_fresh_backward,
     check_packed_ring_block,
     check_pattern_local,
     d64,
@@ -39,7 +41,6 @@ from dilated_attention.kernels import dispatch, flash4
 from dilated_attention.kernels.dispatch import select_kernel
 from dilated_attention.kernels.flash4 import Flash4Kernel, Flash4Ops
 from dilated_attention.testing.compare import assert_within_rule
-from dilated_attention.testing.oracle import dense_dilated_attention
 
 
 def _real_fa4() -> bool:
@@ -366,14 +367,7 @@ def test_fresh_first_pattern_writes_what_merging_into_empty_gives(fake, causal):
     assert torch.equal(out_f, out) and torch.equal(lse_f, lse), f"fresh forward differs (seed {seed})"
     for p in plans[1:]:
         kern.forward_pattern_into(q, k, v, p, out, lse, **kw)
-    o = out.to(dtype)
-    for p in plans[:2]:
-        want = [torch.zeros(x.shape, device=DEVICE) for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, p, o, lse, dout, *want, **kw)
-        got = [torch.full(x.shape, float("nan"), device=DEVICE) for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, p, o, lse, dout, *got, **kw, fresh=True)
-        for name, g, w in zip(("dq", "dk", "dv"), got, want):
-            assert torch.equal(g, w), f"fresh {name} differs on plan {p.index} (seed {seed})"
+    check_fresh_backward(kern, q, k, v, plans[:2], out.to(dtype), lse, dout, seed, **kw)
 
 
 def test_errors_are_named(fake):
@@ -408,8 +402,6 @@ API_CASES = [
 def test_public_api_matches_oracle(fake, case, dtype, kernel):
     """``dilated_attention(..., kernel="flash4")`` forward and backward against the fp64 dense oracle, judged by the
     tolerance rule (plain torch in the same precision); ``flash4-nondet`` asks FA4 for its default backward."""
-    from dilated_attention.testing.compare import as_layout
-
     name, segs, rates, heads, kv_heads, causal, layout = case
     n, dim = (1024, 128) if REAL else (64, 16)
     segs = [n] if segs is None else [n // 4, n // 2, n]
@@ -419,20 +411,8 @@ def test_public_api_matches_oracle(fake, case, dtype, kernel):
     g = torch.Generator().manual_seed(seed)
     base = [torch.randn(1, n, hh, dim, generator=g, dtype=torch.float64).to(DEVICE) for hh in (heads, kv_heads, kv_heads)]
     dout = torch.randn(1, n, heads, dim, generator=g, dtype=torch.float64).to(DEVICE)
-    kw = dict(causal=causal)
-
-    def run(fn, xs, do, **extra):
-        xs = [x.detach().requires_grad_(True) for x in xs]
-        out = fn(*xs, segs, list(rates[:len(segs)]), **kw, **extra)
-        out.backward(do)
-        return [out.detach(), *(x.grad for x in xs)]
-
-    oracle = run(dense_dilated_attention, base, dout)
-    plain = run(dense_dilated_attention, [x.to(dtype) for x in base], dout.to(dtype))
-    got = run(dilated_attention, [as_layout(x.to(dtype), layout) for x in base], dout.to(dtype), kernel=kernel)
-    for what, gt, w, p in zip(("out", "dq", "dk", "dv"), got, oracle, plain):
-        assert gt.dtype == dtype
-        assert_within_rule(what, gt, w, p, context=f"{name} {dtype} (seed {seed})")
+    check_api_against_oracle(base, dout, segs, list(rates[:len(segs)]), dtype, layout,
+                             f"{name} {dtype} (seed {seed})", kernel=kernel, causal=causal)
     if not REAL:
         assert {c["kind"] for c in fake.calls} == {"fwd", "bwd"}
 
