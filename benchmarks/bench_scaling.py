@@ -24,6 +24,10 @@ N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
   is against cuDNN SDPA on one GPU, same run.
 - ``ulysses``: DeepSpeed ``DistributedAttention`` (all-to-all) around the library's
   single-device call; efficiency against the library's T1.
+- ``--cuda-graph`` (GPUs): the library's cases, its T1 and ``ulysses`` are timed a second time as
+  replays of one CUDA graph of the forward+backward, captured after a warm-up (records ``ours+graph``,
+  ``ulysses+graph``; efficiency against the graphed T1): what a step captured whole runs at, with
+  no host launch overhead. The other peers run eager only.
 - ``ring_flash_attn``: ring-flash-attention's zigzag ring (``zigzag_ring_flash_attn_func``,
   flash-attn blocks), full causal attention only (the zigzag order exists to even out
   causal work); efficiency against flash-attn's ``flash_attn_func`` on one GPU.
@@ -343,6 +347,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-trace", default=None, metavar="DIR",
                    help="also write each rank's Chrome trace of each profiled case into DIR (implies --profile; "
                         "traces are large: not into benchmarks/results)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time the library (ours, its T1, and ulysses around it) as replays of one CUDA graph of "
+                        "the forward+backward, captured after a warm-up: records ours+graph, ulysses+graph (GPUs)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name: scaling_<tag>_x<K>.json (default: the GPU name)")
     p.add_argument("--smoke", action="store_true", help="CPU gloo, tiny sizes (overrides sizes, no peers)")
@@ -449,6 +456,8 @@ class Bench:
         n = max(a.min_iters, min(a.iters, int(1e3 * a.seconds_per_measurement / max(warm, 1e-3))))
         times = [self._once(step, collective) for _ in range(n)]
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+        if peak is not None:  # a graph's replay (``graphed``) allocates nothing: its capture's peak counts
+            peak = max(peak, getattr(step, "peak_gib", 0.0))
         if collective and peak is not None:
             peak = self.max_over_ranks(peak)
         return statistics.median(times), peak
@@ -520,6 +529,33 @@ def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: in
         q.grad = k.grad = v.grad = None
 
     return step if phase is None else marked_step
+
+
+GRAPHED = "ours+graph"  # --cuda-graph: the library's records timed as CUDA graph replays
+
+
+def graphed(bench: Bench, step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` warmed up on a side stream, then captured into one CUDA graph (``--cuda-graph``); returns its
+    replay. Every rank calls it at the same point (the warm-up talks)."""
+    torch = bench.torch
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()  # the graph's memory is taken here, before measure() looks
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.captured = step  # the graph reads the step's tensors where they lie: they must live as long as it
+    replay.peak_gib = torch.cuda.max_memory_allocated() / 2**30  # warm-up and capture: the graph's own pool
+    return replay
 
 
 def cudnn_sdpa_step(bench: Bench, n: int, causal: bool):
@@ -923,6 +959,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch, "heads": args.heads, "kv_heads": args.heads, "head_dim": args.head_dim,
         "backend": args.backend, "kernel": args.kernel, "tokens_per_gpu": args.tokens,
         "longnet_segments": args.longnet_segments, "longnet_rates": args.longnet_rates,
+        "cuda_graph": bool(args.cuda_graph and bench.cuda),  # records of impl ours+graph (and ulysses+graph)
         "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
         "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,
@@ -982,6 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = os.path.join(args.out, f"scaling_{args.tag or (gpu_tag(device_name) if bench.cuda else 'cpu')}_x{k}.json")
     cases = [(t, c, z) for t in args.tokens for c in args.configs for z in causals]
+    graphs = bool(args.cuda_graph and bench.cuda)
     per_case = 1 + (len(args.strategies) * len(args.layouts) if k > 1 else 0) + len(args.peers)
     progress = tqdm(total=len(cases) * per_case + args.profile + args.probe, disable=env.rank != 0,
                     desc=f"scaling x{k}",
@@ -996,6 +1034,18 @@ def main(argv: list[str] | None = None) -> int:
         progress.update()
         if k == 1 and t1 is not None:
             record("ours", "single", config, causal, tokens, t1, t1, t1_peak)
+        timings = [("ours", t1, lambda step: step)]  # (impl, its T1, how a step is timed)
+        if graphs:  # the same cases again, each captured whole into a CUDA graph
+            t1g, t1g_peak, errg = single_gpu(bench, lambda: graphed(bench, ours_step(bench, n, config, causal, n,
+                                                                                     None, None)))
+            meta["single_gpu"].append({"impl": GRAPHED, "config": config, "causal": causal, "tokens": n, "ms": t1g,
+                                       "peak_gib": t1g_peak, "own_gib": bench.own_gib(n), "error": errg})
+            if k == 1:
+                if errg:
+                    skip(GRAPHED, "single", config, causal, tokens, errg)
+                else:
+                    record(GRAPHED, "single", config, causal, tokens, t1g, t1g, t1g_peak)
+            timings.append((GRAPHED, t1g, lambda step: graphed(bench, step)))
         for strategy, layout in [(s, lay) for s in args.strategies for lay in args.layouts] if k > 1 else []:
             progress.set_postfix_str(f"{label}: ours/{strategy}/{layout}")
             if not strategies_ok and strategy != "ring":
@@ -1003,9 +1053,9 @@ def main(argv: list[str] | None = None) -> int:
             elif layout != "contiguous" and not layouts_ok:
                 skip("ours", strategy, config, causal, tokens, "dilated_attention has no layout= argument yet", layout)
             else:
-                multi_gpu("ours", strategy, config, causal, tokens, t1, lambda: bench.measure(
-                    ours_step(bench, tokens, config, causal, n, comm, strategy if strategies_ok else None, layout)),
-                    layout)
+                for impl, t1_, wrap in timings:
+                    multi_gpu(impl, strategy, config, causal, tokens, t1_, lambda: bench.measure(wrap(ours_step(
+                        bench, tokens, config, causal, n, comm, strategy if strategies_ok else None, layout))), layout)
             progress.update()
         # peers, the established one first: a peer that hangs ends the job (run_scaling.sh bounds each K)
         if "ulysses" in args.peers:
@@ -1013,8 +1063,10 @@ def main(argv: list[str] | None = None) -> int:
             if k == 1:
                 skip("ulysses", "head", config, causal, tokens, "one GPU: nothing to exchange")
             else:
-                multi_gpu("ulysses", "head", config, causal, tokens, t1,
-                          lambda: bench.measure(ulysses_step(bench, tokens, config, causal, n)))
+                for impl, t1_, wrap in timings:
+                    peer = impl.replace("ours", "ulysses")
+                    multi_gpu(peer, "head", config, causal, tokens, t1_,
+                              lambda: bench.measure(wrap(ulysses_step(bench, tokens, config, causal, n))))
             progress.update()
         if "ring_flash_attn" in args.peers:
             progress.set_postfix_str(f"{label}: ring_flash_attn")

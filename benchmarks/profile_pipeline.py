@@ -6,9 +6,10 @@ causal flag: wall time per step (CUDA events, no profiler), GPU busy time per st
 and memory-op durations), the gap between them (launch and Python overhead the GPU waits on), and
 the kernels grouped by what they are (attention kernels, merge, elementwise, copies, fills), with
 the top kernels by name; the CPU time to issue one step, the top CPU operators by self time, and
-the runtime calls that block the CPU on the GPU.
+the runtime calls that block the CPU on the GPU. ``--api`` profiles the public call instead
+(``dilated_attention`` forward and autograd's backward: the schedule plus what the API adds).
 
-    python benchmarks/profile_pipeline.py [--methods auto,fused,cudnn-det] [--out /tmp/profile.json]
+    python benchmarks/profile_pipeline.py [--methods auto,fused,cudnn-det] [--api] [--out /tmp/profile.json]
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--python-sort", default="tottime", choices=("tottime", "cumulative"),
                     help="cProfile's order: own time, or time including callees")
     ap.add_argument("--forward-only", action="store_true", help="profile the forward alone (no backward)")
+    ap.add_argument("--api", action="store_true",
+                    help="profile the public call (dilated_attention and autograd's backward) instead of the schedule")
     return ap
 
 
@@ -51,6 +54,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.dispatch import select_kernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
@@ -160,6 +164,7 @@ def main(argv=None) -> int:
                                 num_kv_heads=args.heads, mode="longnet"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B=1 N={args.seq} H={args.heads} "
           f"D={args.dim} bf16, segments {segs}, rates {rates}", flush=True)
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))  # --api: autograd's inputs
     results = []
     for method in args.methods.split(","):
         kernel = select_kernel(method, q, k)
@@ -167,11 +172,19 @@ def main(argv=None) -> int:
             call = RingCall(plans, None, RingLayout(), 0, kernel, causal, args.dim ** -0.5)
 
             def step():
+                if args.api:
+                    for x in leaves:
+                        x.grad = None  # as a training step's zero_grad(set_to_none=True): no accumulation pass
+                    out = dilated_attention(*leaves, segs, rates, causal=causal, kernel=method)
+                    if not args.forward_only:
+                        out.backward(dout)
+                    return
                 out, lse = ring_forward(q, k, v, None, call)
                 if not args.forward_only:
                     ring_backward(q, k, v, None, out.to(q.dtype), lse, dout, call)
 
             row = {"method": method, "kernel": kernel.name, "causal": causal, "forward_only": args.forward_only,
+                   "api": args.api,
                    "wall_ms": wall_ms(step, args.reps),
                    **profile_step(step, args.reps)}
             row["gap_ms"] = row["wall_ms"] - row["busy_ms"]

@@ -26,7 +26,7 @@ import zlib
 
 import torch
 
-from .comm.base import CommBackend, PeerTimeoutError
+from .comm.base import CommBackend, PeerTimeoutError, capturing
 from .comm.stamps import fingerprint, flatten, verdict
 
 
@@ -61,6 +61,20 @@ def agree(comm: CommBackend, sig: dict, error: BaseException | None, like: torch
     due = comm.ledger.deferred(like.device) and comm.calls % comm.check_every == 0
     if error is None and comm.check_calls is True and text in comm.agreed and not due:
         return
+    if capturing():  # a CUDA graph capture: the gather reads the device on the host, which a capture forbids
+        if error is not None:
+            raise error
+        if comm.check_calls is True and text in comm.agreed:
+            return  # the periodic verdict waits for the next call outside a capture
+        if comm.check_calls == "always":
+            raise ValueError(
+                f"dilated_attention call {comm.calls} is being captured into a CUDA graph with check_calls='always', "
+                "which checks every call across ranks on the host: pass check_calls=True (checked once per "
+                "configuration, before the capture) or False to get_backend")
+        raise ValueError(
+            f"dilated_attention call {comm.calls} is being captured into a CUDA graph before its configuration was "
+            "checked across ranks: run the same call once outside the capture first (the warm-up "
+            "torch.cuda.graph needs anyway), or pass check_calls=False to get_backend")
     device = comm.collective_device(like)
     what = f"call {comm.calls}: cross-rank check of the call signature"
     mine = torch.tensor([int(error is None), zlib.crc32(text.encode()), len(text)], dtype=torch.int64)

@@ -64,6 +64,12 @@ def without_setup_prints(*noise: str):
             sys.stdout.write("".join(kept))
 
 
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a CUDA graph (``torch.cuda.graph``):
+    the host cannot read the device then, and what is captured replays without Python."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class PeerTimeoutError(TimeoutError):
     """A wait on a peer rank did not complete within the backend's timeout."""
 
@@ -120,8 +126,9 @@ class _Waiting:
 
     def wait(self) -> None:
         limit = timedelta(seconds=self.timeout)
+        host = self.host and not capturing()  # a captured transfer runs at replay: only the stream can wait
         for work in self.works:
-            if not self.host:
+            if not host:
                 work.wait()
                 continue
             try:
@@ -247,8 +254,9 @@ class CommBackend(ABC):
 
     def stamp(self, call: int, direction: str) -> Stamp | None:
         """What call ``call``'s exchanges in ``direction`` (``"forward"``/``"backward"``) carry; None when
-        ``check_calls=False``."""
-        return self.ledger.stamp(call, direction, self.rank) if self.check_calls else None
+        ``check_calls=False``, and in a CUDA graph capture: every replay would write the same stamp into log
+        rows that later calls reuse, so a captured call's exchanges carry none."""
+        return self.ledger.stamp(call, direction, self.rank) if self.check_calls and not capturing() else None
 
     def verify(self) -> None:
         """Raise ``ValueError`` on every rank if any exchange since the last verdict carried a stamp that did

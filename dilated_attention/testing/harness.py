@@ -286,6 +286,55 @@ def check_unchecked_calls(backend_name: str, group, device: torch.device) -> Res
     return Result("unchecked-calls", backend_name, rank, size, same, message="" if same else "results differ")
 
 
+def check_cuda_graph(backend_name: str, group, device: torch.device) -> list[Result]:
+    """GPUs: a ring and a head call's forward+backward captured into one CUDA graph (after an eager warm-up,
+    with the default call checks) replay bit for bit what the eager call gives, on new input values."""
+    comm = get_backend(backend_name, group)
+    rank, size = comm.rank, comm.world_size
+    results = []
+    for strategy in ("ring", "head"):
+        shape = (1, 16, 4 * size, 16)
+        leaves = [torch.zeros(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        dout = torch.zeros(shape, device=device, dtype=torch.bfloat16)
+
+        def fill(seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for x in (*leaves, dout):
+                    full = torch.randn((1, 16 * size, *shape[2:]), generator=g)
+                    x.copy_(full[:, rank * 16:(rank + 1) * 16])
+
+        def step() -> torch.Tensor:
+            for x in leaves:
+                x.grad = None
+            out = dilated_attention(*leaves, (8, 16 * size), (1, 2), causal=True, comm=comm, strategy=strategy)
+            out.backward(dout)
+            return out
+
+        try:
+            fill(1)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            grads = [x.grad for x in leaves]
+            fill(2)
+            graph.replay()
+            got = [t.clone() for t in (out, *grads)]
+            eager = step()
+            same = all(torch.equal(a, b) for a, b in zip(got, (eager, *(x.grad for x in leaves))))
+            msg = "" if same else "replay differs from the eager call"
+        except Exception as exc:
+            same, msg = False, f"{type(exc).__name__}: {exc}"[:200]
+        results.append(Result(f"cuda-graph-{strategy}", backend_name, rank, size, same, message=msg))
+    return results
+
+
 # -- ranks out of step: every exchange carries the call's stamp -----------------------------------
 
 
@@ -471,6 +520,9 @@ def run_battery(backends: list[str], device: torch.device, world_sizes: list[int
                         results.append(check(name, group, device))
                     except Exception as exc:
                         results.append(Result(check.__name__, name, rank, size, False, message=repr(exc)))
+        if size > 1 and device.type == "cuda":
+            for name in backends:
+                results.extend(check_cuda_graph(name, group, device))
         if size > 1 and out_of_step:
             results.extend(run_out_of_step(backends, group, device))
             if progress and rank == 0:
