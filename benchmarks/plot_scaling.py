@@ -194,7 +194,8 @@ def plot(records: list[dict], metas: list[dict], png: str, tokens: int | None = 
         tokens = 32768 if 32768 in tokens_list else tokens_list[-1]
     series = timed(records, tokens) if tokens else {}
     names = sorted({f"{i}/{s}" for i, s, _, _ in series})
-    colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
+    palette = plt.cm.tab10 if len(names) <= 10 else plt.cm.tab20  # one colour per series
+    colors = {n: palette(i % palette.N) for i, n in enumerate(names)}
     styles = {False: "-", True: "--"}
     markers = {"longnet": "o", "full": "s"}
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
