@@ -15,6 +15,12 @@ combined once, which the model's memory terms do not describe).
     python benchmarks/cost_model.py --validate tests/data/cost_model_h200_x2.json
     python benchmarks/cost_model.py --fit tests/data/cost_model_h200_x1.json tests/data/cost_model_h200_x2.json
     python benchmarks/cost_model.py --calibrate kernel_<gpu>.json scaling_<gpu>_x*.json
+    python benchmarks/cost_model.py --gpu h100 --validate tests/data/cost_model_h100_x2.json --impl ours+graph
+    python benchmarks/cost_model.py --fit tests/data/cost_model_h100_x*.json --impl ours+graph    # the H100 preset
+
+``--impl ours+graph`` reads the records ``bench_scaling.py --cuda-graph`` times as CUDA graph replays: the
+step without host launch time, which the model leaves out (eager records of host-bound cases, causal
+LongNet on 2 GPUs above all, run slower than it predicts).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import argparse
 import glob
 import os
 import sys
+from dataclasses import replace
 from typing import Sequence
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dilated_attention.cost_model import (  # noqa: E402
-    _FITTED, FIT_NAMES, LONGNET_RATES, LONGNET_SEGMENTS, STRATEGIES, Hardware, Prediction, Problem, calibrate,
-    config_patterns, fit, predict, validate,
+    _FITTED, FIT_NAMES, LONGNET_RATES, LONGNET_SEGMENTS, PRESETS, STRATEGIES, Hardware, Prediction, Problem,
+    calibrate, config_patterns, fit, predict, validate,
 )
 
 
@@ -117,11 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "waited for on the host (a timeout set). --validate: default each file's own mode")
     ap.add_argument("--host-waits", dest="waits", action="store_const", const="host", help="same as --waits host")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--gpu", choices=sorted(PRESETS), default="h200",
+                    help="whose fitted constants (Hardware() is the H200's); the options below override them")
     for name in ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "key_penalty", "hbm_gbps", "op_us", "dispatch_us",
                  "nvlink_gbps", "ib_gbps", "latency_us", "poll_ms", "memory_gib"):
-        ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(hw0, name),
-                        help=f"default {getattr(hw0, name):g}")
-    ap.add_argument("--gpus-per-node", type=int, default=hw0.gpus_per_node)
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=None,
+                        help="default " + ", ".join(f"{g} {getattr(hw, name):g}" for g, hw in sorted(PRESETS.items())))
+    ap.add_argument("--gpus-per-node", type=int, default=None, help=f"default {hw0.gpus_per_node}")
     ap.add_argument("--validate", nargs="+", default=None, metavar="JSON",
                     help="compare with measured scaling JSONs (globs allowed) instead of predicting")
     ap.add_argument("--calibrate", nargs="+", default=None, metavar="JSON",
@@ -129,16 +138,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fit", nargs="+", default=None, metavar="JSON",
                     help="fit the kernel and memory constants to the whole calls (one GPU and several) in these "
                          "scaling JSONs")
+    ap.add_argument("--impl", choices=["ours", "ours+graph"], default="ours",
+                    help="--validate/--fit: the library's eager records, or those timed as CUDA graph replays "
+                         "(bench_scaling.py --cuda-graph: no host launch time, which the model leaves out)")
     a = ap.parse_args(argv)
     host = None if a.waits is None else a.waits == "host"
-    hw = Hardware(**{name: getattr(a, name) for name in Hardware.__dataclass_fields__})
+    hw = replace(PRESETS[a.gpu], **{name: getattr(a, name) for name in Hardware.__dataclass_fields__
+                                     if getattr(a, name) is not None})
     if a.calibrate:
         return _print_fit(calibrate, a.calibrate, hw, _FITTED + ("causal_keys",), "single-GPU measurement")
     if a.fit:
-        return _print_fit(fit, a.fit, hw, FIT_NAMES, "measurement")
+        return _print_fit(lambda paths, base: fit(paths, base, impl=a.impl), a.fit, hw, FIT_NAMES, "measurement")
     if a.validate:
         paths = _expand(a.validate)
-        rows = validate(paths, hw, host_waits=host)
+        rows = validate(paths, hw, host_waits=host, impl=a.impl)
         if rows:
             print(format_validation(rows))
             worst = max(abs(r["error_pct"]) for r in rows)
@@ -161,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"N = {n:,} tokens, {a.config} patterns w={[w for w, _ in pats]} r={[r for _, r in pats]}"
     print(f"{size}, {a.config} attention, "
           f"B={a.batch} H={a.heads} Hkv={a.kv_heads or a.heads} D={a.head_dim}, {a.dtype_bytes}-byte dtype")
-    print(f"assumed: fused kernel {hw.fwd_tflops:g}/{hw.bwd_tflops:g} TFLOP/s fwd/bwd, HBM passes "
+    print(f"assumed: attention kernel {hw.fwd_tflops:g}/{hw.bwd_tflops:g} TFLOP/s fwd/bwd, HBM passes "
           f"{hw.hbm_gbps:g} GB/s, NVLink {hw.nvlink_gbps:g} GB/s, InfiniBand {hw.ib_gbps:g} GB/s per GPU, "
           f"{hw.gpus_per_node} GPUs per node, {hw.latency_us:g} us per message, {hw.memory_gib:g} GiB per GPU"
           + f", {'host-timed' if host else 'stream-ordered'} waits" + (", zigzag causal rings" if a.balanced else ""))

@@ -108,6 +108,15 @@ class Hardware:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
 
+# 2 x H100 80GB: ``fit`` (``--fit ... --impl ours+graph``) on the CUDA-graph records of
+# ``tests/data/cost_model_h100_x{1,2}.json`` (flash-attn-4 installed: flash4 on full attention, cudnn-det on
+# LongNet; stream-ordered waits). Replays have no host launch time, which the model leaves out, so the launch
+# and host terms sit at their floor; links as for the H200 (NVLink 4, NDR).
+H100 = Hardware(fwd_tflops=563.2, bwd_tflops=595.9, bwd_launch_us=461.6, causal_keys=1637.0, key_penalty=0.0,
+                hbm_gbps=3408.0, op_us=1.0, dispatch_us=1.0, memory_gib=79.0)
+PRESETS = {"h200": Hardware(), "h100": H100}  # the constants ``--gpu`` names
+
+
 @dataclass(frozen=True)
 class Problem:
     """One attention call: ``tokens`` is the whole sequence N (all ranks together)."""
@@ -612,15 +621,18 @@ def _problem(meta: dict, config: str, causal: bool, n: int) -> Problem:
                    batch=meta["batch"], dtype_bytes=meta.get("dtype_bytes", 2), causal=causal)
 
 
-def _multi_records(meta: dict, records: list[dict]) -> list[dict]:
-    """Timed multi-GPU records of the library in a strategy the model replays (contiguous shards)."""
-    return [r for r in records if r["impl"] == "ours" and r["gpus"] >= 2 and r.get("efficiency") is not None
+def _multi_records(meta: dict, records: list[dict], impl: str = "ours") -> list[dict]:
+    """Timed multi-GPU records of the library (``impl``: ``"ours"``, or ``"ours+graph"`` for the step timed as CUDA
+    graph replays) in a strategy the model replays (contiguous shards)."""
+    return [r for r in records if r["impl"] == impl and r["gpus"] >= 2 and r.get("efficiency") is not None
             and r["strategy"] in STRATEGIES and "max_tokens" not in r
             and r.get("layout", "contiguous") == "contiguous"]
 
 
-def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: bool | None = None) -> list[dict]:
-    """Compare predicted with measured efficiency (and ms) for every multi-GPU record of ``ours``.
+def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: bool | None = None,
+             impl: str = "ours") -> list[dict]:
+    """Compare predicted with measured efficiency (and ms) for every multi-GPU record of ``impl`` (``ours``, or
+    ``ours+graph``: ``bench_scaling.py --cuda-graph``'s replays, the step without host launch time).
 
     Efficiency is ``T1 / (K TK)`` on both sides: measured T1 and TK from the file, predicted
     ones from the model. ``host_waits``: the wait mode to model; None takes each file's own
@@ -630,7 +642,7 @@ def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: boo
     for path in paths:
         meta, records = _records(path)
         host = file_host_waits(meta) if host_waits is None else host_waits
-        for rec in _multi_records(meta, records):
+        for rec in _multi_records(meta, records, impl):
             n = rec["gpus"] * rec["tokens_per_gpu"]
             pred = predict(_problem(meta, rec["config"], rec["causal"], n), rec["gpus"], rec["strategy"], hw,
                            balanced=bool(meta.get("balanced")), host_waits=host)
@@ -694,19 +706,19 @@ def _nelder_mead(f, x0: list[float], step: float, iters: int) -> tuple[list[floa
     return pts[best], vals[best]
 
 
-def fit_samples(paths: Sequence[str]) -> list[dict]:
-    """Every whole-call measurement of the library in scaling JSONs: the one-GPU references
-    (``single_gpu``) and the multi-GPU records, each with its problem and wait mode."""
+def fit_samples(paths: Sequence[str], impl: str = "ours") -> list[dict]:
+    """Every whole-call measurement of the library (records of ``impl``, as ``validate``) in scaling JSONs: the
+    one-GPU references (``single_gpu``) and the multi-GPU records, each with its problem and wait mode."""
     out = []
     for path in paths:
         meta, records = _records(path)
         name = os.path.basename(path)
         for s in meta.get("single_gpu", []):
-            if s.get("impl") == "ours" and not s.get("error") and s.get("ms"):
+            if s.get("impl") == impl and not s.get("error") and s.get("ms"):
                 out.append({"name": f"{name}: T1 {s['config']} causal={s['causal']} N={s['tokens']}", "gpus": 1,
                             "strategy": "ring", "problem": _problem(meta, s["config"], s["causal"], s["tokens"]),
                             "ms": s["ms"], "efficiency": None, "host_waits": False})
-        for r in _multi_records(meta, records):
+        for r in _multi_records(meta, records, impl):
             out.append({"name": f"{name}: {r['strategy']} {r['config']} causal={r['causal']} K={r['gpus']}",
                         "gpus": r["gpus"], "strategy": r["strategy"],
                         "problem": _problem(meta, r["config"], r["causal"], r["gpus"] * r["tokens_per_gpu"]),
@@ -728,13 +740,13 @@ def _fit_errors(samples: list[dict], hw: Hardware) -> list[tuple[float, float | 
 
 
 def fit(paths: Sequence[str], base: Hardware = Hardware(), names: Sequence[str] = FIT_NAMES, *,
-        single_weight: float = 1.0, rounds: int = 4) -> tuple[Hardware, list[dict]]:
+        single_weight: float = 1.0, rounds: int = 4, impl: str = "ours") -> tuple[Hardware, list[dict]]:
     """Fit ``names`` to whole calls: least squares of relative errors of every multi-GPU time and
     efficiency, plus ``single_weight`` times those of the one-GPU references, plus the square of the
     worst multi-GPU error (so no record is sacrificed to the mean). Each record is replayed in the
     wait mode it was measured with. Nelder-Mead on log constants, from ``base``, restarted
     ``rounds`` times. Returns the fitted hardware and, per measurement, measured vs model."""
-    samples = fit_samples(paths)
+    samples = fit_samples(paths, impl)
     if len(samples) <= len(names):
         raise ValueError(f"need more than {len(names)} measurements to fit {len(names)} constants, "
                          f"found {len(samples)} in {paths}")
