@@ -15,8 +15,8 @@ Measured on an H200 with cuDNN 9.19 (per pattern: ``benchmarks/results/kernel_h2
 bitwise equal over repeated runs where torch's backward differed, 3-13% slower
 than the atomic one, gradients within bf16 rounding of it. Its workspace is
 about ``ceil(keys / 256)`` times the fp32 size of dQ (32 GiB for one 32768-row
-segment of 16 heads), so a call is split, batch first, then keys, to stay
-under ``workspace_limit``. Splitting keys is exact: each key chunk's dK/dV are
+segment of 16 heads), so a call is split, batch first (under ``batch_workspace_limit``), then keys (under
+``workspace_limit``): splitting a batch costs nothing measurable, splitting keys does. Splitting keys is exact: each key chunk's dK/dV are
 complete, and its dQ part (from the final ``out``/``lse``, as every backward
 here) is summed in fp32 in a fixed order. Causal key chunk ``[k0, k1)`` pairs
 with queries ``[k0, M)``: its mask is then cuDNN's top-left one.
@@ -33,7 +33,13 @@ from .. import caches
 from ..merge import current_raw_stream
 from .cudnn import CudnnOps
 
-WORKSPACE_LIMIT = 2 << 30  # bytes per call; measured: 2 GiB costs 10% against an unsplit full-attention call
+WORKSPACE_LIMIT = 2 << 30  # bytes per call that must split its keys; measured: 2 GiB costs 10% against an unsplit
+# full-attention call
+# bytes per call that splits only its batch (LongNet's segments and offset groups). Speed first: the same 2 GiB.
+# 512 MiB trades time for memory (H100, alternated runs, fwd+bwd through the API): LongNet 32768 peaks at 1.73x
+# instead of 3.01x its own q, k, v, out and gradients, for +0.6% time non-causal and +4.1% causal (65536: 1.71x
+# instead of 2.33x, +1.7% / +5.1%); full attention splits keys and is unchanged
+BATCH_WORKSPACE_LIMIT = WORKSPACE_LIMIT
 _KEY_TILE = 256  # the workspace holds one fp32 dQ per this many keys (cuDNN 9.19, measured)
 _GRAPHS_KEPT = 256
 
@@ -61,12 +67,14 @@ def workspace_estimate(batch: int, heads: int, q_rows: int, k_rows: int, dim: in
     return math.ceil(k_rows / _KEY_TILE) * batch * heads * q_rows * dim * 4
 
 
-def split_plan(batch: int, heads: int, rows: int, dim: int, limit: int) -> tuple[int, int]:
-    """``(batch items per call, keys per call)`` keeping ``workspace_estimate`` under ``limit``
-    (at least one item and one key tile, whatever the limit)."""
+def split_plan(batch: int, heads: int, rows: int, dim: int, limit: int,
+               batch_limit: int | None = None) -> tuple[int, int]:
+    """``(batch items per call, keys per call)``: where one item's workspace fits ``limit``, as many items as keep
+    it under ``batch_limit`` (default ``limit``; at least one item), all keys; else one item and as many key tiles
+    as keep it under ``limit`` (at least one)."""
     per_item = workspace_estimate(1, heads, rows, rows, dim)
     if per_item <= limit:
-        return max(1, min(batch, limit // per_item)), rows
+        return max(1, min(batch, min(limit, batch_limit or limit) // per_item)), rows
     tiles = max(1, limit // workspace_estimate(1, heads, rows, _KEY_TILE, dim))
     return 1, min(rows, tiles * _KEY_TILE)
 
@@ -89,10 +97,14 @@ class CudnnFrontendOps(CudnnOps):
     name = "cudnn-det"
     deterministic_backward = True
 
-    def __init__(self, workspace_limit: int = WORKSPACE_LIMIT) -> None:
-        if workspace_limit <= 0:
-            raise ValueError(f"workspace_limit must be a positive byte count, got {workspace_limit}")
-        self.workspace_limit = workspace_limit
+    def __init__(self, workspace_limit: int = WORKSPACE_LIMIT, batch_workspace_limit: int = BATCH_WORKSPACE_LIMIT
+                 ) -> None:
+        """``workspace_limit``: bytes of workspace per call that splits its keys; ``batch_workspace_limit``: per
+        call that splits only its batch (``split_plan``)."""
+        for name, value in (("workspace_limit", workspace_limit), ("batch_workspace_limit", batch_workspace_limit)):
+            if value <= 0:
+                raise ValueError(f"{name} must be a positive byte count, got {value}")
+        self.workspace_limit, self.batch_workspace_limit = workspace_limit, batch_workspace_limit
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._handles: dict[int, object] = {}
         self._streams: dict[int, int] = {}  # the stream each device's handle was last set to
@@ -110,7 +122,7 @@ class CudnnFrontendOps(CudnnOps):
         if k.shape[2] != rows:
             raise ValueError(f"q and k must have equal rows, got {rows} and {k.shape[2]}")
         dq, dk, dv = into if into is not None else (_empty_in_layout(x) for x in (q, k, v))
-        per_call, keys = split_plan(batch, heads, rows, dim, self.workspace_limit)
+        per_call, keys = split_plan(batch, heads, rows, dim, self.workspace_limit, self.batch_workspace_limit)
         for b0 in range(0, batch, per_call):
             b = slice(b0, b0 + per_call)
             if keys == rows:
@@ -203,4 +215,4 @@ class CudnnFrontendOps(CudnnOps):
         return entry
 
 
-__all__ = ["CudnnFrontendOps", "WORKSPACE_LIMIT", "split_plan", "workspace_estimate"]
+__all__ = ["BATCH_WORKSPACE_LIMIT", "CudnnFrontendOps", "WORKSPACE_LIMIT", "split_plan", "workspace_estimate"]

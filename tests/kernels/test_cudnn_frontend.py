@@ -34,8 +34,8 @@ HAVE_FRONTEND = CUDA and _frontend() is not None
 class MathFrontendOps(CudnnFrontendOps):
     """``CudnnFrontendOps`` with the graph call done in float64 torch; records every call's shapes."""
 
-    def __init__(self, workspace_limit: int = 1 << 40) -> None:
-        super().__init__(workspace_limit)
+    def __init__(self, workspace_limit: int = 1 << 40, batch_workspace_limit: int = 1 << 40) -> None:
+        super().__init__(workspace_limit, batch_workspace_limit)
         self.math = MathOps(write_into=True)  # the frontend's forward writes where it is told
         self.runs: list[tuple] = []
 
@@ -54,7 +54,7 @@ class MathFrontendOps(CudnnFrontendOps):
 
 
 def frontend_ops(limit: int = 1 << 40) -> CudnnFrontendOps:
-    return CudnnFrontendOps(limit) if CUDA else MathFrontendOps(limit)
+    return CudnnFrontendOps(limit, limit) if CUDA else MathFrontendOps(limit, limit)
 
 
 def test_workspace_estimate_and_split_plan():
@@ -67,8 +67,14 @@ def test_workspace_estimate_and_split_plan():
     one = workspace_estimate(1, 16, 32768, 32768, 128)
     assert split_plan(1, 16, 32768, 128, one // 8) == (1, 4096)  # then keys, whole key tiles
     assert split_plan(3, 16, 32768, 128, 1) == (1, 256)  # never below one item and one key tile
+    # a tighter limit for calls that split only their batch; keys still split under the other one
+    assert split_plan(16, 16, 2048, 128, whole, whole // 8) == (2, 2048)
+    assert split_plan(16, 16, 2048, 128, whole, 1) == (1, 2048)  # at least one item, all keys
+    assert split_plan(1, 16, 32768, 128, one // 8, 1) == (1, 4096)  # key splits ignore the batch limit
     with pytest.raises(ValueError, match="workspace_limit"):
         CudnnFrontendOps(0)
+    with pytest.raises(ValueError, match="batch_workspace_limit"):
+        CudnnFrontendOps(1 << 30, 0)
 
 
 def test_empty_in_layout_keeps_dim_order():
