@@ -535,20 +535,14 @@ GRAPHED = "ours+graph"  # --cuda-graph: the library's records timed as CUDA grap
 
 
 def graphed(bench: Bench, step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` warmed up on a side stream, then captured into one CUDA graph (``--cuda-graph``); returns its
-    replay. Every rank calls it at the same point (the warm-up talks)."""
+    """``step`` captured into one CUDA graph (``--cuda-graph``, ``testing.graphs.capture``); returns its replay.
+    Every rank calls it at the same point (the warm-up talks)."""
+    from dilated_attention.testing.graphs import capture
+
     torch = bench.torch
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()  # the graph's memory is taken here, before measure() looks
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
 
     def replay() -> None:
         graph.replay()
@@ -1006,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
         return res
 
     def single_reference(impl, config, causal, tokens, n, make_step):
-        """A peer's own T1 on rank 0 (shared with every rank); at K=1 it is the peer's record."""
+        """An implementation's own T1 on rank 0 (shared with every rank); at K=1 it is its record."""
         t1_, peak_, err_ = single_gpu(bench, make_step)
         meta["single_gpu"].append({"impl": impl, "config": config, "causal": causal, "tokens": n, "ms": t1_,
                                    "peak_gib": peak_, "own_gib": bench.own_gib(n), "error": err_})
@@ -1028,23 +1022,13 @@ def main(argv: list[str] | None = None) -> int:
         n = k * tokens
         label = f"{config} {'causal' if causal else 'full-mask'} N={n}"
         progress.set_postfix_str(f"{label}: T1")
-        t1, t1_peak, err = single_gpu(bench, lambda: ours_step(bench, n, config, causal, n, None, None))
-        meta["single_gpu"].append({"impl": "ours", "config": config, "causal": causal, "tokens": n, "ms": t1,
-                                   "peak_gib": t1_peak, "own_gib": bench.own_gib(n), "error": err})
+        t1, _ = single_reference("ours", config, causal, tokens, n,
+                                 lambda: ours_step(bench, n, config, causal, n, None, None))
         progress.update()
-        if k == 1 and t1 is not None:
-            record("ours", "single", config, causal, tokens, t1, t1, t1_peak)
         timings = [("ours", t1, lambda step: step)]  # (impl, its T1, how a step is timed)
         if graphs:  # the same cases again, each captured whole into a CUDA graph
-            t1g, t1g_peak, errg = single_gpu(bench, lambda: graphed(bench, ours_step(bench, n, config, causal, n,
-                                                                                     None, None)))
-            meta["single_gpu"].append({"impl": GRAPHED, "config": config, "causal": causal, "tokens": n, "ms": t1g,
-                                       "peak_gib": t1g_peak, "own_gib": bench.own_gib(n), "error": errg})
-            if k == 1:
-                if errg:
-                    skip(GRAPHED, "single", config, causal, tokens, errg)
-                else:
-                    record(GRAPHED, "single", config, causal, tokens, t1g, t1g, t1g_peak)
+            t1g, _ = single_reference(GRAPHED, config, causal, tokens, n,
+                                      lambda: graphed(bench, ours_step(bench, n, config, causal, n, None, None)))
             timings.append((GRAPHED, t1g, lambda step: graphed(bench, step)))
         for strategy, layout in [(s, lay) for s in args.strategies for lay in args.layouts] if k > 1 else []:
             progress.set_postfix_str(f"{label}: ours/{strategy}/{layout}")

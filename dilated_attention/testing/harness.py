@@ -35,6 +35,7 @@ from ..functional import dilated_attention
 from ..launch_utils import init_distributed
 from ..patterns import hybrid_team_size
 from .compare import as_layout, rel_err, tolerance
+from .graphs import capture
 from .oracle import dense_dilated_attention
 from .spawn import spawn_ranks
 
@@ -313,15 +314,7 @@ def check_cuda_graph(backend_name: str, group, device: torch.device) -> list[Res
 
         try:
             fill(1)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
+            graph, out = capture(step, warmup=2)
             grads = [x.grad for x in leaves]
             fill(2)
             graph.replay()

@@ -15,26 +15,13 @@ from kernel_checks import CUDA, d64, seeded
 from dilated_attention import dilated_attention
 from dilated_attention.kernels import flash4
 from dilated_attention.testing.compare import assert_within_rule
+from dilated_attention.testing.graphs import capture
 from dilated_attention.testing.oracle import dense_dilated_attention
 
 pytestmark = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 
 KERNELS = ["auto", "fused", "cudnn-det", "flash4"]
 SEGS, RATES = [256, 512, 1024], [1, 2, 4]
-
-
-def _capture(step):
-    """``step`` warmed up on a side stream (compiles, plans, the allocator's first sizes), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = step()
-    return graph, result
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -54,7 +41,7 @@ def test_captured_step_replays_eager_bits_and_follows_new_inputs(kernel, causal)
         out.backward(dout)
         return out
 
-    graph, out = _capture(step)
+    graph, out = capture(step)
     grads = [x.grad for x in leaves]
     for trial in range(2):  # fresh values in the captured inputs each time
         fresh = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4)]
