@@ -10,10 +10,14 @@ each case next to the unmasked work it stands for, timed in the same run:
   lengths the segments tile), vs the same documents one call each (the unmasked work).
   Also reported: the packed call against the whole unmasked sequence (it does less work).
 
+``--kernel auto,flash4,fused`` times every case with each kernel in the same run (records carry
+``kernel``; a case a kernel refuses is recorded as skipped with its reason): ``flash4`` takes packed
+documents and internal padding as per-call lengths, not a ``key_padding_mask``.
+
 Writes ``benchmarks/results/masks_<gpu>.json`` (``{"meta", "records"}``, ``<gpu>`` the model as
 ``gpu_tag.py`` names it: ``h200``, ``h100``) and prints a table.
 
-    python benchmarks/bench_masks.py [--seq 65536] [--out benchmarks/results]
+    python benchmarks/bench_masks.py [--seq 65536] [--kernel auto,flash4,fused] [--out benchmarks/results]
     python benchmarks/bench_masks.py --smoke      # CPU, Triton interpreter, tiny shapes
 """
 
@@ -41,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--kernel", default="auto")
+    ap.add_argument("--kernel", default="auto", help="kernel(s), comma-separated, each timed in the same run")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--out", default=RESULTS)
     return ap
@@ -97,38 +101,53 @@ def main(argv=None) -> dict:
     q, k, v, dout = (rnd(1, n, h, d) for _ in range(4))
     rng = random.Random(0)
     records = []
+    kernels = args.kernel.split(",")
 
-    def record(case, causal, ms, baseline_ms, baseline):
-        rec = {"case": case, "causal": causal, "ms": round(ms, 4), "baseline": baseline,
+    def record(kernel, case, causal, ms, baseline_ms, baseline):
+        """One case against its comparison; ``ms`` a refusal's message where the kernel takes no such input."""
+        if isinstance(ms, str):
+            records.append({"kernel": kernel, "case": case, "causal": causal, "skipped": ms})
+            print(f"  {kernel:8s} {case:22s} causal={causal!s:5s} skipped: {ms[:120]}", flush=True)
+            return
+        rec = {"kernel": kernel, "case": case, "causal": causal, "ms": round(ms, 4), "baseline": baseline,
                "baseline_ms": round(baseline_ms, 4), "ratio": round(ms / baseline_ms, 4)}
         records.append(rec)
-        print(f"  {case:22s} causal={causal!s:5s} {ms:9.3f} ms  vs {baseline:28s} {baseline_ms:9.3f} ms  "
+        print(f"  {kernel:8s} {case:22s} causal={causal!s:5s} {ms:9.3f} ms  vs {baseline:28s} {baseline_ms:9.3f} ms  "
               f"ratio {rec['ratio']:.3f}", flush=True)
 
+    def t(fn):
+        """Median ms, or the message of a kernel that refuses the input (``kernel="flash4"`` and a key mask)."""
+        try:
+            return timed(fn, args.warmup, args.reps, device)
+        except ValueError as exc:
+            return str(exc)
+
     for causal in (bool(int(c)) for c in args.causal.split(",")):
-        kw = dict(causal=causal, kernel=args.kernel)
-        t = lambda fn: timed(fn, args.warmup, args.reps, device)  # noqa: E731
-        plain = t(fwd_bwd(q, k, v, dout, segs, rates, **kw))
         mask = torch.rand(1, n, generator=gen, device=device) < 0.1
-        record("key_padding_mask 10%", causal, t(fwd_bwd(q, k, v, dout, segs, rates, key_padding_mask=mask, **kw)),
-               plain, "no mask")
         per = n // args.docs
-        cu = torch.arange(0, n + 1, per, dtype=torch.int32, device=device)
+        equal = torch.arange(0, n + 1, per, dtype=torch.int32, device=device)
         batch = [x.reshape(args.docs, per, h, d) for x in (q, k, v, dout)]
-        record("docs_equal", causal, t(fwd_bwd(q, k, v, dout, segs, rates, cu_seqlens=cu, **kw)),
-               t(fwd_bwd(*batch, segs, rates, **kw)), f"({args.docs}, {per}) batch")
         lengths = doc_lengths(n, segs[0], rng)
         offsets = [0]
         for length in lengths:
             offsets.append(offsets[-1] + length)
         cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-        packed = t(fwd_bwd(q, k, v, dout, segs, rates, cu_seqlens=cu, **kw))
-        alone = [fwd_bwd(*(x[:, a:b] for x in (q, k, v, dout)), segs, rates, **kw) for a, b in zip(offsets, offsets[1:])]
-        record(f"docs_varlen ({len(lengths)})", causal, packed, t(lambda: [f() for f in alone]), "each document alone")
-        record(f"docs_varlen ({len(lengths)})", causal, packed, plain, "whole sequence unmasked")
+        for kernel in kernels:  # the same inputs and documents for each kernel
+            kw = dict(causal=causal, kernel=kernel)
+            plain = t(fwd_bwd(q, k, v, dout, segs, rates, **kw))
+            record(kernel, "key_padding_mask 10%", causal,
+                   t(fwd_bwd(q, k, v, dout, segs, rates, key_padding_mask=mask, **kw)), plain, "no mask")
+            record(kernel, "docs_equal", causal, t(fwd_bwd(q, k, v, dout, segs, rates, cu_seqlens=equal, **kw)),
+                   t(fwd_bwd(*batch, segs, rates, **kw)), f"({args.docs}, {per}) batch")
+            packed = t(fwd_bwd(q, k, v, dout, segs, rates, cu_seqlens=cu, **kw))
+            alone = [fwd_bwd(*(x[:, a:b] for x in (q, k, v, dout)), segs, rates, **kw)
+                     for a, b in zip(offsets, offsets[1:])]
+            record(kernel, f"docs_varlen ({len(lengths)})", causal, packed, t(lambda: [f() for f in alone]),
+                   "each document alone")
+            record(kernel, f"docs_varlen ({len(lengths)})", causal, packed, plain, "whole sequence unmasked")
     meta = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."), "tokens": n,
-            "heads": h, "dim": d, "segment_lengths": segs, "dilation_rates": rates, "kernel": args.kernel,
+            "heads": h, "dim": d, "segment_lengths": segs, "dilation_rates": rates, "kernels": kernels,
             "command": "python " + " ".join(sys.argv), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     result = {"meta": meta, "records": records}
     os.makedirs(args.out, exist_ok=True)

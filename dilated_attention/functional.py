@@ -480,7 +480,7 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     if not shapes_only:
         masked = key_mask is not None or (batches is not None and (
             batches[0].spans is not None or batches[0].length != local * world))
-        chosen = select_kernel(kernel, q, k, masked)
+        chosen = select_kernel(kernel, q, k, masked, padding_only=key_mask is None)  # (else only padding: ``_rows``)
         meta = {}
         if hooks.active():  # none by default (debug mode, the runtime audit): one module-global check
             options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,

@@ -36,6 +36,9 @@ Triton kernel, a reproducible backward when cuDNN's dK/dV are (measured).
 ``CudnnOps`` are the two aten ops; tests substitute a plain-torch stand-in with
 the same contract to check the view logic on CPU. Any ops with that contract get
 the same view logic: ``flash4.Flash4Kernel`` is this kernel on flash-attn-4's ops.
+Ops that set ``padding_masks = True`` also take each call's rows before the padding
+(``used=``, ``(B',)`` int32, counted from the mask's view of the call's keys), and
+the kernel then takes padding masks (``protocol.py``) on local patterns.
 """
 
 from __future__ import annotations
@@ -201,6 +204,27 @@ def _group_view(x: torch.Tensor, plan: PatternPlan, g: _Group, role: str) -> tor
     return x.as_strided(size, stride, base.storage_offset())
 
 
+def _key_view(mask: torch.Tensor, plan: PatternPlan, g: _Group) -> torch.Tensor:
+    """``(B, S, R, M)`` view of a ``(B, L)`` key mask: the keys group ``g``'s calls read (``_group_view``'s
+    ``"kv"`` rows, without heads)."""
+    c, w, r, unit = g.chunks[0], plan.local_segment, plan.dilation, mask.stride(1)
+    return mask.as_strided((mask.shape[0], mask.shape[1] // w, len(g.chunks), w // r),
+                           (mask.stride(0), w * unit, g.steps[0] * unit, r * unit),
+                           mask.storage_offset() + c.offset * unit)
+
+
+def _used(keys: torch.Tensor) -> torch.Tensor:
+    """Per call batch entry, the rows before the padding: ``(prod T,)`` int32 from a padding mask's
+    ``(T..., M)`` view (its kept keys are a prefix of each view row). At least 1: a view that is all
+    padding has only padding queries (they share its rows), whose results are discarded anyway."""
+    return (~keys).sum(-1, dtype=torch.int32).flatten().clamp_(min=1)
+
+
+def _padding(keys: _ViewSpec | None, mask: torch.Tensor | None) -> dict:
+    """The ops' ``used=`` keyword for a call with a padding mask; none without one."""
+    return {} if keys is None else {"used": _used(keys.on((mask,)))}
+
+
 def _merge_order(sizes: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
     """Split the batch dims ``(B, S, R)`` into (loop dims, merged dims outer->inner) so that the
     merged dims are one uniformly strided dim in every in-place operand; most rows merged wins."""
@@ -344,6 +368,7 @@ class _BackwardCall:
     lse: _ViewSpec
     targets: tuple[tuple[str, _ViewSpec], ...]
     into: tuple[_ViewSpec, ...] | None  # compact targets the op may write in place (``_flat_target``)
+    keys: _ViewSpec | None  # the ``(T..., M)`` view of a padding mask (on ``(mask,)``), if the call has one
 
 
 @dataclass(frozen=True)
@@ -358,16 +383,18 @@ class _ForwardCall:
     group: _Group
     merged: tuple[int, ...]
     into: _ViewSpec | None  # the out target as a view an op may write in place (``_flat_target``)
+    keys: _ViewSpec | None  # the ``(T..., M)`` view of a padding mask (on ``(mask,)``), if the call has one
 
 
 _BACKWARD_CALLS = caches.table("cudnn.backward_calls", 512)
 
 
-def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, compact: bool
-                    ) -> tuple[_BackwardCall, ...]:
+def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, compact: bool,
+                    mask: torch.Tensor | None) -> tuple[_BackwardCall, ...]:
     """The calls of group ``g`` on ``tensors = (q, k, v, out, lse, dout, dq, dk, dv)``, cached by geometry;
-    ``compact``: the gradients are a pattern's compact parts, else full-layout accumulators."""
-    key = (plan, g, kv, same, compact, *map(layout_key, tensors))
+    ``compact``: the gradients are a pattern's compact parts, else full-layout accumulators; ``mask``: a
+    padding mask (``(B, L)``) or ``None``."""
+    key = (plan, g, kv, same, compact, *map(layout_key, tensors), mask is not None and layout_key(mask))
     hit = _BACKWARD_CALLS.get(key)
     if hit is not None:
         return hit
@@ -378,7 +405,8 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, 
            "out": _group_view(out, plan, g, "q"), "dout": _group_view(dout, plan, g, "q"),
            "lse": _group_view(lse, plan, g, "q"),
            **{name: _group_view(x, plan, g, role)
-              for name, x, role in zip(("dq", "dk", "dv"), (dq, dk, dv), grad_roles)}}
+              for name, x, role in zip(("dq", "dk", "dv"), (dq, dk, dv), grad_roles)},
+           **({} if mask is None else {"keys": _key_view(mask, plan, g)})}
     in_place = {name for name in ("k", "v") if readable(src[name])}
     if same and all(readable(src[x]) for x in ("q", "out", "dout")):
         in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
@@ -393,17 +421,18 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, 
         into = None if any(f is None for f in flat) else tuple(
             _ViewSpec.of(f, index[x], tensors) for f, x in zip(flat, ("dq", "dk", "dv")))
         calls.append(_BackwardCall(tuple(tsz), operands, _ViewSpec.of(sub["lse"], index["lse"], tensors), targets,
-                                   into))
+                                   into, None if mask is None else _ViewSpec.of(sub["keys"], 0, (mask,))))
     return remember(_BACKWARD_CALLS, key, tuple(calls))
 
 
 _FORWARD_CALLS = caches.table("cudnn.forward_calls", 512)
 
 
-def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple[_ForwardCall, ...]:
+def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes, mask: torch.Tensor | None
+                   ) -> tuple[_ForwardCall, ...]:
     """The forward calls of ``groups`` on ``tensors = (q, k, v)``, cached by geometry; the targets are
-    views of contiguous buffers of ``shapes`` (planned on meta tensors)."""
-    key = (plan, groups, kv, *map(layout_key, tensors))
+    views of contiguous buffers of ``shapes`` (planned on meta tensors); ``mask``: a padding mask or ``None``."""
+    key = (plan, groups, kv, *map(layout_key, tensors), mask is not None and layout_key(mask))
     hit = _FORWARD_CALLS.get(key)
     if hit is not None:
         return hit
@@ -415,7 +444,8 @@ def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple
         src = {"q": _group_view(q, plan, g, "q"), "k": _group_view(k, plan, g, kv), "v": _group_view(v, plan, g, kv)}
         in_place = {name for name in src if readable(src[name])}
         loop, merged = _split(src, in_place)
-        views = {**src, **{name: _group_view(b, plan, g, "compact") for name, b in zip(("out", "lse"), buffers)}}
+        views = {**src, **{name: _group_view(b, plan, g, "compact") for name, b in zip(("out", "lse"), buffers)},
+                 **({} if mask is None else {"keys": _key_view(mask, plan, g)})}
         for sub, tsz in _calls(views, loop, merged):
             nt = len(tsz)
             operands = tuple((_ViewSpec.of(_as_4d(sub[x], nt) if x in in_place else sub[x], i, every), x in in_place)
@@ -423,7 +453,8 @@ def _forward_calls(tensors, plan: PatternPlan, groups, kv: str, shapes) -> tuple
             targets = tuple(_ViewSpec.of(_out_view(sub[name], nt), i, every) for i, name in ((3, "out"), (4, "lse")))
             flat = _flat_target(_out_view(sub["out"], nt), nt)
             calls.append(_ForwardCall(tuple(tsz), operands, targets, g, tuple(merged),
-                                      None if flat is None else _ViewSpec.of(flat, 3, every)))
+                                      None if flat is None else _ViewSpec.of(flat, 3, every),
+                                      None if mask is None else _ViewSpec.of(sub["keys"], 0, (mask,))))
     return remember(_FORWARD_CALLS, key, tuple(calls))
 
 
@@ -442,6 +473,8 @@ class CudnnKernel:
         self.ops = ops if ops is not None else CudnnOps()
         self.name = self.ops.name
         self.deterministic_backward = self.ops.deterministic_backward
+        # padding masks (``protocol.py``) where the ops take each call's unpadded rows (``used=``): flash-attn-4's
+        self.padding_masks = bool(getattr(self.ops, "padding_masks", False))
         bad = [g for g in grads if g not in ("dq", "dk", "dv")]
         if bad or not grads:
             raise ValueError(f"grads must be a non-empty subset of ('dq', 'dk', 'dv'), got {grads}")
@@ -477,29 +510,44 @@ class CudnnKernel:
             raise ValueError(f"packed k must have L // r = {n // r} rows and one local segment, "
                              f"got {k.shape[1]} rows and segment {w} of {n}")
 
+    def _check_mask(self, key_mask: torch.Tensor | None, q: torch.Tensor, packed: bool) -> None:
+        """A key mask is taken only as a padding mask (``protocol.py``), on local patterns, by ops that take it."""
+        if key_mask is None:
+            return
+        if not self.padding_masks:
+            raise ValueError(f"{self.name} kernel takes no key mask; run masked calls on kernel='fused' or 'reference'")
+        if packed:
+            raise ValueError(f"{self.name} kernel takes padding masks on local patterns only, not on ring buffers; "
+                             f"run masked ring calls on kernel='fused' or 'reference'")
+        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"key_mask must be a bool (B, L) = {tuple(q.shape[:2])} tensor, got {key_mask.dtype} "
+                             f"of shape {tuple(key_mask.shape)}")
+
     def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, fresh: bool = False) -> None:
-        part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
+                             scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False) -> None:
+        part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, key_mask=key_mask)
         merge_pattern_(out, lse, plan, *part, fresh=fresh)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
+    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
+                        key_mask: torch.Tensor | None = None):
         self._check(q, k)
         self._geometry(q, k, plan, packed)
+        self._check_mask(key_mask, q, packed)
         key = _config_key(q, k, plan, packed, causal, self.name)
         if key in _REFUSED or not _stacks(plan):
-            return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale)
+            return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale, key_mask)
         try:
-            return self._forward(q, k, v, plan, _groups(plan), packed, causal, scale)
+            return self._forward(q, k, v, plan, _groups(plan), packed, causal, scale, key_mask)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:  # cuDNN refused a stacked call: chunk by chunk (no side effects yet)
             _refuse(key, exc, self.name)
-            return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale)
+            return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale, key_mask)
 
-    def _forward(self, q, k, v, plan: PatternPlan, groups, packed: bool, causal: bool, scale: float):
+    def _forward(self, q, k, v, plan: PatternPlan, groups, packed: bool, causal: bool, scale: float, key_mask):
         bsz, n, heads, dim = q.shape
         shapes = ((bsz, n // plan.dilation, heads, dim), (bsz, n // plan.dilation, heads))
-        calls = _forward_calls((q, k, v), plan, groups, self._kv_role(packed), shapes)
+        calls = _forward_calls((q, k, v), plan, groups, self._kv_role(packed), shapes, key_mask)
         buffers = self._buffers(shapes, q) if len(calls) != 1 else None
         tensors = (q, k, v, *(buffers or ()))
         for call in calls:
@@ -507,7 +555,7 @@ class CudnnKernel:
             args = [spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt)
                     for spec, in_place in call.operands]
             into = call.into.on(tensors) if buffers is not None and call.into is not None else None
-            o4, l4 = self.ops.forward(*args, causal=causal, scale=scale, out=into)
+            o4, l4 = self.ops.forward(*args, causal=causal, scale=scale, out=into, **_padding(call.keys, key_mask))
             l4 = l4.reshape(o4.shape[:3])  # some torch versions add a trailing unit dim
             if buffers is None:  # the only call: cuDNN's out (or lse) may be the whole result, no copy
                 adopted = [_adopt(x, tsz, call.merged, plan, call.group, shape)
@@ -546,29 +594,34 @@ class CudnnKernel:
             raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {tuple(q.shape[:3])}")
 
     def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float, fresh: bool = False) -> None:
+                         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
+                         fresh: bool = False) -> None:
         self._check_backward(q, k, v, plan, packed, out, lse, dout, dq, dk, dv)
+        self._check_mask(key_mask, q, packed)
         mine = tuple(g for name, g in (("dq", dq), ("dk", dk), ("dv", dv)) if name in self.grads)
         # fresh and covering every row and head: cuDNN's gradients are *written* into the accumulators, no
         # fill and no read (a kv head two groups share gets the second one added); otherwise fill, then add
         written: set[int] | None = set() if fresh and not packed and plan.covers_all(q.shape[2], k.shape[2]) else None
         if fresh and written is None:
             clear_grads_(*mine)
-        self._backward_groups((q, k, v, out, lse, dout, dq, dk, dv), plan, packed, causal, scale, written, False)
+        self._backward_groups((q, k, v, out, lse, dout, dq, dk, dv), plan, packed, causal, scale, written, False,
+                              key_mask)
 
-    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float):
+    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
+                               key_mask: torch.Tensor | None = None):
         """The pattern's gradients in new compact tensors: cuDNN writes them there (the frontend's backward)
         or they are copied from its results; nothing is accumulated."""
         if not self.parts("bwd", plan, q, k, causal=causal, masked=False):
             raise ValueError(f"{self.name} kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
                              f"read at two offsets, or not every gradient): call backward_pattern")
         self._check_backward(q, k, v, plan, False, out, lse, dout)
+        self._check_mask(key_mask, q, False)
         grads = new_grad_parts(q, k, v, plan)
-        self._backward_groups((q, k, v, out, lse, dout, *grads), plan, False, causal, scale, None, True)
+        self._backward_groups((q, k, v, out, lse, dout, *grads), plan, False, causal, scale, None, True, key_mask)
         return grads
 
     def _backward_groups(self, tensors, plan: PatternPlan, packed: bool, causal: bool, scale: float,
-                         written: set[int] | None, compact: bool) -> None:
+                         written: set[int] | None, compact: bool, key_mask: torch.Tensor | None) -> None:
         q, k, out, dout = tensors[0], tensors[1], tensors[3], tensors[5]
         kv = self._kv_role(packed)
         same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
@@ -576,7 +629,7 @@ class CudnnKernel:
         stacked = key not in _REFUSED
         for g in _groups(plan) if stacked else _singles(plan):
             try:
-                self._backward_group(tensors, plan, g, kv, same, causal, scale, written, compact)
+                self._backward_group(tensors, plan, g, kv, same, causal, scale, written, compact, key_mask)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError as exc:  # nothing of this group was stored yet: its chunks one by one
@@ -585,22 +638,23 @@ class CudnnKernel:
                 _refuse(key, exc, self.name)
                 for c in g.chunks:
                     self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale,
-                                         written, compact)
+                                         written, compact, key_mask)
 
     def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, causal: bool,
-                        scale: float, written: set[int] | None, compact: bool) -> None:
+                        scale: float, written: set[int] | None, compact: bool, key_mask: torch.Tensor | None) -> None:
         """One group's calls; its gradients are stored only once every call succeeded. ``written``: the kv
         heads already holding gradients in a fresh backward (``None``: accumulate everything). ``compact``:
         the targets are compact parts, stored (an op that wrote them in place needs no copy)."""
         dtype = tensors[0].dtype
         pending = []
-        for call in _backward_calls(tensors, plan, g, kv, same, compact):
+        for call in _backward_calls(tensors, plan, g, kv, same, compact, key_mask):
             nt, tsz = len(call.tsz), call.tsz
             q4, k4, v4, o4, g4 = (spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt, dtype)
                                   for spec, in_place in call.operands)
             l4 = _compact_4d(call.lse.on(tensors), nt, torch.float32).unsqueeze(-1)
             into = tuple(spec.on(tensors) for spec in call.into) if call.into is not None else None
-            grads = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale, into=into)
+            grads = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale, into=into,
+                                      **_padding(call.keys, key_mask))
             for i, ((name, target), grad) in enumerate(zip(call.targets, grads)):
                 if name in self.grads and not (into is not None and grad is into[i]):
                     pending.append((name, target.on(tensors), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))

@@ -10,7 +10,9 @@ installed and the GPU runs it). Falling back from fused warns
 once with the reason (shared memory, alignment, dtype, ...), so a configuration
 that would fail at launch never reaches the GPU. Naming a kernel forces it and
 raises ``ValueError`` with the reason when it cannot run. Masked calls (``key_padding_mask``,
-``cu_seqlens``, internal padding) need a kernel with ``key_masks``: fused or reference.
+``cu_seqlens``, internal padding) need a kernel with ``key_masks``: fused or reference; calls whose
+masks are all the library's own padding (``cu_seqlens``, internal padding: ``protocol.py``'s padding
+masks) also run on ``kernel="flash4"`` (``auto`` keeps them fused: measured faster).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .. import caches
 from .auto import AutoKernel, available_choices, device_choices, nondeterministic_allowed, ranked
 from .chunk_loop import ChunkLoop
 from .flash4 import unavailable_reason as flash4_unavailable
-from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel
+from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel, takes_masks
 from .registry import FLASH4_NAMES, KERNEL_NAMES, KERNELS, build_kernel
 
 _warned = caches.keys("dispatch.warned", 256)
@@ -35,9 +37,10 @@ _make = caches.memoize("dispatch.kernels", len(KERNELS))(build_kernel)
 
 
 def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k: torch.Tensor,
-                  masked: bool = False) -> PatternKernel:
+                  masked: bool = False, padding_only: bool = False) -> PatternKernel:
     """The pattern-level kernel to run (a ``BlockKernel`` object is wrapped in ``ChunkLoop``);
-    ``masked``: the call has key masks, so the kernel must take them."""
+    ``masked``: the call has key masks, so the kernel must take them; ``padding_only``: they are all
+    padding masks (``protocol.py``), which a kernel with ``padding_masks`` takes too."""
     if isinstance(kernel, str):  # (first: a Protocol isinstance check costs 20 us)
         if kernel not in KERNEL_NAMES:
             raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")
@@ -56,14 +59,18 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
                f"kernels/protocol.py)" if hasattr(kernel, "forward_pattern") else "")
         )
     reason = chosen.supports(q, k)
-    if reason is None and masked and not chosen.key_masks:
-        reason = "it takes no key mask (key_padding_mask, cu_seqlens or internal padding); use 'fused' or 'reference'"
+    if reason is None and masked and not takes_masks(chosen, padding_only):
+        reason = ("it takes no key_padding_mask; use 'fused' or 'reference'" if getattr(chosen, "padding_masks", False)
+                  else "it takes no key mask (key_padding_mask, cu_seqlens or internal padding); use 'fused' or "
+                       "'reference'")
     if reason is not None:
         raise ValueError(f"kernel={chosen.name!r} cannot run on these inputs: {reason}")
     return chosen
 
 
 def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:
+    """Masked calls run fused, padding masks too: flash-attn-4 takes those, but through the API it measured
+    slower than fused on packed documents (``benchmarks/bench_masks.py --kernel auto,flash4,fused``)."""
     if q.device.type == "cuda":
         fused = _make("fused")
         reason = fused.supports(q, k)

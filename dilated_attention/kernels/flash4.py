@@ -26,9 +26,13 @@ compact by the shared view logic, explicitly (FA4 would copy it silently).
   ``ring._causal_split``): FA4's deterministic causal backward is slow on long squares (full causal
   attention over 65536 rows: 0.77-0.87x of cuDNN's), its non-causal backward and small causal blocks are
   not; one causal call of the diagonal blocks and non-causal rectangles measured 0.91-1.05x.
-* Key masks (padding, packed documents): not taken (``key_masks = False``). FA4 expresses a key mask
-  only as per-sequence lengths or a compiled ``mask_mod``, not the per-key boolean the seam passes, so
-  ``kernel="auto"`` runs masked calls on the fused kernel and ``kernel="flash4"`` with one raises.
+* Padding masks (``padding_masks = True``; ``protocol.py``: packed documents and segment padding, made by
+  the library) are FA4's per-sequence lengths: each call's ``seqused_q = seqused_k`` is the count of kept
+  keys in its view of the mask (the rows before the padding, as the mask's kept keys are a prefix of every
+  dilated view). FA4 skips the rows past them: their results are left unspecified, as the protocol allows
+  (the caller discards them). Other key masks (``key_padding_mask``) are not taken (``key_masks = False``):
+  FA4 expresses a mask only as lengths or a compiled ``mask_mod``, not the per-key boolean the seam
+  passes, so ``kernel="auto"`` runs them on the fused kernel and ``kernel="flash4"`` with one raises.
 
 FA4 takes output tensors only in its internal entry points ``flash_attn.cute.interface.
 _flash_attn_fwd`` / ``_flash_attn_bwd`` (its public ``flash_attn_func`` allocates them); they are
@@ -47,8 +51,9 @@ from .cudnn import CudnnKernel
 
 DTYPES = (torch.float16, torch.bfloat16)
 INSTALL = 'pip install ".[flash4]" (or "dilated-attention[flash4]")'
-_FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "return_lse", "out", "lse")
-_BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "deterministic", "dq", "dk", "dv")
+_FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "return_lse", "out", "lse", "seqused_q", "seqused_k")
+_BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "deterministic", "dq", "dk", "dv",
+             "seqused_q", "seqused_k")
 # Causal squares longer than this many dilated rows are split into causal blocks of at most this many rows
 # and non-causal rectangles (module doc). The default is set by measurement, not by guess:
 # ``benchmarks/bench_kernel.py --methods flash4 --causal-block 0,1024,2048,4096`` times the unsplit and each
@@ -146,7 +151,11 @@ class Flash4Ops:
     ``CudnnKernel`` builds), results in the same layout, written into given views where asked.
 
     ``deterministic=False`` (kernel ``"flash4-nondet"``): FA4's default backward, whose dQ accumulation is
-    not ordered; for ``DILATED_ATTENTION_NONDETERMINISTIC=1`` (its causal backward needs no split)."""
+    not ordered; for ``DILATED_ATTENTION_NONDETERMINISTIC=1`` (its causal backward needs no split).
+    ``used`` (``(B',)`` int32, padding masks): each batch entry's rows before the padding, for queries and
+    keys alike (a causal square stays aligned); the rows past them are skipped, their results unspecified."""
+
+    padding_masks = True
 
     def __init__(self, deterministic: bool = True) -> None:
         self.deterministic_backward = bool(deterministic)
@@ -166,18 +175,18 @@ class Flash4Ops:
             return f"query heads ({q.shape[-2]}) must be a multiple of kv heads ({k.shape[-2]})"
         return _dim_reason(q.shape[-1], _device_arch(q.device))
 
-    def forward(self, q, k, v, *, causal: bool, scale: float,
-                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q, k, v, *, causal: bool, scale: float, out: torch.Tensor | None = None,
+                used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` as ``(B', h, M, D)`` and ``(B', h, M)``; ``out``: a view FA4 writes the result to."""
         fwd, _ = _api()
         res = _seq_major(out) if out is not None else _empty_seq_major(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         fwd(_seq_major(q), _seq_major(k), _seq_major(v), softmax_scale=scale, causal=causal, return_lse=True,
-            out=res, lse=lse)
+            out=res, lse=lse, seqused_q=used, seqused_k=used)
         return out if out is not None else _seq_major(res), lse  # (``out`` itself: the caller skips its copy)
 
     def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float,
-                 into: tuple[torch.Tensor, ...] | None = None):
+                 into: tuple[torch.Tensor, ...] | None = None, used: torch.Tensor | None = None):
         """``(dq, dk, dv)`` in the inputs' layout and dtype, written into ``into`` when given; ``lse4``:
         a packed ``(B', h, M, 1)`` fp32 copy (modified here)."""
         _, bwd = _api()
@@ -186,14 +195,15 @@ class Flash4Ops:
         grads = tuple(_seq_major(g) for g in into) if into is not None else tuple(
             _empty_seq_major(x) for x in (q, k, v))
         bwd(*(_seq_major(x) for x in (q, k, v, out, dout)), lse, softmax_scale=scale, causal=causal,
-            deterministic=self.deterministic_backward, dq=grads[0], dk=grads[1], dv=grads[2])
+            deterministic=self.deterministic_backward, dq=grads[0], dk=grads[1], dv=grads[2], seqused_q=used,
+            seqused_k=used)
         return into if into is not None else tuple(_seq_major(g) for g in grads)  # (``into``: no copy after)
 
 
 class Flash4Kernel(CudnnKernel):
     """``PatternKernel`` on flash-attn-4: the cuDNN kernel's zero-copy view logic on ``Flash4Ops``."""
 
-    key_masks = False  # masked work runs on the fused kernel (see the module doc)
+    key_masks = False  # other masked work runs on the fused kernel; padding masks are taken (see the module doc)
 
     def __init__(self, ops: Flash4Ops | None = None, *, causal_block: int = CAUSAL_BLOCK) -> None:
         """``causal_block``: causal squares longer than this many dilated rows are split (module doc); 0: never."""

@@ -39,6 +39,13 @@ drives it chunk by chunk on strided views. A kernel that changes another one
   *full* layout of the key block, ``True`` = excluded: the local length for ``packed=False``,
   ``L`` (the sender's rows) for ``packed=True``; key row ``j`` of segment ``s`` read with
   offset ``o`` is position ``s * w + o + r * j`` either way.
+* A *padding mask* is a ``key_mask`` of one form, on local patterns (``packed=False``): in each
+  batch row, the excluded keys are the rows from some position on, and those rows are padding
+  whose results the caller discards (packed documents and segment padding, which the library
+  makes itself: ``functional.py``). Every dilated view of such a mask keeps a prefix of its keys,
+  so a kernel can take it as per-view lengths. A kernel with ``key_masks = False`` may set
+  ``padding_masks = True`` (optional, read as ``key_masks`` where absent) to take padding masks
+  only; it may leave the padding rows' results (out, lse, gradients) unspecified.
 * backward takes the final merged ``out``/``lse``/``dout`` in full layout
   (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``dq``
   (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``), or (``backward_pattern_parts``,
@@ -142,6 +149,12 @@ class PatternKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This local pattern's ``(dq, dk, dv)`` in compact layout ``(B, L // r, heads, D)`` (kv heads for dk/dv),
         in the inputs' dtype; called only where ``parts("bwd", ...)`` said yes (others raise ``ValueError``)."""
+
+
+def takes_masks(kernel, padding_only: bool) -> bool:
+    """Whether ``kernel`` takes a call's key masks: any (``key_masks``), or padding masks only
+    (``padding_masks``, module doc) where the call's masks are all padding."""
+    return kernel.key_masks or (padding_only and getattr(kernel, "padding_masks", False))
 
 
 # What a PatternKernel has (named in select_kernel's error for an object that implements only part of it)

@@ -9,7 +9,7 @@ A kernel that changes another one states only what it changes:
   around each call (the guard, the runtime audit);
 * or the methods themselves, where each needs its own handling (debug mode's checks, ``ChunkLoop``).
 
-``name``, ``key_masks`` and ``deterministic_backward`` are ``inner``'s unless set otherwise.
+``name``, ``key_masks``, ``padding_masks`` and ``deterministic_backward`` are ``inner``'s unless set otherwise.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class KernelWrapper:
         self.inner = inner
         self.name = inner.name
         self.key_masks = inner.key_masks
+        self.padding_masks = getattr(inner, "padding_masks", inner.key_masks)
         self.deterministic_backward = inner.deterministic_backward
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:

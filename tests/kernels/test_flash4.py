@@ -100,46 +100,86 @@ class FakeFA4:
                                storages=tuple(x.untyped_storage().data_ptr() for x in (q, k, v)),
                                written=tuple(x.untyped_storage().data_ptr() for x in outputs), **kw))
 
-    def fwd(self, q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, softmax_scale=None, causal=False,
-            window_size_left=None, window_size_right=None, pack_gqa=None, return_lse=False, out=None, lse=None):
+    @staticmethod
+    def _check_used(seqused_q, seqused_k, q):
+        """The wrapper passes the same lengths for queries and keys (a causal square stays aligned): ``(B',)``
+        int32 on q's device, each in ``[1, M]``."""
+        assert (seqused_q is None) == (seqused_k is None) and (seqused_q is None or seqused_q is seqused_k)
+        if seqused_q is None:
+            return None
+        assert seqused_q.shape == (q.shape[0],) and seqused_q.dtype == torch.int32 and seqused_q.device == q.device
+        used = seqused_q.tolist()
+        assert all(1 <= u <= q.shape[1] for u in used), used
+        return used
+
+    def fwd(self, q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+            softmax_scale=None, causal=False, window_size_left=None, window_size_right=None, pack_gqa=None,
+            return_lse=False, out=None, lse=None):
         self._check_inputs(q, k, v)
+        used = self._check_used(seqused_q, seqused_k, q)
         b, m, h, d = q.shape
         assert k.shape[0] == b and k.shape[3] == d and h % k.shape[2] == 0 and v.shape == k.shape
         assert softmax_scale is not None, "the wrapper passes its scale"
         assert out is not None and lse is not None, "the wrapper allocates out and lse"
         assert out.shape == q.shape and out.dtype == q.dtype and _fa4_writable(out), (out.shape, out.stride())
         assert lse.shape == (b, h, m) and lse.dtype == torch.float32 and lse.stride(-1) == 1, (lse.shape, lse.stride())
-        self._record("fwd", q, k, v, (out,), causal=causal)
-        s, g = self._scores(q, k, causal, softmax_scale)
-        l64 = torch.logsumexp(s, -1)
-        p = torch.exp(s - torch.where(torch.isneginf(l64), 0.0, l64)[..., None])
-        out.copy_(torch.einsum("bhmn,bnhd->bmhd", p, v.double().repeat_interleave(g, 2)))
-        lse.copy_(l64)
+        self._record("fwd", q, k, v, (out,), causal=causal, used=used)
+
+        def attend(q, k, v):
+            s, g = self._scores(q, k, causal, softmax_scale)
+            l64 = torch.logsumexp(s, -1)
+            p = torch.exp(s - torch.where(torch.isneginf(l64), 0.0, l64)[..., None])
+            return torch.einsum("bhmn,bnhd->bmhd", p, v.double().repeat_interleave(g, 2)), l64
+
+        if used is None:
+            o64, l64 = attend(q, k, v)
+            out.copy_(o64)
+            lse.copy_(l64)
+        else:  # FA4 leaves the rows past ``used`` unwritten: NaN here, so a wrapper that reads them fails
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            for b, u in enumerate(used):
+                out[b:b + 1, :u], lse[b:b + 1, :, :u] = attend(q[b:b + 1, :u], k[b:b + 1, :u], v[b:b + 1, :u])
         return out, lse, None, None, None
 
     def bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
-            window_size_left=None, window_size_right=None, deterministic=False, dq=None, dk=None, dv=None):
+            window_size_left=None, window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+            seqused_k=None, deterministic=False, dq=None, dk=None, dv=None):
         self._check_inputs(q, k, v, out, dout)
+        used = self._check_used(seqused_q, seqused_k, q)
         assert deterministic is self.deterministic, f"the wrapper asks for deterministic={self.deterministic}"
         b, m, h, d = q.shape
         assert out.shape == dout.shape == q.shape and out.dtype == dout.dtype == q.dtype
         assert lse.shape == (b, h, m) and lse.dtype == torch.float32 and lse.is_contiguous(), (lse.shape, lse.stride())
         for x, like in ((dq, q), (dk, k), (dv, v)):
             assert x is not None and x.shape == like.shape and x.dtype == like.dtype and _fa4_writable(x), x.stride()
-        self._record("bwd", q, k, v, (dq, dk, dv), causal=causal)
-        s, g = self._scores(q, k, causal, softmax_scale)
-        lse_read = torch.where(torch.isneginf(lse), 0.0, lse.double())  # what FA4's preprocess does
-        p = torch.exp(s - lse_read[..., None])
-        do = dout.double()
-        ve, ke = v.double().repeat_interleave(g, 2), k.double().repeat_interleave(g, 2)
-        dvh = torch.einsum("bhmn,bmhd->bnhd", p, do)
-        dp = torch.einsum("bmhd,bnhd->bhmn", do, ve)
-        ds = p * (dp - (do * out.double()).sum(-1).transpose(1, 2)[..., None]) * softmax_scale
-        dq.copy_(torch.einsum("bhmn,bnhd->bmhd", ds, ke))
-        dkh = torch.einsum("bhmn,bmhd->bnhd", ds, q.double())
-        hk = k.shape[2]
-        dk.copy_(dkh.unflatten(2, (hk, g)).sum(3))
-        dv.copy_(dvh.unflatten(2, (hk, g)).sum(3))
+        self._record("bwd", q, k, v, (dq, dk, dv), causal=causal, used=used)
+
+        def grads(q, k, v, out, dout, lse):
+            s, g = self._scores(q, k, causal, softmax_scale)
+            lse_read = torch.where(torch.isneginf(lse), 0.0, lse.double())  # what FA4's preprocess does
+            p = torch.exp(s - lse_read[..., None])
+            do = dout.double()
+            ve, ke = v.double().repeat_interleave(g, 2), k.double().repeat_interleave(g, 2)
+            dvh = torch.einsum("bhmn,bmhd->bnhd", p, do)
+            dp = torch.einsum("bmhd,bnhd->bhmn", do, ve)
+            ds = p * (dp - (do * out.double()).sum(-1).transpose(1, 2)[..., None]) * softmax_scale
+            dkh = torch.einsum("bhmn,bmhd->bnhd", ds, q.double())
+            hk = k.shape[2]
+            return (torch.einsum("bhmn,bnhd->bmhd", ds, ke), dkh.unflatten(2, (hk, g)).sum(3),
+                    dvh.unflatten(2, (hk, g)).sum(3))
+
+        if used is None:
+            for t, x in zip((dq, dk, dv), grads(q, k, v, out, dout, lse)):
+                t.copy_(x)
+            return dq, dk, dv
+        for t in (dq, dk, dv):  # rows past ``used``: unwritten (NaN here)
+            t.fill_(float("nan"))
+        for b, u in enumerate(used):
+            rows = slice(b, b + 1), slice(0, u)
+            for t, x in zip((dq, dk, dv), grads(q[rows], k[rows], v[rows], out[rows], dout[rows],
+                                                 lse[b:b + 1, :, :u])):
+                t[rows] = x
         return dq, dk, dv
 
 
@@ -246,15 +286,16 @@ def test_head_dim_rule_per_architecture():
     assert flash4._dim_reason(40, 9) is None and flash4._dim_reason(44, 9) is not None
 
 
-def test_supports_accepts_half_precision_gqa_and_refuses_key_masks(fake):
+def test_supports_accepts_half_precision_gqa_and_padding_masks_only(fake):
     for dtype in LOW:
         q = torch.randn(1, 64, 8, 64, device=DEVICE, dtype=dtype)
         assert Flash4Kernel().supports(q, q[:, :, :2]) is None
     kern = select_kernel("flash4", q, q[:, :, :2])
-    assert isinstance(kern, Flash4Kernel) and kern.deterministic_backward and not kern.key_masks
-    with pytest.raises(ValueError, match="kernel='flash4' cannot run.*takes no key mask"):
+    assert isinstance(kern, Flash4Kernel) and kern.deterministic_backward and not kern.key_masks and kern.padding_masks
+    assert select_kernel("flash4", q, q[:, :, :2], masked=True, padding_only=True) is kern
+    with pytest.raises(ValueError, match="kernel='flash4' cannot run.*takes no key_padding_mask.*'fused'"):
         select_kernel("flash4", q, q[:, :, :2], masked=True)
-    assert select_kernel("auto", q, q, masked=True).key_masks  # masked work runs on a kernel that takes masks
+    assert select_kernel("auto", q, q, masked=True).key_masks  # a key_padding_mask runs on a kernel that takes masks
 
 
 # ---------------------------------------------------------------------------
@@ -415,6 +456,70 @@ def test_public_api_matches_oracle(fake, case, dtype, kernel):
                              f"{name} {dtype} (seed {seed})", kernel=kernel, causal=causal)
     if not REAL:
         assert {c["kind"] for c in fake.calls} == {"fwd", "bwd"}
+
+
+DOC_CASES = [
+    # name, document lengths as fractions of n (None: one sequence of n - 24 rows, padded internally), heads,
+    # kv heads, causal, layout
+    ("documents", (0.3, 0.0, 0.45, 0.25), 8, 4, False, "contiguous"),
+    ("documents-causal-gqa", (0.3, 0.45, 0.25), 8, 2, True, "transposed"),
+    ("documents-causal-one-short", (0.2, 0.8), 4, 4, True, "contiguous"),
+    ("padded-causal", None, 8, 8, True, "head_slice"),
+    ("padded", None, 4, 2, False, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("case", DOC_CASES, ids=lambda c: c[0])
+def test_documents_and_internal_padding_match_oracle(fake, case):
+    """Packed documents (``cu_seqlens``) and internal padding run on FA4 with per-call lengths (``seqused_q`` =
+    ``seqused_k``): out, dq, dk, dv against the fp64 oracle by the tolerance rule. FA4 leaves the padding rows
+    unwritten (the stand-in fills them with NaN): nothing of them may reach the result."""
+    name, fractions, heads, kv_heads, causal, layout = case
+    n, dim = (1024, 128) if REAL else (64, 16)
+    seed = seeded("flash4-docs", case)
+    options: dict = dict(causal=causal)
+    rows = n - 24 if fractions is None else n
+    if fractions is not None:
+        lengths = [round(f * n) for f in fractions[:-1]]
+        offsets = [0, *torch.tensor([*lengths, n - sum(lengths)]).cumsum(0).tolist()]
+        options["cu_seqlens"] = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randn(1, rows, hh, dim, generator=g, dtype=torch.float64).to(DEVICE) for hh in (heads, kv_heads, kv_heads)]
+    dout = torch.randn(1, rows, heads, dim, generator=g, dtype=torch.float64).to(DEVICE)
+    check_api_against_oracle(base, dout, [n // 4, n // 2, n], [1, 2, 4], torch.bfloat16, layout,
+                             f"{name} (seed {seed})", kernel="flash4", **options)
+    if not REAL:  # the padded calls went to FA4 with lengths, forward and backward
+        assert {c["kind"] for c in fake.calls if c["used"] is not None} == {"fwd", "bwd"}
+
+
+def test_key_padding_mask_is_refused_and_auto_keeps_masks_on_a_kernel_taking_any(fake):
+    """``kernel="flash4"`` with a ``key_padding_mask`` raises, naming the argument and the kernels that take it;
+    ``auto`` runs every masked call, padding too, on a kernel that takes any mask (measured faster than flash4
+    through the API: ``bench_masks.py``)."""
+    q = torch.randn(1, 64, 4, 16, device=DEVICE, dtype=torch.bfloat16)
+    mask = torch.zeros(1, 64, dtype=torch.bool, device=DEVICE)
+    mask[:, 50:] = True
+    with pytest.raises(ValueError, match="kernel='flash4' cannot run.*key_padding_mask.*'fused'"):
+        dilated_attention(q, q, q, [16, 64], [1, 2], kernel="flash4", key_padding_mask=mask)
+    assert select_kernel("auto", q, q, masked=True).key_masks
+    assert select_kernel("auto", q, q, masked=True, padding_only=True).key_masks
+    with pytest.raises(ValueError, match="local patterns only"):
+        plan = plans_for("longnet", 4, 4, 64, 64, [16, 64], [1, 2])[1]  # one segment of 64 rows, r = 2
+        Flash4Kernel().forward_pattern(q, q[:, :32], q[:, :32], plan, packed=True, causal=False, scale=0.25,
+                                       key_mask=mask)
+
+
+def test_cudnn_ops_take_no_mask():
+    """The same view logic on ops without lengths (cuDNN's) refuses a key mask by name, before any launch."""
+    from dilated_attention.kernels.cudnn import CudnnKernel
+
+    kern = CudnnKernel()
+    assert not kern.padding_masks and not kern.key_masks
+    q = torch.randn(1, 64, 4, 16, dtype=torch.bfloat16)
+    plan = plans_for("longnet", 4, 4, 64, 64, [16, 64], [1, 2])[0]
+    with pytest.raises(ValueError, match="takes no key mask.*'fused'"):
+        kern._check_mask(torch.zeros(1, 64, dtype=torch.bool), q, False)
+    assert kern._check_mask(None, q, False) is None and plan.dilation == 1
 
 
 # ---------------------------------------------------------------------------
