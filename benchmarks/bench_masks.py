@@ -77,6 +77,19 @@ def fwd_bwd(q, k, v, dout, segs, rates, **kw):
     return run
 
 
+def installed_versions() -> dict[str, str | None]:
+    """The optional kernel packages ``auto`` may use, with their versions (``None``: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("nvidia-cudnn-frontend", "flash-attn-4"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def doc_lengths(total: int, quantum: int, rng: random.Random) -> list[int]:
     """Random document lengths summing to ``total`` (multiples of ``quantum``, a few not)."""
     lengths, left = [], total
@@ -125,13 +138,14 @@ def main(argv=None) -> dict:
     for causal in (bool(int(c)) for c in args.causal.split(",")):
         mask = torch.rand(1, n, generator=gen, device=device) < 0.1
         per = n // args.docs
-        equal = torch.arange(0, n + 1, per, dtype=torch.int32, device=device)
+        # offsets on the host, as the Hugging Face integration passes them: on the GPU, reading them syncs
+        equal = torch.arange(0, n + 1, per, dtype=torch.int32)
         batch = [x.reshape(args.docs, per, h, d) for x in (q, k, v, dout)]
         lengths = doc_lengths(n, segs[0], rng)
         offsets = [0]
         for length in lengths:
             offsets.append(offsets[-1] + length)
-        cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+        cu = torch.tensor(offsets, dtype=torch.int32)
         for kernel in kernels:  # the same inputs and documents for each kernel
             kw = dict(causal=causal, kernel=kernel)
             plain = t(fwd_bwd(q, k, v, dout, segs, rates, **kw))
@@ -148,7 +162,7 @@ def main(argv=None) -> dict:
     meta = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."), "tokens": n,
             "heads": h, "dim": d, "segment_lengths": segs, "dilation_rates": rates, "kernels": kernels,
-            "command": "python " + " ".join(sys.argv), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "packages": installed_versions(), "command": "python " + " ".join(sys.argv), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     result = {"meta": meta, "records": records}
     os.makedirs(args.out, exist_ok=True)
     slug = "smoke" if args.smoke else gpu_tag(meta["gpu"])

@@ -233,11 +233,17 @@ def _unrows(parts: list[torch.Tensor], batches: tuple[_Batch, ...], n: int, bsz:
     return torch.cat([pieces[a] for a in sorted(pieces)], dim=1)
 
 
+def _pads(batch: _Batch, n: int) -> bool:
+    """Whether ``batch`` runs with padding rows (so with a padding mask): all but an unpadded sequence of ``n``
+    rows and whole documents without padding, which separate batch rows keep apart."""
+    return not (batch.length == n if batch.spans is None else _back_to_back(batch))
+
+
 def _run_mask(key_mask: torch.Tensor | None, batch: _Batch, q: torch.Tensor) -> torch.Tensor | None:
     if batch.spans is None and batch.length == q.shape[1]:
         return key_mask
-    if key_mask is None and batch.spans is not None and _back_to_back(batch):
-        return None  # whole documents without padding: separate batch rows keep them apart
+    if key_mask is None and not _pads(batch, q.shape[1]):
+        return None
     mask = key_mask if key_mask is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
     return _rows(mask, batch, True)  # pad keys are masked
 
@@ -478,8 +484,7 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
                 raise ValueError(reason)
     chosen, ranges = None, ()
     if not shapes_only:
-        masked = key_mask is not None or (batches is not None and (
-            batches[0].spans is not None or batches[0].length != local * world))
+        masked = key_mask is not None or (batches is not None and any(_pads(b, local * world) for b in batches))
         chosen = select_kernel(kernel, q, k, masked, padding_only=key_mask is None)  # (else only padding: ``_rows``)
         meta = {}
         if hooks.active():  # none by default (debug mode, the runtime audit): one module-global check

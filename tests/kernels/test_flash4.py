@@ -466,14 +466,17 @@ DOC_CASES = [
     ("documents-causal-one-short", (0.2, 0.8), 4, 4, True, "contiguous"),
     ("padded-causal", None, 8, 8, True, "head_slice"),
     ("padded", None, 4, 2, False, "contiguous"),
+    ("whole-documents-causal", (0.25, 0.25, 0.25, 0.25), 8, 4, True, "contiguous"),  # no padding: no mask
 ]
 
 
+@pytest.mark.parametrize("kernel", ["flash4", "auto"])
 @pytest.mark.parametrize("case", DOC_CASES, ids=lambda c: c[0])
-def test_documents_and_internal_padding_match_oracle(fake, case):
+def test_documents_and_internal_padding_match_oracle(fake, case, kernel):
     """Packed documents (``cu_seqlens``) and internal padding run on FA4 with per-call lengths (``seqused_q`` =
     ``seqused_k``): out, dq, dk, dv against the fp64 oracle by the tolerance rule. FA4 leaves the padding rows
-    unwritten (the stand-in fills them with NaN): nothing of them may reach the result."""
+    unwritten (the stand-in fills them with NaN): nothing of them may reach the result. ``auto`` runs the
+    same calls on its own choices (whole documents: its unmasked ones)."""
     name, fractions, heads, kv_heads, causal, layout = case
     n, dim = (1024, 128) if REAL else (64, 16)
     seed = seeded("flash4-docs", case)
@@ -487,9 +490,10 @@ def test_documents_and_internal_padding_match_oracle(fake, case):
     base = [torch.randn(1, rows, hh, dim, generator=g, dtype=torch.float64).to(DEVICE) for hh in (heads, kv_heads, kv_heads)]
     dout = torch.randn(1, rows, heads, dim, generator=g, dtype=torch.float64).to(DEVICE)
     check_api_against_oracle(base, dout, [n // 4, n // 2, n], [1, 2, 4], torch.bfloat16, layout,
-                             f"{name} (seed {seed})", kernel="flash4", **options)
-    if not REAL:  # the padded calls went to FA4 with lengths, forward and backward
-        assert {c["kind"] for c in fake.calls if c["used"] is not None} == {"fwd", "bwd"}
+                             f"{name} {kernel} (seed {seed})", kernel=kernel, **options)
+    if not REAL and kernel == "flash4":  # the padded calls went to FA4 with lengths, forward and backward
+        padded = {c["kind"] for c in fake.calls if c["used"] is not None}
+        assert padded == (set() if name.startswith("whole") else {"fwd", "bwd"})
 
 
 def test_key_padding_mask_is_refused_and_auto_keeps_masks_on_a_kernel_taking_any(fake):
