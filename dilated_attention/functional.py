@@ -234,9 +234,9 @@ def _unrows(parts: list[torch.Tensor], batches: tuple[_Batch, ...], n: int, bsz:
 
 
 def _pads(batch: _Batch, n: int) -> bool:
-    """Whether ``batch`` runs with padding rows (so with a padding mask): all but an unpadded sequence of ``n``
-    rows and whole documents without padding, which separate batch rows keep apart."""
-    return not (batch.length == n if batch.spans is None else _back_to_back(batch))
+    """Whether ``batch`` runs with padding rows (so with a padding mask): a sequence of ``n`` rows padded, or a
+    document shorter than its batch rows (whole documents need no mask: separate batch rows keep them apart)."""
+    return batch.length != n if batch.spans is None else any(b - a != batch.length for a, b in batch.spans)
 
 
 def _run_mask(key_mask: torch.Tensor | None, batch: _Batch, q: torch.Tensor) -> torch.Tensor | None:

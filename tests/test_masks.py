@@ -303,13 +303,14 @@ def test_whole_documents_need_no_mask_so_any_kernel_runs_them():
     """Documents that fill their batch rows exactly run unmasked: a kernel without key masks (``sdpa``) takes them,
     matching the oracle, and ``auto`` keeps its unmasked choice; documents that need padding still ask for a
     kernel that takes masks."""
-    q, k, v, dout, _ = _inputs(11, 1, 48, 2, 2, 8, dtype=torch.float32)
-    kw = dict(cu_seqlens=_docs(16, 16, 16), causal=True)
-    got = _fwd_bwd(dilated_attention, q, k, v, dout, [8, 16], [1, 2], kernel="sdpa", **kw)
-    want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, [8, 16], [1, 2], **kw)
-    _assert_same(got, want, tol=1e-5)
+    q, k, v, dout, _ = _inputs(11, 1, 64, 2, 2, 8, dtype=torch.float32)
+    for lengths in ((16, 16, 32), (16, 32, 16)):  # equal documents side by side (a view) or apart (copied)
+        kw = dict(cu_seqlens=_docs(*lengths), causal=True)
+        got = _fwd_bwd(dilated_attention, q, k, v, dout, [8, 16], [1, 2], kernel="sdpa", **kw)
+        want = _fwd_bwd(dense_dilated_attention, q, k, v, dout, [8, 16], [1, 2], **kw)
+        _assert_same(got, want, tol=1e-5)
     with pytest.raises(ValueError, match="kernel='sdpa'.*key mask"):
-        dilated_attention(q, k, v, [8, 16], [1, 2], kernel="sdpa", cu_seqlens=_docs(16, 12, 20))
+        dilated_attention(q, k, v, [8, 16], [1, 2], kernel="sdpa", cu_seqlens=_docs(16, 12, 36))
 
 
 def test_debug_mode_records_masks_and_documents_for_the_repro():

@@ -467,6 +467,7 @@ DOC_CASES = [
     ("padded-causal", None, 8, 8, True, "head_slice"),
     ("padded", None, 4, 2, False, "contiguous"),
     ("whole-documents-causal", (0.25, 0.25, 0.25, 0.25), 8, 4, True, "contiguous"),  # no padding: no mask
+    ("whole-documents-apart", (0.25, 0.5, 0.25), 4, 2, False, "transposed"),  # equal ones apart: copied, no mask
 ]
 
 
