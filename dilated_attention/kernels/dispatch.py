@@ -12,7 +12,7 @@ that would fail at launch never reaches the GPU. Naming a kernel forces it and
 raises ``ValueError`` with the reason when it cannot run. Masked calls (``key_padding_mask``,
 ``cu_seqlens``, internal padding) need a kernel with ``key_masks``: fused or reference; calls whose
 masks are all the library's own padding (``cu_seqlens``, internal padding: ``protocol.py``'s padding
-masks) also run on ``kernel="flash4"`` (``auto`` keeps them fused: measured faster).
+masks) also run on ``kernel="flash4"`` (``auto`` keeps them fused: measured as fast).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
 
 
 def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:
-    """Masked calls run fused, padding masks too: flash-attn-4 takes those, but through the API it measured
-    slower than fused on packed documents (``benchmarks/bench_masks.py --kernel auto,flash4,fused``)."""
+    """Masked calls run fused, padding masks too: flash-attn-4 takes those, but through the API it measured no
+    faster than fused on packed documents (``benchmarks/bench_masks.py --kernel auto,flash4,fused``)."""
     if q.device.type == "cuda":
         fused = _make("fused")
         reason = fused.supports(q, k)

@@ -499,7 +499,7 @@ def test_documents_and_internal_padding_match_oracle(fake, case, kernel):
 
 def test_key_padding_mask_is_refused_and_auto_keeps_masks_on_a_kernel_taking_any(fake):
     """``kernel="flash4"`` with a ``key_padding_mask`` raises, naming the argument and the kernels that take it;
-    ``auto`` runs every masked call, padding too, on a kernel that takes any mask (measured faster than flash4
+    ``auto`` runs every masked call, padding too, on a kernel that takes any mask (measured as fast as flash4
     through the API: ``bench_masks.py``)."""
     q = torch.randn(1, 64, 4, 16, device=DEVICE, dtype=torch.bfloat16)
     mask = torch.zeros(1, 64, dtype=torch.bool, device=DEVICE)
