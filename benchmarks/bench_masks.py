@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_kernel import timed  # noqa: E402  (median of CUDA-event timings, one definition)
-from gpu_tag import gpu_tag  # noqa: E402
+from gpu_tag import gpu_tag, package_versions  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 
@@ -75,19 +75,6 @@ def fwd_bwd(q, k, v, dout, segs, rates, **kw):
         out = dilated_attention(qs, ks, vs, segs, rates, **kw)
         torch.autograd.grad(out, (qs, ks, vs), dout)
     return run
-
-
-def installed_versions() -> dict[str, str | None]:
-    """The optional kernel packages ``auto`` may use, with their versions (``None``: not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("nvidia-cudnn-frontend", "flash-attn-4"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 def doc_lengths(total: int, quantum: int, rng: random.Random) -> list[int]:
@@ -162,7 +149,7 @@ def main(argv=None) -> dict:
     meta = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."), "tokens": n,
             "heads": h, "dim": d, "segment_lengths": segs, "dilation_rates": rates, "kernels": kernels,
-            "packages": installed_versions(), "command": "python " + " ".join(sys.argv), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "packages": package_versions("nvidia-cudnn-frontend", "flash-attn-4"), "command": "python " + " ".join(sys.argv), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     result = {"meta": meta, "records": records}
     os.makedirs(args.out, exist_ok=True)
     slug = "smoke" if args.smoke else gpu_tag(meta["gpu"])

@@ -59,7 +59,6 @@ import argparse
 import bisect
 import datetime
 import gc
-import importlib.metadata
 import inspect
 import json
 import os
@@ -73,7 +72,7 @@ from typing import Callable, NamedTuple
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_tag import gpu_tag  # noqa: E402
+from gpu_tag import gpu_tag, package_versions  # noqa: E402
 
 STRATEGIES = ("ring", "head", "hybrid")
 CONFIGS = ("longnet", "full")
@@ -914,13 +913,10 @@ def versions(torch, cuda: bool) -> dict:
     if cuda:
         out["cuda"] = torch.version.cuda
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    for name, dist_name in (("triton", "triton"), ("deepspeed", "deepspeed"), ("fairscale", "fairscale"),
-                            ("flash_attn", "flash-attn"), ("ring_flash_attn", "ring-flash-attn")):
-        try:
-            out[name] = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    names = {"triton": "triton", "deepspeed": "deepspeed", "fairscale": "fairscale", "flash_attn": "flash-attn",
+             "ring_flash_attn": "ring-flash-attn"}
+    found = package_versions(*names.values())
+    return {**out, **{name: found[dist] for name, dist in names.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

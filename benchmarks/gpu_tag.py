@@ -1,7 +1,8 @@
 """The GPU model in result file names: 'NVIDIA H200' -> h200, 'NVIDIA H100 80GB HBM3' -> h100.
 
 The benchmarks name their results ``<benchmark>_<tag>[_x<GPUs>].<ext>`` with this tag, so one
-model's reruns replace its files (memory size and packaging variants share a tag).
+model's reruns replace its files (memory size and packaging variants share a tag). Their metadata
+records the installed packages the same way too (``package_versions``).
 
     python benchmarks/gpu_tag.py                          # the tag of this machine's GPU 0
     python benchmarks/gpu_tag.py "NVIDIA H100 80GB HBM3"  # h100
@@ -10,6 +11,7 @@ model's reruns replace its files (memory size and packaging variants share a tag
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import re
 import sys
 
@@ -26,6 +28,17 @@ def gpu_tag(name: str) -> str:
         if any(c.isdigit() for c in word):
             return "_".join(words[:i + 1])
     return "_".join(words) or "gpu"
+
+
+def package_versions(*dists: str) -> dict[str, str | None]:
+    """``{distribution: installed version}`` for the named distributions, ``None`` for one not installed."""
+    found: dict[str, str | None] = {}
+    for dist in dists:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

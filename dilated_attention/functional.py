@@ -485,7 +485,8 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     chosen, ranges = None, ()
     if not shapes_only:
         masked = key_mask is not None or (batches is not None and any(_pads(b, local * world) for b in batches))
-        chosen = select_kernel(kernel, q, k, masked, padding_only=key_mask is None)  # (else only padding: ``_rows``)
+        # without a key_padding_mask, the only masks are the padding ``_run_mask`` adds
+        chosen = select_kernel(kernel, q, k, masked, padding_only=key_mask is None)
         meta = {}
         if hooks.active():  # none by default (debug mode, the runtime audit): one module-global check
             options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,

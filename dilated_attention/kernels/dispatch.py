@@ -25,7 +25,7 @@ from .. import caches
 from .auto import AutoKernel, available_choices, device_choices, nondeterministic_allowed, ranked
 from .chunk_loop import ChunkLoop
 from .flash4 import unavailable_reason as flash4_unavailable
-from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel, takes_masks
+from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel, takes_masks, takes_padding_masks
 from .registry import FLASH4_NAMES, KERNEL_NAMES, KERNELS, build_kernel
 
 _warned = caches.keys("dispatch.warned", 256)
@@ -60,7 +60,7 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
         )
     reason = chosen.supports(q, k)
     if reason is None and masked and not takes_masks(chosen, padding_only):
-        reason = ("it takes no key_padding_mask; use 'fused' or 'reference'" if getattr(chosen, "padding_masks", False)
+        reason = ("it takes no key_padding_mask; use 'fused' or 'reference'" if takes_padding_masks(chosen)
                   else "it takes no key mask (key_padding_mask, cu_seqlens or internal padding); use 'fused' or "
                        "'reference'")
     if reason is not None:

@@ -151,10 +151,15 @@ class PatternKernel(Protocol):
         in the inputs' dtype; called only where ``parts("bwd", ...)`` said yes (others raise ``ValueError``)."""
 
 
+def takes_padding_masks(kernel) -> bool:
+    """``kernel.padding_masks`` (module doc), read as ``key_masks`` where a kernel does not set it."""
+    return getattr(kernel, "padding_masks", kernel.key_masks)
+
+
 def takes_masks(kernel, padding_only: bool) -> bool:
     """Whether ``kernel`` takes a call's key masks: any (``key_masks``), or padding masks only
-    (``padding_masks``, module doc) where the call's masks are all padding."""
-    return kernel.key_masks or (padding_only and getattr(kernel, "padding_masks", False))
+    (``padding_masks``) where the call's masks are all padding."""
+    return kernel.key_masks or (padding_only and takes_padding_masks(kernel))
 
 
 # What a PatternKernel has (named in select_kernel's error for an object that implements only part of it)

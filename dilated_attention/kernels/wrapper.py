@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..patterns import PatternPlan
-from .protocol import DIRECTION, PatternKernel
+from .protocol import DIRECTION, PatternKernel, takes_padding_masks
 
 
 class KernelWrapper:
@@ -29,7 +29,7 @@ class KernelWrapper:
         self.inner = inner
         self.name = inner.name
         self.key_masks = inner.key_masks
-        self.padding_masks = getattr(inner, "padding_masks", inner.key_masks)
+        self.padding_masks = takes_padding_masks(inner)
         self.deterministic_backward = inner.deterministic_backward
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
