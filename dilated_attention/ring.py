@@ -26,10 +26,11 @@ home. With no backend (single device) every pattern is local: same code.
 Causal local patterns run on two side streams (``_SideStreams``: the tails of their small calls overlap),
 joined before the combine; each writes its own parts, so no bit depends on it.
 
-A kernel with a ``causal_block`` (flash-attn-4: its causal backward is slow on long squares, its non-causal
-one is not) gets a long causal square, local or a ring's own block, split (``_causal_split``): one causal
-call of all diagonal blocks folded into the batch dimension, then one non-causal call per halving level of
-each span's second half against its first, all merged into the running result (no compact parts).
+A kernel with a ``causal_block`` (flash-attn-4, cudnn-det: their causal backwards are slow on long squares,
+their non-causal ones are not) gets a long causal square (more than ``WHOLE_BLOCKS`` blocks), local or a ring's
+own block, split (``_causal_split``): one causal call of all diagonal blocks folded into the batch dimension,
+then one non-causal call per halving level of each span's second half against its first, all merged into the
+running result (no compact parts).
 
 Key masks (padding, packed documents) cover the whole sequence on every rank (a
 few bytes per token, gathered once per call): a step reads the slice of the
@@ -168,15 +169,24 @@ class _Piece:
     plan: PatternPlan
 
 
+# A causal square of at most this many blocks runs as one call: split, it costs more (more, smaller calls, and
+# fp32 merges in place of compact parts) than the slow long causal kernel it avoids. Measured on an H100, dense
+# causal forward+backward, split / whole: cudnn-det in blocks of 4096 rows 1.00x at 16384 rows, 0.96x at 32768,
+# 0.86x at 65536; flash4 in blocks of 8192 1.13x at 16384, 1.06x at 32768, 0.78x at 65536. LongNet's squares
+# (at most 8192 rows in its usual patterns) ran 1.3-1.7x slower split in blocks of 2048.
+WHOLE_BLOCKS = 4
+
+
 @caches.memoize("ring.causal_split", 1024)  # asked per causal pattern and call; a model has few configurations
 def _causal_split(plan: PatternPlan, block: int) -> tuple[_Piece, ...]:
     """A causal square of ``M = plan.local_segment / r`` rows (every segment of the plan) as kernel calls
     whose causal squares have at most ``block`` rows; ``()`` where it stays one call.
 
-    Why: flash-attn-4's deterministic causal backward is slow on long causal squares (full causal attention
-    over 65536 rows: 0.77-0.87x of cuDNN's), while its non-causal backward and small causal blocks are fast;
-    split, it measured 0.91-1.05x. Blocks have ``b = M / 2^j`` rows, the least ``j >= 1`` with ``b <= block``
-    (``()`` if ``M <= block``, ``block <= 0`` or ``2^j`` does not divide ``M``). Calls, all zero-copy views:
+    Why: flash-attn-4's and cuDNN's deterministic causal backwards are slow on long causal squares (full causal
+    attention over 65536 rows: FA4 0.77-0.87x of cuDNN's atomic one), while their non-causal backwards and small
+    causal blocks are fast; split, FA4 measured 0.91-1.05x. Only squares of more than ``WHOLE_BLOCKS`` blocks are
+    split (why: there). Blocks have ``b = M / 2^j`` rows, the least ``j >= 1`` with ``b <= block`` (``()`` if
+    ``M <= WHOLE_BLOCKS * block``, ``block <= 0`` or ``2^j`` does not divide ``M``). Calls, all zero-copy views:
 
     * the diagonal: every block of ``b`` rows, causal, in one call (blocks folded into the batch dimension;
       ``plan`` read on segments of ``b * r`` rows);
@@ -188,7 +198,7 @@ def _causal_split(plan: PatternPlan, block: int) -> tuple[_Piece, ...]:
     usual dilated view of a block, so what it reads in place it still reads in place.
     """
     m = plan.local_segment // plan.dilation
-    if block <= 0 or m <= block:
+    if block <= 0 or m <= WHOLE_BLOCKS * block:
         return ()
     levels = 1
     while m >> levels > block:

@@ -467,8 +467,9 @@ class CudnnKernel:
                  causal_block: int = 0) -> None:
         """``grads``: which gradients the backward adds (``CudnnDkdvKernel`` keeps dK/dV only).
         Name and determinism are the ops': ``"cudnn"`` on torch's ops, ``"cudnn-det"`` on the frontend's.
-        ``causal_block``: causal squares longer than this many dilated rows are split into small causal blocks
-        and non-causal rectangles by the strategy (``protocol.py``); 0 (the default here): never."""
+        ``causal_block``: causal squares of more than four times this many dilated rows are split into causal
+        blocks of at most this many and non-causal rectangles by the strategy (``protocol.py``); 0 (the default
+        here): never."""
         self.causal_block = check_causal_block(causal_block)
         self.ops = ops if ops is not None else CudnnOps()
         self.name = self.ops.name

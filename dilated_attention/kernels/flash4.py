@@ -25,7 +25,8 @@ compact by the shared view logic, explicitly (FA4 would copy it silently).
 * Long causal squares are split (``causal_block``, default ``CAUSAL_BLOCK`` dilated rows; ``protocol.py``,
   ``ring._causal_split``): FA4's deterministic causal backward is slow on long squares (full causal
   attention over 65536 rows: 0.77-0.87x of cuDNN's), its non-causal backward and small causal blocks are
-  not; one causal call of the diagonal blocks and non-causal rectangles measured 0.91-1.05x.
+  not; one causal call of the diagonal blocks and non-causal rectangles measured 0.91-1.05x. Squares of up
+  to four blocks (LongNet's) stay whole: there the split's extra calls cost more than they save.
 * Padding masks (``padding_masks = True``; ``protocol.py``: packed documents and segment padding, made by
   the library) are FA4's per-sequence lengths: each call's ``seqused_q = seqused_k`` is the count of kept
   keys in its view of the mask (the rows before the padding, as the mask's kept keys are a prefix of every
@@ -54,13 +55,13 @@ INSTALL = 'pip install ".[flash4]" (or "dilated-attention[flash4]")'
 _FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "return_lse", "out", "lse", "seqused_q", "seqused_k")
 _BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "deterministic", "dq", "dk", "dv",
              "seqused_q", "seqused_k")
-# Causal squares longer than this many dilated rows are split into causal blocks of at most this many rows
-# and non-causal rectangles (module doc). The default is set by measurement, not by guess:
-# ``benchmarks/bench_kernel.py --methods flash4 --causal-block 0,1024,2048,4096`` times the unsplit and each
-# split pipeline (LongNet and full attention) in one run; keep the fastest block. Full causal attention over
-# 65536 rows, forward+backward on an H100: 140.4 ms unsplit, 111.4 ms at 2048 (cuDNN SDPA 111.8; cudnn-det
-# 165.1 unsplit, 140.2 at 2048, so it splits at 2048 too).
-CAUSAL_BLOCK = 2048
+# Causal squares of more than ``ring.WHOLE_BLOCKS`` (4) times this many dilated rows are split into causal blocks
+# of at most this many rows and non-causal rectangles (module doc). Set by measurement (re-measure with
+# ``benchmarks/bench_kernel.py --methods flash4 --full-seq 65536 --causal-block 8192,0,2048``): full causal
+# attention through the API, forward+backward on an H100, alternated runs: 65536 rows 139.3 ms whole, 108.0 ms
+# in blocks of 8192 (2048: 109.8; 16384: 106.4, but four such blocks would stay whole); 32768 rows: whole is
+# fastest (27.4 ms; split 29.0-30.6).
+CAUSAL_BLOCK = 8192
 
 
 @caches.memoize("flash4.api", 1)  # imported once: FA4 pulls in the CUTLASS DSL (seconds)
@@ -206,7 +207,8 @@ class Flash4Kernel(CudnnKernel):
     key_masks = False  # other masked work runs on the fused kernel; padding masks are taken (see the module doc)
 
     def __init__(self, ops: Flash4Ops | None = None, *, causal_block: int = CAUSAL_BLOCK) -> None:
-        """``causal_block``: causal squares longer than this many dilated rows are split (module doc); 0: never."""
+        """``causal_block``: causal squares of more than four times this many dilated rows are split into blocks of
+        at most this many (module doc); 0: never."""
         super().__init__(ops if ops is not None else Flash4Ops(), causal_block=causal_block)
 
 

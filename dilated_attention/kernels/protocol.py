@@ -54,7 +54,8 @@ drives it chunk by chunk on strided views. A kernel that changes another one
   are combined in one pass at the end (``merge.combine_results``/``sum_grads``).
 * ``causal_block`` (optional, read as 0 where absent, so kernels written without it keep working): a
   kernel whose causal calls are slow on long squares sets it to ``b > 0``, and the strategy then splits a
-  causal square of more than ``b`` dilated rows into one causal call of its diagonal blocks and
+  causal square of more than ``ring.WHOLE_BLOCKS * b`` dilated rows into one causal call of its diagonal blocks
+  (at most ``b`` rows each) and
   non-causal calls of the rectangles below them (``ring._causal_split``), each an ordinary call on views.
   A wrapper without its own answers with its target's (``ring._split_block``).
 """

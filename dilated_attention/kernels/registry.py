@@ -11,8 +11,8 @@ from typing import Callable
 
 from .chunk_loop import ChunkLoop
 from .cudnn import CudnnDkdvKernel, CudnnKernel
-from .cudnn_frontend import CudnnFrontendOps
-from .flash4 import CAUSAL_BLOCK, Flash4Kernel, Flash4Ops
+from .cudnn_frontend import CAUSAL_BLOCK, CudnnFrontendOps
+from .flash4 import Flash4Kernel, Flash4Ops
 from .fused import FusedKernel
 from .protocol import PatternKernel
 from .reference import ReferenceKernel
@@ -23,7 +23,7 @@ FLASH4_NAMES = ("flash4", "flash4-nondet")  # the kernels that need flash-attn-4
 KERNELS: dict[str, Callable[[], PatternKernel]] = {
     "fused": FusedKernel,
     "cudnn": CudnnKernel,
-    "cudnn-det": lambda: CudnnKernel(CudnnFrontendOps(), causal_block=CAUSAL_BLOCK),  # (measured: flash4.py)
+    "cudnn-det": lambda: CudnnKernel(CudnnFrontendOps(), causal_block=CAUSAL_BLOCK),  # (measured: cudnn_frontend.py)
     "cudnn-dkdv": CudnnDkdvKernel,
     "flash4": Flash4Kernel,  # flash-attn-4, deterministic backward (pip install ".[flash4]")
     "flash4-nondet": lambda: Flash4Kernel(Flash4Ops(deterministic=False), causal_block=0),  # its default backward
