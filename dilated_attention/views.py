@@ -89,6 +89,39 @@ def region_views(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan, w
     return [(view, part)]
 
 
+def _even_steps(plan: PatternPlan) -> tuple[int, int, int] | None:
+    """``(offset, kv head, buffer head)`` steps from each chunk to the next if all three are constant and the
+    chunks have equal kv head counts (every LongNet plan), else ``None``."""
+    c0, chunks = plan.chunks[0], plan.chunks
+    if len(chunks) < 2:
+        return None
+    steps = (chunks[1].offset - c0.offset, chunks[1].k0 - c0.k0, chunks[1].buffer_head - c0.buffer_head)
+    even = all(c.k1 - c.k0 == c0.k1 - c0.k0 and (c.offset - c0.offset, c.k0 - c0.k0, c.buffer_head - c0.buffer_head)
+               == (i * steps[0], i * steps[1], i * steps[2]) for i, c in enumerate(chunks))
+    return steps if even else None
+
+
+def _packed_regions(x: torch.Tensor, half: torch.Tensor, plan: PatternPlan
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Matching ``(x's dilated kv rows, the packed buffer half's heads)`` view pairs covering a ring pattern's
+    chunks on a block of one segment chunk: one pair where the chunks step evenly (one copy per tensor instead
+    of one per chunk: the ring packs on every call), else one pair per chunk. ``as_strided`` from each tensor's
+    own strides and offset: the same addresses the per-chunk views read, for any layout."""
+    steps = _even_steps(plan)
+    if steps is None:
+        return [(chunk_views(x, plan, c, kv=True).squeeze(1), packed_view(half, c).squeeze(1)) for c in plan.chunks]
+    c0, count = plan.chunks[0], len(plan.chunks)
+    bsz, n, _, *rest = x.shape
+    shape = (bsz, n // plan.dilation, count, c0.k1 - c0.k0, *rest)
+    s_b, s_n, s_h, *s_rest = x.stride()
+    rows = x.as_strided(shape, (s_b, plan.dilation * s_n, steps[0] * s_n + steps[1] * s_h, s_h, *s_rest),
+                        x.storage_offset() + c0.offset * s_n + c0.k0 * s_h)
+    p_b, p_n, p_h, *p_rest = half.stride()
+    heads = half.as_strided(shape, (p_b, p_n, steps[2] * p_h, p_h, *p_rest),
+                            half.storage_offset() + c0.buffer_head * p_h)
+    return [(rows, heads)]
+
+
 def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
     """Copy the dilated K and V rows every chunk needs into one contiguous send buffer.
 
@@ -96,10 +129,9 @@ def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor
     """
     bsz, n, _, dim = k.shape
     buf = torch.empty((2, bsz, n // plan.dilation, plan.packed_heads, dim), dtype=k.dtype, device=k.device)
-    for c in plan.chunks:
-        dst = buf[:, :, :, c.buffer_head : c.buffer_head + c.k1 - c.k0]
-        dst[0].copy_(chunk_views(k, plan, c, kv=True).squeeze(1))
-        dst[1].copy_(chunk_views(v, plan, c, kv=True).squeeze(1))
+    for x, half in zip((k, v), buf):
+        for rows, heads in _packed_regions(x, half, plan):
+            heads.copy_(rows)
     return buf
 
 
@@ -110,9 +142,9 @@ def packed_view(half: torch.Tensor, chunk: HeadChunk) -> torch.Tensor:
 
 def unpack_add_(dk: torch.Tensor, dv: torch.Tensor, buf: torch.Tensor, plan: PatternPlan) -> None:
     """Add packed ring gradients ``buf`` (same layout as ``pack_kv``) into local ``dk``/``dv``."""
-    for c in plan.chunks:
-        chunk_views(dk, plan, c, kv=True).add_(packed_view(buf[0], c))
-        chunk_views(dv, plan, c, kv=True).add_(packed_view(buf[1], c))
+    for x, half in zip((dk, dv), buf):
+        for rows, heads in _packed_regions(x, half, plan):
+            rows.add_(heads)
 
 
 ALIGN_BYTES = 16  # what fused attention ops (cuDNN's TMA loads, flash's vector loads) assume of addresses and strides

@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from dilated_attention import views
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import LAYOUTS, as_layout
 from dilated_attention.views import chunk_views, dilated_view, pack_kv, unpack_add_
@@ -39,6 +41,37 @@ def test_pack_kv_is_contiguous_and_holds_each_pair_once():
             torch.testing.assert_close(buf[1, :, :, c.buffer_head : c.buffer_head + c.k1 - c.k0], v[:, c.offset :: 4, c.k0 : c.k1])
 
 
+@pytest.mark.parametrize("heads, kv_heads, rate, mode, even", [
+    (8, 8, 2, "longnet", True), (16, 16, 8, "longnet", True), (8, 4, 4, "longnet", True), (4, 4, 8, "longnet", True),
+    (8, 2, 4, "longnet", False), (6, 2, 4, "longnet", False), (5, 5, 4, "longnet", False), (7, 7, 2, "grouped", False),
+    (3, 3, 1, "longnet", False),
+])
+def test_pack_and_unpack_match_the_chunks_in_every_layout(heads, kv_heads, rate, mode, even):
+    """``pack_kv``/``unpack_add_`` against per-chunk copies, for plans whose chunks step evenly (one strided copy
+    per tensor) and those that do not, on every layout (transposed, head slices, expanded kv heads...)."""
+    segs, rates = ([64], [rate]) if mode == "longnet" else ([32, 64], [1, rate])
+    plan = plan_patterns(segs, rates, seq_len=64, local_len=32, num_heads=heads, num_kv_heads=kv_heads, mode=mode)[-1]
+    assert plan.ring_size == 2
+    assert (views._even_steps(plan) is not None) == even
+    for name, k in _layouts(2, 32, kv_heads, 8):
+        v = k * 3 - 1
+        buf = pack_kv(k, v, plan)
+        assert buf.shape == (2, 2, 32 // rate, plan.packed_heads, 8) and buf.is_contiguous(), name
+        grads = torch.randn(buf.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        dk, dv = (torch.randn(k.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                  for i in (2, 3))
+        want_dk, want_dv = dk.clone(), dv.clone()
+        for c in plan.chunks:
+            heads_of = slice(c.buffer_head, c.buffer_head + c.k1 - c.k0)
+            torch.testing.assert_close(buf[0, :, :, heads_of], k[:, c.offset::rate, c.k0:c.k1], rtol=0, atol=0)
+            torch.testing.assert_close(buf[1, :, :, heads_of], v[:, c.offset::rate, c.k0:c.k1], rtol=0, atol=0)
+            want_dk[:, c.offset::rate, c.k0:c.k1] += grads[0, :, :, heads_of]
+            want_dv[:, c.offset::rate, c.k0:c.k1] += grads[1, :, :, heads_of]
+        unpack_add_(dk, dv, grads, plan)
+        torch.testing.assert_close(dk, want_dk, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(dv, want_dv, rtol=0, atol=0, msg=name)
+
+
 def test_unpack_add_inverts_pack_positions():
     (plan,) = plan_patterns([32], [4], seq_len=64, local_len=16, num_heads=6, num_kv_heads=2)
     k = torch.randn(2, 16, 2, 4, dtype=torch.float64)
@@ -52,8 +85,6 @@ def test_unpack_add_inverts_pack_positions():
     torch.testing.assert_close(dv[covered], -k[covered])
     assert dk[~covered].eq(0).all()
 
-
-import pytest  # noqa: E402
 
 from dilated_attention.views import compact_view, region_views  # noqa: E402
 
