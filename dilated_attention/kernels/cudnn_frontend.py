@@ -36,9 +36,10 @@ from .cudnn import CudnnOps
 WORKSPACE_LIMIT = 2 << 30  # bytes per call that must split its keys; measured: 2 GiB costs 10% against an unsplit
 # full-attention call
 # bytes per call that splits only its batch (LongNet's segments and offset groups). Speed first: the same 2 GiB.
-# 512 MiB trades time for memory (H100, alternated runs, fwd+bwd through the API): LongNet 32768 peaks at 1.73x
-# instead of 3.01x its own q, k, v, out and gradients, for +0.6% time non-causal and +4.1% causal (65536: 1.71x
-# instead of 2.33x, +1.7% / +5.1%); full attention splits keys and is unchanged
+# Less trades time for memory (H100, alternated runs, fwd+bwd through the API, non-causal / causal): LongNet 32768
+# peaks at 2.28x its own q, k, v, out and gradients at 1 GiB (+0.5% / +2.5% time) and 1.83x at 512 MiB (+0.4% /
+# +7.4%) instead of 3.28x (65536: 1.83x at 1 GiB, +1.1% / +2.6%); a 2-GPU ring 2.83x at either for under 1%; full
+# attention splits keys and is unchanged
 BATCH_WORKSPACE_LIMIT = WORKSPACE_LIMIT
 # cudnn-det's ``causal_block`` (``ring._causal_split``): full causal attention through the API, forward+backward
 # on an H100, alternated runs, split / whole: 65536 rows 0.86x in blocks of 4096 (2048: 0.87x, 8192: 0.87x),
