@@ -51,10 +51,11 @@ def scratch_bytes(plans: Sequence[PatternPlan], leaves_part: Callable[[PatternPl
                   heads: int, kv_heads: int, dim: int, elem: int) -> int:
     """Estimated scratch of one batch row's backward (the larger pass) over ``rows`` rows.
 
-    ``leaves_part(plan)``: whether the kernel leaves that local pattern's gradients as compact parts; any
-    other pattern (a ring, or a kernel without parts) accumulates into fp32 tensors of the full shape."""
+    ``leaves_part(plan)``: whether that pattern's gradients are compact parts (a local pattern on a kernel
+    with parts, or a ring on compact rows: ``ring.leaves_part``); any other accumulates into fp32 tensors of the
+    full shape."""
     per_row = (heads + 2 * kv_heads) * dim  # dq, dk, dv elements of one row
-    merged = [p for p in plans if p.chunks and not (p.ring_size == 1 and leaves_part(p))]
+    merged = [p for p in plans if p.chunks and not leaves_part(p)]
     running = ACCUM_BYTES * rows * per_row if merged else 0
     parts = sum(elem * (rows // p.dilation) * per_row for p in plans if p.chunks and p not in merged)
     # a ring: its packed K/V block and the next one (input dtype), and fp32 dK/dV scratch, outgoing, incoming

@@ -339,7 +339,7 @@ def _launch_plan(shape, so, sp, sl, sq, fresh: bool, weighted: bool) -> tuple[tu
 
 @dataclass(frozen=True)
 class Part:
-    """One local pattern's result in compact layout (``kernels/protocol.py``): ``out`` ``(B, L // r, heads, D)`` in
+    """One pattern's result in compact layout (``kernels/protocol.py``): ``out`` ``(B, L // r, heads, D)`` in
     the inputs' dtype and, for attention results, its ``lse`` ``(B, L // r, heads)``; gradients have none.
     ``kv``: the heads are kv heads (dK/dV). The plan must give each (row, head) one slot
     (``PatternPlan.head_offsets`` is not ``None``)."""
@@ -417,9 +417,9 @@ def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> N
                              f"expected {(bsz, rows, heads, dim)} {like.dtype}")
         if weighted and (part.lse is None or tuple(part.lse.shape) != (bsz, rows, heads)):
             raise ValueError(f"pattern {part.plan.index}: a result part needs lse of shape {(bsz, rows, heads)}")
-        if not part.plan.leaves_parts("bwd" if part.kv else "fwd", heads) or n % part.plan.local_segment:
-            raise ValueError(f"pattern {part.plan.index} cannot leave a compact part: it must be local, tile "
-                             f"{n} rows and give each (row, head) one slot")
+        if part.plan.head_offsets(heads, kv=part.kv) is None or n % part.plan.local_segment:
+            raise ValueError(f"pattern {part.plan.index} cannot leave a compact part: it must tile {n} rows and "
+                             f"give each (row, head) one slot")
 
 
 TABLE_HEADS = 12 if tl is None else tl.constexpr(12)  # a combine TABLE row's first head offset

@@ -7,7 +7,8 @@ each rank packs its dilated K/V once, then ``G - 1`` steps pass the packed block
 the next rank; the receive for step ``t + 1`` is posted before step ``t`` is
 computed. Each step compares query chunks with key chunks by global chunk id
 (``_step_calls``): one kernel call per block, or per visible pair of half blocks. Ring steps
-merge into one running fp32 result (``forward_pattern_into``); local patterns do too,
+merge into an fp32 result (``forward_pattern_into``): a compact one of the pattern's rows (below),
+or the running result of the block; local patterns merge into the running result too,
 or, where the kernel says so (``PatternKernel.parts``), leave compact parts in the
 inputs' dtype that one pass combines at the end with the running result, if any,
 straight into the output dtype (``merge.combine_results``; in the backward
@@ -22,6 +23,13 @@ accumulators: each step computes its block's contribution into scratch while
 the accumulator for that block is still in flight, then waits, adds and sends
 it on, so both exchanges overlap compute. After ``G`` hops every accumulator is
 home. With no backend (single device) every pattern is local: same code.
+
+A dilated ring pattern (unmasked, each row and head in one chunk, its packed kv heads the kv heads in
+order: every LongNet pattern) runs on compact copies of its query-side rows (``_dense_view``): the rows
+each head reads, ``(B, L / r, H, D)``, the layout of the packed K/V blocks, so every step is dense
+attention and its result, dQ and the dK/dV accumulator that comes home are compact parts like a local
+pattern's. Nothing of full size in fp32: a ring pattern merged in place held fp32 results and
+gradients of the whole block (3 x its q's fp32 size in the backward) and filled them with zeros.
 
 Causal local patterns run on two side streams (``_SideStreams``: the tails of their small calls overlap),
 joined before the combine; each writes its own parts, so no bit depends on it.
@@ -44,7 +52,7 @@ and everything computed from them are untouched.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,7 +62,7 @@ from .kernels.protocol import PatternKernel, clear_result_
 from .kernels.wrapper import KernelWrapper
 from .merge import Part, accum_dtype, combine_results, sum_grads
 from .patterns import PatternPlan
-from .views import pack_kv, unpack_add_
+from .views import pack_kv, region_views, unpack_add_
 
 
 class Visibility(enum.Enum):
@@ -263,6 +271,46 @@ def _split_block(kernel, direction: str, plan: PatternPlan, q: torch.Tensor, k: 
         kernel = kernel.target(direction, plan, True, q, k, False)
 
 
+@caches.memoize("ring.dense_view", 256)  # asked per ring pattern and call; a model has few configurations
+def _dense_view(plan: PatternPlan) -> PatternPlan:
+    """``plan`` read on its compact rows (``(B, L / r, H, D)``: row ``j`` of head ``h`` is the block's row
+    ``j * r + offset(h)``): rate 1, every chunk at offset 0, segments ``1 / r`` as long."""
+    r = plan.dilation
+    runs: list[tuple[int, int, int]] = []
+    for _, h0, h1 in plan.head_runs:  # one offset now: adjacent runs join
+        if runs and runs[-1][2] == h0:
+            runs[-1] = (0, runs[-1][1], h1)
+        else:
+            runs.append((0, h0, h1))
+    return PatternPlan(plan.index, plan.segment // r, 1, plan.local_segment // r, plan.ring_size,
+                       tuple(replace(c, offset=0) for c in plan.chunks), tuple(runs))
+
+
+def _dense_ring(plan: PatternPlan, masked: bool, layout: RingLayout, q: torch.Tensor, k: torch.Tensor
+                ) -> PatternPlan | None:
+    """``_dense_view(plan)`` where a ring pattern can run on compact rows (module doc), else ``None``: rate
+    above 1, no key mask (its rows differ per head offset), each query and kv head in one chunk, the packed
+    heads the kv heads in order (so the dK/dV accumulator is the kv part), whole dilated rows per chunk."""
+    if plan.ring_size == 1 or plan.dilation == 1 or masked:
+        return None
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if plan.head_offsets(heads) is None or plan.head_offsets(kv_heads, kv=True) is None:
+        return None
+    if plan.packed_heads != kv_heads or any(c.buffer_head != c.k0 for c in plan.chunks):
+        return None
+    if q.shape[1] % (plan.dilation * (2 if layout.zigzag else 1)):
+        return None
+    return _dense_view(plan)
+
+
+def _compact(x: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
+    """A new compact ``(B, L / r, H, ...)`` copy of the rows and heads ``plan`` reads of ``x``."""
+    out = x.new_empty((x.shape[0], x.shape[1] // plan.dilation, *x.shape[2:]))
+    for rows, part in region_views(x, out, plan):
+        part.copy_(rows)
+    return out
+
+
 def _ring_blocks(k, v, plan, comm, layout, call, direction):
     """Yield ``(step, packed K/V block, sequence block it came from)`` round the ring; the next block's
     exchange is in flight while the caller computes on this one."""
@@ -283,11 +331,13 @@ def _ring_blocks(k, v, plan, comm, layout, call, direction):
             block, spare = spare, block
 
 
-def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale, split, out, lse):
-    """``split``: the causal block a causal call is split into (``_causal_split``; 0: none)."""
+def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, scale, split, out, lse, view=None):
+    """``split``: the causal block a causal call is split into (``_causal_split``; 0: none). ``view``: the plan
+    the queries are read with (``_dense_view`` on compact ``q``/``out``/``lse``; default ``plan``); K/V blocks
+    are packed by ``plan``."""
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
     for _, block, src in _ring_blocks(k, v, plan, comm, layout, call, "forward"):
-        for c in _step_calls(plan, layout, own, src, blocks, q.shape[1], causal):
+        for c in _step_calls(view or plan, layout, own, src, blocks, q.shape[1], causal):
             pieces = _causal_split(c.plan, split) if c.causal else ()
             if pieces:
                 _split_forward(kernel, pieces, q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys],
@@ -298,8 +348,10 @@ def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, s
                                         **_call_mask(key_mask, c))
 
 
-def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, split,
-                   dq, dk, dv):
+def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, split, dq,
+                   view=None) -> torch.Tensor:
+    """Adds this block's queries' dQ into ``dq``; returns the fp32 dK/dV accumulator of this rank's own packed
+    block, home after the ring (``pack_kv``'s layout). ``view``: as ``_ring_forward``'s."""
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
     members = layout.members(comm.rank, plan.ring_size, blocks)
     size = len(members)
@@ -307,7 +359,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     scratch = outgoing = incoming = grads_pending = None
     stamp = comm.stamp(call, "backward")
     for step, block, src in _ring_blocks(k, v, plan, comm, layout, call, "backward"):
-        calls = _step_calls(plan, layout, own, src, blocks, q.shape[1], causal)
+        calls = _step_calls(view or plan, layout, own, src, blocks, q.shape[1], causal)
         if scratch is None:
             scratch, outgoing, incoming = (torch.empty(block.shape, dtype=accum_dtype(block.dtype),
                                                        device=block.device) for _ in range(3))
@@ -337,10 +389,9 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                                            _what(call, "backward", plan, step, size, "dK/dV accumulator"),
                                            stamp=stamp)
     if size == 1:  # a ring of one rank (zigzag: the middle segment held whole): nothing travelled
-        unpack_add_(dk, dv, outgoing, plan)
-        return
+        return outgoing
     grads_pending.wait()  # after size hops the accumulator of our own block is home
-    unpack_add_(dk, dv, incoming, plan)
+    return incoming
 
 
 CAUSAL_PART_STREAMS = 2  # side streams for causal local patterns (1: none); why, in _SideStreams
@@ -417,8 +468,10 @@ def _route(kernel, causal: bool, direction: str, plan: PatternPlan, q: torch.Ten
 
 def leaves_part(kernel, causal: bool, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor,
                 masked: bool) -> bool:
-    """Whether ``plan`` leaves a compact part in such a call (``memory.py``'s estimate asks)."""
-    return _route(kernel, causal, direction, plan, q, k, masked)[2]
+    """Whether ``plan`` leaves compact parts in such a call, run locally or as a ring on compact rows
+    (``memory.py``'s estimate asks)."""
+    return _route(kernel, causal, direction, plan, q, k, masked)[2] or \
+        _dense_ring(plan, masked, RingLayout(), q, k) is not None
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -441,6 +494,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
             parts.append(Part(plan, *sides.issue(ring.kernel.forward_pattern, q, k, v, plan, packed=False,
                                                  causal=ring.causal, scale=ring.scale, **own)))
             continue
+        dense = _dense_ring(plan, key_mask is not None, layout, q, k)
+        if dense is not None:
+            parts.append(_dense_forward(q, k, v, plan, dense, ring))
+            continue
         fresh = running is None and plan.covers_all(q.shape[2], k.shape[2])
         if running is None:
             running = (torch.empty(q.shape, dtype=acc, device=q.device),
@@ -459,6 +516,29 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     return combine_results(running, parts, q, into)
 
 
+def _dense_forward(q, k, v, plan: PatternPlan, dense: PatternPlan, ring: RingCall) -> Part:
+    """A ring pattern on compact rows (module doc): its result as a compact part."""
+    qc = _compact(q, plan)
+    out = torch.empty(qc.shape, dtype=accum_dtype(q.dtype), device=q.device)
+    lse = torch.empty(qc.shape[:3], dtype=out.dtype, device=q.device)
+    clear_result_(out, lse)
+    split = _split_block(ring.kernel, "fwd", dense, qc, k) if ring.causal else 0
+    _ring_forward(qc, k, v, None, plan, ring.comm, ring.layout, ring.call, ring.kernel, ring.causal, ring.scale,
+                  split, out, lse, view=dense)
+    return Part(plan, out.to(q.dtype), lse)
+
+
+def _dense_backward(q, k, v, out, lse, dout, plan: PatternPlan, dense: PatternPlan, ring: RingCall
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ring pattern's gradients on compact rows (module doc): dQ, dK, dV as compact parts."""
+    qc, oc, lc, gc = (_compact(x, plan) for x in (q, out, lse, dout))
+    dq = torch.zeros(qc.shape, dtype=accum_dtype(q.dtype), device=q.device)
+    split = _split_block(ring.kernel, "bwd", dense, qc, k) if ring.causal else 0
+    home = _ring_backward(qc, k, v, None, oc, lc, gc, plan, ring.comm, ring.layout, ring.call, ring.kernel,
+                          ring.causal, ring.scale, split, dq, view=dense)
+    return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(k.dtype)
+
+
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                   out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, ring: RingCall,
                   into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -473,9 +553,11 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     sides = _SideStreams(q, ring.causal)
     for plan in (p for p in ring.plans if p.chunks):
         split, pieces, part = _route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
-        if part:
-            grads = sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
-                                causal=ring.causal, scale=ring.scale, **own)
+        dense = None if part else _dense_ring(plan, key_mask is not None, layout, q, k)
+        if part or dense is not None:
+            grads = (sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
+                                 causal=ring.causal, scale=ring.scale, **own) if part
+                     else _dense_backward(q, k, v, out, lse, dout, plan, dense, ring))
             for held, grad, kv in zip(parts, grads, (False, True, True)):
                 held.append(Part(plan, grad, kv=kv))
             continue
@@ -490,8 +572,9 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
             ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, *running, packed=False,
                                          causal=ring.causal, scale=ring.scale, fresh=fresh, **own)
         else:
-            _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, ring.call, ring.kernel,
-                           ring.causal, ring.scale, split, *running)
+            home = _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, ring.call, ring.kernel,
+                                  ring.causal, ring.scale, split, running[0])
+            unpack_add_(running[1], running[2], home, plan)
     sides.join()
     return tuple(sum_grads(running[i] if running is not None else None, parts[i], x,
                            None if into is None else into[i]) for i, x in enumerate((q, k, v)))

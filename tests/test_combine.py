@@ -188,8 +188,22 @@ def test_bad_parts_are_refused_with_the_pattern_named():
     with pytest.raises(ValueError, match="pattern 1 cannot leave a compact part"):  # kv heads read at 2 offsets
         sum_grads(None, [Part(plans[1], torch.zeros(2, N // 4, 2, DIM, device=DEVICE), kv=True)], kv_like)
     ring = plan_patterns([64], [2], seq_len=64, local_len=N, num_heads=8, num_kv_heads=8)[0]
+    untiled = torch.empty(2, N + N // 2, 8, DIM, device=DEVICE)  # the ring block's rows do not tile it
     with pytest.raises(ValueError, match="pattern 0 cannot leave a compact part"):
-        sum_grads(None, [Part(ring, torch.zeros(2, N // 2, 8, DIM, device=DEVICE))], like)
+        sum_grads(None, [Part(ring, torch.zeros(2, untiled.shape[1] // 2, 8, DIM, device=DEVICE))], untiled)
+
+
+def test_a_ring_patterns_part_adds_like_its_chunks():
+    """A ring pattern's compact part (``ring.py`` runs such patterns on compact rows) sums like a local one's."""
+    gen = torch.Generator().manual_seed(6)
+    ring = plan_patterns([64], [2], seq_len=64, local_len=N, num_heads=8, num_kv_heads=8)[0]
+    assert ring.ring_size == 2
+    like = torch.empty(2, N, 8, DIM, device=DEVICE)
+    grad = torch.randn(2, N // 2, 8, DIM, generator=gen).to(DEVICE)
+    want = torch.zeros(like.shape, device=DEVICE)
+    for c in ring.chunks:
+        chunk_views(want, ring, c).add_(compact_view(grad, ring, c.h0, c.h1))
+    torch.testing.assert_close(sum_grads(None, [Part(ring, grad)], like), want, rtol=0, atol=0)
 
 
 @needs_kernel

@@ -249,13 +249,16 @@ class _OneRank:
         return None
 
 
+@pytest.mark.parametrize("r", [1, 2])
 @pytest.mark.parametrize("kernel,dtype,bsz,layout", [("reference", torch.float64, 2, "transposed"),
                                                      ("flash4", torch.bfloat16, 1, "head_slice"),
                                                      ("cudnn-view", torch.bfloat16, 2, "contiguous")])
-def test_ring_own_block_splits(fa4, kernel, dtype, bsz, layout):
+def test_ring_own_block_splits(fa4, kernel, dtype, bsz, layout, r):
     """A ring's causal own-block call (packed K/V) split like a local square: ``ring_forward``/``ring_backward``
-    on a one-rank zigzag ring (a segment of two chunks, ring size 2, one member) against the float64 oracle."""
-    heads, kv_heads, r = 4, 2, 2
+    on a one-rank zigzag ring (a segment of two chunks, ring size 2, one member) against the float64 oracle.
+    At rate 2 the ring runs on compact rows (``ring._dense_view``: a dense square of ``N / 2`` rows, whose
+    query-side copies fold into the batch dim in every layout); at rate 1 on the caller's rows."""
+    heads, kv_heads = 4, 2
     seed = seeded("causal-split-ring", kernel, dtype, bsz, layout)
     g = torch.Generator().manual_seed(seed)
     base = [torch.randn(bsz, N, h, DIM, generator=g, dtype=torch.float64).to(DEVICE)
@@ -280,8 +283,8 @@ def test_ring_own_block_splits(fa4, kernel, dtype, bsz, layout):
     plain = dense([x.to(dtype) for x in base], dout.to(dtype))
     for what, gt, w, p in zip(("out", "dq", "dk", "dv"), (out, *grads), oracle, plain):
         assert_within_rule(what, gt, w, p, context=f"ring {kernel} {layout} (seed {seed})")
-    folds = layout != "transposed"  # packed K/V always fold; transposed queries do not (batch 2)
-    want = expected([N], [r], BLOCK, 1 if folds else bsz)
+    folds = r > 1 or layout != "transposed"  # packed K/V and compact copies fold; transposed queries do not
+    want = expected([N // r], [1], BLOCK, 1 if folds else bsz)
     for op in ("forward_pattern_into", "backward_pattern"):
         got: dict[tuple[int, bool], int] = {}
         for o, seg, causal, packed, _ in rec.calls:
