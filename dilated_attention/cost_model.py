@@ -112,8 +112,8 @@ class Hardware:
 # ``tests/data/cost_model_h100_x{1,2}.json`` (flash-attn-4 installed: flash4 on full attention, cudnn-det on
 # LongNet; stream-ordered waits). Replays have no host launch time, which the model leaves out, so the launch
 # and host terms sit at their floor; links as for the H200 (NVLink 4, NDR).
-H100 = Hardware(fwd_tflops=563.2, bwd_tflops=595.9, bwd_launch_us=461.6, causal_keys=1637.0, key_penalty=0.0,
-                hbm_gbps=3408.0, op_us=1.0, dispatch_us=1.0, memory_gib=79.0)
+H100 = Hardware(fwd_tflops=613.0, bwd_tflops=582.4, bwd_launch_us=273.9, causal_keys=617.7, key_penalty=0.0,
+                hbm_gbps=2875.0, op_us=1.0, dispatch_us=1.0, memory_gib=79.0)
 PRESETS = {"h200": Hardware(), "h100": H100}  # the constants ``--gpu`` names
 
 
