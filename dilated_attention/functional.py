@@ -115,6 +115,11 @@ def _team_size(strategy: str, world: int, heads: int, auto: Callable[[], int]) -
     return team
 
 
+@caches.memoize("functional.gpu_model", 16)  # asked per call with comm; a process sees few devices
+def _gpu_model(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def _local_world() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
 
@@ -447,7 +452,8 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
         whole = cu_seqlens is not None or not _ring_plans(segment_lengths, dilation_rates, local * world, local,
                                                           heads, k.shape[2], layout)
         return auto_team_size(world, heads, k.shape[2], causal=causal, spans=spans, dense=dense,
-                              local_world=_local_world(), layout=layout, whole_sequence=whole)
+                              local_world=_local_world(), layout=layout, whole_sequence=whole,
+                              gpu=_gpu_model(q.device.index) if q.is_cuda else None)
 
     team = _team_size(strategy, world, heads, auto)
     split = HeadSplit(heads, k.shape[2], team)
@@ -582,6 +588,8 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
                              f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
         if requires_grad is not None:
             sig["requires_grad"] = dict(zip("qkv", requires_grad))
+        # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (strategy.py)
+        sig["strategy's team (1: ring, the world: head)"] = spec.team if spec is not None else None
         agree(backend, sig, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
     elif error is not None:
         raise error

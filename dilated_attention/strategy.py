@@ -16,6 +16,21 @@ full attention, causal     108.8  70.3         72.5         71.4  head        ti
 ==========================  ====  ====  ===========  ===========  ==========  ==========
 
 The last two columns are the choice per layout (the fastest; "tie": within 3%).
+
+A GPU model measured otherwise has its own choices (``MEASURED_ON``, read by the device's name).
+2 x H100 with flash-attn-4 installed (the same command with ``--peers torch_cp,ulysses --cuda-graph``,
+``benchmarks/results/scaling_h100_x2.json``), where the choice differs:
+
+==========================  =====  =====  ===========  ===========  ==========  ==========
+patterns                    ring   head   ring zigzag  head zigzag  contiguous  zigzag
+==========================  =====  =====  ===========  ===========  ==========  ==========
+LongNet, causal              11.4   12.4         17.7         13.6  ring        head
+full attention, non-causal  107.9  104.6        108.8        104.4  head        head
+==========================  =====  =====  ===========  ===========  ==========  ==========
+
+A job whose ranks see different GPU models may resolve ``"auto"`` differently: the cross-rank agreement
+compares the resolved team (``functional.py``), so every rank raises instead of exchanging mismatched
+blocks.
 Within 3% the simpler strategy wins: the ring (no all-to-all, no condition on the heads, no
 change of layout). "Full" means a rate-1 pattern spans ranks (dense attention across shards);
 LongNet's spanning patterns are dilated (rate > 1), so most of its work is local and a ring
@@ -40,6 +55,15 @@ MEASURED = {
     (True, False, "zigzag"): "ring",  # within 3% of head
     (True, True, "zigzag"): "ring",  # balanced: every rank does half a block per step; within 3% of head
 }
+# GPU model (``torch.cuda.get_device_name``) -> its measured choices, where they differ (the tables above)
+MEASURED_ON = {
+    "NVIDIA H100 80GB HBM3": {
+        **MEASURED,
+        (False, True, "contiguous"): "ring",  # causal LongNet calls run whole squares: GPU-bound, ring 8% faster
+        (True, False, "contiguous"): "head",  # 3.1% faster
+        (True, False, "zigzag"): "head",  # 4.2% faster
+    },
+}
 
 
 def pattern_spans(segment_lengths, dilation_rates, seq_len: int, shard_len: int) -> tuple[bool, bool]:
@@ -51,14 +75,16 @@ def pattern_spans(segment_lengths, dilation_rates, seq_len: int, shard_len: int)
 
 
 def auto_team_size(world: int, heads: int, kv_heads: int, *, causal: bool, spans: bool, dense: bool,
-                   local_world: int = 0, layout: str = "contiguous", whole_sequence: bool = False) -> int:
+                   local_world: int = 0, layout: str = "contiguous", whole_sequence: bool = False,
+                   gpu: str | None = None) -> int:
     """Ranks per all-to-all team for ``strategy="auto"`` (1: ring, ``world``: head, between: hybrid).
 
     ``spans``/``dense``: see ``pattern_spans``. ``local_world``: ranks per node (``LOCAL_WORLD_SIZE``,
     0 unknown). ``layout``: how the shards hold the sequence. ``whole_sequence``: the call needs each
     rank to hold whole documents or pads internally (``cu_seqlens``, segments that do not tile the
-    shards), which only head-parallel does. ``kv_heads`` does not change the choice: every
-    measurement had ``kv_heads == heads``.
+    shards), which only head-parallel does. ``gpu``: the device's model name, whose own measured choices
+    apply where ``MEASURED_ON`` has them (else the 2 x H200 table). ``kv_heads`` does not change the
+    choice: every measurement had ``kv_heads == heads``.
     """
     if world < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"need world >= 1 and kv heads dividing heads, got world={world}, heads={heads}, "
@@ -72,7 +98,7 @@ def auto_team_size(world: int, heads: int, kv_heads: int, *, causal: bool, spans
         return world if head_ok else 1  # the ring then raises, naming the head strategy
     if not spans:
         return 1  # every pattern is local: the ring exchanges nothing
-    if MEASURED[dense, causal, layout] == "ring":
+    if MEASURED_ON.get(gpu, MEASURED)[dense, causal, layout] == "ring":
         return 1
     across_nodes = 1 < local_world < world
     if head_ok and not across_nodes:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dilated_attention.strategy import MEASURED, auto_team_size, pattern_spans
+from dilated_attention.strategy import MEASURED, MEASURED_ON, auto_team_size, pattern_spans
 
 LONGNET = ([2048, 8192, 32768, 65536], [1, 2, 4, 8])  # N = 65536 on 2 ranks of 32768
 FULL = ([65536], [1])
@@ -32,6 +32,31 @@ def test_pattern_spans():
 ])
 def test_two_gpu_measurements(patterns, causal, layout, team):
     assert _team(patterns, causal, layout=layout) == team
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("patterns, causal, layout, team", [
+    (LONGNET, False, "contiguous", 1),  # ring 16.9 ms, head 19.1
+    (LONGNET, True, "contiguous", 1),  # ring 11.4, head 12.4: whole causal squares made it GPU-bound
+    (FULL, False, "contiguous", 2),  # ring 107.9, head 104.6
+    (FULL, True, "contiguous", 2),  # ring 84.0 (unbalanced), head 61.9
+    (LONGNET, False, "zigzag", 2),  # ring 21.7, head 20.3
+    (LONGNET, True, "zigzag", 2),  # ring 17.7, head 13.6
+    (FULL, False, "zigzag", 2),  # ring 108.8, head 104.4
+    (FULL, True, "zigzag", 1),  # ring 59.7 (balanced), head 62.3
+])
+def test_two_h100_measurements(patterns, causal, layout, team):
+    """On an H100 its own measured choices apply; any other model (or none: CPU) takes the H200 table."""
+    assert _team(patterns, causal, layout=layout, gpu=H100) == team
+    assert _team(patterns, causal, layout=layout, gpu="Some Other GPU") == _team(patterns, causal, layout=layout)
+
+
+def test_every_gpu_table_covers_every_case():
+    for gpu, table in MEASURED_ON.items():
+        assert set(table) == set(MEASURED), gpu
+        assert set(table.values()) <= {"ring", "head"}, gpu
 
 
 def test_local_patterns_need_no_exchange():
