@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import caches
 from .patterns import HeadChunk, PatternPlan
 
 
@@ -48,78 +49,76 @@ def compact_view(x: torch.Tensor, plan: PatternPlan, h0: int, h1: int) -> torch.
     return x.unflatten(1, (x.shape[1] // m, m)).narrow(3, h0, h1 - h0)
 
 
-def _affine_heads(plan: PatternPlan) -> tuple[int, int, int, int, int] | None:
-    """``(h_start, runs, run_len, first_offset, step)`` if the plan's heads form equal runs of
-    consecutive heads whose offset grows by a constant step (every LongNet plan with ``r | H``
-    or ``H | r``, and every grouped plan), else ``None``."""
-    runs = plan.head_runs
-    lengths = {b - a for _, a, b in runs}
-    steps = {runs[i + 1][0] - runs[i][0] for i in range(len(runs) - 1)}
-    contiguous = all(runs[i][2] == runs[i + 1][1] for i in range(len(runs) - 1))
-    if len(lengths) != 1 or len(steps) > 1 or not contiguous:
+Unit = tuple[int, int, int, int]  # (offset, first head in the full tensor, first head in the compact one, heads)
+
+
+@caches.memoize("views.steps", 1024)  # asked per pattern on the hot path (merges, ring packs); plans are few
+def _steps(units: tuple[Unit, ...]) -> tuple[int, int, int] | None:
+    """``(offset, full head, compact head)`` steps from each unit to the next if all three are constant and
+    every unit has as many heads (every LongNet plan), else ``None``."""
+    first = units[0]
+    steps = tuple(b - a for a, b in zip(first[:3], units[1][:3])) if len(units) > 1 else (0, 0, 0)
+    even = all(u[3] == first[3] and tuple(x - y for x, y in zip(u[:3], first[:3])) == tuple(i * s for s in steps)
+               for i, u in enumerate(units))
+    return steps if even else None
+
+
+def _strided_pair(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan, units: tuple[Unit, ...]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One ``(full-layout rows, compact rows)`` view pair, ``(B, S, M, A, h, *rest)`` each, covering ``units``
+    (``A`` of ``h`` heads) where they step evenly (``_steps``), else ``None``: one op per pattern instead of one
+    per unit. ``as_strided`` from each tensor's own strides and offset reads the addresses the per-unit views
+    (``dilated_view``, ``compact_view``) read."""
+    steps = _steps(units)
+    if steps is None:
         return None
-    return runs[0][1], len(runs), lengths.pop(), runs[0][0], steps.pop() if steps else 0
+    offset, head, slot, heads = units[0]
+    bsz, n, _, *rest = full.shape
+    w, r = plan.local_segment, plan.dilation
+    shape = (bsz, n // w, w // r, len(units), heads, *rest)
+    s_b, s_n, s_h, *s_rest = full.stride()
+    rows = full.as_strided(shape, (s_b, w * s_n, r * s_n, steps[0] * s_n + steps[1] * s_h, s_h, *s_rest),
+                           full.storage_offset() + offset * s_n + head * s_h)
+    p_b, p_n, p_h, *p_rest = compact.stride()
+    part = compact.as_strided(shape, (p_b, w // r * p_n, p_n, steps[2] * p_h, p_h, *p_rest),
+                              compact.storage_offset() + slot * p_h)
+    return rows, part
 
 
 def region_views(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan, whole: bool = True
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Matching ``(full-layout rows, compact rows)`` view pairs that together cover a pattern.
 
-    One pair for the whole pattern when its head offsets are affine and ``full`` is
-    contiguous (``as_strided`` on a tensor we allocated: one op per pattern instead of
-    one per chunk) and ``whole`` allows it, else one pair per chunk. Shapes ``(B, S, M, A, h, *rest)``.
+    One pair for the whole pattern (``_strided_pair`` over its head runs) when its runs step evenly
+    (every LongNet plan with ``r | H`` or ``H | r``, and every grouped plan) and ``full`` is contiguous
+    (a tensor we allocated) and ``whole`` allows it, else one pair per chunk, ``(B, S, M, 1, h, *rest)``.
     """
-    affine = _affine_heads(plan)
-    if affine is None or not full.is_contiguous() or not whole:
-        return [
-            (dilated_view(full, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1).unsqueeze(3),
-             compact_view(compact, plan, c.h0, c.h1).unsqueeze(3))
-            for c in plan.chunks
-        ]
-    h_start, runs, run_len, offset, step = affine
-    bsz, n, heads, *rest = full.shape
-    s_b, s_n, s_h, *s_rest = full.stride()
-    w, r = plan.local_segment, plan.dilation
-    view = full.as_strided(
-        (bsz, n // w, w // r, runs, run_len, *rest),
-        (s_b, w * s_n, r * s_n, run_len * s_h + step * s_n, s_h, *s_rest),
-        full.storage_offset() + h_start * s_h + offset * s_n,
-    )
-    part = compact_view(compact, plan, h_start, h_start + runs * run_len).unflatten(3, (runs, run_len))
-    return [(view, part)]
+    runs = tuple((offset, h0, h0, h1 - h0) for offset, h0, h1 in plan.head_runs)
+    pair = _strided_pair(full, compact, plan, runs) if whole and full.is_contiguous() else None
+    if pair is not None:
+        return [pair]
+    return [(dilated_view(full, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1).unsqueeze(3),
+             compact_view(compact, plan, c.h0, c.h1).unsqueeze(3)) for c in plan.chunks]
+
+
+def _packed_units(plan: PatternPlan) -> tuple[Unit, ...]:
+    """A ring pattern's chunks as units of its kv heads and their heads in the packed buffer."""
+    return tuple((c.offset, c.k0, c.buffer_head, c.k1 - c.k0) for c in plan.chunks)
 
 
 def _even_steps(plan: PatternPlan) -> tuple[int, int, int] | None:
-    """``(offset, kv head, buffer head)`` steps from each chunk to the next if all three are constant and the
-    chunks have equal kv head counts (every LongNet plan), else ``None``."""
-    c0, chunks = plan.chunks[0], plan.chunks
-    if len(chunks) < 2:
-        return None
-    steps = (chunks[1].offset - c0.offset, chunks[1].k0 - c0.k0, chunks[1].buffer_head - c0.buffer_head)
-    even = all(c.k1 - c.k0 == c0.k1 - c0.k0 and (c.offset - c0.offset, c.k0 - c0.k0, c.buffer_head - c0.buffer_head)
-               == (i * steps[0], i * steps[1], i * steps[2]) for i, c in enumerate(chunks))
-    return steps if even else None
+    """``_steps`` of a ring pattern's packed units where it has several chunks (one chunk is one copy anyway)."""
+    return _steps(_packed_units(plan)) if len(plan.chunks) > 1 else None
 
 
 def _packed_regions(x: torch.Tensor, half: torch.Tensor, plan: PatternPlan
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Matching ``(x's dilated kv rows, the packed buffer half's heads)`` view pairs covering a ring pattern's
     chunks on a block of one segment chunk: one pair where the chunks step evenly (one copy per tensor instead
-    of one per chunk: the ring packs on every call), else one pair per chunk. ``as_strided`` from each tensor's
-    own strides and offset: the same addresses the per-chunk views read, for any layout."""
-    steps = _even_steps(plan)
-    if steps is None:
-        return [(chunk_views(x, plan, c, kv=True).squeeze(1), packed_view(half, c).squeeze(1)) for c in plan.chunks]
-    c0, count = plan.chunks[0], len(plan.chunks)
-    bsz, n, _, *rest = x.shape
-    shape = (bsz, n // plan.dilation, count, c0.k1 - c0.k0, *rest)
-    s_b, s_n, s_h, *s_rest = x.stride()
-    rows = x.as_strided(shape, (s_b, plan.dilation * s_n, steps[0] * s_n + steps[1] * s_h, s_h, *s_rest),
-                        x.storage_offset() + c0.offset * s_n + c0.k0 * s_h)
-    p_b, p_n, p_h, *p_rest = half.stride()
-    heads = half.as_strided(shape, (p_b, p_n, steps[2] * p_h, p_h, *p_rest),
-                            half.storage_offset() + c0.buffer_head * p_h)
-    return [(rows, heads)]
+    of one per chunk: the ring packs on every call), else one pair per chunk."""
+    if _even_steps(plan) is not None:
+        return [_strided_pair(x, half, plan, _packed_units(plan))]
+    return [(chunk_views(x, plan, c, kv=True).squeeze(1), packed_view(half, c).squeeze(1)) for c in plan.chunks]
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
