@@ -21,8 +21,9 @@ of ``M x M`` per head; all patterns here share ``M``).
 
 The auto table: every plan is timed forward and backward with each
 implementation (flash4 among them where it runs); plans are classed dense (``r = 1``) or dilated and by
-the length class of their segment rows (``auto.length_class``: LongNet's segments are short, the
-full-attention plan over ``--full-seq`` rows long), and the class sums decide (a backward must also be bitwise reproducible to be the deterministic
+the length class of their segment rows (``auto.length_class``: the LongNet plans' 2048-row segments are
+short, the ``--mid-segments`` plans' 4096-8192-row ones mid, the full-attention plan over ``--full-seq`` rows
+long), and the class sums decide (a backward must also be bitwise reproducible to be the deterministic
 choice, and every implementation must agree with the fused kernel to be chosen at
 all); where a runner-up is close, the combinations are timed on the pipeline
 itself and the fastest is kept (``refine_by_pipeline``, ``pipeline_trials`` in the
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--segments", default="2048,4096,8192,16384,32768")
     ap.add_argument("--rates", default="1,2,4,8,16")
+    ap.add_argument("--mid-segments", default="4096,8192,32768",
+                    help="the plans of the table's mid class (segment rows over 2048 up to 8192; default: dense "
+                         "4096-row segments, dilated 4096- and 8192-row ones, as LongNet's 8192-65536 segments)")
+    ap.add_argument("--mid-rates", default="1,2,4")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="time a few fused configs too")
@@ -107,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: checks the script")
     ap.add_argument("--render", metavar="JSON", help="write the markdown and plot of a result JSON next to it and exit")
     ap.add_argument("--write-table", metavar="JSON", help="store a result JSON's auto choices in kernels/auto_table.py")
-    ap.add_argument("--table-classes", default="short,long",
+    ap.add_argument("--table-classes", default="short,mid,long",
                     help="with --write-table: the length classes whose entries are replaced (e.g. long: the table "
                          "times kernels alone, and where the api rows disagree for a class, keep its entries)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -128,7 +133,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_tag import gpu_tag  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
-from dilated_attention.kernels.auto import AutoKernel, length_class, normalize_choices, table_key  # noqa: E402
+from dilated_attention.kernels.auto import (  # noqa: E402
+    LENGTH_CLASSES, AutoKernel, length_class, normalize_choices, table_key)
 from dilated_attention.kernels.cudnn import CudnnKernel  # noqa: E402
 from dilated_attention.kernels.cudnn_frontend import CudnnFrontendOps  # noqa: E402
 from dilated_attention.kernels.flash4 import Flash4Kernel  # noqa: E402
@@ -589,6 +595,11 @@ def main(argv=None):
     plans = plan_patterns(segs, rates, seq_len=args.seq, local_len=args.seq, num_heads=args.heads,
                           num_kv_heads=args.heads, mode="longnet")
     ms_set = {p.local_segment // p.dilation for p in plans}
+    mid_plans = plan_patterns([int(x) for x in args.mid_segments.split(",")],
+                              [int(x) for x in args.mid_rates.split(",")], seq_len=args.seq, local_len=args.seq,
+                              num_heads=args.heads, num_kv_heads=args.heads, mode="longnet")
+    if not any(length_class(p.local_segment // p.dilation) == "mid" for p in mid_plans):
+        mid_plans = []  # (--smoke: tiny shapes, every plan short)
     full_seq = args.full_seq or args.seq
     full_plan = plan_patterns([full_seq], [1], seq_len=full_seq, local_len=full_seq, num_heads=args.heads,
                               num_kv_heads=args.heads, mode="longnet")
@@ -602,6 +613,7 @@ def main(argv=None):
         "python": platform.python_version(), "command": " ".join([sys.executable] + sys.argv),
         "shape": {"B": args.batch, "N": args.seq, "H": args.heads, "D": args.dim, "dtype": args.dtype},
         "segment_lengths": segs, "dilation_rates": rates, "mode": "longnet", "full_seq": full_seq,
+        "mid_plans": [(p.segment, p.dilation) for p in mid_plans],
         "fused_config": str(default_config(args.dim, dtype)),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -631,16 +643,21 @@ def main(argv=None):
     for causal in (False, True):
         fl = flops_fwd(plans, args.batch, args.seq, args.dim, causal)
         print(f"causal={causal}: unmasked fwd work {fl / 1e12:.3f} TFLOP", flush=True)
-        try:
-            t_rows, t_choices, ranking = measure_table(table_impls, q, k, v, dout, plans, causal, scale, args.warmup,
-                                                       args.reps)
-            t_choices, trials = refine_by_pipeline(table_impls, t_choices, ranking, q, k, v, dout, plans, causal,
-                                                   scale, args.warmup, args.reps)
-            pipeline_trials += [{"causal": causal, **t} for t in trials]
-            table_rows += t_rows
-            choices.update(ranked_choices(t_choices, ranking))
-        except Exception as exc:
-            print(f"  table failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        # LongNet's plans (their classes), then the mid-class plans (only their mid-class keys)
+        for plan_set, classes in ((plans, LENGTH_CLASSES), (mid_plans, ("mid",))):
+            if not plan_set:
+                continue
+            try:
+                t_rows, t_choices, ranking = measure_table(table_impls, q, k, v, dout, plan_set, causal, scale,
+                                                           args.warmup, args.reps)
+                t_choices, trials = refine_by_pipeline(table_impls, t_choices, ranking, q, k, v, dout, plan_set,
+                                                       causal, scale, args.warmup, args.reps)
+                pipeline_trials += [{"causal": causal, **t} for t in trials]
+                table_rows += t_rows
+                choices.update({key: names for key, names in ranked_choices(t_choices, ranking).items()
+                                if key.rpartition("/")[2] in classes})
+            except Exception as exc:
+                print(f"  table failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         if not args.no_full:  # one long dense segment (full attention): the table's long-class entries
             try:
                 t_rows, t_choices, ranking = measure_table(table_impls, *full, full_plan, causal, scale, 1,
@@ -888,7 +905,7 @@ def render(path: str) -> int:
 SAME_FORWARD = {"cudnn-dkdv": "cudnn-det", "cudnn": "cudnn-det", "flash4-nondet": "flash4"}
 
 
-def write_table(path: str, classes: tuple[str, ...] = ("short", "long")) -> int:
+def write_table(path: str, classes: tuple[str, ...] = LENGTH_CLASSES) -> int:
     """Merge a result JSON's measured rankings (fused, the cuDNN kernels, flash4) into ``kernels/auto_table.py``:
     a key measured now, of a length class in ``classes``, replaces the old entry of its class; the others stay."""
     from dilated_attention.kernels.auto_table import TABLE

@@ -8,12 +8,14 @@ head dim, dtype, length class of the segment rows ``M = w / r``); a key the tabl
 not list runs the fused kernel. So one configuration always runs the same implementation,
 on every rank and every run.
 
-Length class: the winner depends on the segment length (on an H100 the fused and cuDNN
-kernels win on LongNet's 2048-row segments, flash-attn-4 on full attention over 65536
-rows), so keys end in ``/short`` (``M <= LONG_ROWS``) or ``/long`` (longer segments, full
-attention). Tables written before classes keyed rows as ``/M<rows>``: such an entry stands
-for the class of its rows (of several in one class, the one measured at the most rows),
-and a key with neither stands for every class that has no entry of its own.
+Length class: the winner depends on the segment length (on an H100 cuDNN wins on LongNet's
+2048-row segments, flash-attn-4 on non-causal 4096-8192-row ones and on full attention over
+65536 rows), so keys end in ``/short`` (``M <= SHORT_ROWS``), ``/mid`` (``M <= LONG_ROWS``)
+or ``/long`` (longer segments, full attention). A table measured before the mid class has
+no ``/mid`` keys: its ``/short`` entry answers those rows (it covered them then). Tables
+written before classes keyed rows as ``/M<rows>``: such an entry stands for the class of its
+rows (of several in one class, the one measured at the most rows), and a key with neither
+stands for every class that has no entry of its own.
 
 Ranking: an entry is a name or a tuple of names, fastest first; the first that can run
 here is taken (flash-attn-4 not installed, or a GPU it does not support: the next one).
@@ -57,15 +59,18 @@ _PICKS_KEPT = 1024
 FORWARD_STAND_INS = {"cudnn-det": "cudnn"}
 
 
+SHORT_ROWS = 2048  # segment rows up to this are the "short" class (LongNet's first segments)
 LONG_ROWS = 8192  # segment rows above this are the "long" class (long dense segments, full attention)
-LENGTH_CLASSES = ("short", "long")
+LENGTH_CLASSES = ("short", "mid", "long")
+# a class a table has no entry for reads the entry of the class that covered its rows before it existed
+CLASS_FALLBACK = {"mid": "short"}
 
 
 def length_class(rows: int) -> str:
-    """``"short"`` for a segment of at most ``LONG_ROWS`` rows, else ``"long"``."""
+    """``"short"`` for a segment of at most ``SHORT_ROWS`` rows, ``"mid"`` up to ``LONG_ROWS``, else ``"long"``."""
     if rows < 0:
         raise ValueError(f"rows must be >= 0, got {rows}")
-    return "short" if rows <= LONG_ROWS else "long"
+    return "short" if rows <= SHORT_ROWS else "mid" if rows <= LONG_ROWS else "long"
 
 
 def table_key(direction: str, dilation: int, causal: bool, dim: int, dtype: torch.dtype,
@@ -76,6 +81,14 @@ def table_key(direction: str, dilation: int, causal: bool, dim: int, dtype: torc
     key = (f"{direction}/{'dense' if dilation == 1 else 'dilated'}/{'causal' if causal else 'full'}"
            f"/D{dim}/{str(dtype).removeprefix('torch.')}")
     return key if rows is None else f"{key}/{length_class(rows)}"
+
+
+def lookup_keys(key: str) -> tuple[str, ...]:
+    """The keys that answer a classed ``key``, first found first: its own, its class's fallback
+    (``CLASS_FALLBACK``), the key without a class."""
+    base, _, cls = key.rpartition("/")
+    fallback = (f"{base}/{CLASS_FALLBACK[cls]}",) if cls in CLASS_FALLBACK else ()
+    return (key, *fallback, base)
 
 
 def ranked(entry: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -157,10 +170,9 @@ class AutoKernel(KernelWrapper):
 
     def _entry(self, direction: str, plan: PatternPlan, causal: bool, dim: int, dtype: torch.dtype
                ) -> tuple[str, ...] | None:
-        """The table's ranking for this pattern: its length class's key, else the key without a class."""
+        """The table's ranking for this pattern: its length class's key, else its fallbacks (``lookup_keys``)."""
         rows = plan.local_segment // plan.dilation
-        for key in (table_key(direction, plan.dilation, causal, dim, dtype, rows),
-                    table_key(direction, plan.dilation, causal, dim, dtype)):
+        for key in lookup_keys(table_key(direction, plan.dilation, causal, dim, dtype, rows)):
             if key in self.choices:
                 return self.choices[key]
         return None
@@ -197,5 +209,6 @@ def device_choices(device: torch.device) -> dict[str, str]:
     return dict(auto_table.TABLE.get(name, {}).get("choices", {}))
 
 
-__all__ = ["AutoKernel", "DIRECTIONS", "LENGTH_CLASSES", "LONG_ROWS", "available_choices", "device_choices",
-           "length_class", "normalize_choices", "nondeterministic_allowed", "ranked", "table_key"]
+__all__ = ["AutoKernel", "CLASS_FALLBACK", "DIRECTIONS", "LENGTH_CLASSES", "LONG_ROWS", "SHORT_ROWS",
+           "available_choices", "device_choices", "length_class", "lookup_keys", "normalize_choices",
+           "nondeterministic_allowed", "ranked", "table_key"]

@@ -20,6 +20,7 @@ from dilated_attention import dilated_attention
 from dilated_attention.kernels import auto_table, dispatch
 from dilated_attention.kernels.auto import (
     LONG_ROWS,
+    SHORT_ROWS,
     AutoKernel,
     available_choices,
     length_class,
@@ -75,7 +76,9 @@ def test_table_key():
     assert table_key("fwd", 1, False, 128, torch.bfloat16) == "fwd/dense/full/D128/bfloat16"
     assert table_key("bwd-any", 4, True, 40, torch.float16) == "bwd-any/dilated/causal/D40/float16"
     assert table_key("fwd", 1, True, 128, torch.float16, 2048) == "fwd/dense/causal/D128/float16/short"
-    assert table_key("bwd", 1, True, 128, torch.float16, LONG_ROWS) == "bwd/dense/causal/D128/float16/short"
+    assert table_key("bwd", 1, True, 128, torch.float16, SHORT_ROWS) == "bwd/dense/causal/D128/float16/short"
+    assert table_key("bwd", 1, True, 128, torch.float16, SHORT_ROWS + 1) == "bwd/dense/causal/D128/float16/mid"
+    assert table_key("bwd", 1, True, 128, torch.float16, LONG_ROWS) == "bwd/dense/causal/D128/float16/mid"
     assert table_key("bwd", 1, True, 128, torch.float16, LONG_ROWS + 1) == "bwd/dense/causal/D128/float16/long"
     with pytest.raises(ValueError, match="direction"):
         table_key("sideways", 1, False, 64, torch.float16)
@@ -86,8 +89,9 @@ def _plan(rows: int, r: int = 1):
 
 
 def test_length_class_picks_the_entry_of_the_segment_class():
-    """``/short`` answers segments of at most ``LONG_ROWS`` rows, ``/long`` longer ones (long dense segments,
-    full attention); a key without a class answers a class without an entry."""
+    """``/short`` answers segments of at most ``SHORT_ROWS`` rows, ``/mid`` up to ``LONG_ROWS``, ``/long`` longer
+    ones (long dense segments, full attention); a table without ``/mid`` entries (measured before the class)
+    answers mid rows with its ``/short`` entry; a key without a class answers a class without an entry."""
     fused, other, third = Recorder("fused"), Recorder("cudnn"), Recorder("flash4")
     key = lambda rows, r=1: table_key("fwd", r, False, 32, torch.bfloat16, rows)  # noqa: E731
     kern = AutoKernel({"fused": fused, "cudnn": other, "flash4": third},
@@ -99,22 +103,29 @@ def test_length_class_picks_the_entry_of_the_segment_class():
                            {table_key("fwd", 1, False, 32, torch.bfloat16): "cudnn", key(16): "fused"})
     assert classless.pick("fwd", _plan(16), False, Q, Q) is fused
     assert classless.pick("fwd", _plan(LONG_ROWS * 2), False, Q, Q) is other
+    assert classless.pick("fwd", _plan(LONG_ROWS), False, Q, Q) is fused  # mid: the short entry
+    mid = AutoKernel({"fused": fused, "cudnn": other, "flash4": third},
+                     {key(16): "cudnn", key(LONG_ROWS): "flash4"})
+    for rows, want in ((SHORT_ROWS, other), (SHORT_ROWS + 8, third), (LONG_ROWS, third), (LONG_ROWS + 8, fused)):
+        assert mid.pick("fwd", _plan(rows), False, Q, Q) is want, rows
 
 
 def test_tables_keyed_by_rows_read_as_length_classes():
     """``/M<rows>`` keys (tables written before classes) stand for the class of their rows; of two in one class
     the one measured at more rows, and a class key itself, wins."""
     base = "fwd/dense/full/D32/bfloat16"
-    got = normalize_choices({f"{base}/M2048": "cudnn", f"{base}/M4096": "fused", f"{base}/M32768": "flash4",
-                             f"{base}/M65536": "cudnn-det", "bwd/dense/full/D32/bfloat16/M1024": "fused"})
-    assert got == {f"{base}/short": ("fused",), f"{base}/long": ("cudnn-det",),
+    got = normalize_choices({f"{base}/M1024": "fused", f"{base}/M2048": "cudnn", f"{base}/M4096": "fused",
+                             f"{base}/M32768": "flash4", f"{base}/M65536": "cudnn-det",
+                             "bwd/dense/full/D32/bfloat16/M1024": "fused"})
+    assert got == {f"{base}/short": ("cudnn",), f"{base}/mid": ("fused",), f"{base}/long": ("cudnn-det",),
                    "bwd/dense/full/D32/bfloat16/short": ("fused",)}
     for order in (1, -1):
-        items = [(f"{base}/short", ("cudnn", "fused")), (f"{base}/M8192", "flash4")][::order]
+        items = [(f"{base}/short", ("cudnn", "fused")), (f"{base}/M2048", "flash4")][::order]
         assert normalize_choices(dict(items)) == {f"{base}/short": ("cudnn", "fused")}
     with pytest.raises(ValueError, match="table entry"):
         normalize_choices({base: ()})
-    assert length_class(LONG_ROWS) == "short" and length_class(LONG_ROWS + 1) == "long"
+    assert [length_class(n) for n in (0, SHORT_ROWS, SHORT_ROWS + 1, LONG_ROWS, LONG_ROWS + 1)] == [
+        "short", "short", "mid", "mid", "long"]
     with pytest.raises(ValueError, match="rows"):
         length_class(-1)
 
