@@ -35,12 +35,14 @@ from .cudnn import CudnnOps
 
 WORKSPACE_LIMIT = 2 << 30  # bytes per call that must split its keys; measured: 2 GiB costs 10% against an unsplit
 # full-attention call
-# bytes per call that splits only its batch (LongNet's segments and offset groups). Speed first: the same 2 GiB.
-# Less trades time for memory (H100, alternated runs, fwd+bwd through the API, non-causal / causal): LongNet 32768
-# peaks at 2.28x its own q, k, v, out and gradients at 1 GiB (+0.5% / +2.5% time) and 1.83x at 512 MiB (+0.4% /
-# +7.4%) instead of 3.28x (65536: 1.83x at 1 GiB, +1.1% / +2.6%); a 2-GPU ring 2.83x at either for under 1%; full
-# attention splits keys and is unchanged
-BATCH_WORKSPACE_LIMIT = WORKSPACE_LIMIT
+# bytes per call that splits only its batch (LongNet's segments and offset groups): 512 MiB. Measured on 2 x H100
+# (fwd+bwd through the API, alternated runs, LongNet 32768 tokens per GPU, flash-attn-4 installed so that auto
+# runs cuDNN's deterministic backward on the short causal segments only), against 2 GiB: the causal ring the same
+# time (12.21 / 12.24 ms) at 1.71x its own q, k, v, out and gradients instead of 3.01x, non-causal unchanged (1.71x);
+# one GPU on 65536 rows causal +2.7%. Without flash-attn-4 (cudnn-det also runs 4096-8192-row segments) 512 MiB
+# measured +0.4% / +7.4% (non-causal / causal) on one GPU at 1.83x instead of 3.28x; pass
+# ``batch_workspace_limit=2 << 30`` for speed first
+BATCH_WORKSPACE_LIMIT = 512 << 20
 # cudnn-det's ``causal_block`` (``ring._causal_split``): full causal attention through the API, forward+backward
 # on an H100, alternated runs, split / whole: 65536 rows 0.86x in blocks of 4096 (2048: 0.87x, 8192: 0.87x),
 # 32768 rows 0.96x, 16384 rows 1.00x (so it stays whole: four blocks)
