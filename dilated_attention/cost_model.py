@@ -109,11 +109,13 @@ class Hardware:
 
 
 # 2 x H100 80GB: ``fit`` (``--fit ... --impl ours+graph``) on the CUDA-graph records of
-# ``tests/data/cost_model_h100_x{1,2}.json`` (flash-attn-4 installed: flash4 on full attention, cudnn-det on
-# LongNet; stream-ordered waits). Replays have no host launch time, which the model leaves out, so the launch
-# and host terms sit at their floor; links as for the H200 (NVLink 4, NDR).
-H100 = Hardware(fwd_tflops=613.0, bwd_tflops=582.4, bwd_launch_us=273.9, causal_keys=617.7, key_penalty=0.0,
-                hbm_gbps=2875.0, op_us=1.0, dispatch_us=1.0, memory_gib=79.0)
+# ``tests/data/cost_model_h100_x{1,2}.json`` (flash-attn-4 installed: auto runs flash4 on full attention and on
+# LongNet's backward but its short causal segments; stream-ordered waits), with the forward held at flash4's
+# measured rate on full attention (``kernel_h100.json``: 654 TFLOP/s; whole calls determine only the sum of the
+# forward and backward terms). Replays have no host launch time, which the model leaves out, so the launch and
+# host terms sit at their floor; links as for the H200 (NVLink 4, NDR).
+H100 = Hardware(fwd_tflops=654.0, bwd_tflops=594.0, bwd_launch_us=1.0, causal_keys=782.0, key_penalty=0.0,
+                hbm_gbps=2821.0, op_us=6.44, dispatch_us=1.0, memory_gib=79.0)
 PRESETS = {"h200": Hardware(), "h100": H100}  # the constants ``--gpu`` names
 
 
