@@ -38,14 +38,14 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 @pytest.mark.parametrize("patterns, causal, layout, team", [
-    (LONGNET, False, "contiguous", 1),  # ring 16.9 ms, head 19.1
-    (LONGNET, True, "contiguous", 1),  # ring 11.4, head 12.4: whole causal squares made it GPU-bound
-    (FULL, False, "contiguous", 2),  # ring 107.9, head 104.6
-    (FULL, True, "contiguous", 2),  # ring 84.0 (unbalanced), head 61.9
-    (LONGNET, False, "zigzag", 2),  # ring 21.7, head 20.3
-    (LONGNET, True, "zigzag", 2),  # ring 17.7, head 13.6
-    (FULL, False, "zigzag", 2),  # ring 108.8, head 104.4
-    (FULL, True, "zigzag", 1),  # ring 59.7 (balanced), head 62.3
+    (LONGNET, False, "contiguous", 1),  # ring 15.8 ms, head 16.9
+    (LONGNET, True, "contiguous", 1),  # ring 13.3, head 14.1
+    (FULL, False, "contiguous", 2),  # ring 107.8, head 103.4
+    (FULL, True, "contiguous", 2),  # ring 83.9 (unbalanced), head 58.6
+    (LONGNET, False, "zigzag", 2),  # ring 20.7, head 18.8
+    (LONGNET, True, "zigzag", 2),  # ring 23.6, head 15.2
+    (FULL, False, "zigzag", 1),  # ring 107.4, head 104.5: within 3%
+    (FULL, True, "zigzag", 1),  # ring 59.7 (balanced), head 58.8: within 3%
 ])
 def test_two_h100_measurements(patterns, causal, layout, team):
     """On an H100 its own measured choices apply; any other model (or none: CPU) takes the H200 table."""
