@@ -573,7 +573,10 @@ def make_kernel(name, table_impls, choices, block=None):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if len(args.mid_segments.split(",")) != len(args.mid_rates.split(",")):
+        parser.error("--mid-rates needs one rate per --mid-segments entry")
     if args.render:
         return render(args.render)
     if args.write_table:

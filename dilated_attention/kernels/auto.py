@@ -8,9 +8,9 @@ head dim, dtype, length class of the segment rows ``M = w / r``); a key the tabl
 not list runs the fused kernel. So one configuration always runs the same implementation,
 on every rank and every run.
 
-Length class: the winner depends on the segment length (on an H100 cuDNN wins on LongNet's
-2048-row segments, flash-attn-4 on non-causal 4096-8192-row ones and on full attention over
-65536 rows), so keys end in ``/short`` (``M <= SHORT_ROWS``), ``/mid`` (``M <= LONG_ROWS``)
+Length class: the winner depends on the segment length (on an H100 cuDNN's deterministic
+backward wins on LongNet's causal 2048-row segments, flash-attn-4's on its 4096-8192-row ones
+and on full attention over 65536 rows), so keys end in ``/short`` (``M <= SHORT_ROWS``), ``/mid`` (``M <= LONG_ROWS``)
 or ``/long`` (longer segments, full attention). A table measured before the mid class has
 no ``/mid`` keys: its ``/short`` entry answers those rows (it covered them then). Tables
 written before classes keyed rows as ``/M<rows>``: such an entry stands for the class of its
