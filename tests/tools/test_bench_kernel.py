@@ -110,3 +110,28 @@ def test_refine_by_pipeline_times_every_combination_of_close_calls():
     assert best[key("bwd", 1)] == "fused" and best[key("bwd-any", 2)] == "reference"
     no_close = {name: names[:1] + [(names[1][0], 9.0)] for name, names in ranked.items()}
     assert bk.refine_by_pipeline(impls, choices, no_close, q, k, v, dout, plans, False, 0.25, 0, 1) == (choices, [])
+
+
+def test_bench_kernel_measures_the_mid_class_on_its_own_plans(tmp_path, monkeypatch):
+    """``--mid-segments``/``--mid-rates`` plans give the table its mid-class keys (dense and dilated, causal and
+    not, with the LongNet plans' short ones beside them); shapes scaled down by moving the class bound."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU check of the table flow (the interpreter stands in for the GPU)")
+    bk = _benchmark("bench_kernel")
+    from dilated_attention.kernels import auto
+
+    monkeypatch.setattr(auto, "SHORT_ROWS", 16)  # smoke LongNet plans: 16 rows (short); mid plans: 32 rows
+    assert bk.main(["--smoke", "--table-only", "--no-full", "--out", str(tmp_path),
+                    "--mid-segments", "32,64", "--mid-rates", "1,2"]) == 0
+    result = json.loads((tmp_path / "kernel_smoke.json").read_text())
+    assert result["meta"]["mid_plans"] == [[32, 1], [64, 2]]
+    (entry,) = result["auto_table"].values()
+    classes = {key.rpartition("/")[2] for key in entry["choices"]}
+    assert classes == {"short", "mid"}
+    for causal in ("full", "causal"):
+        for kind in ("dense", "dilated"):
+            assert f"fwd/{kind}/{causal}/D16/float32/mid" in entry["choices"]
+            assert f"bwd/{kind}/{causal}/D16/float32/short" in entry["choices"]
+    with pytest.raises(SystemExit):
+        bk.main(["--smoke", "--mid-segments", "32,64", "--mid-rates", "1"])
