@@ -351,18 +351,23 @@ class Part:
 
 
 def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Sequence[Part],
-                    like: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    like: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                    consume: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The final ``(out, lse)`` of patterns that left compact parts, merged with the ``running`` fp32 result
     of those merged in place (``None`` if there were none): ``out`` in ``like``'s dtype and shape, ``lse`` in
     the accumulation dtype. ``merge_two``'s semantics (a row no pattern covers: 0 and ``-inf``); on CUDA
     ``combine_lse_kernel`` weighs the parts, then one ``combine_kernel`` pass reads each part once and writes
     the result once (no fp32 result in between). ``into``: ``(out, lse)`` views (of a larger result: a head
-    range) written instead of new tensors, and returned."""
+    range) written instead of new tensors, and returned. ``consume``: the parts are the caller's to overwrite
+    (``_reused``: the result may be written over one of them)."""
     _check_parts(parts, like, weighted=True)
     if not parts and running is not None:  # nothing to gather: the cast alone
         return _placed((running[0].to(like.dtype), running[1]), into)
     if _combine_reason(running, parts, like, into) is None:
+        if into is None and consume:
+            reused = _reused(parts, like)
+            if reused is not None:
+                into = (reused, torch.empty(like.shape[:-1], dtype=torch.float32, device=like.device))
         return _launch_combine(running, parts, like, weighted=True, into=into)
     acc = accum_dtype(like.dtype)
     if running is None:
@@ -386,18 +391,22 @@ def _placed(results: tuple[torch.Tensor, ...], into: tuple[torch.Tensor, ...] | 
 
 
 def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.Tensor,
-              into: torch.Tensor | None = None) -> torch.Tensor:
+              into: torch.Tensor | None = None, *, consume: bool = False) -> torch.Tensor:
     """A gradient: the ``running`` fp32 accumulator (``None`` if no pattern accumulated in place) plus every
     compact part, summed in fp32 in that order and cast to ``like``'s dtype (its shape). Bit for bit what
     adding each part into an accumulator, then casting, gives (where the cast rounds to nearest: Triton's
     interpreter truncates to bf16); on CUDA one ``combine_kernel`` pass. The parts are in the inputs' dtype,
     so each pattern's gradient is rounded once before the sum (cuDNN's come that way; the fused kernel's
-    were summed in fp32 before): measured in the tolerance tests, within the rule against fp64. ``into``: a view written instead of a new tensor, and returned."""
+    were summed in fp32 before): measured in the tolerance tests, within the rule against fp64. ``into``: a view
+    written instead of a new tensor, and returned. ``consume``: as ``combine_results``'."""
     _check_parts(parts, like, weighted=False)
     dst = None if into is None else (into,)
     if not parts and running is not None:  # nothing to gather: the cast alone (none for fp32)
         return _placed((running.to(like.dtype),), dst)[0]
     if _combine_reason(running, parts, like, dst) is None:
+        if dst is None and consume:
+            reused = _reused(parts, like)
+            dst = None if reused is None else (reused,)
         return _launch_combine(running, parts, like, weighted=False, into=dst)[0]
     acc = running if running is not None else torch.zeros(like.shape, dtype=accum_dtype(like.dtype),
                                                            device=like.device)
@@ -406,6 +415,20 @@ def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.T
             chunk_views(acc, part.plan, c, kv=part.kv).add_(
                 compact_view(part.out, part.plan, *((c.k0, c.k1) if part.kv else (c.h0, c.h1))))
     return _placed((acc.to(like.dtype),), dst)[0]
+
+
+def _reused(parts: Sequence[Part], like: torch.Tensor) -> torch.Tensor | None:
+    """The out of a part the combine may write its result over, or ``None``: a rate-1 part in ``like``'s dtype
+    and a dense layout (the part that holds a LongNet call's largest pattern, as large as the result). The
+    kernel reads each element of such a part in the program that then writes that same element, and no other
+    part shares its memory, so writing over it changes no bit; the call then holds one tensor of the result's
+    size less (the peak of a LongNet backward)."""
+    for part in parts:
+        out = part.out
+        if part.plan.dilation == 1 and out.dtype == like.dtype and out.is_contiguous() and not any(
+                out.untyped_storage().data_ptr() == p.out.untyped_storage().data_ptr() for p in parts if p is not part):
+            return out
+    return None
 
 
 def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> None:

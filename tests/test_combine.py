@@ -125,6 +125,47 @@ def test_combine_results_nan_and_inf_propagate_like_merge_two():
     assert torch.equal(torch.isposinf(lse), torch.isposinf(want_lse))
 
 
+@needs_kernel
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("running", [False, True])
+def test_consume_writes_over_the_rate_one_part_bit_for_bit(weighted, running):
+    """``consume=True``: the result is written over the rate-1 part (the same storage comes back, so the call
+    holds one result-sized tensor less) and equals the combine into a new tensor bit for bit; a part in another
+    dtype, a strided one or one sharing memory with another part is not reused."""
+    gen = torch.Generator().manual_seed(5 + weighted + 2 * running)
+    heads = 4
+    plans = _plans(heads, heads, [8, 16, 32], [1, 2, 4])
+    assert plans[0].dilation == 1
+    like = torch.empty(2, N, heads, DIM, dtype=torch.bfloat16, device=DEVICE)
+    parts = (_result_parts(gen, plans, heads, torch.bfloat16, "contiguous") if weighted
+             else _grad_parts(gen, plans, heads, False, torch.bfloat16, "contiguous"))
+    run = None
+    if running:
+        run = (_rand(gen, 2, N, heads, DIM), _rand(gen, 2, N, heads, 1).squeeze(-1)) if weighted else \
+            _rand(gen, 2, N, heads, DIM)
+
+    def combine(parts, consume):
+        held = None if run is None else tuple(t.clone() for t in run) if weighted else run.clone()
+        if weighted:
+            return combine_results(held, parts, like, consume=consume)[0]
+        return sum_grads(held, parts, like, consume=consume)
+
+    want = combine([Part(p.plan, p.out.clone(), p.lse, p.kv) for p in parts], consume=False)
+    assert want.data_ptr() != parts[0].out.data_ptr()
+    kept = parts[0].out.clone()
+    got = combine(parts, consume=True)
+    assert got.data_ptr() == parts[0].out.data_ptr(), "the rate-1 part was not reused"
+    assert not torch.equal(kept, got), "the part still holds its own values"
+    assert torch.equal(got, want)
+    assert merge_mod._reused(parts, like) is not None
+    strided = Part(parts[0].plan, _rand(gen, 2, N, heads, DIM, dtype=torch.bfloat16, layout="transposed"))
+    other_dtype = Part(parts[0].plan, parts[0].out.float())
+    shared = [parts[0], Part(parts[1].plan, parts[0].out[:, ::2])]
+    assert merge_mod._reused([strided, *parts[1:]], like) is None
+    assert merge_mod._reused([other_dtype, *parts[1:]], like) is None
+    assert merge_mod._reused(shared, like) is None
+
+
 def _grad_parts(gen, plans, heads, kv, dtype, layout):
     return [Part(p, _rand(gen, 2, N // p.dilation, heads, DIM, dtype=dtype, layout=layout), kv=kv)
             for p in plans if p.head_offsets(heads, kv) is not None]

@@ -51,7 +51,8 @@ drives it chunk by chunk on strided views. A kernel that changes another one
   (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``), or (``backward_pattern_parts``,
   local patterns) returns them in compact layout in the inputs' dtype, ``dk``/``dv`` ``(B, L // r, Hk, D)``.
 * ``parts`` says, per local pattern and direction, which of the two a strategy calls: compact parts
-  are combined in one pass at the end (``merge.combine_results``/``sum_grads``).
+  are combined in one pass at the end (``merge.combine_results``/``sum_grads``). A part is a new tensor
+  the caller owns: the combine may write the call's result over a rate-1 part (``merge._reused``).
 * ``causal_block`` (optional, read as 0 where absent, so kernels written without it keep working): a
   kernel whose causal calls are slow on long squares sets it to ``b > 0``, and the strategy then splits a
   causal square of more than ``ring.WHOLE_BLOCKS * b`` dilated rows into one causal call of its diagonal blocks
