@@ -55,22 +55,13 @@ def scratch_bytes(plans: Sequence[PatternPlan], leaves_part: Callable[[PatternPl
     with parts, or a ring on compact rows: ``ring.leaves_part``); any other accumulates into fp32 tensors of the
     full shape."""
     per_row = (heads + 2 * kv_heads) * dim  # dq, dk, dv elements of one row
-    active = [p for p in plans if p.chunks]
-    merged = [p for p in active if not leaves_part(p)]
+    merged = [p for p in plans if p.chunks and not leaves_part(p)]
     running = ACCUM_BYTES * rows * per_row if merged else 0
-
-    def part(p: PatternPlan) -> int:
-        return elem * (rows // p.dilation) * per_row
-
-    def ring(p: PatternPlan) -> int:  # its packed K/V block and the next one (input dtype), fp32 dK/dV scratch,
-        return 2 * (rows // p.dilation) * p.packed_heads * dim * (2 * elem + 3 * ACCUM_BYTES)  # outgoing, incoming
-
-    # rings on compact rows run first (``ring.ring_backward``), holding only their own parts; the rest together
-    compact = [p for p in active if p.ring_size > 1 and p not in merged]
-    first = sum(map(part, compact)) + max(map(ring, compact), default=0)
-    rest = running + sum(part(p) for p in active if p not in merged) + max(
-        (ring(p) for p in merged if p.ring_size > 1), default=0)
-    return max(first, rest)
+    parts = sum(elem * (rows // p.dilation) * per_row for p in plans if p.chunks and p not in merged)
+    # a ring: its packed K/V block and the next one (input dtype), and fp32 dK/dV scratch, outgoing, incoming
+    ring = max((2 * (rows // p.dilation) * p.packed_heads * dim * (2 * elem + 3 * ACCUM_BYTES)
+                for p in plans if p.chunks and p.ring_size > 1), default=0)
+    return running + parts + ring
 
 
 def own_bytes(rows: int, heads: int, kv_heads: int, dim: int, elem: int) -> int:

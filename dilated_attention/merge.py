@@ -419,13 +419,13 @@ def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.T
 
 def _reused(parts: Sequence[Part], like: torch.Tensor) -> torch.Tensor | None:
     """The out of a part the combine may write its result over, or ``None``: a rate-1 part in ``like``'s dtype
-    and a dense layout (the part that holds a LongNet call's largest pattern, as large as the result). The
-    kernel reads each element of such a part in the program that then writes that same element, and no other
-    part shares its memory, so writing over it changes no bit; the call then holds one tensor of the result's
-    size less (the peak of a LongNet backward)."""
+    and strides (the part of a LongNet call's first pattern, as large as the result; its strides, so that the
+    result reads as a new one would, e.g. zero-copy in a kernel that compares them with q's). The kernel reads
+    each element of such a part in the program that then writes that same element, and no other part shares
+    its memory, so writing over it changes no bit; the call then holds one result-sized tensor less."""
     for part in parts:
         out = part.out
-        if part.plan.dilation == 1 and out.dtype == like.dtype and out.is_contiguous() and not any(
+        if part.plan.dilation == 1 and out.dtype == like.dtype and out.stride() == like.stride() and not any(
                 out.untyped_storage().data_ptr() == p.out.untyped_storage().data_ptr() for p in parts if p is not part):
             return out
     return None

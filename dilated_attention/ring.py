@@ -551,16 +551,13 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     acc = accum_dtype(q.dtype)
     running, parts = None, ([], [], [])
     sides = _SideStreams(q, ring.causal)
-    plans = [p for p in ring.plans if p.chunks]
-    # Rings on compact rows first: their blocks and fp32 accumulators come and go before the local patterns'
-    # parts pile up (the backward's peak). The parts still sum in plan order: no bit changes.
-    early = {i: _dense_backward(q, k, v, out, lse, dout, plan, dense, ring) for i, plan in enumerate(plans)
-             if (dense := _dense_ring(plan, key_mask is not None, layout, q, k)) is not None}
-    for i, plan in enumerate(plans):
+    for plan in (p for p in ring.plans if p.chunks):
         split, pieces, part = _route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
-        if part or i in early:
-            grads = early[i] if i in early else sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out,
-                                                            lse, dout, causal=ring.causal, scale=ring.scale, **own)
+        dense = None if part else _dense_ring(plan, key_mask is not None, layout, q, k)
+        if part or dense is not None:
+            grads = (sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
+                                 causal=ring.causal, scale=ring.scale, **own) if part
+                     else _dense_backward(q, k, v, out, lse, dout, plan, dense, ring))
             for held, grad, kv in zip(parts, grads, (False, True, True)):
                 held.append(Part(plan, grad, kv=kv))
             continue
