@@ -178,3 +178,35 @@ def test_one_device_zigzag_is_the_natural_order():
                for s in (1, 2, 3))
     a = dilated_attention(q, k, v, [8, 32], [1, 2], causal=True, layout="zigzag")
     assert torch.equal(a, dilated_attention(q, k, v, [8, 32], [1, 2], causal=True))
+
+
+def _ring_order_worker(rank: int, world: int) -> dict:
+    """Gradients of a LongNet ring call (a compact ring among local patterns that leave parts) with the
+    backward's rings run at every position among the other patterns: bitwise the same (``ring.RING_AFTER``)."""
+    from dilated_attention import ring
+    from dilated_attention.comm import get_backend
+
+    comm = get_backend("collective")
+    g = torch.Generator().manual_seed(40 + rank)
+    q, k, v, dout = (torch.randn(2, 32, 4, 8, generator=g) for _ in range(4))
+    grads, kept = {}, dict(ring.RING_AFTER)
+    try:
+        for at in (0, 1, 2, 1 << 30):
+            ring.RING_AFTER = {False: at, True: at}
+            for causal in (False, True):
+                x = [t.clone().requires_grad_() for t in (q, k, v)]
+                dilated_attention(*x, [8, 16, 64], [1, 2, 4], causal=causal, comm=comm,
+                                  strategy="ring").backward(dout)
+                grads[(at, causal)] = [t.grad for t in x]
+    finally:
+        ring.RING_AFTER = kept
+    plans = plan_patterns([8, 16, 64], [1, 2, 4], seq_len=64, local_len=32, num_heads=4, num_kv_heads=4)
+    return {"compact_rings": sum(ring._dense_ring(p, False, RingLayout(), q, k) is not None for p in plans),
+            "equal": all(torch.equal(a, b) for (at, c), got in grads.items()
+                         for a, b in zip(got, grads[(1 << 30, c)])),
+            "nonzero": all(bool(t.abs().sum() > 0) for got in grads.values() for t in got)}
+
+
+def test_backward_ring_position_changes_no_bit():
+    for res in spawn_ranks(_ring_order_worker, 2):
+        assert res["compact_rings"] == 1 and res["nonzero"] and res["equal"]
