@@ -364,11 +364,7 @@ def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Se
     if not parts and running is not None:  # nothing to gather: the cast alone
         return _placed((running[0].to(like.dtype), running[1]), into)
     if _combine_reason(running, parts, like, into) is None:
-        if into is None and consume:
-            reused = _reused(parts, like)
-            if reused is not None:
-                into = (reused, torch.empty(like.shape[:-1], dtype=torch.float32, device=like.device))
-        return _launch_combine(running, parts, like, weighted=True, into=into)
+        return _launch_combine(running, parts, like, weighted=True, into=into, consume=consume)
     acc = accum_dtype(like.dtype)
     if running is None:
         out = torch.zeros(like.shape, dtype=acc, device=like.device)
@@ -404,10 +400,7 @@ def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.T
     if not parts and running is not None:  # nothing to gather: the cast alone (none for fp32)
         return _placed((running.to(like.dtype),), dst)[0]
     if _combine_reason(running, parts, like, dst) is None:
-        if dst is None and consume:
-            reused = _reused(parts, like)
-            dst = None if reused is None else (reused,)
-        return _launch_combine(running, parts, like, weighted=False, into=dst)[0]
+        return _launch_combine(running, parts, like, weighted=False, into=dst, consume=consume)[0]
     acc = running if running is not None else torch.zeros(like.shape, dtype=accum_dtype(like.dtype),
                                                            device=like.device)
     for part in parts:
@@ -625,12 +618,13 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted: bool,
-                    into: tuple[torch.Tensor, ...] | None = None):
+                    into: tuple[torch.Tensor, ...] | None = None, consume: bool = False):
     bsz, n, heads, dim = like.shape
     if into is not None:
         out, lse = into[0], (into[1] if weighted else None)
     else:
-        out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        reused = _reused(parts, like) if consume else None
+        out = reused if reused is not None else torch.empty(like.shape, dtype=like.dtype, device=like.device)
         lse = torch.empty(like.shape[:-1], dtype=torch.float32, device=like.device) if weighted else None
     if out.numel() == 0:
         return out, lse

@@ -400,7 +400,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
 # per GPU, flash-attn-4), against last: non-causal after the first 1.00x the time, peak 1.69x -> 1.41x own; causal
 # 1.02x (1.06x without flash-attn-4) for 1.50x, first 1.12x: causal rings stay last, where the local patterns
 # on side streams overlap them.
-RING_AFTER = {False: 1, True: 1 << 30}
+RING_AFTER = {False: 1, True: 1 << 30}  # (a count past the others: last)
 
 CAUSAL_PART_STREAMS = 2  # side streams for causal local patterns (1: none); why, in _SideStreams
 _STREAM_POOLS: dict[int, tuple[torch.cuda.Stream, ...]] = {}
