@@ -60,7 +60,7 @@ from . import caches
 from .comm.base import CommBackend
 from .kernels.protocol import PatternKernel, clear_result_
 from .kernels.wrapper import KernelWrapper
-from .merge import Part, accum_dtype, combine_results, sum_grads
+from .merge import Part, accum_dtype, add_into_, combine_results, merge_into_, sum_grads
 from .patterns import PatternPlan
 from .views import pack_kv, region_views, unpack_add_
 
@@ -124,8 +124,8 @@ class _Call:
 
 
 @caches.memoize("ring.step_calls", 4096)  # asked per pattern and ring step; a model has few configurations
-def _step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, blocks: int, rows: int, causal: bool
-                ) -> tuple[_Call, ...]:
+def _step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, blocks: int, rows: int, causal: bool,
+                shared: bool = False) -> tuple[_Call, ...]:
     """The kernel calls of a ring step on block ``own`` (``rows`` rows) with block ``src``'s K/V.
 
     Each (query chunk, key chunk) pair is compared by global chunk id. Where the pairs see each other as the
@@ -133,13 +133,16 @@ def _step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, block
     call covers the block; else one call per visible pair on half-block views (zigzag). For a segment
     spanning the whole sequence that is, causal, on every rank: its own block (one causal call), then per
     step either both query halves against the first key half or the second query half against both key
-    halves: half a block's work each step, whatever the rank.
+    halves: half a block's work each step, whatever the rank. ``shared`` (``_Share``): an earlier block
+    is seen by the first half of the rows only, the other half being a helper's.
     """
     queries, keys = layout.chunks(own, blocks), layout.chunks(src, blocks)
     seen = [[_visibility(causal, kc, qc, plan.ring_size) for kc in keys] for qc in queries]
     pairs = [(i, j) for i in range(len(queries)) for j in range(len(keys))]
     if all(seen[i][j] is Visibility.HIDDEN for i, j in pairs):
         return ()
+    if shared and src != own:
+        return _half_calls(plan, src, rows)
     for whole in (False, True):  # the block's own rows: full, or causal by row
         if all(seen[i][j] is _visibility(whole, j, i, len(keys)) for i, j in pairs):
             return (_Call(slice(0, rows), slice(0, rows // plan.dilation), slice(src * rows, (src + 1) * rows),
@@ -150,6 +153,72 @@ def _step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, block
     return tuple(_Call(slice(i * size, (i + 1) * size), slice(j * packed, (j + 1) * packed),
                        slice(src * rows + j * size, src * rows + (j + 1) * size), half, seen[i][j] is Visibility.CAUSAL)
                  for i, j in pairs if seen[i][j] is not Visibility.HIDDEN)
+
+
+@caches.memoize("ring.half_calls", 1024)  # asked per shared ring step; a model has few configurations
+def _half_calls(plan: PatternPlan, src: int, rows: int) -> tuple[_Call, _Call]:
+    """Half of a block's ``rows`` query rows against both halves of block ``src``'s packed K/V, non-causal:
+    two calls of half blocks (a kernel call's queries and keys have equally many rows per segment)."""
+    size = rows // 2
+    packed, half = size // plan.dilation, plan.with_local_segment(size)
+    return tuple(_Call(slice(0, size), slice(j * packed, (j + 1) * packed),
+                       slice(src * rows + j * size, src * rows + (j + 1) * size), half, False) for j in range(2))
+
+
+# Causal rings on contiguous blocks share their cross blocks (``_Share``); False runs each rank's own rows only.
+SHARE_CROSS_BLOCKS = True
+
+
+@dataclass(frozen=True)
+class _Share:
+    """A causal ring on contiguous blocks, balanced: the ring position ``p`` sees ``p`` earlier blocks whole, so
+    the last rank would do ``G - 1`` blocks of cross work while the first does none. Here each rank computes
+    only its first ``half`` query rows against the earlier blocks; its second half goes to every earlier rank
+    of the ring (its ``helpers``), which computes it against its own K/V at its first step and sends the
+    result back (forward: fp32 ``out``/``lse``; backward: fp32 dQ, its dK/dV going into its own block's
+    accumulator before that leaves). Every rank then does its causal block plus ``G - 1`` half blocks.
+    ``guests``: the later ranks whose second halves this rank computes."""
+
+    half: int
+    helpers: tuple[int, ...]
+    guests: tuple[int, ...]
+
+
+def _share(plan: PatternPlan, layout: RingLayout, causal: bool, members: tuple[int, ...], rank: int,
+           rows: int) -> _Share | None:
+    """How a ring of ``members`` on blocks of ``rows`` rows, read with ``plan``, shares its cross blocks:
+    causal rings on contiguous blocks of whole dilated half blocks; else ``None``."""
+    if not (SHARE_CROSS_BLOCKS and causal) or layout.zigzag or len(members) < 2 or rows % (2 * plan.dilation):
+        return None
+    pos = members.index(rank)
+    return _Share(rows // 2, members[:pos], members[pos + 1:])
+
+
+def _trade(comm: CommBackend, sends: list[tuple[int, tuple[torch.Tensor, ...]]], peers: tuple[int, ...],
+           likes: tuple[torch.Tensor, ...], what: str, stamp) -> tuple[list[tuple[torch.Tensor, ...]], object]:
+    """Post ``(group rank, tensors)`` sends and receive tensors shaped like ``likes`` from each of ``peers``, in
+    one batch: ``(what each peer sent, pending)``."""
+    got = [tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in likes) for _ in peers]
+    pending = comm.exchange([(x, r) for r, xs in sends for x in xs],
+                            [(x, r) for r, xs in zip(peers, got) for x in xs], what, stamp=stamp)
+    return got, pending
+
+
+def _post_guests(comm: CommBackend, share: _Share, tensors: tuple[torch.Tensor, ...], what: str, stamp
+                 ) -> tuple[list[tuple[torch.Tensor, ...]], object]:
+    """Our second half of each of ``tensors`` to every helper; the guests' halves received: ``(per guest, pending)``."""
+    mine = tuple(x[:, share.half:].contiguous() for x in tensors) if share.helpers else ()
+    return _trade(comm, [(h, mine) for h in share.helpers], share.guests,
+                  tuple(x[:, share.half:] for x in tensors), what, stamp)
+
+
+def _return_results(comm: CommBackend, share: _Share, results: list[tuple[torch.Tensor, ...]],
+                    likes: tuple[torch.Tensor, ...], what: str, stamp) -> list[tuple[torch.Tensor, ...]]:
+    """Each guest's results sent home; the helpers' results for our second half (shaped like ``likes``), in
+    ring order, once they have arrived."""
+    got, pending = _trade(comm, list(zip(share.guests, results)), share.helpers, likes, what, stamp)
+    pending.wait()
+    return got
 
 
 def _what(call: int, direction: str, plan: PatternPlan, step: int, size: int, exchange: str) -> str:
@@ -336,8 +405,15 @@ def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, s
     the queries are read with (``_dense_view`` on compact ``q``/``out``/``lse``; default ``plan``); K/V blocks
     are packed by ``plan``."""
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
-    for _, block, src in _ring_blocks(k, v, plan, comm, layout, call, "forward"):
-        for c in _step_calls(view or plan, layout, own, src, blocks, q.shape[1], causal):
+    members = layout.members(comm.rank, plan.ring_size, blocks)
+    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1])
+    stamp = comm.stamp(call, "forward")
+    if share is not None:
+        guests, arriving = _post_guests(comm, share, (q,), _what(call, "forward", plan, 0, len(members),
+                                                                  "queries of shared cross blocks"), stamp)
+        results = []
+    for step, block, src in _ring_blocks(k, v, plan, comm, layout, call, "forward"):
+        for c in _step_calls(view or plan, layout, own, src, blocks, q.shape[1], causal, share is not None):
             pieces = _causal_split(c.plan, split) if c.causal else ()
             if pieces:
                 _split_forward(kernel, pieces, q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys],
@@ -346,6 +422,22 @@ def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, s
             kernel.forward_pattern_into(q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys], c.plan,
                                         out[:, c.rows], lse[:, c.rows], packed=True, causal=c.causal, scale=scale,
                                         **_call_mask(key_mask, c))
+        if step == 0 and share is not None:  # the guests' second halves against our own K/V
+            arriving.wait()
+            for (gq,) in guests:
+                go = torch.empty(gq.shape, dtype=out.dtype, device=out.device)
+                gl = torch.empty(gq.shape[:3], dtype=lse.dtype, device=lse.device)
+                clear_result_(go, gl)
+                for c in _half_calls(view or plan, own, q.shape[1]):
+                    kernel.forward_pattern_into(gq, block[0][:, c.keys], block[1][:, c.keys], c.plan, go, gl,
+                                                packed=True, causal=False, scale=scale, **_call_mask(key_mask, c))
+                results.append((go, gl))
+    if share is not None:
+        rest = (out[:, share.half:], lse[:, share.half:])
+        for ho, hl in _return_results(comm, share, results, rest,
+                                      _what(call, "forward", plan, 0, len(members), "results of shared cross blocks"),
+                                      stamp):
+            merge_into_(*rest, ho, hl)
 
 
 def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, kernel, causal, scale, split, dq,
@@ -358,8 +450,13 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     _, nxt, prv = comm.ring_peers(members)
     scratch = outgoing = incoming = grads_pending = None
     stamp = comm.stamp(call, "backward")
+    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1])
+    if share is not None:
+        guests, arriving = _post_guests(comm, share, (q, out, lse, dout),
+                                        _what(call, "backward", plan, 0, size, "rows of shared cross blocks"), stamp)
+        helped = []
     for step, block, src in _ring_blocks(k, v, plan, comm, layout, call, "backward"):
-        calls = _step_calls(view or plan, layout, own, src, blocks, q.shape[1], causal)
+        calls = _step_calls(view or plan, layout, own, src, blocks, q.shape[1], causal, share is not None)
         if scratch is None:
             scratch, outgoing, incoming = (torch.empty(block.shape, dtype=accum_dtype(block.dtype),
                                                        device=block.device) for _ in range(3))
@@ -377,6 +474,15 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                                         out[:, c.rows], lse[:, c.rows], dout[:, c.rows], dq[:, c.rows],
                                         scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=c.causal,
                                         scale=scale, **_call_mask(key_mask, c))
+        if step == 0 and share is not None:  # the guests' second halves: their dK/dV into our block's accumulator
+            arriving.wait()
+            for gq, go, gl, gd in guests:
+                gdq = torch.zeros(gq.shape, dtype=dq.dtype, device=dq.device)
+                for c in _half_calls(view or plan, own, q.shape[1]):
+                    kernel.backward_pattern(gq, block[0][:, c.keys], block[1][:, c.keys], c.plan, go, gl, gd, gdq,
+                                            scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=False,
+                                            scale=scale, **_call_mask(key_mask, c))
+                helped.append((gdq,))
         if step == 0:  # our own block (always visible): its accumulator starts here
             scratch, outgoing = outgoing, scratch
         else:
@@ -388,6 +494,11 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
             grads_pending = comm.send_recv(outgoing, nxt, incoming, prv,
                                            _what(call, "backward", plan, step, size, "dK/dV accumulator"),
                                            stamp=stamp)
+    if share is not None:
+        rest = dq[:, share.half:]
+        for (hdq,) in _return_results(comm, share, helped, (rest,),
+                                      _what(call, "backward", plan, 0, size, "dQ of shared cross blocks"), stamp):
+            add_into_(rest, hdq)
     if size == 1:  # a ring of one rank (zigzag: the middle segment held whole): nothing travelled
         return outgoing
     grads_pending.wait()  # after size hops the accumulator of our own block is home

@@ -274,17 +274,34 @@ class CommBackend(ABC):
                   stamp: Stamp | None = None) -> Pending:
         """Post ``send -> dst`` and ``recv <- src`` (group ranks) together; call ``.wait()`` before use.
         ``stamp``: a 16-byte stamp goes each way in the same batch, and ``wait`` checks the one received."""
-        if not send.is_contiguous() or not recv.is_contiguous():
+        return self.exchange([(send, dst)], [(recv, src)], what or "ring exchange", stamp=stamp)
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                 what: str = "exchange", *, stamp: Stamp | None = None) -> Pending:
+        """Post every ``(tensor, group rank)`` send and receive as one batch of point-to-point transfers; call
+        ``.wait()`` before using what was received. Two ranks must post their transfers to each other in the
+        same order. ``stamp``: a 16-byte stamp to each rank sent to, first in the batch, and one from each rank
+        received from, checked on arrival."""
+        if any(not x.is_contiguous() for x, _ in (*sends, *recvs)):
             raise ValueError("ring buffers must be contiguous (pack them with views.pack_kv)")
-        sends, recvs = [(send, self.global_rank(dst))], [(recv, self.global_rank(src))]
-        if stamp is not None:  # the stamp each way, in the same batch as the block
-            rows = self.ledger.landing(stamp, 1, recv.device)
-            sends.insert(0, (stamp.header(send.device), sends[0][1]))
-            recvs.insert(0, (rows[0], recvs[0][1]))
-        works = self._batch_p2p(sends, recvs)
-        peers = f"the exchange with rank {src} (receive) and rank {dst} (send)"
-        waiting = self._waiting(works, peers, what or "ring exchange")
-        return waiting if stamp is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
+        to = list(dict.fromkeys(r for _, r in sends))
+        of = list(dict.fromkeys(r for _, r in recvs))
+        out_ops = [(x, self.global_rank(r)) for x, r in sends]
+        in_ops = [(x, self.global_rank(r)) for x, r in recvs]
+        rows = None
+        if stamp is not None and (to or of):
+            device = (sends or recvs)[0][0].device
+            rows = self.ledger.landing(stamp, len(of), device)
+            header = stamp.header(device)
+            out_ops[:0] = [(header, self.global_rank(r)) for r in to]
+            in_ops[:0] = [(rows[i], self.global_rank(r)) for i, r in enumerate(of)]
+        works = self._batch_p2p(out_ops, in_ops) if out_ops or in_ops else []
+        if len(to) == len(of) == 1:
+            peers = f"the exchange with rank {of[0]} (receive) and rank {to[0]} (send)"
+        else:
+            peers = f"the exchange with ranks {of} (receive) and {to} (send)"
+        waiting = self._waiting(works, peers, what)
+        return waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
 
     def _waiting(self, works: Any, peers: str, what: str) -> _Waiting:
         return _Waiting(self._handles(works), self.timeout, self.host_waits, self.rank, peers, what)
@@ -331,20 +348,12 @@ class CommBackend(ABC):
                                  f"got shape {tuple(x.shape)}")
         me = ranks.index(self.rank)
         got = [torch.empty_like(x) for x in sends]
-        peers = [(m, self.global_rank(r)) for m, r in enumerate(ranks) if m != me]
-        out_ops = [(x[m], g) for m, g in peers for x in sends]
-        in_ops = [(y[m], g) for m, g in peers for y in got]
-        rows = None
-        if stamp is not None and peers:  # one stamp per peer, in the same batch as the blocks
-            rows = self.ledger.landing(stamp, len(peers), sends[0].device)
-            header = stamp.header(sends[0].device)
-            out_ops += [(header, g) for _, g in peers]
-            in_ops += [(rows[i], g) for i, (_, g) in enumerate(peers)]
-        works = self._batch_p2p(out_ops, in_ops) if peers else []
+        peers = [(m, r) for m, r in enumerate(ranks) if m != me]
+        pending = self.exchange([(x[m], r) for m, r in peers for x in sends],
+                                [(y[m], r) for m, r in peers for y in got], what, stamp=stamp)
         for x, y in zip(sends, got):
             y[me].copy_(x[me])
-        waiting = self._waiting(works, f"the all-to-all with ranks {list(ranks)}", what)
-        return got, waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
+        return got, pending
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
         """Where small control tensors must live for this group's collectives."""

@@ -13,7 +13,7 @@ because the kernel assumed contiguous memory. Two audits:
   ``transpose``/``permute``. Reports ``file:line: why``. A line may opt out with
   a ``# audit: ok`` comment (say why next to it).
 * **runtime** (``runtime_audit``): while active, every tensor that reaches the
-  library's communication entry point (``CommBackend.send_recv``), a kernel
+  library's communication entry point (``CommBackend.exchange``), a kernel
   chosen by ``select_kernel`` (``forward_pattern``/``backward_pattern``) and,
   optionally, ``torch.distributed`` P2P calls is checked, and every
   non-contiguous (for sends) or misaligned tensor is recorded with its shape,
@@ -294,7 +294,7 @@ class _AuditedKernel(KernelWrapper):
 def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = False) -> Iterator[RuntimeAudit]:
     """Record non-contiguous/misaligned tensors reaching kernels and sends while the block runs.
 
-    Patches (and restores on exit) ``CommBackend.send_recv`` and, with ``torch_p2p``,
+    Patches (and restores on exit) ``CommBackend.exchange`` (every ring step and all-to-all) and, with ``torch_p2p``,
     ``torch.distributed``'s ``send``/``isend``/``P2POp``; sees every kernel a call plans
     through a kernel hook (``hooks.py``). The calls still run (a send of a strided view
     still raises the library's own error after being recorded).
@@ -307,14 +307,16 @@ def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = 
         setattr(owner, attr, new)
 
     if comm:
-        original_send_recv = CommBackend.send_recv
+        original_exchange = CommBackend.exchange
 
-        def send_recv(self, send, dst, recv, src, *args, **kwargs):
-            _check(audit, f"{self.name}.send_recv (to rank {dst})", "send", send, must_be_contiguous=True)
-            _check(audit, f"{self.name}.send_recv (from rank {src})", "recv", recv, must_be_contiguous=True)
-            return original_send_recv(self, send, dst, recv, src, *args, **kwargs)
+        def exchange(self, sends, recvs, *args, **kwargs):
+            for x, dst in sends:
+                _check(audit, f"{self.name}.exchange (to rank {dst})", "send", x, must_be_contiguous=True)
+            for x, src in recvs:
+                _check(audit, f"{self.name}.exchange (from rank {src})", "recv", x, must_be_contiguous=True)
+            return original_exchange(self, sends, recvs, *args, **kwargs)
 
-        patch(CommBackend, "send_recv", send_recv)
+        patch(CommBackend, "exchange", exchange)
     hook = (lambda kernel, call: _AuditedKernel(kernel, audit)) if kernels else None
     if hook is not None:
         hooks.add_kernel_hook(hook)

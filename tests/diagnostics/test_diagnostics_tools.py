@@ -568,7 +568,7 @@ def test_runtime_audit_names_a_strided_view_reaching_a_send():
     errors = [f for f in rec.dedup() if f.severity == "error"]
     assert len(errors) == 2, [f.text() for f in rec.dedup()]  # the two planted sends, nothing from the call
     text = errors[0].text()
-    assert "send_recv" in text and "stride (512, 32, 8, 1)" in text and "not contiguous" in text
+    assert "exchange (to rank 0)" in text and "stride (512, 32, 8, 1)" in text and "not contiguous" in text
     assert "test_diagnostics_tools.py" in errors[0].caller
     assert rec.checked > 6  # the kernel entry points were audited too
 

@@ -1,0 +1,107 @@
+"""Causal rings on contiguous blocks share their cross blocks (``ring._Share``).
+
+Without sharing, ring position ``p`` computes ``p`` earlier blocks whole and the last rank does all the cross
+work. Shared, each rank computes the first half of its rows against earlier blocks and the second half of every
+later rank's rows against its own K/V. The schedule's balance is checked without ranks; spawned gloo ranks run
+causal cases (LongNet on compact rows, full attention, key padding, GQA) with sharing on and off against the
+float64 oracle, and count the exchanges that carry the shared rows. (The harness battery in
+``tests/comm/test_backends.py`` runs shared rings at ``K = 2..4`` on every backend, bitwise across them.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention import ring
+from dilated_attention.patterns import plan_patterns
+from dilated_attention.ring import RingLayout, _half_calls, _share, _step_calls
+from dilated_attention.testing.spawn import spawn_ranks
+
+
+def _work(calls) -> float:
+    """Query-key pairs of some calls (a causal call: half its square)."""
+    return sum((c.rows.stop - c.rows.start) * (c.keys.stop - c.keys.start) / (2 if c.causal else 1) for c in calls)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_shared_causal_ring_is_balanced(world):
+    local = 16
+    (plan,) = plan_patterns([local * world], [1], seq_len=local * world, local_len=local, num_heads=2, num_kv_heads=2)
+    members = tuple(range(world))
+    work, unshared = [], []
+    for rank in range(world):
+        share = _share(plan, RingLayout(), True, members, rank, local)
+        assert share is not None and share.half == local // 2
+        assert share.helpers == members[:rank] and share.guests == members[rank + 1:]
+        steps = [_step_calls(plan, RingLayout(), rank, src, world, local, True, True) for src in range(world)]
+        helping = len(share.guests) * _work(_half_calls(plan, rank, local))
+        work.append(sum(_work(s) for s in steps) + helping)
+        unshared.append(sum(_work(_step_calls(plan, RingLayout(), rank, src, world, local, True))
+                            for src in range(world)))
+    # its own causal block, then half a block for each other rank: the same on every rank
+    assert work == [local * local / 2 + (world - 1) * local * local / 2] * world
+    assert unshared[-1] == local * local / 2 + (world - 1) * local * local > unshared[0] == local * local / 2
+    assert sum(work) == sum(unshared)  # the same pairs, moved
+
+
+def test_share_applies_to_causal_contiguous_rings_of_whole_half_blocks():
+    (plan,) = plan_patterns([64], [4], seq_len=64, local_len=32, num_heads=4, num_kv_heads=4)
+    ranks = (0, 1)
+    assert _share(plan, RingLayout(), True, ranks, 1, 32) is not None
+    assert _share(plan, RingLayout(), False, ranks, 1, 32) is None  # non-causal rings are balanced already
+    assert _share(plan, RingLayout(zigzag=True), True, ranks, 1, 32) is None  # zigzag balances by its layout
+    assert _share(plan, RingLayout(), True, (1,), 1, 32) is None  # a ring of one rank
+    assert _share(plan, RingLayout(), True, ranks, 1, 36) is None  # half a block is not whole dilated rows
+    kept = ring.SHARE_CROSS_BLOCKS
+    try:
+        ring.SHARE_CROSS_BLOCKS = False
+        assert _share(plan, RingLayout(), True, ranks, 1, 32) is None
+    finally:
+        ring.SHARE_CROSS_BLOCKS = kept
+
+
+def _worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from dilated_attention.comm.base import CommBackend
+    from dilated_attention.testing.harness import Case, run_case
+
+    shared: list[str] = []
+    original = CommBackend.exchange
+
+    def counting(self, sends, recvs, what="exchange", **kwargs):
+        if "shared cross blocks" in what:
+            shared.append(what)
+        return original(self, sends, recvs, what, **kwargs)
+
+    n = 16 * world
+    cases = [Case("longnet", world, (8, 16, n), (1, 2, 4), causal=True),  # a compact ring among local patterns
+             Case("full", world, (n,), (1,), causal=True),  # full attention: the ring on the caller's rows
+             Case("gqa-padding", world, (8, n), (1, 2), causal=True, heads=6, kv_heads=2, masked=True,
+                  layout="transposed"),
+             Case("bfloat16", world, (8, 16, n), (1, 2, 4), causal=True, heads=4, kv_heads=2, dim=16,
+                  dtype="bfloat16")]
+    res: dict = {}
+    kept = ring.SHARE_CROSS_BLOCKS
+    CommBackend.exchange = counting
+    try:
+        for on in (True, False):
+            ring.SHARE_CROSS_BLOCKS = on
+            for i, case in enumerate(cases):
+                before = len(shared)
+                got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 900 + i)
+                res[f"{case.name}-{'shared' if on else 'unshared'}"] = (got.ok, got.message, len(shared) - before)
+    finally:
+        CommBackend.exchange = original
+        ring.SHARE_CROSS_BLOCKS = kept
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_rings_match_the_oracle(world):
+    for rank, res in enumerate(spawn_ranks(_worker, world)):
+        for name, (ok, message, exchanges) in res.items():
+            assert ok, f"rank {rank}, {name}: {message}"
+            # forward: rows out, results back; backward: the same again
+            assert exchanges == (4 if name.endswith("-shared") else 0), (rank, name, exchanges)
