@@ -522,7 +522,8 @@ def _head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, 
     shape = (split.local_heads, split.local_kv_heads, q.shape[-1], q.element_size())
 
     def scratch() -> int:  # (asked only of calls long enough to chunk: it asks the kernel about every pattern)
-        return scratch_bytes(plans, lambda p: leaves_part(kernel, causal, "bwd", p, q, k, masked), rows, *shape)
+        return scratch_bytes(plans, lambda p: leaves_part(kernel, causal, "bwd", p, q, k, masked), rows, *shape,
+                             causal=causal)
 
     ranges = head_ranges(scratch, own_bytes(rows, *shape), split.local_heads, split.local_kv_heads)
     return ranges if len(ranges) > 1 else ()
