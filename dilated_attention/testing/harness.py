@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import memory
+from .. import memory, ring
 from ..comm import get_backend
 from ..distributed import shard_indices
 from ..functional import dilated_attention
@@ -63,6 +63,7 @@ class Case:
     docs: tuple[int, ...] | None = None  # cu_seqlens over the global sequence (batch 1)
     shards: str = "contiguous"  # the shard layout (dilated_attention's layout=): which rows each rank holds
     head_chunks: bool = False  # run the heads in as many chunks as there are kv heads (memory.py's rule forced)
+    shared: bool = False  # causal rings share their cross blocks at any length (ring.SHARE_MIN_ROWS = 0)
 
     @property
     def seq_len(self) -> int:
@@ -136,6 +137,12 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
                     dtype="bfloat16", dim=16, head_chunks=True))
     out.append(Case(f"P{world}-head-chunks-head-docs", world, (4, 8, 16), (1, 2, 4), causal=True, heads=heads,
                     kv_heads=4, batch=1, strategy="head", docs=(0, 5, 5, n // 2 + 3, n), head_chunks=True))
+    # causal rings on contiguous blocks sharing their cross blocks: compact rows, full attention, key padding
+    out.append(Case(f"P{world}-ring-shared-longnet-causal", world, *spanning, causal=True, heads=6, kv_heads=2,
+                    layout="transposed", shared=True))
+    out.append(Case(f"P{world}-ring-shared-full-causal", world, (n,), (1,), causal=True, shared=True))
+    out.append(Case(f"P{world}-ring-shared-key-padding", world, *spanning, causal=True, heads=4, kv_heads=2,
+                    masked=True, dtype="bfloat16", dim=16, shared=True))
     if world > 1:
         out.extend(zigzag_cases(world))
         out.append(Case(f"P{world}-zigzag-ring-head-chunks", world, (8, 2 * n), (1, 2), causal=True, heads=6,
@@ -224,16 +231,18 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
         masks["key_padding_mask"] = masks["key_padding_mask"][:, rows].to(device)
     if "cu_seqlens" in masks:
         masks["cu_seqlens"] = masks["cu_seqlens"].to(device)
-    rule = memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR
+    rule = memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR, ring.SHARE_MIN_ROWS
     if case.head_chunks:
         memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR = 0.0, 0
+    if case.shared:
+        ring.SHARE_MIN_ROWS = 0
     try:
         out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode,
                                 causal=case.causal, comm=comm, kernel=case.kernel, strategy=case.strategy,
                                 layout=case.shards, **masks)
         grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
     finally:
-        memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR = rule
+        memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR, ring.SHARE_MIN_ROWS = rule
     got = [t.detach().cpu() for t in (out, *grads)]
     errors = {n: rel_err(g, o[:, rows]) for n, g, o in zip(names, got, oracle)}
     ok = all(errors[n] <= tol[n] for n in names) and all(torch.isfinite(g).all().item() for g in got)
@@ -352,7 +361,10 @@ class Drift:
 
 def drifts(world: int) -> list[Drift]:
     """Each case keeps every exchange the same size (so without stamps it is a silent wrong result). Not mode
-    under hybrid: there grouped mode leaves a lane without the ring longnet runs, so a peer waits (a timeout)."""
+    under hybrid: there grouped mode leaves a lane without the ring longnet runs, so a peer waits (a timeout).
+    (The causal flag keeps them the same here: long causal rings share their cross blocks, ``ring._Share``,
+    with exchanges of their own, so ranks that drift between a long causal ring and another call fail loudly,
+    a gloo error or the process group's timeout, not with the stamps' ``ValueError``.)"""
     n, m = 16 * world, 24 * world
     base = {"segment_lengths": (8, n), "dilation_rates": (1, 2)}
     mqa = {"segment_lengths": (8, n), "dilation_rates": (1, 1)}  # longnet and grouped pack one kv head alike

@@ -4,8 +4,9 @@ Without sharing, ring position ``p`` computes ``p`` earlier blocks whole and the
 work. Shared, each rank computes the first half of its rows against earlier blocks and the second half of every
 later rank's rows against its own K/V. The schedule's balance is checked without ranks; spawned gloo ranks run
 causal cases (LongNet on compact rows, full attention, key padding, GQA) with sharing on and off against the
-float64 oracle, and count the exchanges that carry the shared rows. (The harness battery in
-``tests/comm/test_backends.py`` runs shared rings at ``K = 2..4`` on every backend, bitwise across them.)
+float64 oracle, and count the exchanges that carry the shared rows (sharing forced at these short lengths:
+``ring.SHARE_MIN_ROWS``). The harness battery in ``tests/comm/test_backends.py`` runs shared rings at
+``K = 2..4`` on every backend, bitwise across them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def _work(calls) -> float:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
-def test_shared_causal_ring_is_balanced(world):
+def test_shared_causal_ring_is_balanced(world, monkeypatch):
+    monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 0)
     local = 16
     (plan,) = plan_patterns([local * world], [1], seq_len=local * world, local_len=local, num_heads=2, num_kv_heads=2)
     members = tuple(range(world))
@@ -45,20 +47,18 @@ def test_shared_causal_ring_is_balanced(world):
     assert sum(work) == sum(unshared)  # the same pairs, moved
 
 
-def test_share_applies_to_causal_contiguous_rings_of_whole_half_blocks():
+def test_share_applies_to_long_causal_contiguous_rings_of_whole_half_blocks(monkeypatch):
     (plan,) = plan_patterns([64], [4], seq_len=64, local_len=32, num_heads=4, num_kv_heads=4)
     ranks = (0, 1)
+    monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 0)
     assert _share(plan, RingLayout(), True, ranks, 1, 32) is not None
     assert _share(plan, RingLayout(), False, ranks, 1, 32) is None  # non-causal rings are balanced already
     assert _share(plan, RingLayout(zigzag=True), True, ranks, 1, 32) is None  # zigzag balances by its layout
     assert _share(plan, RingLayout(), True, (1,), 1, 32) is None  # a ring of one rank
     assert _share(plan, RingLayout(), True, ranks, 1, 36) is None  # half a block is not whole dilated rows
-    kept = ring.SHARE_CROSS_BLOCKS
-    try:
-        ring.SHARE_CROSS_BLOCKS = False
-        assert _share(plan, RingLayout(), True, ranks, 1, 32) is None
-    finally:
-        ring.SHARE_CROSS_BLOCKS = kept
+    monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 64)
+    assert _share(plan, RingLayout(), True, ranks, 1, 32) is None  # a short block: not worth it
+    assert _share(plan, RingLayout(), True, ranks, 1, 64) is not None
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -83,18 +83,18 @@ def _worker(rank: int, world: int) -> dict:
              Case("bfloat16", world, (8, 16, n), (1, 2, 4), causal=True, heads=4, kv_heads=2, dim=16,
                   dtype="bfloat16")]
     res: dict = {}
-    kept = ring.SHARE_CROSS_BLOCKS
+    kept = ring.SHARE_MIN_ROWS
     CommBackend.exchange = counting
     try:
         for on in (True, False):
-            ring.SHARE_CROSS_BLOCKS = on
+            ring.SHARE_MIN_ROWS = 0 if on else 1 << 30
             for i, case in enumerate(cases):
                 before = len(shared)
                 got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 900 + i)
                 res[f"{case.name}-{'shared' if on else 'unshared'}"] = (got.ok, got.message, len(shared) - before)
     finally:
         CommBackend.exchange = original
-        ring.SHARE_CROSS_BLOCKS = kept
+        ring.SHARE_MIN_ROWS = kept
     return res
 
 
