@@ -167,9 +167,10 @@ def _half_calls(plan: PatternPlan, src: int, rows: int) -> tuple[_Call, _Call]:
 
 # Causal rings on contiguous blocks share their cross blocks (``_Share``) where a block has at least this many query
 # rows (the call's rows: compact ones on a dilated ring). Below, the moved work is worth less than the extra, smaller
-# calls and the two more exchanges per direction: measured on 2 x H100 (causal, 16 x 128 heads, bf16), shared /
-# unshared: full attention at 32768 rows 0.74x, LongNet's compact ring at 4096 rows 1.07x.
-SHARE_MIN_ROWS = 8192
+# calls and the two more exchanges per direction: measured on 2 x H100 (causal, 16 x 128 heads, bf16, flash-attn-4),
+# shared / unshared: full attention at 32768 rows 0.78x, 16384 rows 0.83x, 8192 rows 1.16x; LongNet's compact
+# ring at 4096 rows 1.18x, at 8192 rows 1.22x.
+SHARE_MIN_ROWS = 16384
 
 
 @dataclass(frozen=True)
@@ -458,7 +459,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     if share is not None:
         guests, arriving = _post_guests(comm, share, (q, out, lse, dout),
                                         _what(call, "backward", plan, 0, size, "rows of shared cross blocks"), stamp)
-        helped = []
+    helped = []
     for step, block, src in _ring_blocks(k, v, plan, comm, layout, call, "backward"):
         calls = _step_calls(view or plan, layout, own, src, blocks, q.shape[1], causal, share is not None)
         if scratch is None:
@@ -478,15 +479,11 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                                         out[:, c.rows], lse[:, c.rows], dout[:, c.rows], dq[:, c.rows],
                                         scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=c.causal,
                                         scale=scale, **_call_mask(key_mask, c))
-        if step == 0 and share is not None:  # the guests' second halves: their dK/dV into our block's accumulator
-            arriving.wait()
-            for gq, go, gl, gd in guests:
-                gdq = torch.zeros(gq.shape, dtype=dq.dtype, device=dq.device)
-                for c in _half_calls(view or plan, own, q.shape[1]):
-                    kernel.backward_pattern(gq, block[0][:, c.keys], block[1][:, c.keys], c.plan, go, gl, gd, gdq,
-                                            scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=False,
-                                            scale=scale, **_call_mask(key_mask, c))
-                helped.append((gdq,))
+        if not calls and share is not None and share.guests and not helped:
+            # our first idle step: the guests' second halves. Their dK/dV wait in ``scratch``, free from here on,
+            # for our block's accumulator to come home: added at step 0, they would hold it back from the next rank.
+            helped = _help_backward(kernel, share, guests, arriving, k, v, plan, view or plan, own, q.shape[1],
+                                    key_mask, scale, scratch)
         if step == 0:  # our own block (always visible): its accumulator starts here
             scratch, outgoing = outgoing, scratch
         else:
@@ -499,6 +496,9 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                                            _what(call, "backward", plan, step, size, "dK/dV accumulator"),
                                            stamp=stamp)
     if share is not None:
+        if not helped:  # a rank without guests waits for its sends here (a rank with guests has idle steps)
+            helped = _help_backward(kernel, share, guests, arriving, k, v, plan, view or plan, own, q.shape[1],
+                                    key_mask, scale, scratch)
         rest = dq[:, share.half:]
         for (hdq,) in _return_results(comm, share, helped, (rest,),
                                       _what(call, "backward", plan, 0, size, "dQ of shared cross blocks"), stamp):
@@ -506,7 +506,29 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     if size == 1:  # a ring of one rank (zigzag: the middle segment held whole): nothing travelled
         return outgoing
     grads_pending.wait()  # after size hops the accumulator of our own block is home
+    if share is not None and share.guests:
+        add_into_(incoming, scratch)  # the guests' dK/dV of our block
     return incoming
+
+
+def _help_backward(kernel, share: _Share, guests, arriving, k, v, plan: PatternPlan, view: PatternPlan, own: int,
+                   rows: int, key_mask, scale: float, scratch: torch.Tensor) -> list[tuple[torch.Tensor]]:
+    """The guests' second halves against our own K/V (packed again: the ring buffers hold other blocks by now):
+    their dQ, returned per guest, and their dK/dV of our block written into ``scratch``."""
+    arriving.wait()
+    if not guests:
+        return []
+    mine = pack_kv(k, v, plan)
+    scratch.zero_()
+    helped = []
+    for gq, go, gl, gd in guests:
+        gdq = torch.zeros(gq.shape, dtype=scratch.dtype, device=gq.device)
+        for c in _half_calls(view, own, rows):
+            kernel.backward_pattern(gq, mine[0][:, c.keys], mine[1][:, c.keys], c.plan, go, gl, gd, gdq,
+                                    scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=False,
+                                    scale=scale, **_call_mask(key_mask, c))
+        helped.append((gdq,))
+    return helped
 
 
 # The backward runs rings on compact rows after this many of its other patterns (by causal flag): their blocks
