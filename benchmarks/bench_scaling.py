@@ -931,6 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
+    from dilated_attention import ring
     from dilated_attention.comm import get_backend
 
     bench = Bench(env, args)
@@ -952,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_graph": bool(args.cuda_graph and bench.cuda),  # records of impl ours+graph (and ulysses+graph)
         "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
+        "share_min_rows": ring.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
         "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,
         "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock"),
         "efficiency": "T1 / (gpus * ms), T1 = one GPU on the whole sequence in this run: the library for ours and "

@@ -36,7 +36,8 @@ streams (compute, communication) and a host thread (``_Timeline``):
   the transfer ends, and work it then issues to an idle GPU starts ``dispatch_us`` later. A
   scaling JSON says which mode it measured (``meta.waits``; files without it were host-timed).
 - **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
-  the zigzag order, every step is half a block), head (Ulysses: four all-to-alls and copies,
+  the zigzag order, and on rings of full rows of at least ``ring.SHARE_MIN_ROWS``, which share their
+  cross blocks, every step after its own is half a block), head (Ulysses: four all-to-alls and copies,
   then the whole sequence for ``H/K`` heads), hybrid (all-to-all inside teams of ``A``, ring
   across teams on ``A L`` rows with ``H/A`` heads).
 
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .patterns import hybrid_team_size, longnet_offsets
+from .ring import SHARE_MIN_ROWS
 
 STRATEGIES = ("ring", "head", "hybrid")
 LONGNET_SEGMENTS = (2048, 8192, 32768, 131072)  # followed by N itself
@@ -327,7 +329,8 @@ def _local_kv_heads(p: Problem, team: int) -> int:
     return 1 if team % p.hkv == 0 else p.heads // team
 
 
-def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, balanced: bool) -> None:
+def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, balanced: bool,
+               share_rows: int | None) -> None:
     """Replay forward or backward of every pattern (local, or a ring on the slowest rank)."""
     d, e, b = p.head_dim, p.dtype_bytes, p.batch
     if direction == "bwd":
@@ -347,13 +350,14 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
         block_flops = pattern_flops(m, m, 1, heads=lay.heads, head_dim=d, batch=b)
         tl.run(pass_ms(2 * half * 2 * e, 2 * runs, hw))  # pack_kv: read + write both halves
         pos = g - 1  # the last rank of the ring: sees every earlier block when causal
+        shared = share_rows is not None and r == 1 and lay.rows >= share_rows  # (ring._share: as balanced)
         seen, grads_end = 0, None
         for step in range(g):
             kv_end = tl.send(transfer_ms(2 * half * e, link, hw)) if step < g - 1 else None
             src = (pos - step) % g
             own, hidden = src == pos, p.causal and src > pos
             causal_block = p.causal and own
-            flops = block_flops / 2 if (p.causal and balanced and not own) else block_flops
+            flops = block_flops / 2 if (p.causal and (balanced or shared) and not own) else block_flops
             if direction == "fwd":
                 if not hidden:
                     tl.run(kernel_fwd_ms(flops, m, causal_block, hw))
@@ -390,7 +394,7 @@ def _swap(tl: _Timeline, nbytes: float, team: int, before: tuple[float, int], af
 
 
 def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = False,
-            host_waits: bool = False) -> tuple[float, float]:
+            host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS) -> tuple[float, float]:
     """(ms, compute-stream busy ms) of one forward+backward on the slowest rank: all-to-all inside
     teams of ``team`` ranks (1: none), then every pattern locally or as a ring across teams."""
     tl = _Timeline(hw, host_waits)
@@ -401,11 +405,11 @@ def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = 
     out = p.batch * local * p.heads * p.head_dim * p.dtype_bytes
     if team > 1:  # q/k/v to heads: build the send buffer; received rows reshaped, q/k/v made contiguous
         _swap(tl, qkv, team, (2 * qkv, 3), (4 * qkv, 4), hw)
-    _attention(tl, p, lay, hw, "fwd", balanced)
+    _attention(tl, p, lay, hw, "fwd", balanced, share_rows)
     if team > 1:  # output back to sequence
         _swap(tl, out, team, (2 * out, 1), (2 * out, 1), hw)
         _swap(tl, out, team, (2 * out, 1), (2 * out, 1), hw)  # backward: dout to heads
-    _attention(tl, p, lay, hw, "bwd", balanced)
+    _attention(tl, p, lay, hw, "bwd", balanced, share_rows)
     if team > 1:  # dq/dk/dv: cat, contiguous; received heads merged
         _swap(tl, qkv, team, (4 * qkv, 2), (2 * qkv, 3), hw)
     return tl.end, tl.busy
@@ -430,10 +434,13 @@ def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
 
 
 def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardware(),
-            *, balanced: bool = False, host_waits: bool = False) -> Prediction | None:
+            *, balanced: bool = False, host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS
+            ) -> Prediction | None:
     """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
 
     ``balanced``: causal rings in zigzag order (``layout="zigzag"``: every step half a block).
+    ``share_rows``: causal rings on full rows of at least this many share their cross blocks (``ring._Share``;
+    ``None``: none do, the code before sharing).
     ``host_waits``: every exchange waited for on the host; default stream-ordered (module doc).
     """
     if strategy not in STRATEGIES:
@@ -456,7 +463,7 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardwa
             if team is None:
                 return None
             notes.append(f"a2a teams of {team}")
-        ms, busy = rank_ms(p, gpus, team, hw, balanced=balanced, host_waits=host_waits)
+        ms, busy = rank_ms(p, gpus, team, hw, balanced=balanced, host_waits=host_waits, share_rows=share_rows)
     mem = memory_gib(p, p.tokens / gpus)
     return Prediction(strategy, gpus, busy, ms - busy, ms, t1, t1 / (gpus * ms), mem, mem <= hw.memory_gib, notes,
                       p.tokens)
@@ -617,6 +624,12 @@ def file_host_waits(meta: dict) -> bool:
     return meta.get("waits", "host") == "host"
 
 
+def file_share_rows(meta: dict) -> int | None:
+    """The ``ring.SHARE_MIN_ROWS`` a scaling JSON was measured with (``meta.share_min_rows``); files without it
+    were measured before causal rings shared their cross blocks: ``None``."""
+    return meta.get("share_min_rows")
+
+
 def _problem(meta: dict, config: str, causal: bool, n: int) -> Problem:
     return Problem(n, tuple(config_patterns(config, n, meta["longnet_segments"], meta["longnet_rates"])),
                    heads=meta["heads"], kv_heads=meta.get("kv_heads"), head_dim=meta["head_dim"],
@@ -647,7 +660,7 @@ def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: boo
         for rec in _multi_records(meta, records, impl):
             n = rec["gpus"] * rec["tokens_per_gpu"]
             pred = predict(_problem(meta, rec["config"], rec["causal"], n), rec["gpus"], rec["strategy"], hw,
-                           balanced=bool(meta.get("balanced")), host_waits=host)
+                           balanced=bool(meta.get("balanced")), host_waits=host, share_rows=file_share_rows(meta))
             if pred is None:
                 continue
             rows.append({"file": path, "config": rec["config"], "causal": rec["causal"],
@@ -719,12 +732,13 @@ def fit_samples(paths: Sequence[str], impl: str = "ours") -> list[dict]:
             if s.get("impl") == impl and not s.get("error") and s.get("ms"):
                 out.append({"name": f"{name}: T1 {s['config']} causal={s['causal']} N={s['tokens']}", "gpus": 1,
                             "strategy": "ring", "problem": _problem(meta, s["config"], s["causal"], s["tokens"]),
-                            "ms": s["ms"], "efficiency": None, "host_waits": False})
+                            "ms": s["ms"], "efficiency": None, "host_waits": False, "share_rows": None})
         for r in _multi_records(meta, records, impl):
             out.append({"name": f"{name}: {r['strategy']} {r['config']} causal={r['causal']} K={r['gpus']}",
                         "gpus": r["gpus"], "strategy": r["strategy"],
                         "problem": _problem(meta, r["config"], r["causal"], r["gpus"] * r["tokens_per_gpu"]),
-                        "ms": r["ms"], "efficiency": r["efficiency"], "host_waits": file_host_waits(meta)})
+                        "ms": r["ms"], "efficiency": r["efficiency"], "host_waits": file_host_waits(meta),
+                        "share_rows": file_share_rows(meta)})
     return out
 
 
@@ -732,7 +746,7 @@ def _fit_errors(samples: list[dict], hw: Hardware) -> list[tuple[float, float | 
     """(ms error, efficiency error) per sample, relative; efficiency only for multi-GPU records."""
     out = []
     for s in samples:
-        pred = predict(s["problem"], s["gpus"], s["strategy"], hw, host_waits=s["host_waits"])
+        pred = predict(s["problem"], s["gpus"], s["strategy"], hw, host_waits=s["host_waits"], share_rows=s["share_rows"])
         if pred is None:
             out.append((1.0, None))
             continue

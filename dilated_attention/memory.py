@@ -53,17 +53,18 @@ def scratch_bytes(plans: Sequence[PatternPlan], leaves_part: Callable[[PatternPl
 
     ``leaves_part(plan)``: whether that pattern's gradients are compact parts (a local pattern on a kernel
     with parts, or a ring on compact rows: ``ring.leaves_part``); any other accumulates into fp32 tensors of the
-    full shape. ``causal``: rings share their cross blocks (``ring._Share``); the first rank of a ring of ``G``
-    holds ``G - 1`` later ranks' half rows (q, out, dout; lse and dQ in fp32) and its own K/V block packed again."""
+    full shape. ``causal``: rings on the full rows share their cross blocks (``ring._Share``); the first rank of a
+    ring of ``G`` holds ``G - 1`` later ranks' half rows (q, out, dout; lse and dQ in fp32) and its own K/V block
+    packed again."""
     per_row = (heads + 2 * kv_heads) * dim  # dq, dk, dv elements of one row
     merged = [p for p in plans if p.chunks and not leaves_part(p)]
     running = ACCUM_BYTES * rows * per_row if merged else 0
     parts = sum(elem * (rows // p.dilation) * per_row for p in plans if p.chunks and p not in merged)
     # a ring: its packed K/V block and the next one (input dtype), and fp32 dK/dV scratch, outgoing, incoming
     ring = max((2 * (rows // p.dilation) * p.packed_heads * dim * (2 * elem + 3 * ACCUM_BYTES)
-                + causal * (2 * (rows // p.dilation) * p.packed_heads * dim * elem  # its own K/V packed again
-                            + (p.ring_size - 1) * rows // 2 // (p.dilation if leaves_part(p) else 1) * heads
-                            * (3 * elem * dim + ACCUM_BYTES * (dim + 1)))
+                + (causal and not leaves_part(p)) * (2 * (rows // p.dilation) * p.packed_heads * dim * elem
+                                                     + (p.ring_size - 1) * rows // 2 * heads
+                                                     * (3 * elem * dim + ACCUM_BYTES * (dim + 1)))
                 for p in plans if p.chunks and p.ring_size > 1), default=0)
     return running + parts + ring
 

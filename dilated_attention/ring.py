@@ -165,11 +165,10 @@ def _half_calls(plan: PatternPlan, src: int, rows: int) -> tuple[_Call, _Call]:
                        slice(src * rows + j * size, src * rows + (j + 1) * size), half, False) for j in range(2))
 
 
-# Causal rings on contiguous blocks share their cross blocks (``_Share``) where a block has at least this many query
-# rows (the call's rows: compact ones on a dilated ring). Below, the moved work is worth less than the extra, smaller
-# calls and the two more exchanges per direction: measured on 2 x H100 (causal, 16 x 128 heads, bf16, flash-attn-4),
-# shared / unshared: full attention at 32768 rows 0.78x, 16384 rows 0.83x, 8192 rows 1.16x; LongNet's compact
-# ring at 4096 rows 1.18x, at 8192 rows 1.22x.
+# Causal rings on the caller's rows (not LongNet's compact ones) share their cross blocks (``_Share``) where a block
+# has at least this many rows. Measured on 2 x H100 (causal, 16 x 128 heads, bf16, flash-attn-4), shared / unshared:
+# full attention 0.73-0.78x at 32768 rows, 0.83-0.98x at 16384, 1.01-1.16x at 8192; compact rings lost at every
+# length measured (1.18-1.23x at 4096 compact rows, 1.22-1.32x at 8192), so they do not share.
 SHARE_MIN_ROWS = 16384
 
 
@@ -189,11 +188,12 @@ class _Share:
 
 
 def _share(plan: PatternPlan, layout: RingLayout, causal: bool, members: tuple[int, ...], rank: int,
-           rows: int) -> _Share | None:
-    """How a ring of ``members`` on blocks of ``rows`` rows, read with ``plan``, shares its cross blocks:
-    causal rings on contiguous blocks of at least ``SHARE_MIN_ROWS`` rows, whole dilated rows per half; else
-    ``None``."""
-    if not causal or layout.zigzag or len(members) < 2 or rows < SHARE_MIN_ROWS or rows % (2 * plan.dilation):
+           rows: int, compact: bool = False) -> _Share | None:
+    """How a ring of ``members`` on blocks of ``rows`` rows, read with ``plan``, shares its cross blocks: causal
+    rings on contiguous blocks of the caller's rows (not ``compact``), at least ``SHARE_MIN_ROWS`` of them, whole
+    dilated rows per half; else ``None``."""
+    if not causal or compact or layout.zigzag or len(members) < 2 or rows < SHARE_MIN_ROWS \
+            or rows % (2 * plan.dilation):
         return None
     pos = members.index(rank)
     return _Share(rows // 2, members[:pos], members[pos + 1:])
@@ -411,7 +411,7 @@ def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, s
     are packed by ``plan``."""
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
     members = layout.members(comm.rank, plan.ring_size, blocks)
-    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1])
+    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
     stamp = comm.stamp(call, "forward")
     if share is not None:
         guests, arriving = _post_guests(comm, share, (q,), _what(call, "forward", plan, 0, len(members),
@@ -455,7 +455,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     _, nxt, prv = comm.ring_peers(members)
     scratch = outgoing = incoming = grads_pending = None
     stamp = comm.stamp(call, "backward")
-    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1])
+    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
     if share is not None:
         guests, arriving = _post_guests(comm, share, (q, out, lse, dout),
                                         _what(call, "backward", plan, 0, size, "rows of shared cross blocks"), stamp)

@@ -56,15 +56,13 @@ def test_scratch_estimate_counts_running_parts_and_ring():
     assert scratch_bytes(plans, lambda p: True, rows, 4, 2, dim, elem) == part + ring_part + ring_bytes
     # a kernel without parts: both patterns merge in place
     assert scratch_bytes(plans[:1], lambda p: False, rows, 4, 2, dim, elem) == running
-    # causal: the ring's first rank holds the later ranks' half rows (q, out, dout; lse and dQ in fp32) and its
-    # own K/V packed again
+    # causal: a ring on the full rows shares its cross blocks: its first rank holds the later ranks' half rows
+    # (q, out, dout; lse and dQ in fp32) and its own K/V packed again; a ring on compact rows does not share
     repacked = 2 * (rows // 2) * spanning.packed_heads * dim * elem
-    guests = repacked + (spanning.ring_size - 1) * (rows // 2 // 2) * 4 * (3 * elem * dim + 4 * (dim + 1))
-    assert scratch_bytes(plans, lambda p: True, rows, 4, 2, dim, elem, causal=True) \
-        == part + ring_part + ring_bytes + guests
-    full_rows = repacked + (spanning.ring_size - 1) * (rows // 2) * 4 * (3 * elem * dim + 4 * (dim + 1))  # not compact
+    guests = repacked + (spanning.ring_size - 1) * (rows // 2) * 4 * (3 * elem * dim + 4 * (dim + 1))
     assert scratch_bytes(plans, lambda p: p.ring_size == 1, rows, 4, 2, dim, elem, causal=True) \
-        == running + part + ring_bytes + full_rows
+        == running + part + ring_bytes + guests
+    assert scratch_bytes(plans, lambda p: True, rows, 4, 2, dim, elem, causal=True) == part + ring_part + ring_bytes
     assert own_bytes(rows, 4, 2, dim, elem) == 4 * elem * rows * 6 * dim
 
 

@@ -137,9 +137,9 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
                     dtype="bfloat16", dim=16, head_chunks=True))
     out.append(Case(f"P{world}-head-chunks-head-docs", world, (4, 8, 16), (1, 2, 4), causal=True, heads=heads,
                     kv_heads=4, batch=1, strategy="head", docs=(0, 5, 5, n // 2 + 3, n), head_chunks=True))
-    # causal rings on contiguous blocks sharing their cross blocks: compact rows, full attention, key padding
-    out.append(Case(f"P{world}-ring-shared-longnet-causal", world, *spanning, causal=True, heads=6, kv_heads=2,
-                    layout="transposed", shared=True))
+    # causal rings on contiguous blocks sharing their cross blocks: full attention, dilated rings kept whole by key padding
+    out.append(Case(f"P{world}-ring-shared-dilated-causal", world, *spanning, causal=True, heads=6, kv_heads=2,
+                    layout="transposed", masked=True, shared=True))
     out.append(Case(f"P{world}-ring-shared-full-causal", world, (n,), (1,), causal=True, shared=True))
     out.append(Case(f"P{world}-ring-shared-key-padding", world, *spanning, causal=True, heads=4, kv_heads=2,
                     masked=True, dtype="bfloat16", dim=16, shared=True))
