@@ -36,8 +36,8 @@ streams (compute, communication) and a host thread (``_Timeline``):
   the transfer ends, and work it then issues to an idle GPU starts ``dispatch_us`` later. A
   scaling JSON says which mode it measured (``meta.waits``; files without it were host-timed).
 - **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
-  the zigzag order, and on rings of full rows of at least ``ring.SHARE_MIN_ROWS``, which share their
-  cross blocks, every step after its own is half a block), head (Ulysses: four all-to-alls and copies,
+  the zigzag order, and on rings of full rows of at least ``ring.SHARE_MIN_ROWS`` and at most
+  ``ring.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half a block), head (Ulysses: four all-to-alls and copies,
   then the whole sequence for ``H/K`` heads), hybrid (all-to-all inside teams of ``A``, ring
   across teams on ``A L`` rows with ``H/A`` heads).
 
@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .patterns import hybrid_team_size, longnet_offsets
-from .ring import SHARE_MIN_ROWS
+from .ring import SHARE_MAX_RANKS, SHARE_MIN_ROWS
 
 STRATEGIES = ("ring", "head", "hybrid")
 LONGNET_SEGMENTS = (2048, 8192, 32768, 131072)  # followed by N itself
@@ -350,7 +350,7 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
         block_flops = pattern_flops(m, m, 1, heads=lay.heads, head_dim=d, batch=b)
         tl.run(pass_ms(2 * half * 2 * e, 2 * runs, hw))  # pack_kv: read + write both halves
         pos = g - 1  # the last rank of the ring: sees every earlier block when causal
-        shared = share_rows is not None and r == 1 and lay.rows >= share_rows  # (ring._share: as balanced)
+        shared = share_rows is not None and r == 1 and lay.rows >= share_rows and g <= SHARE_MAX_RANKS  # ring._share
         seen, grads_end = 0, None
         for step in range(g):
             kv_end = tl.send(transfer_ms(2 * half * e, link, hw)) if step < g - 1 else None

@@ -170,6 +170,9 @@ def _half_calls(plan: PatternPlan, src: int, rows: int) -> tuple[_Call, _Call]:
 # full attention 0.73-0.78x at 32768 rows, 0.83-0.98x at 16384, 1.01-1.16x at 8192; compact rings lost at every
 # length measured (1.18-1.23x at 4096 compact rows, 1.22-1.32x at 8192), so they do not share.
 SHARE_MIN_ROWS = 16384
+# ... and at most this many ranks: the first rank of a ring of G holds G - 1 later ranks' half rows (and their dQ),
+# which grows with the ring; longer causal rings balance with zigzag shards.
+SHARE_MAX_RANKS = 4
 
 
 @dataclass(frozen=True)
@@ -191,8 +194,8 @@ def _share(plan: PatternPlan, layout: RingLayout, causal: bool, members: tuple[i
            rows: int, compact: bool = False) -> _Share | None:
     """How a ring of ``members`` on blocks of ``rows`` rows, read with ``plan``, shares its cross blocks: causal
     rings on contiguous blocks of the caller's rows (not ``compact``), at least ``SHARE_MIN_ROWS`` of them, whole
-    dilated rows per half; else ``None``."""
-    if not causal or compact or layout.zigzag or len(members) < 2 or rows < SHARE_MIN_ROWS \
+    dilated rows per half, of at most ``SHARE_MAX_RANKS`` ranks; else ``None``."""
+    if not causal or compact or layout.zigzag or not 2 <= len(members) <= SHARE_MAX_RANKS or rows < SHARE_MIN_ROWS \
             or rows % (2 * plan.dilation):
         return None
     pos = members.index(rank)

@@ -28,6 +28,7 @@ def _work(calls) -> float:
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 def test_shared_causal_ring_is_balanced(world, monkeypatch):
     monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 0)
+    monkeypatch.setattr(ring, "SHARE_MAX_RANKS", world)
     local = 16
     (plan,) = plan_patterns([local * world], [1], seq_len=local * world, local_len=local, num_heads=2, num_kv_heads=2)
     members = tuple(range(world))
@@ -55,6 +56,7 @@ def test_share_applies_to_long_causal_contiguous_rings_on_the_callers_rows(monke
     assert _share(plan, RingLayout(), False, ranks, 1, 32) is None  # non-causal rings are balanced already
     assert _share(plan, RingLayout(zigzag=True), True, ranks, 1, 32) is None  # zigzag balances by its layout
     assert _share(plan, RingLayout(), True, (1,), 1, 32) is None  # a ring of one rank
+    assert _share(plan, RingLayout(), True, tuple(range(ring.SHARE_MAX_RANKS + 1)), 1, 32) is None  # a long ring
     assert _share(plan, RingLayout(), True, ranks, 1, 36) is None  # half a block is not whole dilated rows
     assert _share(plan, RingLayout(), True, ranks, 1, 32, compact=True) is None  # LongNet's compact rows
     monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 64)
