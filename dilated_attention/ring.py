@@ -44,6 +44,10 @@ Key masks (padding, packed documents) cover the whole sequence on every rank (a
 few bytes per token, gathered once per call): a step reads the slice of the
 block it holds, so masks never travel round the ring.
 
+A causal ring on contiguous blocks of the caller's rows (full attention) shares its cross blocks
+(``_Share``): each rank computes half of its rows against the earlier blocks and the other half of the
+later ranks' rows against its own K/V, so the last rank no longer does all the cross work.
+
 Every exchange carries the call's 16-byte stamp in the same batch (``comm/stamps.py``): a
 rank in another call or configuration raises instead of mixing blocks; the blocks themselves
 and everything computed from them are untouched.
@@ -57,7 +61,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import caches
-from .comm.base import CommBackend
+from .comm.base import CommBackend, Pending
 from .kernels.protocol import PatternKernel, clear_result_
 from .kernels.wrapper import KernelWrapper
 from .merge import Part, accum_dtype, add_into_, combine_results, merge_into_, sum_grads
@@ -166,9 +170,9 @@ def _half_calls(plan: PatternPlan, src: int, rows: int) -> tuple[_Call, _Call]:
 
 
 # Causal rings on the caller's rows (not LongNet's compact ones) share their cross blocks (``_Share``) where a block
-# has at least this many rows. Measured on 2 x H100 (causal, 16 x 128 heads, bf16, flash-attn-4), shared / unshared:
-# full attention 0.73-0.78x at 32768 rows, 0.83-0.98x at 16384, 1.01-1.16x at 8192; compact rings lost at every
-# length measured (1.18-1.23x at 4096 compact rows, 1.22-1.32x at 8192), so they do not share.
+# has at least this many rows. Measured on 2 x H100 (causal, 16 x 128 heads, bf16, flash-attn-4), shared / unshared
+# time: full attention 0.73x at 32768 rows, 0.98x at 16384, 1.01x at 8192; LongNet's compact rings 1.23x at 4096
+# compact rows and 1.32x at 8192, so they do not share.
 SHARE_MIN_ROWS = 16384
 # ... and at most this many ranks: the first rank of a ring of G holds G - 1 later ranks' half rows (and their dQ),
 # which grows with the ring; longer causal rings balance with zigzag shards.
@@ -180,10 +184,10 @@ class _Share:
     """A causal ring on contiguous blocks, balanced: the ring position ``p`` sees ``p`` earlier blocks whole, so
     the last rank would do ``G - 1`` blocks of cross work while the first does none. Here each rank computes
     only its first ``half`` query rows against the earlier blocks; its second half goes to every earlier rank
-    of the ring (its ``helpers``), which computes it against its own K/V at its first step and sends the
-    result back (forward: fp32 ``out``/``lse``; backward: fp32 dQ, its dK/dV going into its own block's
-    accumulator before that leaves). Every rank then does its causal block plus ``G - 1`` half blocks.
-    ``guests``: the later ranks whose second halves this rank computes."""
+    of the ring (its ``helpers``), which computes it against its own K/V and sends the result back (forward,
+    at its first step: fp32 ``out``/``lse``; backward, at its first idle step: fp32 dQ, the dK/dV of its own
+    block kept apart until that block's accumulator is home). Every rank then does its causal block plus
+    ``G - 1`` half blocks. ``guests``: the later ranks whose second halves this rank computes."""
 
     half: int
     helpers: tuple[int, ...]
@@ -203,7 +207,7 @@ def _share(plan: PatternPlan, layout: RingLayout, causal: bool, members: tuple[i
 
 
 def _trade(comm: CommBackend, sends: list[tuple[int, tuple[torch.Tensor, ...]]], peers: tuple[int, ...],
-           likes: tuple[torch.Tensor, ...], what: str, stamp) -> tuple[list[tuple[torch.Tensor, ...]], object]:
+           likes: tuple[torch.Tensor, ...], what: str, stamp) -> tuple[list[tuple[torch.Tensor, ...]], Pending]:
     """Post ``(group rank, tensors)`` sends and receive tensors shaped like ``likes`` from each of ``peers``, in
     one batch: ``(what each peer sent, pending)``."""
     got = [tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in likes) for _ in peers]
@@ -213,7 +217,7 @@ def _trade(comm: CommBackend, sends: list[tuple[int, tuple[torch.Tensor, ...]]],
 
 
 def _post_guests(comm: CommBackend, share: _Share, tensors: tuple[torch.Tensor, ...], what: str, stamp
-                 ) -> tuple[list[tuple[torch.Tensor, ...]], object]:
+                 ) -> tuple[list[tuple[torch.Tensor, ...]], Pending]:
     """Our second half of each of ``tensors`` to every helper; the guests' halves received: ``(per guest, pending)``."""
     mine = tuple(x[:, share.half:].contiguous() for x in tensors) if share.helpers else ()
     return _trade(comm, [(h, mine) for h in share.helpers], share.guests,
@@ -414,7 +418,7 @@ def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, s
     are packed by ``plan``."""
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
     members = layout.members(comm.rank, plan.ring_size, blocks)
-    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
+    share = _share(plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
     stamp = comm.stamp(call, "forward")
     if share is not None:
         guests, arriving = _post_guests(comm, share, (q,), _what(call, "forward", plan, 0, len(members),
@@ -436,7 +440,7 @@ def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, s
                 go = torch.empty(gq.shape, dtype=out.dtype, device=out.device)
                 gl = torch.empty(gq.shape[:3], dtype=lse.dtype, device=lse.device)
                 clear_result_(go, gl)
-                for c in _half_calls(view or plan, own, q.shape[1]):
+                for c in _half_calls(plan, own, q.shape[1]):
                     kernel.forward_pattern_into(gq, block[0][:, c.keys], block[1][:, c.keys], c.plan, go, gl,
                                                 packed=True, causal=False, scale=scale, **_call_mask(key_mask, c))
                 results.append((go, gl))
@@ -458,7 +462,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     _, nxt, prv = comm.ring_peers(members)
     scratch = outgoing = incoming = grads_pending = None
     stamp = comm.stamp(call, "backward")
-    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
+    share = _share(plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
     if share is not None:
         guests, arriving = _post_guests(comm, share, (q, out, lse, dout),
                                         _what(call, "backward", plan, 0, size, "rows of shared cross blocks"), stamp)
@@ -485,8 +489,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
         if not calls and share is not None and share.guests and not helped:
             # our first idle step: the guests' second halves. Their dK/dV wait in ``scratch``, free from here on,
             # for our block's accumulator to come home: added at step 0, they would hold it back from the next rank.
-            helped = _help_backward(kernel, share, guests, arriving, k, v, plan, view or plan, own, q.shape[1],
-                                    key_mask, scale, scratch)
+            helped = _help_backward(kernel, guests, arriving, k, v, plan, own, q.shape[1], key_mask, scale, scratch)
         if step == 0:  # our own block (always visible): its accumulator starts here
             scratch, outgoing = outgoing, scratch
         else:
@@ -500,8 +503,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                                            stamp=stamp)
     if share is not None:
         if not helped:  # a rank without guests waits for its sends here (a rank with guests has idle steps)
-            helped = _help_backward(kernel, share, guests, arriving, k, v, plan, view or plan, own, q.shape[1],
-                                    key_mask, scale, scratch)
+            helped = _help_backward(kernel, guests, arriving, k, v, plan, own, q.shape[1], key_mask, scale, scratch)
         rest = dq[:, share.half:]
         for (hdq,) in _return_results(comm, share, helped, (rest,),
                                       _what(call, "backward", plan, 0, size, "dQ of shared cross blocks"), stamp):
@@ -514,8 +516,8 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     return incoming
 
 
-def _help_backward(kernel, share: _Share, guests, arriving, k, v, plan: PatternPlan, view: PatternPlan, own: int,
-                   rows: int, key_mask, scale: float, scratch: torch.Tensor) -> list[tuple[torch.Tensor]]:
+def _help_backward(kernel, guests, arriving: Pending, k, v, plan: PatternPlan, own: int, rows: int, key_mask,
+                   scale: float, scratch: torch.Tensor) -> list[tuple[torch.Tensor]]:
     """The guests' second halves against our own K/V (packed again: the ring buffers hold other blocks by now):
     their dQ, returned per guest, and their dK/dV of our block written into ``scratch``."""
     arriving.wait()
@@ -526,7 +528,7 @@ def _help_backward(kernel, share: _Share, guests, arriving, k, v, plan: PatternP
     helped = []
     for gq, go, gl, gd in guests:
         gdq = torch.zeros(gq.shape, dtype=scratch.dtype, device=gq.device)
-        for c in _half_calls(view, own, rows):
+        for c in _half_calls(plan, own, rows):
             kernel.backward_pattern(gq, mine[0][:, c.keys], mine[1][:, c.keys], c.plan, go, gl, gd, gdq,
                                     scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=False,
                                     scale=scale, **_call_mask(key_mask, c))
