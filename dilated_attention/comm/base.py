@@ -5,8 +5,9 @@ asynchronous primitives returning work handles: ``_batch_p2p`` (a batch of
 sends and receives with *global* peer ranks: one pair for a ring step, every
 block to every peer for an all-to-all) and ``_all_gather`` (into a preallocated
 tensor).
-Everything else lives here once: ring topology, all-to-all over any set of
-ranks, rank bookkeeping, and the timeout on every wait.
+Everything else lives here once: batches of transfers to any ranks (``exchange``: ring
+steps, the shared rows of causal rings), ring topology, all-to-all over any set of ranks, rank
+bookkeeping, and the timeout on every wait.
 
 Every wait honours ``timeout`` (seconds): ``get_backend(..., timeout=s)``, else
 the ``DILATED_ATTENTION_TIMEOUT`` environment variable, else the timeout the
@@ -282,8 +283,12 @@ class CommBackend(ABC):
         ``.wait()`` before using what was received. Two ranks must post their transfers to each other in the
         same order. ``stamp``: a 16-byte stamp to each rank sent to, first in the batch, and one from each rank
         received from, checked on arrival."""
-        if any(not x.is_contiguous() for x, _ in (*sends, *recvs)):
-            raise ValueError("ring buffers must be contiguous (pack them with views.pack_kv)")
+        for kind, pairs in (("send to", sends), ("receive from", recvs)):
+            for x, r in pairs:
+                if not x.is_contiguous():
+                    raise ValueError(f"{what}: the {kind} rank {r} is not contiguous (shape {tuple(x.shape)}, stride "
+                                     f"{x.stride()}): transfers move whole tensors; pack ring buffers with "
+                                     "views.pack_kv or pass x.contiguous()")
         to = list(dict.fromkeys(r for _, r in sends))
         of = list(dict.fromkeys(r for _, r in recvs))
         out_ops = [(x, self.global_rank(r)) for x, r in sends]
