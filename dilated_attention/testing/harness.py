@@ -143,6 +143,9 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
     out.append(Case(f"P{world}-ring-shared-full-causal", world, (n,), (1,), causal=True, shared=True))
     out.append(Case(f"P{world}-ring-shared-key-padding", world, *spanning, causal=True, heads=4, kv_heads=2,
                     masked=True, dtype="bfloat16", dim=16, shared=True))
+    if world >= 4:  # the ring across teams of the hybrid, each team a block of its lane's rows
+        out.append(Case(f"P{world}-hybrid-shared-full-causal", world, (n,), (1,), causal=True, heads=heads,
+                        kv_heads=4, strategy="hybrid", shared=True))
     if world > 1:
         out.extend(zigzag_cases(world))
         out.append(Case(f"P{world}-zigzag-ring-head-chunks", world, (8, 2 * n), (1, 2), causal=True, heads=6,
