@@ -143,6 +143,8 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
     out.append(Case(f"P{world}-ring-shared-full-causal", world, (n,), (1,), causal=True, shared=True))
     out.append(Case(f"P{world}-ring-shared-key-padding", world, *spanning, causal=True, heads=4, kv_heads=2,
                     masked=True, dtype="bfloat16", dim=16, shared=True))
+    out.append(Case(f"P{world}-ring-shared-head-chunks", world, (n,), (1,), causal=True, heads=8, kv_heads=4,
+                    layout="transposed", head_chunks=True, shared=True))  # each kv group's heads a ring of its own
     if world >= 4:  # the ring across teams of the hybrid, each team a block of its lane's rows
         out.append(Case(f"P{world}-hybrid-shared-full-causal", world, (n,), (1,), causal=True, heads=heads,
                         kv_heads=4, strategy="hybrid", shared=True))
