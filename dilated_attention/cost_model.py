@@ -37,9 +37,9 @@ streams (compute, communication) and a host thread (``_Timeline``):
   scaling JSON says which mode it measured (``meta.waits``; files without it were host-timed).
 - **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
   the zigzag order, and on rings of full rows of at least ``ring.SHARE_MIN_ROWS`` and at most
-  ``ring.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half a block), head (Ulysses: four all-to-alls and copies,
-  then the whole sequence for ``H/K`` heads), hybrid (all-to-all inside teams of ``A``, ring
-  across teams on ``A L`` rows with ``H/A`` heads).
+  ``ring.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half
+  a block), head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
+  heads), hybrid (all-to-all inside teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
 
 Constants: ``fit`` moves the kernel and memory constants to whole-call measurements (one-GPU
 references and multi-GPU records of scaling JSONs, each replayed in the wait mode it was measured
@@ -746,7 +746,8 @@ def _fit_errors(samples: list[dict], hw: Hardware) -> list[tuple[float, float | 
     """(ms error, efficiency error) per sample, relative; efficiency only for multi-GPU records."""
     out = []
     for s in samples:
-        pred = predict(s["problem"], s["gpus"], s["strategy"], hw, host_waits=s["host_waits"], share_rows=s["share_rows"])
+        pred = predict(s["problem"], s["gpus"], s["strategy"], hw, host_waits=s["host_waits"],
+                       share_rows=s["share_rows"])
         if pred is None:
             out.append((1.0, None))
             continue

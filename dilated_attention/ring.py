@@ -502,8 +502,8 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                                            _what(call, "backward", plan, step, size, "dK/dV accumulator"),
                                            stamp=stamp)
     if share is not None:
-        if not helped:  # a rank without guests waits for its sends here (a rank with guests has idle steps)
-            helped = _help_backward(kernel, guests, arriving, k, v, plan, own, q.shape[1], key_mask, scale, scratch)
+        if not share.guests:  # (a rank with guests helped at its first idle step: every one has idle steps)
+            arriving.wait()  # our sends
         rest = dq[:, share.half:]
         for (hdq,) in _return_results(comm, share, helped, (rest,),
                                       _what(call, "backward", plan, 0, size, "dQ of shared cross blocks"), stamp):
@@ -511,7 +511,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     if size == 1:  # a ring of one rank (zigzag: the middle segment held whole): nothing travelled
         return outgoing
     grads_pending.wait()  # after size hops the accumulator of our own block is home
-    if share is not None and share.guests:
+    if helped:
         add_into_(incoming, scratch)  # the guests' dK/dV of our block
     return incoming
 
@@ -521,8 +521,6 @@ def _help_backward(kernel, guests, arriving: Pending, k, v, plan: PatternPlan, o
     """The guests' second halves against our own K/V (packed again: the ring buffers hold other blocks by now):
     their dQ, returned per guest, and their dK/dV of our block written into ``scratch``."""
     arriving.wait()
-    if not guests:
-        return []
     mine = pack_kv(k, v, plan)
     scratch.zero_()
     helped = []
