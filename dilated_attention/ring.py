@@ -174,6 +174,7 @@ def _half_calls(plan: PatternPlan, src: int, rows: int) -> tuple[_Call, _Call]:
 # time: full attention 0.73x at 32768 rows, 0.98x at 16384, 1.01x at 8192; LongNet's compact rings 1.23x at 4096
 # compact rows and 1.32x at 8192, so they do not share.
 SHARE_MIN_ROWS = 16384
+SHARE_MIN_COMPACT_ROWS = 1 << 30
 # ... and at most this many ranks: the first rank of a ring of G holds G - 1 later ranks' half rows (and their dQ),
 # which grows with the ring; longer causal rings balance with zigzag shards.
 SHARE_MAX_RANKS = 4
@@ -194,13 +195,15 @@ class _Share:
     guests: tuple[int, ...]
 
 
-def _share(plan: PatternPlan, layout: RingLayout, causal: bool, members: tuple[int, ...], rank: int,
+def _share(reads: PatternPlan, layout: RingLayout, causal: bool, members: tuple[int, ...], rank: int,
            rows: int, compact: bool = False) -> _Share | None:
-    """How a ring of ``members`` on blocks of ``rows`` rows, read with ``plan``, shares its cross blocks: causal
-    rings on contiguous blocks of the caller's rows (not ``compact``), at least ``SHARE_MIN_ROWS`` of them, whole
-    dilated rows per half, of at most ``SHARE_MAX_RANKS`` ranks; else ``None``."""
-    if not causal or compact or layout.zigzag or not 2 <= len(members) <= SHARE_MAX_RANKS or rows < SHARE_MIN_ROWS \
-            or rows % (2 * plan.dilation):
+    """How a ring of ``members`` on blocks of ``rows`` query rows, read with ``reads`` (a compact ring's dense
+    view, else the pattern's plan), shares its cross blocks: causal rings on contiguous blocks of at least
+    ``SHARE_MIN_ROWS`` rows (``SHARE_MIN_COMPACT_ROWS`` for ``compact`` ones), whole dilated rows per half, of at
+    most ``SHARE_MAX_RANKS`` ranks; else ``None``."""
+    least = SHARE_MIN_COMPACT_ROWS if compact else SHARE_MIN_ROWS
+    if not causal or layout.zigzag or not 2 <= len(members) <= SHARE_MAX_RANKS or rows < least \
+            or rows % (2 * reads.dilation):
         return None
     pos = members.index(rank)
     return _Share(rows // 2, members[:pos], members[pos + 1:])
@@ -418,7 +421,7 @@ def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, s
     are packed by ``plan``."""
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
     members = layout.members(comm.rank, plan.ring_size, blocks)
-    share = _share(plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
+    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
     stamp = comm.stamp(call, "forward")
     if share is not None:
         guests, arriving = _post_guests(comm, share, (q,), _what(call, "forward", plan, 0, len(members),
@@ -440,7 +443,7 @@ def _ring_forward(q, k, v, key_mask, plan, comm, layout, call, kernel, causal, s
                 go = torch.empty(gq.shape, dtype=out.dtype, device=out.device)
                 gl = torch.empty(gq.shape[:3], dtype=lse.dtype, device=lse.device)
                 clear_result_(go, gl)
-                for c in _half_calls(plan, own, q.shape[1]):
+                for c in _half_calls(view or plan, own, q.shape[1]):
                     kernel.forward_pattern_into(gq, block[0][:, c.keys], block[1][:, c.keys], c.plan, go, gl,
                                                 packed=True, causal=False, scale=scale, **_call_mask(key_mask, c))
                 results.append((go, gl))
@@ -462,7 +465,7 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     _, nxt, prv = comm.ring_peers(members)
     scratch = outgoing = incoming = grads_pending = None
     stamp = comm.stamp(call, "backward")
-    share = _share(plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
+    share = _share(view or plan, layout, causal, members, comm.rank, q.shape[1], view is not None)
     if share is not None:
         guests, arriving = _post_guests(comm, share, (q, out, lse, dout),
                                         _what(call, "backward", plan, 0, size, "rows of shared cross blocks"), stamp)
@@ -489,7 +492,8 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
         if not calls and share is not None and share.guests and not helped:
             # our first idle step: the guests' second halves. Their dK/dV wait in ``scratch``, free from here on,
             # for our block's accumulator to come home: added at step 0, they would hold it back from the next rank.
-            helped = _help_backward(kernel, guests, arriving, k, v, plan, own, q.shape[1], key_mask, scale, scratch)
+            helped = _help_backward(kernel, guests, arriving, k, v, plan, view or plan, own, q.shape[1], key_mask,
+                                    scale, scratch)
         if step == 0:  # our own block (always visible): its accumulator starts here
             scratch, outgoing = outgoing, scratch
         else:
@@ -516,17 +520,18 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     return incoming
 
 
-def _help_backward(kernel, guests, arriving: Pending, k, v, plan: PatternPlan, own: int, rows: int, key_mask,
-                   scale: float, scratch: torch.Tensor) -> list[tuple[torch.Tensor]]:
-    """The guests' second halves against our own K/V (packed again: the ring buffers hold other blocks by now):
-    their dQ, returned per guest, and their dK/dV of our block written into ``scratch``."""
+def _help_backward(kernel, guests, arriving: Pending, k, v, plan: PatternPlan, reads: PatternPlan, own: int, rows: int,
+                   key_mask, scale: float, scratch: torch.Tensor) -> list[tuple[torch.Tensor]]:
+    """The guests' second halves (read with ``reads``) against our own K/V (packed by ``plan`` again: the ring
+    buffers hold other blocks by now): their dQ, returned per guest, and their dK/dV of our block written into
+    ``scratch``."""
     arriving.wait()
     mine = pack_kv(k, v, plan)
     scratch.zero_()
     helped = []
     for gq, go, gl, gd in guests:
         gdq = torch.zeros(gq.shape, dtype=scratch.dtype, device=gq.device)
-        for c in _half_calls(plan, own, rows):
+        for c in _half_calls(reads, own, rows):
             kernel.backward_pattern(gq, mine[0][:, c.keys], mine[1][:, c.keys], c.plan, go, gl, gd, gdq,
                                     scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=False,
                                     scale=scale, **_call_mask(key_mask, c))

@@ -3,9 +3,9 @@
 Without sharing, ring position ``p`` computes ``p`` earlier blocks whole and the last rank does all the cross
 work. Shared, each rank computes the first half of its rows against earlier blocks and the second half of every
 later rank's rows against its own K/V. The schedule's balance is checked without ranks; spawned gloo ranks run
-causal cases (full attention, key padding, GQA, LongNet's compact rings, which do not share) with sharing on and off
-against the float64 oracle, and count the exchanges that carry the shared rows (sharing forced at these short lengths:
-``ring.SHARE_MIN_ROWS``). The harness battery in ``tests/comm/test_backends.py`` runs shared rings at
+causal cases (full attention, key padding, GQA, LongNet's compact rings) with sharing on and off against the float64
+oracle, and count the exchanges that carry the shared rows (sharing forced at these short lengths:
+``ring.SHARE_MIN_ROWS``, ``ring.SHARE_MIN_COMPACT_ROWS``). The harness battery in ``tests/comm/test_backends.py`` runs shared rings at
 ``K = 2..4`` on every backend, bitwise across them.
 """
 
@@ -58,10 +58,14 @@ def test_share_applies_to_long_causal_contiguous_rings_on_the_callers_rows(monke
     assert _share(plan, RingLayout(), True, (1,), 1, 32) is None  # a ring of one rank
     assert _share(plan, RingLayout(), True, tuple(range(ring.SHARE_MAX_RANKS + 1)), 1, 32) is None  # a long ring
     assert _share(plan, RingLayout(), True, ranks, 1, 36) is None  # half a block is not whole dilated rows
-    assert _share(plan, RingLayout(), True, ranks, 1, 32, compact=True) is None  # LongNet's compact rows
     monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 64)
     assert _share(plan, RingLayout(), True, ranks, 1, 32) is None  # a short block: not worth it
     assert _share(plan, RingLayout(), True, ranks, 1, 64) is not None
+    # LongNet's compact rows: their own length, read on the dense view (whole rows at any even count)
+    dense = ring._dense_view(plan)
+    monkeypatch.setattr(ring, "SHARE_MIN_COMPACT_ROWS", 10)
+    assert _share(dense, RingLayout(), True, ranks, 1, 10, compact=True) is not None
+    assert _share(dense, RingLayout(), True, ranks, 1, 8, compact=True) is None
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -84,20 +88,21 @@ def _worker(rank: int, world: int) -> dict:
                   layout="transposed"),  # a dilated ring on the caller's rows: key padding keeps it whole
              Case("bfloat16", world, (8, 16, n), (1, 2, 4), causal=True, heads=4, kv_heads=2, dim=16,
                   dtype="bfloat16", masked=True),
-             Case("longnet", world, (8, 16, n), (1, 2, 4), causal=True)]  # a compact ring: not shared
+             Case("longnet", world, (8, 16, n), (1, 2, 4), causal=True),  # compact rings
+             Case("longnet-gqa", world, (8, n), (2, 4), causal=True, heads=8, kv_heads=2, dim=16)]
     res: dict = {}
-    kept = ring.SHARE_MIN_ROWS
+    kept = ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS
     CommBackend.exchange = counting
     try:
         for on in (True, False):
-            ring.SHARE_MIN_ROWS = 0 if on else 1 << 30
+            ring.SHARE_MIN_ROWS = ring.SHARE_MIN_COMPACT_ROWS = 0 if on else 1 << 30
             for i, case in enumerate(cases):
                 before = len(shared)
                 got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 900 + i)
                 res[f"{case.name}-{'shared' if on else 'unshared'}"] = (got.ok, got.message, len(shared) - before)
     finally:
         CommBackend.exchange = original
-        ring.SHARE_MIN_ROWS = kept
+        ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS = kept
     return res
 
 
@@ -107,5 +112,4 @@ def test_shared_rings_match_the_oracle(world):
         for name, (ok, message, exchanges) in res.items():
             assert ok, f"rank {rank}, {name}: {message}"
             # forward: rows out, results back; backward: the same again
-            shared = name.endswith("-shared") and not name.startswith("longnet")
-            assert exchanges == (4 if shared else 0), (rank, name, exchanges)
+            assert exchanges == (4 if name.endswith("-shared") else 0), (rank, name, exchanges)
