@@ -169,11 +169,14 @@ def _half_calls(plan: PatternPlan, src: int, rows: int) -> tuple[_Call, _Call]:
                        slice(src * rows + j * size, src * rows + (j + 1) * size), half, False) for j in range(2))
 
 
-# Causal rings on the caller's rows (not LongNet's compact ones) share their cross blocks (``_Share``) where a block
-# has at least this many rows. Measured on 2 x H100 (causal, 16 x 128 heads, bf16, flash-attn-4), shared / unshared
-# time: full attention 0.73x at 32768 rows, 0.98x at 16384, 1.01x at 8192; LongNet's compact rings 1.23x at 4096
-# compact rows and 1.32x at 8192, so they do not share.
+# Causal rings share their cross blocks (``_Share``) where a block has at least this many rows. Measured on 2 x H100
+# (causal, 16 x 128 heads, bf16, flash-attn-4), shared / unshared time: full attention 0.73x at 32768 rows, 0.98x at
+# 16384, 1.01x at 8192.
 SHARE_MIN_ROWS = 16384
+# ... and LongNet's rings on compact rows at least this many compact rows: never. Run eagerly, their extra calls
+# and exchanges cost more than the balance saves; replayed in a CUDA graph it gains at most 3%. LongNet causal at
+# 32768 / 131072 tokens per GPU (4096 / 8192 compact rows), shared / unshared: eager 1.20x / 1.12x (cuDNN only:
+# 1.10x / 1.08x), graph 0.99x / 0.985x (cuDNN 0.98x / 0.97x).
 SHARE_MIN_COMPACT_ROWS = 1 << 30
 # ... and at most this many ranks: the first rank of a ring of G holds G - 1 later ranks' half rows (and their dQ),
 # which grows with the ring; longer causal rings balance with zigzag shards.
@@ -539,13 +542,12 @@ def _help_backward(kernel, guests, arriving: Pending, k, v, plan: PatternPlan, r
     return helped
 
 
-# The backward runs rings on compact rows after this many of its other patterns (by causal flag): their blocks
-# and fp32 accumulators then meet fewer local parts, the backward's peak. The parts still sum in plan order and
-# patterns merged in place keep theirs, so no bit depends on it. Measured on 2 x H100 (LongNet, 32768 tokens
-# per GPU, flash-attn-4), against last: non-causal after the first 1.00x the time, peak 1.69x -> 1.41x own; causal
-# 1.02x (1.06x without flash-attn-4) for 1.50x, first 1.12x: causal rings stay last, where the local patterns
-# on side streams overlap them.
-RING_AFTER = {False: 1, True: 1 << 30}  # (a count past the others: last)
+# The backward runs rings on compact rows after this many of its other patterns: their blocks and fp32
+# accumulators then meet one local pattern's parts, not all of them, at the backward's peak. The parts still sum in
+# plan order and patterns merged in place keep theirs, so no bit depends on it. Measured on 2 x H100 (LongNet,
+# 32768 tokens per GPU, alternated runs), after the first against last: non-causal 1.00x the time, peak 1.69x ->
+# 1.41x own (flash-attn-4); causal 0.985x, peak 1.69x -> 1.41x (flash-attn-4) and 0.956x, 1.61x -> 1.33x (cuDNN).
+RING_AFTER = 1
 
 CAUSAL_PART_STREAMS = 2  # side streams for causal local patterns (1: none); why, in _SideStreams
 _STREAM_POOLS: dict[int, tuple[torch.cuda.Stream, ...]] = {}
@@ -707,8 +709,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     plans = [p for p in ring.plans if p.chunks]
     dense = [_dense_ring(p, key_mask is not None, layout, q, k) for p in plans]
     order = [i for i, d in enumerate(dense) if d is None]
-    at = RING_AFTER[ring.causal]
-    order[at:at] = [i for i, d in enumerate(dense) if d is not None]
+    order[RING_AFTER:RING_AFTER] = [i for i, d in enumerate(dense) if d is not None]
     for i in order:
         plan = plans[i]
         split, pieces, part = _route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
