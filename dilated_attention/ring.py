@@ -542,14 +542,13 @@ def _help_backward(kernel, guests, arriving: Pending, k, v, plan: PatternPlan, r
     return helped
 
 
-# The backward runs rings on compact rows after this many of its other patterns (by causal flag, eager): their
-# blocks and fp32 accumulators then meet fewer local parts, the backward's peak. The parts still sum in plan order
-# and patterns merged in place keep theirs, so no bit depends on it. Measured on 2 x H100 (LongNet, 32768 tokens per
+# The backward runs rings on compact rows after this many of its other patterns (by causal flag): their blocks
+# and fp32 accumulators then meet fewer local parts, the backward's peak. The parts still sum in plan order and
+# patterns merged in place keep theirs, so no bit depends on it. Measured on 2 x H100 (LongNet, 32768 tokens per
 # GPU, alternated runs), after the first against last: non-causal 1.00x the time, peak 1.69x -> 1.41x own; causal
-# peak 1.69x -> 1.41x (flash-attn-4; cuDNN 1.61x -> 1.33x) but 0.99-1.05x the time, 1.08-1.09x on a loaded host:
-# issued last, a causal ring's host work hides behind the local patterns queued on side streams. So eager causal
-# rings go last; a CUDA graph capture (no host work at replay, no side streams) runs them after the first.
-RING_AFTER = {False: 1, True: 1 << 30}
+# peak 1.69x -> 1.41x (flash-attn-4; cuDNN 1.61x -> 1.33x) but 0.99-1.05x the time on an idle host and 1.08-1.09x
+# on a loaded one: issued last, a causal ring's host work hides behind the local patterns queued on side streams.
+RING_AFTER = {False: 1, True: 1 << 30}  # (a count past the others: last)
 
 CAUSAL_PART_STREAMS = 2  # side streams for causal local patterns (1: none); why, in _SideStreams
 _STREAM_POOLS: dict[int, tuple[torch.cuda.Stream, ...]] = {}
@@ -711,7 +710,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     plans = [p for p in ring.plans if p.chunks]
     dense = [_dense_ring(p, key_mask is not None, layout, q, k) for p in plans]
     order = [i for i, d in enumerate(dense) if d is None]
-    at = RING_AFTER[ring.causal and not (q.is_cuda and torch.cuda.is_current_stream_capturing())]
+    at = RING_AFTER[ring.causal]
     order[at:at] = [i for i, d in enumerate(dense) if d is not None]
     for i in order:
         plan = plans[i]
