@@ -630,8 +630,8 @@ def _backward(spec: _Schedule, call: int, q, k, v, key_padding_mask, out, saved:
         return grads
     qh, kh, vh, out_h, lse = saved
     swap = spec.swap(call)
-    dq, dk, dv = _attend_backward(spec, call, qh, kh, vh, mask, out_h, lse, heads_to_sequence_backward(dout, swap))
-    grads = sequence_to_heads_backward(dq, dk, dv, swap, k.shape)
+    grads = list(_attend_backward(spec, call, qh, kh, vh, mask, out_h, lse, heads_to_sequence_backward(dout, swap)))
+    grads = sequence_to_heads_backward(grads, swap, k.shape)  # (frees the head-layout gradients as it goes)
     settle(spec.backend)
     return grads
 

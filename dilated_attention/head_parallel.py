@@ -144,22 +144,27 @@ def sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, swap: H
     return tuple(member_rows(x, swap.zigzag) for x in _swap(sends, swap, "forward", "sequence-to-heads all-to-all"))
 
 
-def sequence_to_heads_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, swap: HeadSwap,
-                               kv_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradient of ``sequence_to_heads``: the reverse swap (kv heads several members read add up)."""
+def sequence_to_heads_backward(grads: list[torch.Tensor], swap: HeadSwap, kv_shape: torch.Size
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of ``sequence_to_heads`` for ``grads = [dq, dk, dv]``: the reverse swap (kv heads several
+    members read add up). ``grads`` is emptied: each head-layout gradient is freed once sent and each received
+    one once merged, so at most one merged copy is alive beside the received blocks (the peak of a head call)."""
     team, split = len(swap.team), swap.split
-    gq, gk, gv = _swap([_by_member_rows(g, team, swap.zigzag) for g in (dq, dk, dv)], swap, "backward",
-                       "backward of sequence-to-heads all-to-all")
+    sends = [_by_member_rows(g, team, swap.zigzag) for g in grads]
+    grads.clear()
+    got = _swap(sends, swap, "backward", "backward of sequence-to-heads all-to-all")
+    del sends
     if split.kv_heads % team == 0:  # each kv head came from exactly one member
-        return _merge_heads(gq), _merge_heads(gk), _merge_heads(gv)
-    sums = []
-    for got in (gk, gv):  # several members may have read one kv head: their gradients add
-        total = torch.zeros(kv_shape, dtype=got.dtype, device=got.device)
+        return tuple(_merge_heads(got.pop(0)) for _ in range(3))
+    merged = [_merge_heads(got.pop(0))]
+    while got:  # several members may have read one kv head: their gradients add
+        blocks = got.pop(0)
+        total = torch.zeros(kv_shape, dtype=blocks.dtype, device=blocks.device)
         for m in range(team):
             for i, src in enumerate(split.kv_sources(m)):
-                total[:, :, src].add_(got[m, :, :, i])
-        sums.append(total)
-    return _merge_heads(gq), sums[0], sums[1]
+                total[:, :, src].add_(blocks[m, :, :, i])
+        merged.append(total)
+    return tuple(merged)
 
 
 def heads_to_sequence(out: torch.Tensor, swap: HeadSwap) -> torch.Tensor:
