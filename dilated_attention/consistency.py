@@ -53,10 +53,14 @@ def call_signature(q, k, v, segment_lengths, dilation_rates, **options) -> dict:
     return sig
 
 
-def agree(comm: CommBackend, sig: dict, error: BaseException | None, like: torch.Tensor) -> None:
-    """Raise the same verdict on every rank: this rank's own error, a peer's failure, ranks out of step
-    since the last verdict, or a disagreement."""
-    text = json.dumps(sig, sort_keys=True)
+def signature_text(sig: dict) -> str:
+    """A ``call_signature`` as the text ranks compare (and the stamps' fingerprint is taken of)."""
+    return json.dumps(sig, sort_keys=True)
+
+
+def agree(comm: CommBackend, text: str, error: BaseException | None, like: torch.Tensor) -> None:
+    """Raise the same verdict on every rank for the call whose signature is ``text`` (``signature_text``):
+    this rank's own error, a peer's failure, ranks out of step since the last verdict, or a disagreement."""
     comm.ledger.begin(comm.calls, fingerprint(text), text)  # the forward's stamps carry its fingerprint
     due = comm.ledger.deferred(like.device) and comm.calls % comm.check_every == 0
     if error is None and comm.check_calls is True and text in comm.agreed and not due:

@@ -30,7 +30,7 @@ from . import custom_ops as _ops
 from .caches import typed
 from .callers import user_stacklevel
 from .comm import CommBackend, resolve_comm
-from .consistency import agree, call_signature, settle
+from .consistency import agree, call_signature, settle, signature_text
 from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_sequence_backward, member_rows,
                             sequence_to_heads, sequence_to_heads_backward)
 from .kernels.dispatch import select_kernel
@@ -530,6 +530,7 @@ def _head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, 
 
 
 _SCHEDULES = caches.table("functional.schedules", 256)
+_COMM_SCHEDULES = caches.table("functional.comm_schedules", 256)  # (schedule, signature text) of calls with comm
 # environment the kernel choice reads (auto's nondeterministic entries; the fused kernel on CPU tensors)
 _KERNEL_CHOICE_ENV = ("DILATED_ATTENTION_NONDETERMINISTIC", "TRITON_INTERPRET")
 
@@ -537,8 +538,9 @@ _KERNEL_CHOICE_ENV = ("DILATED_ATTENTION_NONDETERMINISTIC", "TRITON_INTERPRET")
 def _schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tuple | None:
     """Everything a single-device call's ``_schedule`` reads, as a key, or ``None`` where it reads more (a key
     mask or documents: their values; a kernel hook: it may record each call). Validating and planning a call costs
-    about 0.2 ms of host time, and a LongNet forward is host-bound: a training loop's repeated calls reuse the
-    schedule. Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
+    about 0.2 ms of host time (0.6 ms with ``comm``, and 0.2 more for the signature), and a LongNet forward is
+    host-bound: a training loop's repeated calls reuse the schedule (``_prepare`` adds what a call with ``comm``
+    reads besides). Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
     property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment), and
     the environment variables the kernel choice reads, and the head-chunk rule's settings (``memory.py``)."""
     if options["key_padding_mask"] is not None or options["cu_seqlens"] is not None or hooks.active():
@@ -562,38 +564,47 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
 
     With ``comm`` a rank's own invalid inputs are raised in the agreement, so every rank raises together.
     ``requires_grad``: what the caller's inputs had (a compiled graph's op sees detached tensors).
+    A repeated call reuses its schedule and, with ``comm``, its signature's text (``_schedule_key``).
     """
-    error: BaseException | None = None
-    spec = None
+    key = _schedule_key(q, k, v, segment_lengths, dilation_rates, options)
     if backend is None:
-        key = _schedule_key(q, k, v, segment_lengths, dilation_rates, options)
         spec = _SCHEDULES.get(key) if key is not None else None
         if spec is None:
             spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=None, **options)
             if key is not None:
                 _SCHEDULES[key] = spec
         return spec, 0
-    try:
-        spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)
-    except (ValueError, TypeError) as exc:
-        error = exc
+    if key is not None:  # the signature also reads the backend and whether a backward follows
+        grads = tuple(requires_grad) if requires_grad is not None else tuple(t.requires_grad for t in (q, k, v))
+        key = (*key, backend, torch.is_grad_enabled(), grads)
+    spec, text = _COMM_SCHEDULES.get(key, (None, None)) if key is not None else (None, None)
+    error: BaseException | None = None
+    if spec is None:
+        try:
+            spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)
+        except (ValueError, TypeError) as exc:
+            error = exc
     backend.calls += 1
     if backend.check_calls:
-        kernel, docs = options["kernel"], spec.docs if spec is not None else None
-        same = {name: options[name] for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
-                                                 "pad_to_segments", "layout")}
-        sig = call_signature(q, k, v, segment_lengths, dilation_rates, **same,
-                             kernel=kernel if isinstance(kernel, str) else type(kernel).__name__,
-                             key_padding_mask=options["key_padding_mask"] is not None,
-                             cu_seqlens=None if docs is None else
-                             f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
-        if requires_grad is not None:
-            sig["requires_grad"] = dict(zip("qkv", requires_grad))
-        # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (strategy.py)
-        sig["strategy's team (1: ring, the world: head)"] = spec.team if spec is not None else None
-        agree(backend, sig, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
+        if text is None:
+            kernel, docs = options["kernel"], spec.docs if spec is not None else None
+            same = {name: options[name] for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
+                                                     "pad_to_segments", "layout")}
+            sig = call_signature(q, k, v, segment_lengths, dilation_rates, **same,
+                                 kernel=kernel if isinstance(kernel, str) else type(kernel).__name__,
+                                 key_padding_mask=options["key_padding_mask"] is not None,
+                                 cu_seqlens=None if docs is None else
+                                 f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
+            if requires_grad is not None:
+                sig["requires_grad"] = dict(zip("qkv", requires_grad))
+            # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (strategy.py)
+            sig["strategy's team (1: ring, the world: head)"] = spec.team if spec is not None else None
+            text = signature_text(sig)
+        agree(backend, text, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
     elif error is not None:
         raise error
+    if key is not None and error is None:
+        _COMM_SCHEDULES[key] = (spec, text)
     return spec, backend.calls
 
 

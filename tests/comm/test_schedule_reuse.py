@@ -1,0 +1,69 @@
+"""Calls with ``comm`` reuse their schedule and signature text (gloo ranks).
+
+Planning a call with ``comm`` costs host time a LongNet forward cannot hide, so a repeated call
+reuses it (``functional._prepare``). What the signature reads besides the schedule (the backend,
+grad mode, which inputs require grad) is part of the key: a call that differs there is planned
+and signed anew, so the cross-rank agreement still sees it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dilated_attention import dilated_attention, functional
+from dilated_attention.comm import get_backend
+from dilated_attention.testing.spawn import spawn_ranks
+
+WORLD = 2
+L = 16
+SEGS, RATES = (8, L * WORLD), (1, 2)
+
+
+def _scenarios(rank: int, world_size: int) -> dict:
+    g = torch.Generator().manual_seed(700 + rank)
+    q, k, v, dout = (torch.randn(1, L, 4, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    planned, texts = [], []
+    schedule, agree = functional._schedule, functional.agree
+    functional._schedule = lambda *a, **kw: planned.append(1) or schedule(*a, **kw)
+    functional.agree = lambda comm, text, *a: texts.append(text) or agree(comm, text, *a)
+    out = {}
+    try:
+        for strategy in ("ring", "head"):
+            comm = get_backend("collective", dist.new_group(list(range(WORLD))))
+            runs = []
+            for _ in range(2):
+                x = [t.clone().requires_grad_() for t in (q, k, v)]
+                o = dilated_attention(*x, SEGS, RATES, comm=comm, strategy=strategy, causal=True)
+                o.backward(dout)
+                runs.append([o.detach(), *(t.grad for t in x)])
+            out[f"{strategy}-planned"] = len(planned)
+            out[f"{strategy}-same"] = all(torch.equal(a, b) for a, b in zip(*runs))
+            with torch.no_grad():
+                o = dilated_attention(q, k, v, SEGS, RATES, comm=comm, strategy=strategy, causal=True)
+            out[f"{strategy}-no-grad"] = {"planned": len(planned), "same": torch.equal(o, runs[0][0]),
+                                          "new text": texts[-1] != texts[-2]}
+            planned.clear()
+            texts.clear()
+    finally:
+        functional._schedule, functional.agree = schedule, agree
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return spawn_ranks(_scenarios, WORLD)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "head"])
+def test_a_repeated_call_is_planned_once_and_computes_the_same(outcomes, strategy):
+    for rank_out in outcomes:
+        assert rank_out[f"{strategy}-planned"] == 1
+        assert rank_out[f"{strategy}-same"]
+
+
+@pytest.mark.parametrize("strategy", ["ring", "head"])
+def test_a_call_without_gradients_is_planned_and_signed_anew(outcomes, strategy):
+    for rank_out in outcomes:
+        assert rank_out[f"{strategy}-no-grad"] == {"planned": 2, "same": True, "new text": True}
