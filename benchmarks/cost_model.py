@@ -16,11 +16,11 @@ combined once, which the model's memory terms do not describe).
     python benchmarks/cost_model.py --fit tests/data/cost_model_h200_x1.json tests/data/cost_model_h200_x2.json
     python benchmarks/cost_model.py --calibrate kernel_<gpu>.json scaling_<gpu>_x*.json
     python benchmarks/cost_model.py --gpu h100 --validate tests/data/cost_model_h100_x2.json --impl ours+graph
-    python benchmarks/cost_model.py --fit tests/data/cost_model_h100_x*.json --impl ours+graph    # the H100 preset
+    python benchmarks/cost_model.py --fit tests/data/cost_model_h100_x*.json --impl ours+graph    # the H100 preset,
+    python benchmarks/cost_model.py --gpu h100 --fit tests/data/cost_model_h100_x*.json --names issue_us  # then this
 
-``--impl ours+graph`` reads the records ``bench_scaling.py --cuda-graph`` times as CUDA graph replays: the
-step without host launch time, which the model leaves out (eager records of host-bound cases, causal
-LongNet on 2 GPUs above all, run slower than it predicts).
+``--impl ours+graph`` reads the records ``bench_scaling.py --cuda-graph`` times as CUDA graph replays, which
+the model replays without host issue time (``issue_us``); ``--cuda-graph`` predicts such steps.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dilated_attention.cost_model import (  # noqa: E402
-    _FITTED, FIT_NAMES, LONGNET_RATES, LONGNET_SEGMENTS, PRESETS, STRATEGIES, Hardware, Prediction, Problem,
-    calibrate, config_patterns, fit, predict, validate,
+    _FITTED, FIT_NAMES, IMPLS, LONGNET_RATES, LONGNET_SEGMENTS, PLAUSIBLE, PRESETS, STRATEGIES, Hardware, Prediction,
+    Problem, calibrate, config_patterns, fit, graph_replay, predict, validate,
 )
 
 
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gpu", choices=sorted(PRESETS), default="h200",
                     help="whose fitted constants (Hardware() is the H200's); the options below override them")
     for name in ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "key_penalty", "hbm_gbps", "op_us", "dispatch_us",
-                 "nvlink_gbps", "ib_gbps", "latency_us", "poll_ms", "memory_gib"):
+                 "issue_us", "nvlink_gbps", "ib_gbps", "latency_us", "poll_ms", "memory_gib"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=None,
                         help="default " + ", ".join(f"{g} {getattr(hw, name):g}" for g, hw in sorted(PRESETS.items())))
     ap.add_argument("--gpus-per-node", type=int, default=None, help=f"default {hw0.gpus_per_node}")
@@ -138,17 +138,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fit", nargs="+", default=None, metavar="JSON",
                     help="fit the kernel and memory constants to the whole calls (one GPU and several) in these "
                          "scaling JSONs")
-    ap.add_argument("--impl", choices=["ours", "ours+graph"], default="ours",
+    ap.add_argument("--names", default=",".join(FIT_NAMES),
+                    help=f"--fit: the constants to fit (any of {', '.join(sorted(PLAUSIBLE))}; default %(default)s)")
+    ap.add_argument("--impl", choices=IMPLS, default="ours",
                     help="--validate/--fit: the library's eager records, or those timed as CUDA graph replays "
-                         "(bench_scaling.py --cuda-graph: no host launch time, which the model leaves out)")
+                         "(bench_scaling.py --cuda-graph), modelled without host issue time")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="predict steps replayed from a CUDA graph (no host issue time, issue_us = 0)")
     a = ap.parse_args(argv)
+    names = [x for x in a.names.split(",") if x]
+    for name in names:
+        if name not in PLAUSIBLE:
+            ap.error(f"--names: {name!r} is not one of {sorted(PLAUSIBLE)}")
     host = None if a.waits is None else a.waits == "host"
     hw = replace(PRESETS[a.gpu], **{name: getattr(a, name) for name in Hardware.__dataclass_fields__
                                      if getattr(a, name) is not None})
     if a.calibrate:
         return _print_fit(calibrate, a.calibrate, hw, _FITTED + ("causal_keys",), "single-GPU measurement")
     if a.fit:
-        return _print_fit(lambda paths, base: fit(paths, base, impl=a.impl), a.fit, hw, FIT_NAMES, "measurement")
+        return _print_fit(lambda paths, base: fit(paths, base, names, impl=a.impl), a.fit, hw, names, "measurement")
     if a.validate:
         paths = _expand(a.validate)
         rows = validate(paths, hw, host_waits=host, impl=a.impl)
@@ -163,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print("no multi-GPU records of 'ours' with an efficiency in", paths)
         return 0
+    if a.cuda_graph:
+        hw = graph_replay(hw)
     n = int(a.tokens)
     per_gpu = int(a.tokens_per_gpu) if a.tokens_per_gpu else None
     strategies = [s for s in a.strategies.split(",") if s]
@@ -177,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"assumed: attention kernel {hw.fwd_tflops:g}/{hw.bwd_tflops:g} TFLOP/s fwd/bwd, HBM passes "
           f"{hw.hbm_gbps:g} GB/s, NVLink {hw.nvlink_gbps:g} GB/s, InfiniBand {hw.ib_gbps:g} GB/s per GPU, "
           f"{hw.gpus_per_node} GPUs per node, {hw.latency_us:g} us per message, {hw.memory_gib:g} GiB per GPU"
-          + f", {'host-timed' if host else 'stream-ordered'} waits" + (", zigzag causal rings" if a.balanced else ""))
+          + f", {'host-timed' if host else 'stream-ordered'} waits" + (", zigzag causal rings" if a.balanced else "")
+          + (f", {hw.issue_us:g} us of host per op (eager)" if hw.issue_us else ""))
     for causal in {"no": [False], "yes": [True], "both": [False, True]}[a.causal]:
         rows = []
         for k in a.gpus:

@@ -28,6 +28,10 @@ streams (compute, communication) and a host thread (``_Timeline``):
   (``nvlink_gbps``) inside a node of ``gpus_per_node``, InfiniBand (``ib_gbps`` per
   GPU) across nodes. Ring exchanges are posted before the step they overlap (the
   NCCL stream also waits for compute already queued); all-to-alls are not overlapped.
+- **Host issue** (``issue_us``): eagerly, the host spends ``issue_us`` on every replayed op (a
+  pattern's kernel calls, a pass, a transfer: Python, checks and launches) before the GPU can start
+  it, so host-bound stretches (LongNet's short patterns) run at the host's pace. A CUDA graph replay
+  has none (``graph_replay``); the H200 defaults carry none either (their records are GPU-bound).
 - **Waits** (``host_waits``, every entry point takes it; default stream-ordered, what a user
   gets by default): with NCCL and no timeout set, a wait only orders the compute stream. With
   ``host_waits=True`` (NCCL with ``DILATED_ATTENTION_TIMEOUT`` or a ``timeout=`` set; gloo always)
@@ -41,7 +45,8 @@ streams (compute, communication) and a host thread (``_Timeline``):
   a block), head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
   heads), hybrid (all-to-all inside teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
 
-Constants: ``fit`` moves the kernel and memory constants to whole-call measurements (one-GPU
+Constants: ``fit`` moves the kernel and memory constants (and, on eager records, ``issue_us``) to whole-call
+measurements (one-GPU
 references and multi-GPU records of scaling JSONs, each replayed in the wait mode it was measured
 with); ``calibrate`` solves them linearly from single-GPU runs alone, which needs a kernel
 benchmark's partial pipelines to tell launches from passes. Link, latency and poll constants are
@@ -92,6 +97,7 @@ class Hardware:
     hbm_gbps: float = 4800.0  # elementwise/copy passes
     op_us: float = 13.2  # per elementwise op of those passes
     dispatch_us: float = 1.0  # host work before a call's first kernel (or after a host wake-up)
+    issue_us: float = 0.0  # host work to issue one replayed op eagerly (none in a CUDA graph replay)
     nvlink_gbps: float = 350.0
     ib_gbps: float = 50.0
     gpus_per_node: int = 8
@@ -103,7 +109,7 @@ class Hardware:
         for name in ("fwd_tflops", "bwd_tflops", "hbm_gbps", "nvlink_gbps", "ib_gbps", "poll_ms", "memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("bwd_launch_us", "causal_keys", "key_penalty", "op_us", "dispatch_us", "latency_us"):
+        for name in ("bwd_launch_us", "causal_keys", "key_penalty", "op_us", "dispatch_us", "issue_us", "latency_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gpus_per_node < 1:
@@ -114,11 +120,24 @@ class Hardware:
 # ``tests/data/cost_model_h100_x{1,2}.json`` (flash-attn-4 installed: auto runs flash4 on full attention and on
 # LongNet's backward but its short causal segments; stream-ordered waits), with the forward held at flash4's
 # measured rate on full attention (``kernel_h100.json``: 654 TFLOP/s; whole calls determine only the sum of the
-# forward and backward terms). Replays have no host launch time, which the model leaves out, so the launch and
-# host terms sit at their floor; links as for the H200 (NVLink 4, NDR).
+# forward and backward terms). Replays have no host launch time, so the launch and host terms sit at their
+# floor. ``issue_us``: then fitted alone (``--fit ... --impl ours --names issue_us``) on the same files' eager
+# records. Links as for the H200 (NVLink 4, NDR).
 H100 = Hardware(fwd_tflops=654.0, bwd_tflops=594.0, bwd_launch_us=1.0, causal_keys=782.0, key_penalty=0.0,
-                hbm_gbps=2821.0, op_us=6.44, dispatch_us=1.0, memory_gib=79.0)
+                hbm_gbps=2821.0, op_us=6.44, dispatch_us=1.0, issue_us=381.0, memory_gib=79.0)
 PRESETS = {"h200": Hardware(), "h100": H100}  # the constants ``--gpu`` names
+IMPLS = ("ours", "ours+graph")  # a scaling JSON's records of the library: eager, or timed as CUDA graph replays
+
+
+def graph_replay(hw: Hardware) -> Hardware:
+    """``hw`` for a step replayed from a CUDA graph: no host issue time."""
+    return replace(hw, issue_us=0.0)
+
+
+def _for_impl(hw: Hardware, impl: str) -> Hardware:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return graph_replay(hw) if impl == "ours+graph" else hw
 
 
 @dataclass(frozen=True)
@@ -144,7 +163,7 @@ class Prediction:
     strategy: str
     gpus: int
     compute_ms: float  # busy time of the compute stream (kernels and memory passes), slowest rank
-    exposed_comm_ms: float  # the rest of the call: transfers and waits not hidden behind compute
+    exposed_comm_ms: float  # the rest of the call: transfers, waits and host issue not hidden behind compute
     ms: float
     t1_ms: float  # one GPU, whole sequence (same model)
     efficiency: float
@@ -278,8 +297,8 @@ def alltoall_ms(nbytes_per_rank: float, ranks: int, hw: Hardware) -> float:
 class _Timeline:
     """A compute stream, a communication stream and the host thread of one rank.
 
-    The host issues work instantly except when it blocks in a host-timed wait; work issued
-    after the compute stream ran dry starts ``dispatch_us`` later. A transfer starts when the
+    The host spends ``issue_us`` issuing each op (eagerly) and blocks in host-timed waits; work
+    issued after the compute stream ran dry starts ``dispatch_us`` later. A transfer starts when the
     communication stream is free and the compute work queued before it is done.
     """
 
@@ -291,12 +310,14 @@ class _Timeline:
         self.busy = 0.0
 
     def run(self, ms: float) -> None:
+        self.host += self.hw.issue_us / 1e3
         start = self.compute if self.compute >= self.host else self.host + self.hw.dispatch_us / 1e3
         self.compute = start + ms
         self.busy += ms
 
     def send(self, ms: float) -> float:
         """Post a transfer; returns when it ends."""
+        self.host += self.hw.issue_us / 1e3
         self.comm = max(self.comm, self.compute, self.host) + ms
         return self.comm
 
@@ -647,13 +668,13 @@ def _multi_records(meta: dict, records: list[dict], impl: str = "ours") -> list[
 def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: bool | None = None,
              impl: str = "ours") -> list[dict]:
     """Compare predicted with measured efficiency (and ms) for every multi-GPU record of ``impl`` (``ours``, or
-    ``ours+graph``: ``bench_scaling.py --cuda-graph``'s replays, the step without host launch time).
+    ``ours+graph``: ``bench_scaling.py --cuda-graph``'s replays, modelled without host issue time).
 
     Efficiency is ``T1 / (K TK)`` on both sides: measured T1 and TK from the file, predicted
     ones from the model. ``host_waits``: the wait mode to model; None takes each file's own
     (``file_host_waits``).
     """
-    rows = []
+    rows, hw = [], _for_impl(hw, impl)
     for path in paths:
         meta, records = _records(path)
         host = file_host_waits(meta) if host_waits is None else host_waits
@@ -684,7 +705,7 @@ FIT_NAMES = ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "key_pe
 # HBM): the fit stays inside these ranges, so a constant that whole calls cannot pin down stays physical.
 PLAUSIBLE = {"fwd_tflops": (150.0, 989.0), "bwd_tflops": (100.0, 989.0), "bwd_launch_us": (1.0, 500.0),
              "causal_keys": (1.0, 4096.0), "key_penalty": (0.0, 1.0), "hbm_gbps": (500.0, 4800.0),
-             "op_us": (1.0, 100.0), "dispatch_us": (1.0, 1000.0)}
+             "op_us": (1.0, 100.0), "dispatch_us": (1.0, 1000.0), "issue_us": (1.0, 2000.0)}
 
 
 def _nelder_mead(f, x0: list[float], step: float, iters: int) -> tuple[list[float], float]:
@@ -763,11 +784,14 @@ def fit(paths: Sequence[str], base: Hardware = Hardware(), names: Sequence[str] 
     worst multi-GPU error (so no record is sacrificed to the mean). Each record is replayed in the
     wait mode it was measured with. Nelder-Mead on log constants, from ``base``, restarted
     ``rounds`` times. Returns the fitted hardware and, per measurement, measured vs model."""
-    samples = fit_samples(paths, impl)
+    samples, base = fit_samples(paths, impl), _for_impl(base, impl)
+    if impl == "ours+graph" and "issue_us" in names:
+        raise ValueError("issue_us is the eager host time: fit it on eager records (impl='ours')")
     if len(samples) <= len(names):
         raise ValueError(f"need more than {len(names)} measurements to fit {len(names)} constants, "
                          f"found {len(samples)} in {paths}")
-    floor = {"causal_keys": 1.0, "key_penalty": 0.05, "bwd_launch_us": 1.0, "op_us": 0.1, "dispatch_us": 1.0}
+    floor = {"causal_keys": 1.0, "key_penalty": 0.05, "bwd_launch_us": 1.0, "op_us": 0.1, "dispatch_us": 1.0,
+             "issue_us": 1.0}
 
     def make(x: Sequence[float]) -> Hardware:
         values = {n: math.exp(v) for n, v in zip(names, x)}
