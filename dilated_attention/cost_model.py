@@ -123,8 +123,8 @@ class Hardware:
 # forward and backward terms). Replays have no host launch time, so the launch and host terms sit at their
 # floor. ``issue_us``: then fitted alone (``--fit ... --impl ours --names issue_us``) on the same files' eager
 # records. Links as for the H200 (NVLink 4, NDR).
-H100 = Hardware(fwd_tflops=654.0, bwd_tflops=594.0, bwd_launch_us=1.0, causal_keys=782.0, key_penalty=0.0,
-                hbm_gbps=2821.0, op_us=6.44, dispatch_us=1.0, issue_us=381.0, memory_gib=79.0)
+H100 = Hardware(fwd_tflops=654.0, bwd_tflops=586.0, bwd_launch_us=1.0, causal_keys=792.0, key_penalty=0.0,
+                hbm_gbps=2788.0, op_us=5.65, dispatch_us=1.0, issue_us=414.0, memory_gib=79.0)
 PRESETS = {"h200": Hardware(), "h100": H100}  # the constants ``--gpu`` names
 IMPLS = ("ours", "ours+graph")  # a scaling JSON's records of the library: eager, or timed as CUDA graph replays
 

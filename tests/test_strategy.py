@@ -38,14 +38,14 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 @pytest.mark.parametrize("patterns, causal, layout, team", [
-    (LONGNET, False, "contiguous", 1),  # ring 14.8 ms, head 16.8
-    (LONGNET, True, "contiguous", 1),  # ring 10.7, head 12.2
-    (FULL, False, "contiguous", 1),  # ring 108.2, head 105.6: within 3%
-    (FULL, True, "contiguous", 2),  # ring 84.4 (unbalanced), head 58.5
-    (LONGNET, False, "zigzag", 2),  # ring 18.7, head 18.1
-    (LONGNET, True, "zigzag", 2),  # ring 16.6, head 13.8
-    (FULL, False, "zigzag", 1),  # ring 109.7, head 106.9: within 3%
-    (FULL, True, "zigzag", 1),  # ring 59.9 (balanced), head 59.0: within 3%
+    (LONGNET, False, "contiguous", 1),  # ring 15.7 ms, head 16.9
+    (LONGNET, True, "contiguous", 1),  # ring 11.8, head 12.4
+    (FULL, False, "contiguous", 1),  # ring 108.0, head 105.1: within 3%
+    (FULL, True, "contiguous", 2),  # ring 61.7, head 58.1
+    (LONGNET, False, "zigzag", 2),  # ring 26.3, head 17.9
+    (LONGNET, True, "zigzag", 2),  # ring 17.5, head 13.9
+    (FULL, False, "zigzag", 1),  # ring 109.2, head 107.1: within 3%
+    (FULL, True, "zigzag", 1),  # ring 59.3 (balanced), head 59.1: within 3%
 ])
 def test_two_h100_measurements(patterns, causal, layout, team):
     """On an H100 its own measured choices apply; any other model (or none: CPU) takes the H200 table."""
