@@ -16,7 +16,8 @@ combined once, which the model's memory terms do not describe).
     python benchmarks/cost_model.py --fit tests/data/cost_model_h200_x1.json tests/data/cost_model_h200_x2.json
     python benchmarks/cost_model.py --calibrate kernel_<gpu>.json scaling_<gpu>_x*.json
     python benchmarks/cost_model.py --gpu h100 --validate tests/data/cost_model_h100_x2.json --impl ours+graph
-    python benchmarks/cost_model.py --fit tests/data/cost_model_h100_x*.json --impl ours+graph    # the H100 preset,
+    python benchmarks/cost_model.py --gpu h100 --fit tests/data/cost_model_h100_x*.json --impl ours+graph \
+        --names bwd_tflops,bwd_launch_us,causal_keys,key_penalty,hbm_gbps,op_us,dispatch_us   # the H100 preset,
     python benchmarks/cost_model.py --gpu h100 --fit tests/data/cost_model_h100_x*.json --names issue_us  # then this
 
 ``--impl ours+graph`` reads the records ``bench_scaling.py --cuda-graph`` times as CUDA graph replays, which

@@ -31,7 +31,8 @@ streams (compute, communication) and a host thread (``_Timeline``):
 - **Host issue** (``issue_us``): eagerly, the host spends ``issue_us`` on every replayed op (a
   pattern's kernel calls, a pass, a transfer: Python, checks and launches) before the GPU can start
   it, so host-bound stretches (LongNet's short patterns) run at the host's pace. A CUDA graph replay
-  has none (``graph_replay``); the H200 defaults carry none either (their records are GPU-bound).
+  has none (``graph_replay``). The H200 defaults carry none: fitted on eager records without it, their
+  other constants absorb it.
 - **Waits** (``host_waits``, every entry point takes it; default stream-ordered, what a user
   gets by default): with NCCL and no timeout set, a wait only orders the compute stream. With
   ``host_waits=True`` (NCCL with ``DILATED_ATTENTION_TIMEOUT`` or a ``timeout=`` set; gloo always)
