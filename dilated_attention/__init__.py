@@ -4,10 +4,11 @@ import os as _os
 
 from .caches import cache_info, clear_caches
 from .functional import dilated_attention
+from .memory import set_memory_bound
 from .modules import DilatedAttention, MultiheadDilatedAttention
 
 __all__ = ["dilated_attention", "DilatedAttention", "MultiheadDilatedAttention", "debug", "cache_info",
-           "clear_caches"]
+           "clear_caches", "set_memory_bound"]
 __version__ = "0.1.0"
 
 # DILATED_ATTENTION_DEBUG=1: debug mode loads now and registers itself at the kernel seam (hooks.py)

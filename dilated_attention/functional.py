@@ -599,6 +599,7 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
                 sig["requires_grad"] = dict(zip("qkv", requires_grad))
             # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (strategy.py)
             sig["strategy's team (1: ring, the world: head)"] = spec.team if spec is not None else None
+            sig["head chunks (set_memory_bound)"] = max(1, len(spec.heads)) if spec is not None else None
             text = signature_text(sig)
         agree(backend, text, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
     elif error is not None:

@@ -10,7 +10,9 @@ smaller kernel calls and ring messages, which is why short calls run whole.
 Rule: a call whose own bytes reach ``SCRATCH_FLOOR`` runs in the fewest chunks (a divisor of its kv
 heads: a chunk holds whole kv groups, so each kv head's gradient comes from one chunk) whose estimated
 scratch is at most ``SCRATCH_SHARE`` of its own bytes. The estimate depends on shapes and patterns only,
-so every rank of a job chooses the same chunks.
+so every rank of a job chooses the same chunks (the cross-rank agreement compares the count).
+``set_memory_bound`` moves both, process-wide: memory first below the floor, at the cost measured in
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch
 
 from .patterns import PatternPlan
 
-SCRATCH_SHARE = 0.4  # peak memory target: 1.4 x the call's own bytes
+DEFAULT_SCRATCH_SHARE = 0.4  # peak memory target: 1.4 x the call's own bytes
 # own bytes (4 GiB: 131072 tokens of 16 x 128 bf16 heads) below which a call runs whole: LongNet's calls at
-# 32768 tokens are small enough to be bound by launches, so two chunks cost 7-30% there (H100), 1-2% at 131072
-SCRATCH_FLOOR = 1 << 32
+# 32768 tokens are small enough to be bound by launches, so two chunks cost 7-30% there on one H100 (1.6-1.9x on
+# a 2-GPU ring), 1-2% at 131072; full attention's 2-head chunks cost 8% / 40% (non-causal / causal, 2 x H100)
+DEFAULT_SCRATCH_FLOOR = 1 << 32
+SCRATCH_SHARE, SCRATCH_FLOOR = DEFAULT_SCRATCH_SHARE, DEFAULT_SCRATCH_FLOOR  # (``set_memory_bound``)
 ACCUM_BYTES = 4  # fp32 accumulators (merge.accum_dtype)
 
 
@@ -69,6 +73,26 @@ def scratch_bytes(plans: Sequence[PatternPlan], leaves_part: Callable[[PatternPl
     return running + parts + ring
 
 
+def set_memory_bound(scratch_share: float = DEFAULT_SCRATCH_SHARE, from_bytes: int = DEFAULT_SCRATCH_FLOOR
+                     ) -> tuple[float, int]:
+    """Bound every later call whose own q, k, v, out, dout, dq, dk, dv reach ``from_bytes`` (this rank's, the
+    whole batch) to about ``scratch_share`` of them in scratch, by running its heads in chunks; returns the previous
+    ``(scratch_share, from_bytes)``. Process-wide: every rank of a job must set the same (a rank that chunks
+    otherwise raises ``ValueError`` in the cross-rank check). ``from_bytes=0`` bounds every call: peaks about
+    ``1 + scratch_share`` x own, at more, smaller kernel calls (2 x H100, 32768 tokens per GPU: full attention
+    1.4x own costs 8% non-causal, 40% causal; LongNet costs 1.6-6x its time: docs/performance.md). The
+    defaults restore the speed-first rule."""
+    global SCRATCH_SHARE, SCRATCH_FLOOR
+    if isinstance(scratch_share, bool) or not isinstance(scratch_share, (int, float)) or not scratch_share >= 0:
+        raise ValueError(f"scratch_share must be a number >= 0 (a fraction of the call's own bytes, e.g. 0.4), "
+                         f"got {scratch_share!r}")
+    if isinstance(from_bytes, bool) or not isinstance(from_bytes, int) or from_bytes < 0:
+        raise ValueError(f"from_bytes must be an int >= 0 (0: every call), got {from_bytes!r}")
+    previous = (SCRATCH_SHARE, SCRATCH_FLOOR)
+    SCRATCH_SHARE, SCRATCH_FLOOR = float(scratch_share), from_bytes
+    return previous
+
+
 def own_bytes(rows: int, heads: int, kv_heads: int, dim: int, elem: int) -> int:
     """Bytes of one batch row's q, out, dout, dq (query heads) and k, v, dk, dv (kv heads)."""
     return 4 * elem * rows * (heads + kv_heads) * dim
@@ -86,4 +110,4 @@ def head_ranges(scratch: int | Callable[[], int], own: int, heads: int, kv_heads
     return tuple(HeadRange(i * kv * group, (i + 1) * kv * group, i * kv, (i + 1) * kv) for i in range(chunks))
 
 
-__all__ = ["HeadRange", "SCRATCH_FLOOR", "SCRATCH_SHARE", "head_ranges", "own_bytes", "scratch_bytes"]
+__all__ = ["HeadRange", "SCRATCH_FLOOR", "SCRATCH_SHARE", "head_ranges", "own_bytes", "scratch_bytes", "set_memory_bound"]

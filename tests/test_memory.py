@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dilated_attention import dilated_attention, memory, ring
+from dilated_attention import dilated_attention, memory, ring, set_memory_bound
 from dilated_attention.memory import HeadRange, head_ranges, own_bytes, scratch_bytes
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import LAYOUTS, as_layout, assert_within_rule
@@ -116,3 +116,60 @@ def test_chunked_packed_documents_match_whole(forced):
     whole = _run(dilated_attention, q, k, v, dout, **kw)
     for name, c, w in zip(("out", "dq", "dk", "dv"), chunked, whole):
         torch.testing.assert_close(c, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_set_memory_bound_moves_the_rule_and_checks_its_arguments():
+    default = (memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR)
+    assert default == (memory.DEFAULT_SCRATCH_SHARE, memory.DEFAULT_SCRATCH_FLOOR)
+    try:
+        assert memory.set_memory_bound(0.0, 0) == default
+        assert len(head_ranges(10, 1, heads=8, kv_heads=4)) == 4  # every call chunked, as finely as needed
+        assert memory.set_memory_bound() == (0.0, 0)
+        assert len(head_ranges(10, 1, heads=8, kv_heads=4)) == 1  # small calls run whole again
+        for bad in (-0.1, "0.4", True, None):
+            with pytest.raises(ValueError, match="scratch_share"):
+                memory.set_memory_bound(bad)
+        for bad in (-1, 1.5, False):
+            with pytest.raises(ValueError, match="from_bytes"):
+                memory.set_memory_bound(0.4, bad)
+    finally:
+        memory.set_memory_bound(*default)
+
+
+def test_a_bound_call_matches_the_oracle_and_the_whole_call():
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(1, 64, 8, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 64, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(1, 64, 8, 8, generator=gen, dtype=torch.float64)
+    kw = dict(segment_lengths=[16, 64], dilation_rates=[1, 4], causal=True)
+    whole = _run(dilated_attention, q, k, v, dout, **kw)
+    previous = set_memory_bound(0.0, 0)  # (the package's export)
+    try:
+        bound = _run(dilated_attention, q, k, v, dout, **kw)
+    finally:
+        memory.set_memory_bound(*previous)
+    want = _run(dense_dilated_attention, q, k, v, dout, **kw)
+    for name, b, w, o in zip(("out", "dq", "dk", "dv"), bound, whole, want):
+        assert_within_rule(name, b, o, context="set_memory_bound(0.0, 0)")
+        torch.testing.assert_close(b, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _disagreeing_bounds(rank: int, world_size: int) -> str | None:
+    from dilated_attention.comm import get_backend
+
+    gen = torch.Generator().manual_seed(40 + rank)
+    q, k, v = (torch.randn(1, 16, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    if rank == 0:
+        memory.set_memory_bound(0.0, 0)  # this rank alone chunks its heads
+    try:
+        dilated_attention(q, k, v, [8, 32], [1, 2], comm=get_backend("collective", timeout=60), strategy="ring")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_different_bounds_raise_together():
+    from dilated_attention.testing.spawn import spawn_ranks
+
+    for message in spawn_ranks(_disagreeing_bounds, 2):
+        assert message is not None and "head chunks (set_memory_bound): rank 0=4, rank 1=1" in message, message
