@@ -530,7 +530,6 @@ def _head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, 
 
 
 _SCHEDULES = caches.table("functional.schedules", 256)
-_COMM_SCHEDULES = caches.table("functional.comm_schedules", 256)  # (schedule, signature text) of calls with comm
 # environment the kernel choice reads (auto's nondeterministic entries; the fused kernel on CPU tensors)
 _KERNEL_CHOICE_ENV = ("DILATED_ATTENTION_NONDETERMINISTIC", "TRITON_INTERPRET")
 
@@ -574,10 +573,10 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
             if key is not None:
                 _SCHEDULES[key] = spec
         return spec, 0
-    if key is not None:  # the signature also reads the backend and whether a backward follows
+    if key is not None:  # the signature also reads whether a backward follows (the table is the backend's)
         grads = tuple(requires_grad) if requires_grad is not None else tuple(t.requires_grad for t in (q, k, v))
-        key = (*key, backend, torch.is_grad_enabled(), grads)
-    spec, text = _COMM_SCHEDULES.get(key, (None, None)) if key is not None else (None, None)
+        key = (*key, torch.is_grad_enabled(), grads)
+    spec, text = backend.schedules.get(key, (None, None)) if key is not None else (None, None)
     error: BaseException | None = None
     if spec is None:
         try:
@@ -605,7 +604,7 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
     elif error is not None:
         raise error
     if key is not None and error is None:
-        _COMM_SCHEDULES[key] = (spec, text)
+        backend.schedules[key] = (spec, text)
     return spec, backend.calls
 
 

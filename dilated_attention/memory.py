@@ -78,10 +78,10 @@ def set_memory_bound(scratch_share: float = DEFAULT_SCRATCH_SHARE, from_bytes: i
     """Bound every later call whose own q, k, v, out, dout, dq, dk, dv reach ``from_bytes`` (this rank's, the
     whole batch) to about ``scratch_share`` of them in scratch, by running its heads in chunks; returns the previous
     ``(scratch_share, from_bytes)``. Process-wide: every rank of a job must set the same (a rank that chunks
-    otherwise raises ``ValueError`` in the cross-rank check). ``from_bytes=0`` bounds every call: peaks about
-    ``1 + scratch_share`` x own, at more, smaller kernel calls (2 x H100, 32768 tokens per GPU: full attention
-    1.4x own costs 8% non-causal, 40% causal; LongNet costs 1.6-6x its time: docs/performance.md). The
-    defaults restore the speed-first rule."""
+    otherwise raises ``ValueError`` in the cross-rank check). ``from_bytes=0`` chunks every call whose estimate
+    exceeds the share, at more, smaller kernel calls (2 x H100, 32768 tokens per GPU, ``(0.4, 0)``: the
+    non-causal full-attention ring 4.0x -> 1.42x own for 7% more time; causal rings and LongNet pay 2.7-3.2x;
+    the head strategy's swap is not chunked: docs/performance.md). The defaults restore the speed-first rule."""
     global SCRATCH_SHARE, SCRATCH_FLOOR
     if isinstance(scratch_share, bool) or not isinstance(scratch_share, (int, float)) or not scratch_share >= 0:
         raise ValueError(f"scratch_share must be a number >= 0 (a fraction of the call's own bytes, e.g. 0.4), "

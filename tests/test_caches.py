@@ -42,7 +42,7 @@ def test_every_cache_is_listed_with_its_bound():
     expected = {"functional.schedules", "patterns.plans", "patterns.head_offsets", "merge.launch_plans",
                 "merge.combine_tables", "triton_support.jitted", "fused.head_tables", "fused.shared_memory_reason",
                 "cudnn.forward_calls", "cudnn.backward_calls", "cudnn.refused", "dispatch.kernels",
-                "dispatch.auto_kernels", "guard.fallen_back", "guard.proven", "custom_ops.objects"}
+                "dispatch.auto_kernels", "guard.fallen_back", "guard.proven", "custom_ops.objects", "comm.schedules"}
     assert expected <= set(info), sorted(expected - set(info))
     for name, (size, bound) in info.items():
         assert bound is None or (isinstance(bound, int) and bound > 0), (name, bound)

@@ -34,6 +34,7 @@ import io
 import math
 import os
 import sys
+import weakref
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from collections.abc import Sequence
@@ -42,7 +43,23 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..caches import Table, register
 from .stamps import STAMP_BYTES, Ledger, Stamp, verdict
+
+SCHEDULES_KEPT = 256  # configurations a backend remembers (a table that fills up starts over)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # backends alive, for cache_info and clear_caches (weakly held)
+
+
+def _fullest_schedules() -> int:
+    return max((len(backend.schedules) for backend in list(_LIVE)), default=0)
+
+
+def _clear_schedules() -> None:
+    for backend in list(_LIVE):
+        backend.schedules.clear()
+
+
+register("comm.schedules", _fullest_schedules, SCHEDULES_KEPT, _clear_schedules)
 
 TIMEOUT_ENV = "DILATED_ATTENTION_TIMEOUT"
 
@@ -216,6 +233,10 @@ class CommBackend(ABC):
         self.host_waits = asked or "nccl" not in str(dist.get_backend(self._group))
         self.calls = 0  # calls made through this backend: names the call in timeout messages
         self.agreed: set = set()  # call signatures every rank has agreed on (consistency.py)
+        # calls' (schedule, signature text), reused by functional._prepare: kept here, not in a module-level
+        # cache, so that they, and through them this process group, go with the backend
+        self.schedules = Table(SCHEDULES_KEPT)
+        _LIVE.add(self)
         self.ledger = Ledger()  # stamps received (stamps.py)
 
     # -- what an adapter provides -------------------------------------------------

@@ -1,12 +1,16 @@
 """Calls with ``comm`` reuse their schedule and signature text (gloo ranks).
 
 Planning a call with ``comm`` costs host time a LongNet forward cannot hide, so a repeated call
-reuses it (``functional._prepare``). What the signature reads besides the schedule (the backend,
-grad mode, which inputs require grad) is part of the key: a call that differs there is planned
-and signed anew, so the cross-rank agreement still sees it.
+reuses it (``functional._prepare``). What the signature reads besides the schedule (grad mode,
+which inputs require grad) is part of the key: a call that differs there is planned and signed
+anew, so the cross-rank agreement still sees it. Each backend keeps its own table, so nothing
+of the library's holds a backend (and its process group) after the caller drops it.
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -46,6 +50,10 @@ def _scenarios(rank: int, world_size: int) -> dict:
                                           "new text": texts[-1] != texts[-2]}
             planned.clear()
             texts.clear()
+            gone = weakref.ref(comm)
+            del comm
+            gc.collect()
+            out[f"{strategy}-released"] = gone() is None  # nothing of the library's keeps a backend (its group)
     finally:
         functional._schedule, functional.agree = schedule, agree
     return out
@@ -67,3 +75,9 @@ def test_a_repeated_call_is_planned_once_and_computes_the_same(outcomes, strateg
 def test_a_call_without_gradients_is_planned_and_signed_anew(outcomes, strategy):
     for rank_out in outcomes:
         assert rank_out[f"{strategy}-no-grad"] == {"planned": 2, "same": True, "new text": True}
+
+
+@pytest.mark.parametrize("strategy", ["ring", "head"])
+def test_the_schedules_go_with_their_backend(outcomes, strategy):
+    for rank_out in outcomes:
+        assert rank_out[f"{strategy}-released"]
