@@ -577,8 +577,10 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
         grads = tuple(requires_grad) if requires_grad is not None else tuple(t.requires_grad for t in (q, k, v))
         key = (*key, torch.is_grad_enabled(), grads)
     spec, text = backend.schedules.get(key, (None, None)) if key is not None else (None, None)
-    error: BaseException | None = None
-    if spec is None:
+    known, error = text, None  # (an entry made with check_calls=False has no text yet)
+    if spec is not None:
+        spec = replace(spec, backend=backend)
+    else:
         try:
             spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)
         except (ValueError, TypeError) as exc:
@@ -603,8 +605,8 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
         agree(backend, text, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
     elif error is not None:
         raise error
-    if key is not None and error is None:
-        backend.schedules[key] = (spec, text)
+    if key is not None and error is None and known is None:
+        backend.schedules[key] = (replace(spec, backend=None), text)  # (no cycle holding the process group)
     return spec, backend.calls
 
 
