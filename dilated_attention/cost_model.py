@@ -46,10 +46,9 @@ streams (compute, communication) and a host thread (``_Timeline``):
   a block), head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
   heads), hybrid (all-to-all inside teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
 
-Constants: ``fit`` moves the kernel and memory constants (and, on eager records, ``issue_us``) to whole-call
-measurements (one-GPU
-references and multi-GPU records of scaling JSONs, each replayed in the wait mode it was measured
-with); ``calibrate`` solves them linearly from single-GPU runs alone, which needs a kernel
+Constants: ``fit`` moves the kernel and memory constants (and, on eager records, ``issue_us``) to
+whole-call measurements (one-GPU references and multi-GPU records of scaling JSONs, each replayed in
+the wait mode it was measured with); ``calibrate`` solves them linearly from single-GPU runs alone, which needs a kernel
 benchmark's partial pipelines to tell launches from passes. Link, latency and poll constants are
 documented hardware/software figures. The memory-pass terms are those of a per-pattern fp32
 combine and merge; today's code combines compact parts once (``merge.combine_results``), and the

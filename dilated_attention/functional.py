@@ -576,10 +576,10 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
     if key is not None:  # the signature also reads whether a backward follows (the table is the backend's)
         grads = tuple(requires_grad) if requires_grad is not None else tuple(t.requires_grad for t in (q, k, v))
         key = (*key, torch.is_grad_enabled(), grads)
-    spec, text = backend.schedules.get(key, (None, None)) if key is not None else (None, None)
-    known, error = text, None  # (an entry made with check_calls=False has no text yet)
-    if spec is not None:
-        spec = replace(spec, backend=backend)
+    cached = backend.schedules.get(key) if key is not None else None
+    spec = text = error = None
+    if cached is not None:
+        spec, text = replace(cached[0], backend=backend), cached[1]
     else:
         try:
             spec = _schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)
@@ -587,27 +587,33 @@ def _prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | No
             error = exc
     backend.calls += 1
     if backend.check_calls:
-        if text is None:
-            kernel, docs = options["kernel"], spec.docs if spec is not None else None
-            same = {name: options[name] for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
-                                                     "pad_to_segments", "layout")}
-            sig = call_signature(q, k, v, segment_lengths, dilation_rates, **same,
-                                 kernel=kernel if isinstance(kernel, str) else type(kernel).__name__,
-                                 key_padding_mask=options["key_padding_mask"] is not None,
-                                 cu_seqlens=None if docs is None else
-                                 f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
-            if requires_grad is not None:
-                sig["requires_grad"] = dict(zip("qkv", requires_grad))
-            # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (strategy.py)
-            sig["strategy's team (1: ring, the world: head)"] = spec.team if spec is not None else None
-            sig["head chunks (set_memory_bound)"] = max(1, len(spec.heads)) if spec is not None else None
-            text = signature_text(sig)
+        if text is None:  # (an entry made with check_calls=False has none yet)
+            text = _signature_text(q, k, v, segment_lengths, dilation_rates, spec, options, requires_grad)
         agree(backend, text, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
     elif error is not None:
         raise error
-    if key is not None and error is None and known is None:
+    if key is not None and error is None and (cached is None or cached[1] is not text):
         backend.schedules[key] = (replace(spec, backend=None), text)  # (no cycle holding the process group)
     return spec, backend.calls
+
+
+def _signature_text(q, k, v, segment_lengths, dilation_rates, spec: _Schedule | None, options: dict,
+                    requires_grad: list[bool] | None) -> str:
+    """What every rank must agree on for this call (``consistency.call_signature``), as the text compared."""
+    kernel, docs = options["kernel"], spec.docs if spec is not None else None
+    same = {name: options[name] for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
+                                             "pad_to_segments", "layout")}
+    sig = call_signature(q, k, v, segment_lengths, dilation_rates, **same,
+                         kernel=kernel if isinstance(kernel, str) else type(kernel).__name__,
+                         key_padding_mask=options["key_padding_mask"] is not None,
+                         cu_seqlens=None if docs is None else
+                         f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
+    if requires_grad is not None:
+        sig["requires_grad"] = dict(zip("qkv", requires_grad))
+    # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (strategy.py)
+    sig["strategy's team (1: ring, the world: head)"] = spec.team if spec is not None else None
+    sig["head chunks (set_memory_bound)"] = max(1, len(spec.heads)) if spec is not None else None
+    return signature_text(sig)
 
 
 def _forward(spec: _Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
