@@ -9,6 +9,10 @@ over costs less than LRU bookkeeping on every hit).
 ``cache_info()`` tells what each cache holds against its bound (debugging memory); ``clear_caches()``
 empties them all, e.g. after the environment a kernel choice reads changed (a package installed, a GPU
 setting). Emptying costs only the time to work things out again: no result changes.
+
+What a CUDA graph capture reads is another matter: a captured kernel or copy re-reads the memory it was given
+at every replay, long after the call, so whatever a capture is handed from a cache is also held by
+``held_for_graphs`` for the life of the process (never emptied: freeing it would hand a live graph freed memory).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
+
+import torch
 
 
 class CacheInfo(NamedTuple):
@@ -104,6 +110,25 @@ def remember(cache: dict, key: Any, value: Any) -> Any:
     return value
 
 
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a CUDA graph (``torch.cuda.graph``,
+    ``torch.compile(mode="reduce-overhead")``): the host cannot read the device then, and what is captured
+    replays without Python."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+_HELD_FOR_GRAPHS: dict = {}
+register("caches.held_for_graphs", _HELD_FOR_GRAPHS.__len__)
+
+
+def held_for_graphs(key: Any, make: Callable[[], Any]) -> Any:
+    """The value kept under ``key`` for the life of the process, made by ``make()`` the first time: what a
+    captured graph reads (a lookup table, the pinned host copy a captured transfer re-reads) must outlive every
+    graph, and equal keys share one value across captures. Only for small values read during captures."""
+    hit = _HELD_FOR_GRAPHS.get(key)
+    return hit if hit is not None else remember(_HELD_FOR_GRAPHS, key, make())
+
+
 def typed(value: Any) -> tuple:
     """A key part that tells apart values equal across types (``True == 1 == 1.0``: a cached answer for a
     valid ``2048`` must not answer for ``2048.0``); a list or tuple element by element."""
@@ -125,5 +150,5 @@ def clear_caches() -> None:
             entry.clear()
 
 
-__all__ = ["CacheInfo", "KeySet", "Table", "cache_info", "clear_caches", "keys", "memoize", "register", "remember",
-           "table", "typed"]
+__all__ = ["CacheInfo", "KeySet", "Table", "cache_info", "capturing", "clear_caches", "held_for_graphs", "keys", "memoize",
+           "register", "remember", "table", "typed"]

@@ -26,7 +26,8 @@ import zlib
 
 import torch
 
-from .comm.base import CommBackend, PeerTimeoutError, capturing
+from .caches import capturing
+from .comm.base import CommBackend, PeerTimeoutError
 from .comm.stamps import fingerprint, flatten, verdict
 
 

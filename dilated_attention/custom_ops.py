@@ -16,8 +16,17 @@ the call number for timeout messages): the eager path saves the same tensors. ``
 values are data, read inside the ops at run time (so a compiled graph serves any document split;
 the backward op reads them again: one small host copy).
 
+Both ops are tagged ``cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")`` inductor graphs the
+model around them and runs them between its graphs. A cudagraph tree warms a graph up eagerly in the graph's
+memory pool and refuses pool memory still held after it; a call's kept state (the cross-rank stamps' device log
+and headers, the merges' and the fused kernel's device tables) lives past the op by design. Captured by hand
+(``torch.cuda.graph``), a call replays in one graph (README, CUDA graphs).
+
 A ``CommBackend`` or kernel object travels as a string key into ``_OBJECTS`` (held for the life of
-the process, as the compiled graph is); names (``"collective"``, ``"auto"``) travel as themselves.
+the process, as the compiled graph is); names (``"collective"``, ``"auto"``) travel as themselves. The key is
+made at trace time by a function torch.compile assumes constant; torch before 2.13 hands such a function
+constants only, so a backend goes in by its ``id`` (found among the live backends), and a kernel object needs
+torch 2.13 (before it, pass a kernel name).
 """
 
 from types import SimpleNamespace
@@ -26,10 +35,13 @@ import torch
 
 from . import caches
 from .comm import CommBackend, resolve_comm
+from .comm.base import live_backend
 
 # torch.library.custom_op and register_autograd arrived in torch 2.4; without them a compiled call
 # runs the eager path (graph breaks around it).
 AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
+# (a torch without the tag: a cudagraph tree refuses the op's kept state when it warms the op up)
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 _OBJECTS: dict[str, object] = {}
 # kept for the life of the process (a compiled graph refers to its entries): listed, never emptied
 caches.register("custom_ops.objects", _OBJECTS.__len__)
@@ -43,25 +55,39 @@ def bind(**call_path) -> None:
     vars(_f).update(call_path)
 
 
+def _object_key(obj) -> str:
+    """``obj``'s registry key, ``obj`` registered under it."""
+    key = f"#{type(obj).__name__}@{id(obj):x}"
+    _OBJECTS[key] = obj
+    return key
+
+
+def _backend_key(ident: int) -> str:
+    """The registry key of the live backend whose ``id()`` is ``ident``."""
+    return _object_key(live_backend(ident))
+
+
+if AVAILABLE:
+    # Run at trace time (the registry write must happen before the graph runs), result baked in; Dynamo
+    # guards on the objects themselves (``id`` included), so another backend or kernel recompiles. A backend
+    # goes in by its id: torch < 2.13 cannot hand an assumed-constant function an object, only constants.
+    _object_key = torch.compiler.assume_constant_result(_object_key)
+    _backend_key = torch.compiler.assume_constant_result(_backend_key)
+
+
 def _key(obj) -> str:
     """A primitive standing for ``obj``: ``""`` for None, a name as itself, an object by a registry key."""
     if obj is None:
         return ""
     if isinstance(obj, str):
         return obj
-    key = f"#{type(obj).__name__}@{id(obj):x}"
-    _OBJECTS[key] = obj
-    return key
+    if isinstance(obj, CommBackend):
+        return _backend_key(id(obj))
+    return _object_key(obj)
 
 
 def _lookup(key: str):
     return None if key == "" else _OBJECTS.get(key, key)
-
-
-if AVAILABLE:
-    # Run at trace time (its registry write must happen before the graph runs), result baked in;
-    # Dynamo guards on the objects themselves, so another backend or kernel recompiles.
-    _key = torch.compiler.assume_constant_result(_key)
 
 
 def _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout, key_padding_mask,
@@ -93,7 +119,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, d
 
 
 if AVAILABLE:
-    @torch.library.custom_op("dilated_attention::attend", mutates_args=())
+    @torch.library.custom_op("dilated_attention::attend", mutates_args=(), tags=_TAGS)
     def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None, segment_lengths: list[int], dilation_rates: list[int],
                    mode: str, causal: bool, softmax_scale: float | None, pad_to_segments: bool, head_offsets: str,
@@ -117,7 +143,7 @@ if AVAILABLE:
         saved = _f.saved_like(spec, q, k, key_padding_mask)
         return q.new_empty(q.shape), saved + [torch.empty((), dtype=torch.int64, device="cpu")]
 
-    @torch.library.custom_op("dilated_attention::attend_backward", mutates_args=())
+    @torch.library.custom_op("dilated_attention::attend_backward", mutates_args=(), tags=_TAGS)
     def _attend_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             key_padding_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
                             out: torch.Tensor, saved: list[torch.Tensor], segment_lengths: list[int],

@@ -15,8 +15,8 @@ def _inputs(seed=0):
     return [torch.randn(2, 32, 4, 8, generator=gen, requires_grad=True) for _ in range(3)]
 
 
-def _run(q, k, v):
-    out = attention(q, k, v, [8, 16, 32], [1, 2, 4], causal=True)
+def _run(q, k, v, kernel="auto"):
+    out = attention(q, k, v, [8, 16, 32], [1, 2, 4], causal=True, kernel=kernel)
     return [out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v))]
 
 
@@ -49,7 +49,7 @@ def test_every_cache_is_listed_with_its_bound():
         assert bound is None or 0 <= size <= bound, (name, size, bound)
     held = {name for name, i in info.items() if i.bound is None}  # never emptied: what refers to them lives on
     assert "custom_ops.objects" in held and held <= {"custom_ops.objects", "models.lm.data_parallel_groups",
-                                                   "ring.side_streams", "huggingface.mask_codes"}, held
+                                                   "ring.side_streams", "huggingface.mask_codes", "caches.held_for_graphs"}, held
 
 
 def test_a_full_table_starts_over():
@@ -66,3 +66,35 @@ def test_a_full_table_starts_over():
     assert seen == {"a", "b"}
     seen.add("c")
     assert seen == {"c"}
+
+
+def test_what_a_capture_reads_is_held_for_good_and_equal(monkeypatch):
+    """Inside a CUDA graph capture (simulated: ``capturing`` patched) the merge's combine table is made for the
+    call only (a cudagraph tree refuses pool memory kept past its outputs) from a host copy held for good (the
+    captured copy re-reads it at every replay); the fused kernel's head tables are held for good too, so
+    ``clear_caches`` cannot free what a graph reads. Results equal the uncaptured call's."""
+    from dilated_attention import caches, merge
+    from dilated_attention.kernels import fused
+
+    q, k, v = _inputs(3)
+    expected = _run(q, k, v, "fused")
+    clear_caches()
+    monkeypatch.setattr(caches, "capturing", lambda: True)
+    held_before = cache_info()["caches.held_for_graphs"].size
+    got = _run(q, k, v, "fused")
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    assert len(merge._TABLES) == 0  # nothing made in a capture is left in a table that can be emptied
+    held = dict(caches._HELD_FOR_GRAPHS)
+    assert len(held) > held_before
+    assert any(key[0] == "merge.combine_table" for key in held), sorted(k[0] for k in held)
+    assert any(key[0] == "fused.head_tables" for key in held), sorted(k[0] for k in held)
+    rows = [[1, 2, 3], [4, 5, 6]]
+    first, second = merge._device_table(rows, torch.device("cpu")), merge._device_table(rows, torch.device("cpu"))
+    assert first.tolist() == rows and torch.equal(first, second)
+    assert caches._HELD_FOR_GRAPHS[("merge.combine_table", ((1, 2, 3), (4, 5, 6)))].tolist() == rows
+    clear_caches()
+    assert dict(caches._HELD_FOR_GRAPHS).keys() == caches._HELD_FOR_GRAPHS.keys() >= held.keys()
+    again = _run(q, k, v, "fused")  # after clear_caches, in a capture: the held tables answer
+    for a, b in zip(expected, again):
+        assert torch.equal(a, b)

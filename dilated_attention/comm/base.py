@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..caches import Table, register
+from ..caches import Table, capturing, register
 from .stamps import STAMP_BYTES, Ledger, Stamp, verdict
 
 SCHEDULES_KEPT = 256  # configurations a backend remembers (a table that fills up starts over)
@@ -60,6 +60,13 @@ def _clear_schedules() -> None:
 
 
 register("comm.schedules", _fullest_schedules, SCHEDULES_KEPT, _clear_schedules)
+
+
+def live_backend(ident: int) -> "CommBackend | None":
+    """The backend alive whose ``id()`` is ``ident`` (how a compiled call finds its backend: torch.compile folds
+    ``id(backend)`` to a constant on every torch release, but not every release hands a traced function the
+    object itself)."""
+    return next((backend for backend in list(_LIVE) if id(backend) == ident), None)
 
 TIMEOUT_ENV = "DILATED_ATTENTION_TIMEOUT"
 
@@ -81,12 +88,6 @@ def without_setup_prints(*noise: str):
         kept = [line for line in captured.getvalue().splitlines(keepends=True) if not any(n in line for n in noise)]
         if kept:
             sys.stdout.write("".join(kept))
-
-
-def capturing() -> bool:
-    """Whether this thread's current CUDA stream is being captured into a CUDA graph (``torch.cuda.graph``):
-    the host cannot read the device then, and what is captured replays without Python."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class PeerTimeoutError(TimeoutError):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import caches
+from ..caches import remember
 from ..patterns import PatternPlan
 from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, triton
 from ..views import new_grad_parts
@@ -164,7 +165,10 @@ def _idx_type(rows: int, *strides):
 
 
 def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), -1).to(device)
+    host = torch.tensor(rows, dtype=torch.int32, pin_memory=device.type == "cuda").reshape(len(rows), -1)
+    if caches.capturing():  # made inside a capture: the captured copy re-reads the host tensor at every replay
+        caches.held_for_graphs(("fused.head_table_host", host.data_ptr()), lambda: host)
+    return host.to(device, non_blocking=True)  # (pinned: no host wait, and legal in a capture)
 
 
 def _plan_rows(plan: PatternPlan, packed: bool) -> tuple[list[list[int]], list[list[int]]]:
@@ -199,8 +203,9 @@ def _tables(key: tuple, rows_fn, device: torch.device) -> tuple[torch.Tensor, to
     hit = _TABLES.get(full_key)
     if hit is None:
         heads, units = rows_fn()
-        hit = (_table(heads, device), _table(units, device))
-        _TABLES[full_key] = hit
+        hit = remember(_TABLES, full_key, (_table(heads, device), _table(units, device)))
+    if caches.capturing():  # a captured launch reads them at every replay: held for good, whatever _TABLES does
+        hit = caches.held_for_graphs(("fused.head_tables", full_key), lambda: hit)
     return hit
 
 

@@ -342,6 +342,38 @@ def check_cuda_graph(backend_name: str, group, device: torch.device) -> list[Res
     return results
 
 
+def check_compiled_graphs(backend_name: str, group, device: torch.device) -> Result:
+    """GPUs: a ring call inside ``torch.compile(mode="reduce-overhead")`` (cudagraph trees graph the code around
+    the op, which runs between the graphs) gives, step after step, what the eager call gives, bit for bit."""
+    comm = get_backend(backend_name, group)
+    rank, size = comm.rank, comm.world_size
+    shape = (1, 16, 4 * size, 16)
+
+    def layer(q, k, v):
+        return dilated_attention(q * 2, k, v, (8, 16 * size), (1, 2), causal=True, comm=comm) * 3
+
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    same, msg = True, ""
+    try:
+        for seed in range(4):  # warm-up, recording, then replays
+            g = torch.Generator().manual_seed(100 + seed)
+            full = [torch.randn((1, 16 * size, *shape[2:]), generator=g) for _ in range(4)]
+            q, k, v, dout = (x[:, rank * 16:(rank + 1) * 16].to(device, torch.bfloat16) for x in full)
+            answers = []
+            for fn in (layer, compiled):
+                torch.compiler.cudagraph_mark_step_begin()
+                leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+                out = fn(*leaves)
+                out.backward(dout)
+                answers.append([t.clone() for t in (out, *(x.grad for x in leaves))])
+            if not all(torch.equal(a, b) for a, b in zip(*answers)):
+                same, msg = False, f"step {seed}: the compiled call differs from the eager one"
+                break
+    except Exception as exc:
+        same, msg = False, f"{type(exc).__name__}: {exc}"[:200]
+    return Result("compiled-reduce-overhead", backend_name, rank, size, same, message=msg)
+
+
 # -- ranks out of step: every exchange carries the call's stamp -----------------------------------
 
 
@@ -533,6 +565,7 @@ def run_battery(backends: list[str], device: torch.device, world_sizes: list[int
         if size > 1 and device.type == "cuda":
             for name in backends:
                 results.extend(check_cuda_graph(name, group, device))
+            results.append(check_compiled_graphs(backends[0], group, device))  # (compiling costs: one backend)
         if size > 1 and out_of_step:
             results.extend(run_out_of_step(backends, group, device))
             if progress and rank == 0:
