@@ -93,6 +93,20 @@ def test_compiled_model_with_inductor():
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
 
 
+def test_reduce_overhead_graphs_around_the_ops():
+    """Both ops are cudagraph-unsafe: a cudagraph tree would warm them up in its pool and refuse the state a call
+    keeps past itself (the GPU harness runs ``mode="reduce-overhead"`` against eager); here, the same mode on
+    CPU (no graphs) gives the eager result."""
+    for op in (torch.ops.dilated_attention.attend, torch.ops.dilated_attention.attend_backward):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags, op
+    model = _model(True)
+    x, mask = _inputs(5)
+    with torch._inductor.config.patch(compile_threads=1):
+        got = _run(torch.compile(model, mode="reduce-overhead", fullgraph=True), x, mask)
+    for a, b in zip(got, _run(model, x, mask)):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
+
+
 def test_compiled_call_options():
     """Grouped mode, internal padding, a scale, a kernel object (passed by registry key), packed documents."""
     g = torch.Generator().manual_seed(3)
