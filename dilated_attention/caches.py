@@ -111,9 +111,8 @@ def remember(cache: dict, key: Any, value: Any) -> Any:
 
 
 def capturing() -> bool:
-    """Whether this thread's current CUDA stream is being captured into a CUDA graph (``torch.cuda.graph``,
-    ``torch.compile(mode="reduce-overhead")``): the host cannot read the device then, and what is captured
-    replays without Python."""
+    """Whether this thread's current CUDA stream is being captured into a CUDA graph (``torch.cuda.graph``):
+    the host cannot read the device then, and what is captured replays without Python."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
@@ -150,5 +149,5 @@ def clear_caches() -> None:
             entry.clear()
 
 
-__all__ = ["CacheInfo", "KeySet", "Table", "cache_info", "capturing", "clear_caches", "held_for_graphs", "keys", "memoize",
-           "register", "remember", "table", "typed"]
+__all__ = ["CacheInfo", "KeySet", "Table", "cache_info", "capturing", "clear_caches", "held_for_graphs", "keys",
+           "memoize", "register", "remember", "table", "typed"]

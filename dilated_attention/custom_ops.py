@@ -64,7 +64,11 @@ def _object_key(obj) -> str:
 
 def _backend_key(ident: int) -> str:
     """The registry key of the live backend whose ``id()`` is ``ident``."""
-    return _object_key(live_backend(ident))
+    backend = live_backend(ident)
+    if backend is None:  # (a CommBackend subclass whose __init__ skipped CommBackend.__init__)
+        raise TypeError(f"comm: no live CommBackend has id {ident:#x}; a CommBackend subclass must call "
+                        "CommBackend.__init__ (or pass comm by name)")
+    return _object_key(backend)
 
 
 if AVAILABLE:

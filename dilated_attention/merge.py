@@ -609,8 +609,8 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     step's table instead of a pinned host copy and a transfer (what the kernels read is never written). Kept
     per stream: the copy is ordered on the stream it was issued on, and so is the freeing of a dropped table."""
     if caches.capturing():
-        # a captured copy re-reads its host tensor at every replay: that is held for good, and the table, in the
-        # graph's pool, lives only for this call (a cudagraph tree refuses pool memory held past its outputs)
+        # a captured copy re-reads its host tensor at every replay: that is held for good; the table, in the
+        # graph's pool, is this call's own (a cache entry could be freed, or replaced, under a live graph)
         content = tuple(map(tuple, rows))
         host = caches.held_for_graphs(("merge.combine_table", content),
                                       lambda: torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda"))

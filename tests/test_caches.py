@@ -69,12 +69,11 @@ def test_a_full_table_starts_over():
 
 
 def test_what_a_capture_reads_is_held_for_good_and_equal(monkeypatch):
-    """Inside a CUDA graph capture (simulated: ``capturing`` patched) the merge's combine table is made for the
-    call only (a cudagraph tree refuses pool memory kept past its outputs) from a host copy held for good (the
-    captured copy re-reads it at every replay); the fused kernel's head tables are held for good too, so
-    ``clear_caches`` cannot free what a graph reads. Results equal the uncaptured call's."""
+    """Inside a CUDA graph capture (simulated: ``capturing`` patched) the merge's combine table is the call's
+    own, made from a host copy held for good (the captured copy re-reads it at every replay); the fused kernel's
+    head tables are held for good too, so ``clear_caches`` cannot free what a graph reads. Results equal the
+    uncaptured call's."""
     from dilated_attention import caches, merge
-    from dilated_attention.kernels import fused
 
     q, k, v = _inputs(3)
     expected = _run(q, k, v, "fused")

@@ -68,6 +68,7 @@ def live_backend(ident: int) -> "CommBackend | None":
     object itself)."""
     return next((backend for backend in list(_LIVE) if id(backend) == ident), None)
 
+
 TIMEOUT_ENV = "DILATED_ATTENTION_TIMEOUT"
 
 
