@@ -180,6 +180,13 @@ def _spawned(rank: int, world: int) -> dict:
     return res
 
 
+def test_a_backend_not_alive_is_refused_by_name():
+    from dilated_attention import custom_ops
+
+    with pytest.raises(TypeError, match="no live CommBackend has id 0x0"):
+        custom_ops._backend_key(0)
+
+
 def test_compiled_sequence_parallel_model_equals_eager():
     for rank, res in enumerate(spawn_ranks(_spawned, 2)):
         for strategy in ("ring/contiguous", "head/contiguous", "ring/zigzag"):
