@@ -128,6 +128,17 @@ def held_for_graphs(key: Any, make: Callable[[], Any]) -> Any:
     return hit if hit is not None else remember(_HELD_FOR_GRAPHS, key, make())
 
 
+def rows_on(name: str, rows: list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``rows`` (int lists of one length) as a ``dtype`` tensor on ``device``, through a pinned host copy (no
+    host wait, and legal in a capture). In a capture the host copy is held for good under ``(name, rows)``: the
+    captured copy re-reads it at every replay."""
+    def host() -> torch.Tensor:
+        return torch.tensor(rows, dtype=dtype, pin_memory=device.type == "cuda")
+
+    made = held_for_graphs((name, tuple(map(tuple, rows))), host) if capturing() else host()
+    return made.to(device, non_blocking=True)
+
+
 def typed(value: Any) -> tuple:
     """A key part that tells apart values equal across types (``True == 1 == 1.0``: a cached answer for a
     valid ``2048`` must not answer for ``2048.0``); a list or tuple element by element."""
@@ -150,4 +161,4 @@ def clear_caches() -> None:
 
 
 __all__ = ["CacheInfo", "KeySet", "Table", "cache_info", "capturing", "clear_caches", "held_for_graphs", "keys",
-           "memoize", "register", "remember", "table", "typed"]
+           "memoize", "register", "remember", "rows_on", "table", "typed"]

@@ -608,19 +608,13 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     same relative addresses step after step (the caching allocator), so a step usually reuses the last
     step's table instead of a pinned host copy and a transfer (what the kernels read is never written). Kept
     per stream: the copy is ordered on the stream it was issued on, and so is the freeing of a dropped table."""
-    if caches.capturing():
-        # a captured copy re-reads its host tensor at every replay: that is held for good; the table, in the
-        # graph's pool, is this call's own (a cache entry could be freed, or replaced, under a live graph)
-        content = tuple(map(tuple, rows))
-        host = caches.held_for_graphs(("merge.combine_table", content),
-                                      lambda: torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda"))
-        return host.to(device, non_blocking=True)
+    if caches.capturing():  # this call's own table (a cache entry could be freed, or replaced, under a live graph)
+        return caches.rows_on("merge.combine_table", rows, torch.int64, device)
     stream = current_raw_stream(device.index) if device.type == "cuda" else None
     key = (device, stream, *map(tuple, rows))
     table = _TABLES.get(key)
     if table is None:
-        host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-        table = remember(_TABLES, key, host.to(device, non_blocking=True))  # pinned: no host wait
+        table = remember(_TABLES, key, caches.rows_on("merge.combine_table", rows, torch.int64, device))
     return table
 
 

@@ -165,10 +165,7 @@ def _idx_type(rows: int, *strides):
 
 
 def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(rows, dtype=torch.int32, pin_memory=device.type == "cuda").reshape(len(rows), -1)
-    if caches.capturing():  # made inside a capture: the captured copy re-reads the host tensor at every replay
-        caches.held_for_graphs(("fused.head_table_host", host.data_ptr()), lambda: host)
-    return host.to(device, non_blocking=True)  # (pinned: no host wait, and legal in a capture)
+    return caches.rows_on("fused.head_table_host", rows, torch.int32, device).reshape(len(rows), -1)
 
 
 def _plan_rows(plan: PatternPlan, packed: bool) -> tuple[list[list[int]], list[list[int]]]:

@@ -347,7 +347,6 @@ def check_compiled_graphs(backend_name: str, group, device: torch.device) -> Res
     the op, which runs between the graphs) gives, step after step, what the eager call gives, bit for bit."""
     comm = get_backend(backend_name, group)
     rank, size = comm.rank, comm.world_size
-    shape = (1, 16, 4 * size, 16)
 
     def layer(q, k, v):
         return dilated_attention(q * 2, k, v, (8, 16 * size), (1, 2), causal=True, comm=comm) * 3
@@ -357,7 +356,7 @@ def check_compiled_graphs(backend_name: str, group, device: torch.device) -> Res
     try:
         for seed in range(4):  # warm-up, recording, then replays
             g = torch.Generator().manual_seed(100 + seed)
-            full = [torch.randn((1, 16 * size, *shape[2:]), generator=g) for _ in range(4)]
+            full = [torch.randn((1, 16 * size, 4 * size, 16), generator=g) for _ in range(4)]
             q, k, v, dout = (x[:, rank * 16:(rank + 1) * 16].to(device, torch.bfloat16) for x in full)
             answers = []
             for fn in (layer, compiled):
