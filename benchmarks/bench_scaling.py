@@ -954,6 +954,8 @@ def main(argv: list[str] | None = None) -> int:
         "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
         "share_min_rows": ring.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
+        # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring._Swapped)
+        "swap_compact": [ring.SWAP_COMPACT[False], ring.SWAP_COMPACT[True]],
         "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,
         "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock"),
         "efficiency": "T1 / (gpus * ms), T1 = one GPU on the whole sequence in this run: the library for ours and "

@@ -43,7 +43,9 @@ streams (compute, communication) and a host thread (``_Timeline``):
 - **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
   the zigzag order, and on rings of full rows of at least ``ring.SHARE_MIN_ROWS`` and at most
   ``ring.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half
-  a block), head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
+  a block; causal dilated rings whose ranks divide the heads run head-parallel, ``ring._Swapped``: the
+  segment's compact rows of ``1/G`` of the heads gathered by one all-to-all, computed whole, sent home),
+  head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
   heads), hybrid (all-to-all inside teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
 
 Constants: ``fit`` moves the kernel and memory constants (and, on eager records, ``issue_us``) to
@@ -67,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .patterns import hybrid_team_size, longnet_offsets
-from .ring import SHARE_MAX_RANKS, SHARE_MIN_ROWS
+from .ring import SHARE_MAX_RANKS, SHARE_MIN_ROWS, SWAP_COMPACT
 
 STRATEGIES = ("ring", "head", "hybrid")
 LONGNET_SEGMENTS = (2048, 8192, 32768, 131072)  # followed by N itself
@@ -351,7 +353,7 @@ def _local_kv_heads(p: Problem, team: int) -> int:
 
 
 def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, balanced: bool,
-               share_rows: int | None) -> None:
+               share_rows: int | None, swap: tuple[bool, bool]) -> None:
     """Replay forward or backward of every pattern (local, or a ring on the slowest rank)."""
     d, e, b = p.head_dim, p.dtype_bytes, p.batch
     if direction == "bwd":
@@ -365,7 +367,12 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
             continue
         g, m = max(1, round(w / lay.rows)), lay.rows / r  # ring of g ranks, m dilated rows per block
         heads_range = (lay.head0, lay.head0 + lay.heads)
-        half = b * m * packed_pairs(p.heads, p.hkv, r, heads_range) * d  # elements of K (or V) of a block
+        pairs = packed_pairs(p.heads, p.hkv, r, heads_range)
+        if swap[p.causal] and r > 1 and not balanced and pairs == lay.kv_heads \
+                and lay.heads % g == 0 and lay.kv_heads % g == 0:  # ring._swap_members
+            _swapped(tl, p, lay, hw, direction, g, m)
+            continue
+        half = b * m * pairs * d  # elements of K (or V) of a block
         runs = offset_runs(p.heads, r, heads_range)
         link = _ring_link(g * lay.stride, hw)
         block_flops = pattern_flops(m, m, 1, heads=lay.heads, head_dim=d, batch=b)
@@ -406,6 +413,24 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
         tl.run(pass_ms(*accumulator_terms(lay.rows, lay.heads, lay.kv_heads, d, b, e)[1], hw))
 
 
+def _swapped(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, g: int, m: float) -> None:
+    """A ring pattern run head-parallel (``ring._Swapped``) on ``g`` ranks of ``m`` compact rows each: its compact
+    q, k, v (backward: and out, dO) packed and sent, the whole segment computed for ``1/g`` of the heads, the
+    results packed and sent home (lse left out: ``1/D`` of a tensor)."""
+    d, e, b = p.head_dim, p.dtype_bytes, p.batch
+    q, kv = b * m * lay.heads * d * e, b * m * lay.kv_heads * d * e  # bytes of a compact q, and of k (or v)
+    fwd = direction == "fwd"
+    (out, n_out), (home, n_home) = ((q + 2 * kv, 3), (q, 2)) if fwd else ((3 * q + 2 * kv, 6), (q + 2 * kv, 3))
+    tl.run(pass_ms(4 * out, 2 * n_out, hw))  # compact copies, then into the send buffer
+    tl.wait(tl.send(alltoall_ms(out, g, hw)))
+    tl.run(pass_ms(2 * out, n_out, hw))  # the rows out of the received buffer
+    flops = pattern_flops(g * m, g * m, 1, heads=lay.heads // g, head_dim=d, batch=b)
+    tl.run((kernel_fwd_ms if fwd else kernel_bwd_ms)(flops, g * m, p.causal, hw))
+    tl.run(pass_ms(2 * home, n_home, hw))
+    tl.wait(tl.send(alltoall_ms(home, g, hw)))
+    tl.run(pass_ms(2 * home, n_home, hw))
+
+
 def _swap(tl: _Timeline, nbytes: float, team: int, before: tuple[float, int], after: tuple[float, int],
           hw: Hardware) -> None:
     """A head-parallel all-to-all of ``nbytes`` per rank: copies, the exchange (not overlapped), copies."""
@@ -415,10 +440,12 @@ def _swap(tl: _Timeline, nbytes: float, team: int, before: tuple[float, int], af
 
 
 def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = False,
-            host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS) -> tuple[float, float]:
+            host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
+            swap: tuple[bool, bool] | None = None) -> tuple[float, float]:
     """(ms, compute-stream busy ms) of one forward+backward on the slowest rank: all-to-all inside
     teams of ``team`` ranks (1: none), then every pattern locally or as a ring across teams."""
     tl = _Timeline(hw, host_waits)
+    swap = (SWAP_COMPACT[False], SWAP_COMPACT[True]) if swap is None else swap
     local = p.tokens / gpus
     hl, hk = p.heads // team, _local_kv_heads(p, team)
     lay = _Layout(local * team, hl, hk, head0=(team - 1) * hl, stride=team)  # last lane of the last team
@@ -426,11 +453,11 @@ def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = 
     out = p.batch * local * p.heads * p.head_dim * p.dtype_bytes
     if team > 1:  # q/k/v to heads: build the send buffer; received rows reshaped, q/k/v made contiguous
         _swap(tl, qkv, team, (2 * qkv, 3), (4 * qkv, 4), hw)
-    _attention(tl, p, lay, hw, "fwd", balanced, share_rows)
+    _attention(tl, p, lay, hw, "fwd", balanced, share_rows, swap)
     if team > 1:  # output back to sequence
         _swap(tl, out, team, (2 * out, 1), (2 * out, 1), hw)
         _swap(tl, out, team, (2 * out, 1), (2 * out, 1), hw)  # backward: dout to heads
-    _attention(tl, p, lay, hw, "bwd", balanced, share_rows)
+    _attention(tl, p, lay, hw, "bwd", balanced, share_rows, swap)
     if team > 1:  # dq/dk/dv: cat, contiguous; received heads merged
         _swap(tl, qkv, team, (4 * qkv, 2), (2 * qkv, 3), hw)
     return tl.end, tl.busy
@@ -455,13 +482,15 @@ def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
 
 
 def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardware(),
-            *, balanced: bool = False, host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS
-            ) -> Prediction | None:
+            *, balanced: bool = False, host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
+            swap: tuple[bool, bool] | None = None) -> Prediction | None:
     """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
 
     ``balanced``: causal rings in zigzag order (``layout="zigzag"``: every step half a block).
     ``share_rows``: causal rings on full rows of at least this many share their cross blocks (``ring._Share``;
     ``None``: none do, the code before sharing).
+    ``swap``: (non-causal, causal) whether dilated rings whose ranks divide the heads run head-parallel
+    (``ring._Swapped``); ``None``: as ``ring.SWAP_COMPACT`` says.
     ``host_waits``: every exchange waited for on the host; default stream-ordered (module doc).
     """
     if strategy not in STRATEGIES:
@@ -484,7 +513,8 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardwa
             if team is None:
                 return None
             notes.append(f"a2a teams of {team}")
-        ms, busy = rank_ms(p, gpus, team, hw, balanced=balanced, host_waits=host_waits, share_rows=share_rows)
+        ms, busy = rank_ms(p, gpus, team, hw, balanced=balanced, host_waits=host_waits, share_rows=share_rows,
+                           swap=swap)
     mem = memory_gib(p, p.tokens / gpus)
     return Prediction(strategy, gpus, busy, ms - busy, ms, t1, t1 / (gpus * ms), mem, mem <= hw.memory_gib, notes,
                       p.tokens)
@@ -651,6 +681,12 @@ def file_share_rows(meta: dict) -> int | None:
     return meta.get("share_min_rows")
 
 
+def file_swap(meta: dict) -> tuple[bool, bool]:
+    """The ``ring.SWAP_COMPACT`` (non-causal, causal) a scaling JSON was measured with (``meta.swap_compact``);
+    files without it were measured before dilated rings ran head-parallel: neither."""
+    return tuple(meta.get("swap_compact", (False, False)))
+
+
 def _problem(meta: dict, config: str, causal: bool, n: int) -> Problem:
     return Problem(n, tuple(config_patterns(config, n, meta["longnet_segments"], meta["longnet_rates"])),
                    heads=meta["heads"], kv_heads=meta.get("kv_heads"), head_dim=meta["head_dim"],
@@ -681,7 +717,8 @@ def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: boo
         for rec in _multi_records(meta, records, impl):
             n = rec["gpus"] * rec["tokens_per_gpu"]
             pred = predict(_problem(meta, rec["config"], rec["causal"], n), rec["gpus"], rec["strategy"], hw,
-                           balanced=bool(meta.get("balanced")), host_waits=host, share_rows=file_share_rows(meta))
+                           balanced=bool(meta.get("balanced")), host_waits=host, share_rows=file_share_rows(meta),
+                           swap=file_swap(meta))
             if pred is None:
                 continue
             rows.append({"file": path, "config": rec["config"], "causal": rec["causal"],
@@ -753,13 +790,14 @@ def fit_samples(paths: Sequence[str], impl: str = "ours") -> list[dict]:
             if s.get("impl") == impl and not s.get("error") and s.get("ms"):
                 out.append({"name": f"{name}: T1 {s['config']} causal={s['causal']} N={s['tokens']}", "gpus": 1,
                             "strategy": "ring", "problem": _problem(meta, s["config"], s["causal"], s["tokens"]),
-                            "ms": s["ms"], "efficiency": None, "host_waits": False, "share_rows": None})
+                            "ms": s["ms"], "efficiency": None, "host_waits": False, "share_rows": None,
+                            "swap": (False, False)})
         for r in _multi_records(meta, records, impl):
             out.append({"name": f"{name}: {r['strategy']} {r['config']} causal={r['causal']} K={r['gpus']}",
                         "gpus": r["gpus"], "strategy": r["strategy"],
                         "problem": _problem(meta, r["config"], r["causal"], r["gpus"] * r["tokens_per_gpu"]),
                         "ms": r["ms"], "efficiency": r["efficiency"], "host_waits": file_host_waits(meta),
-                        "share_rows": file_share_rows(meta)})
+                        "share_rows": file_share_rows(meta), "swap": file_swap(meta)})
     return out
 
 
@@ -768,7 +806,7 @@ def _fit_errors(samples: list[dict], hw: Hardware) -> list[tuple[float, float | 
     out = []
     for s in samples:
         pred = predict(s["problem"], s["gpus"], s["strategy"], hw, host_waits=s["host_waits"],
-                       share_rows=s["share_rows"])
+                       share_rows=s["share_rows"], swap=s["swap"])
         if pred is None:
             out.append((1.0, None))
             continue

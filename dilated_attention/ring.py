@@ -56,16 +56,20 @@ and everything computed from them are untouched.
 from __future__ import annotations
 
 import enum
+import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from . import caches
+from .caches import capturing
 from .comm.base import CommBackend, Pending
 from .kernels.protocol import PatternKernel, clear_result_
 from .kernels.wrapper import KernelWrapper
 from .merge import Part, accum_dtype, add_into_, combine_results, merge_into_, sum_grads
-from .patterns import PatternPlan
+from .patterns import PatternPlan, plan_patterns
 from .views import pack_kv, region_views, unpack_add_
 
 
@@ -642,17 +646,27 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     comm, layout = ring.comm, ring.layout
     own = _block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])
     acc = accum_dtype(q.dtype)
-    running, parts = None, []
+    running, parts = None, {}
+    plans = [p for p in ring.plans if p.chunks]  # (no local head may use a pattern: grouped mode, head-parallel)
+
+    def sends(plan: PatternPlan) -> list[torch.Tensor]:
+        return [_compact(q, plan), *pack_kv(k, v, plan)]
+
+    swaps = _swaps(ring, plans, q, k, key_mask is not None, "forward", sends)
     sides = _SideStreams(q, ring.causal)
-    for plan in (p for p in ring.plans if p.chunks):  # (no local head may use a pattern: grouped mode, head-parallel)
+    for i in _swap_order(len(plans), swaps):
+        plan = plans[i]
+        if i in swaps:
+            _swap_forward(swaps[i])
+            continue
         split, pieces, part = _route(ring.kernel, ring.causal, "fwd", plan, q, k, key_mask is not None)
         if part:
-            parts.append(Part(plan, *sides.issue(ring.kernel.forward_pattern, q, k, v, plan, packed=False,
-                                                 causal=ring.causal, scale=ring.scale, **own)))
+            parts[i] = Part(plan, *sides.issue(ring.kernel.forward_pattern, q, k, v, plan, packed=False,
+                                               causal=ring.causal, scale=ring.scale, **own))
             continue
         dense = _dense_ring(plan, key_mask is not None, layout, q, k)
         if dense is not None:
-            parts.append(_dense_forward(q, k, v, plan, dense, ring))
+            parts[i] = _dense_forward(q, k, v, plan, dense, ring)
             continue
         fresh = running is None and plan.covers_all(q.shape[2], k.shape[2])
         if running is None:
@@ -669,7 +683,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
             _ring_forward(q, k, v, key_mask, plan, comm, layout, ring.call, ring.kernel, ring.causal, ring.scale,
                           split, *running)
     sides.join()
-    return combine_results(running, parts, q, into, consume=True)
+    for i, swap in swaps.items():
+        parts[i] = Part(plans[i], *swap.home())
+    return combine_results(running, [parts[i] for i in sorted(parts)], q, into, consume=True)  # in plan order
 
 
 def _dense_forward(q, k, v, plan: PatternPlan, dense: PatternPlan, ring: RingCall) -> Part:
@@ -695,6 +711,160 @@ def _dense_backward(q, k, v, out, lse, dout, plan: PatternPlan, dense: PatternPl
     return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(k.dtype)
 
 
+# A causal ring pattern on compact rows whose ring's ranks divide the query and kv heads runs head-parallel instead
+# (``_Swapped``): every rank then does the same share of the causal segment. Measured on 2 x H100 (LongNet, 32768
+# tokens per GPU, flash-attn-4, alternated in one process), swapped / ring: causal 0.94-0.95x replayed in a CUDA
+# graph (peak 1.69x -> 1.58x own), 0.98-1.10x eagerly (host-bound at this size: it depends on the host);
+# non-causal rings are balanced already: 0.97-1.0x replayed, 1.02-1.10x eagerly, so they stay rings.
+SWAP_COMPACT = {False: False, True: True}  # by causal flag
+# Where among the call's other patterns a swapped pattern is computed (its first all-to-all is posted before them
+# all), eagerly and in a CUDA-graph capture (by ``caches.capturing()``; only the order of launches differs, not a
+# bit of the result). Replayed, every rank starts together, so the transfers hide behind the pattern computed
+# first; eagerly the ranks' hosts reach the call apart, and computing it last measured 0.96-0.98x of second
+# (posting its first all-to-all only then: 1.06x).
+SWAP_AFTER = {False: 1 << 30, True: 1}  # (a count past the others: last)
+
+
+def _swap_members(plan: PatternPlan, masked: bool, ring: RingCall, q: torch.Tensor, k: torch.Tensor
+                  ) -> tuple[int, ...] | None:
+    """The group ranks of ``plan``'s ring where it runs head-parallel (``_Swapped``), else ``None``: a ring on
+    compact rows (``_dense_ring``) of contiguous blocks, read by every query head (grouped mode gives a
+    pattern some heads only: a kv head's other query heads would add to its gradient), whose ranks divide
+    the query and the kv heads."""
+    comm, layout = ring.comm, ring.layout
+    if comm is None or not SWAP_COMPACT[ring.causal] or layout.zigzag \
+            or _dense_ring(plan, masked, layout, q, k) is None or -1 in plan.head_offsets(q.shape[2]):
+        return None
+    members = layout.members(comm.rank, plan.ring_size, comm.world_size // layout.stride)
+    if len(members) < 2 or q.shape[2] % len(members) or k.shape[2] % len(members):
+        return None
+    return members
+
+
+class _Swapped:
+    """A ring pattern on compact rows run head-parallel: the segment's compact rows of ``1 / G`` of the heads
+    gathered on each of its ``G`` ranks by one all-to-all, the whole segment computed there as one local
+    pattern (every rank the same share of a causal segment: no cross blocks, no fp32 accumulators in flight),
+    and the results sent home by a second all-to-all as compact parts, like ``_dense_forward``'s. The backward
+    sends the compact q, k, v, out, dO and lse the same way (nothing is kept between the directions) and brings
+    dQ, dK, dV home. The first all-to-all is posted before the call's other patterns, so the transfers run
+    beside them. Each all-to-all packs its tensors into one buffer per rank: one transfer per peer and
+    direction, with the call's stamp beside it (each transfer costs the host a launch)."""
+
+    def __init__(self, ring: RingCall, plan: PatternPlan, members: tuple[int, ...], direction: str,
+                 sends: list[torch.Tensor]) -> None:
+        """Posts the first all-to-all of ``sends``: compact ``(B, L / r, heads, ...)`` tensors, heads divisible by
+        ``G``."""
+        self.ring, self.plan, self.members, self.direction = ring, plan, members, direction
+        self.stamp = ring.comm.stamp(ring.call, direction)
+        g = len(members)
+        self._post([x.unflatten(2, (g, x.shape[2] // g)).movedim(2, 0) for x in sends], "rows out")
+
+    def _post(self, blocks: list[torch.Tensor], what: str) -> None:
+        """An all-to-all of ``blocks`` (each ``(G, ...)``, any strides: block ``m`` to member ``m``), packed."""
+        sizes = [-(-x[0].numel() * x.element_size() // _ALIGN) * _ALIGN for x in blocks]
+        buffer = torch.empty((len(self.members), sum(sizes)), dtype=torch.uint8, device=blocks[0].device)
+        self.views = []
+        for x, at in zip(blocks, itertools.accumulate([0, *sizes[:-1]])):
+            view = buffer[:, at:at + x[0].numel() * x.element_size()].view(x.dtype).unflatten(1, x.shape[1:])
+            view.copy_(x)
+            self.views.append((at, view.shape, x.dtype))
+        plan = self.plan
+        (self.got,), self.pending = self.ring.comm.all_to_all(
+            [buffer], self.members, f"call {self.ring.call}, {self.direction}, pattern {plan.index} "
+            f"(w={plan.segment}, r={plan.dilation}), head swap of ranks {list(self.members)}, {what}",
+            stamp=self.stamp)
+
+    def _received(self) -> list[torch.Tensor]:
+        self.pending.wait()
+        return [self.got[:, at:at + math.prod(shape[1:]) * dtype.itemsize].view(dtype).unflatten(1, shape[1:])
+                for at, shape, dtype in self.views]
+
+    def heads(self) -> list[torch.Tensor]:
+        """The segment's rows of this rank's heads, ``(B, G L / r, heads / G, ...)`` each (waits for them)."""
+        return [x.movedim(0, 1).flatten(1, 2) for x in self._received()]
+
+    def send_home(self, results: list[torch.Tensor]) -> None:
+        """Results ``(B, G L / r, heads / G, ...)`` of ``heads()``' rows, each member's rows to it."""
+        g = len(self.members)
+        self._post([x.unflatten(1, (g, x.shape[1] // g)).movedim(1, 0) for x in results], "results home")
+
+    def home(self) -> list[torch.Tensor]:
+        """This rank's compact rows of the results, every head (waits for them)."""
+        return [x.movedim(0, 2).flatten(2, 3) for x in self._received()]
+
+
+_ALIGN = 16  # bytes: where each tensor starts in a packed buffer (any dtype's view is aligned)
+
+
+def _whole_plan(heads: torch.Tensor, kv: torch.Tensor) -> PatternPlan:
+    """One segment over all of ``heads``' rows, rate 1: a swapped pattern's computation on its head-layout rows."""
+    rows = heads.shape[1]
+    return plan_patterns([rows], [1], seq_len=rows, local_len=rows, num_heads=heads.shape[2],
+                         num_kv_heads=kv.shape[2])[0]
+
+
+def _swap_forward(swap: _Swapped) -> None:
+    """A posted forward swap (q, k, v): computes this rank's heads and sends the results home."""
+    ring = swap.ring
+    q, k, v = swap.heads()
+    plan = _whole_plan(q, k)
+    _, pieces, part = _route(ring.kernel, ring.causal, "fwd", plan, q, k, False)
+    if part:
+        out, lse = ring.kernel.forward_pattern(q, k, v, plan, packed=False, causal=ring.causal, scale=ring.scale)
+    else:  # the plan covers every row and head: written fresh
+        out = torch.empty(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=out.dtype, device=q.device)
+        if pieces:
+            _split_forward(ring.kernel, pieces, q, k, v, out, lse, packed=False, scale=ring.scale, fresh=True)
+        else:
+            ring.kernel.forward_pattern_into(q, k, v, plan, out, lse, packed=False, causal=ring.causal,
+                                             scale=ring.scale, fresh=True)
+        out = out.to(q.dtype)
+    swap.send_home([out, lse])
+
+
+def _swap_backward(swap: _Swapped) -> None:
+    """A posted backward swap (q, k, v, out, dO, lse): this rank's heads' gradients, sent home."""
+    ring = swap.ring
+    q, k, v, out, dout, lse = swap.heads()
+    plan = _whole_plan(q, k)
+    _, pieces, part = _route(ring.kernel, ring.causal, "bwd", plan, q, k, False)
+    if part:
+        grads = ring.kernel.backward_pattern_parts(q, k, v, plan, out, lse, dout, causal=ring.causal,
+                                                   scale=ring.scale)
+    else:  # the plan covers every row and head: written fresh
+        acc = tuple(torch.empty(x.shape, dtype=accum_dtype(x.dtype), device=x.device) for x in (q, k, v))
+        if pieces:
+            _split_backward(ring.kernel, pieces, q, k, v, out, lse, dout, *acc, packed=False, scale=ring.scale,
+                            fresh=True)
+        else:
+            ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, *acc, packed=False, causal=ring.causal,
+                                         scale=ring.scale, fresh=True)
+        grads = tuple(g.to(x.dtype) for g, x in zip(acc, (q, k, v)))
+    swap.send_home(list(grads))
+
+
+def _swaps(ring: RingCall, plans: list[PatternPlan], q: torch.Tensor, k: torch.Tensor, masked: bool,
+           direction: str, sends: Callable[[PatternPlan], list[torch.Tensor]]) -> dict[int, _Swapped]:
+    """Each swapped pattern of ``plans`` (by position) with what it sends (``sends(plan)``)."""
+    swaps = {}
+    for i, plan in enumerate(plans):
+        members = _swap_members(plan, masked, ring, q, k)
+        if members is not None:
+            swaps[i] = _Swapped(ring, plan, members, direction, sends(plan))
+    return swaps
+
+
+def _swap_order(count: int, swaps: dict[int, _Swapped], rest: list[int] | None = None) -> list[int]:
+    """The positions of ``count`` patterns in the order they are computed: ``rest`` (default: plan order) with the
+    swapped ones after ``SWAP_AFTER`` of the others."""
+    order = [i for i in (range(count) if rest is None else rest) if i not in swaps]
+    at = SWAP_AFTER[capturing()]
+    order[at:at] = sorted(swaps)
+    return order
+
+
 def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                   out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, ring: RingCall,
                   into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -708,12 +878,20 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     running, held = None, {}
     sides = _SideStreams(q, ring.causal)
     plans = [p for p in ring.plans if p.chunks]
+
+    def sends(plan: PatternPlan) -> list[torch.Tensor]:
+        return [_compact(q, plan), *pack_kv(k, v, plan), *(_compact(x, plan) for x in (out, dout, lse))]
+
+    swaps = _swaps(ring, plans, q, k, key_mask is not None, "backward", sends)
     dense = [_dense_ring(p, key_mask is not None, layout, q, k) for p in plans]
     order = [i for i, d in enumerate(dense) if d is None]
     at = RING_AFTER[ring.causal]
     order[at:at] = [i for i, d in enumerate(dense) if d is not None]
-    for i in order:
+    for i in _swap_order(len(plans), swaps, order):
         plan = plans[i]
+        if i in swaps:
+            _swap_backward(swaps[i])
+            continue
         split, pieces, part = _route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
         if part or dense[i] is not None:
             held[i] = (sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
@@ -735,6 +913,8 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
                                   ring.causal, ring.scale, split, running[0])
             unpack_add_(running[1], running[2], home, plan)
     sides.join()
+    for i, swap in swaps.items():
+        held[i] = swap.home()
     parts = [[Part(plans[i], held[i][g], kv=g > 0) for i in sorted(held)] for g in range(3)]  # in plan order
     return tuple(sum_grads(running[g] if running is not None else None, parts[g], x,
                            None if into is None else into[g], consume=True) for g, x in enumerate((q, k, v)))

@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import pytest
 
+from dilated_attention import ring
+
 from dilated_attention.cost_model import (
     H100, Hardware, Problem, _single_terms, _Timeline, accumulator_terms, alltoall_ms, best, calibrate, causal_factor,
     combine_terms, config_patterns, fit, graph_replay, hybrid_team, kernel_bwd_ms, kernel_fwd_ms, key_factor, longnet_patterns,
@@ -382,8 +384,9 @@ def test_validate_round_trip(tmp_path):
     records.append({"impl": "torch_cp", "strategy": "ring", "config": "full", "causal": True, "gpus": 4,
                     "tokens_per_gpu": 4096, "ms": 1.0, "efficiency": 0.5, "peak_gib": 1.0})
     path = tmp_path / "scaling_test_x4.json"
-    path.write_text(json.dumps({"meta": {"heads": 16, "head_dim": 128, "batch": 1, "waits": "stream"},
-                                "records": records}))
+    swap = [ring.SWAP_COMPACT[False], ring.SWAP_COMPACT[True]]  # what predict() models: the code's own rings
+    path.write_text(json.dumps({"meta": {"heads": 16, "head_dim": 128, "batch": 1, "waits": "stream",
+                                         "swap_compact": swap}, "records": records}))
     rows = validate([str(path)], hw)
     assert len(rows) == 3
     for r in rows:

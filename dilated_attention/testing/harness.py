@@ -398,15 +398,17 @@ class Drift:
 def drifts(world: int) -> list[Drift]:
     """Each case keeps every exchange the same size (so without stamps it is a silent wrong result). Not mode
     under hybrid: there grouped mode leaves a lane without the ring longnet runs, so a peer waits (a timeout).
-    (The causal flag keeps them the same here: long causal rings share their cross blocks, ``ring._Share``,
-    with exchanges of their own, so ranks that drift between a long causal ring and another call fail loudly,
-    a gloo error or the process group's timeout, not with the stamps' ``ValueError``.)"""
+    (The causal flag keeps them the same here, with one kv head: long causal rings share their cross blocks,
+    ``ring._Share``, and causal rings on compact rows whose ranks divide the heads run head-parallel,
+    ``ring._Swapped``, both with exchanges of their own, so ranks that drift between such a call and another
+    fail loudly, a gloo error or the process group's timeout, not with the stamps' ``ValueError``.)"""
     n, m = 16 * world, 24 * world
     base = {"segment_lengths": (8, n), "dilation_rates": (1, 2)}
     mqa = {"segment_lengths": (8, n), "dilation_rates": (1, 1)}  # longnet and grouped pack one kv head alike
     thirds = {"segment_lengths": (12, m), "dilation_rates": (1, 3)}  # offsets of 4 heads at r = 3 differ
     return [
-        Drift("causal", {**base, "causal": True}, {**base, "causal": False}, ("call 3 (forward)", "causal: rank 0=")),
+        Drift("causal", {**base, "causal": True}, {**base, "causal": False}, ("call 3 (forward)", "causal: rank 0="),
+              kv_heads=1),
         Drift("scale", base, {**base, "softmax_scale": 0.5}, ("call 3 (forward)", "softmax_scale: rank 0=")),
         Drift("masked-causal", {**base, "causal": True}, {**base, "causal": False}, ("call 3 (forward)", "causal"),
               masked=True),

@@ -91,7 +91,8 @@ def _worker(rank: int, world: int) -> dict:
              Case("longnet", world, (8, 16, n), (1, 2, 4), causal=True),  # compact rings
              Case("longnet-gqa", world, (8, n), (2, 4), causal=True, heads=8, kv_heads=2, dim=16)]
     res: dict = {}
-    kept = ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS
+    kept = ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS, dict(ring.SWAP_COMPACT)
+    ring.SWAP_COMPACT[True] = False  # compact rings stay rings (tests/parallel/test_swapped_ring.py swaps them)
     CommBackend.exchange = counting
     try:
         for on in (True, False):
@@ -102,7 +103,8 @@ def _worker(rank: int, world: int) -> dict:
                 res[f"{case.name}-{'shared' if on else 'unshared'}"] = (got.ok, got.message, len(shared) - before)
     finally:
         CommBackend.exchange = original
-        ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS = kept
+        ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS = kept[:2]
+        ring.SWAP_COMPACT.update(kept[2])
     return res
 
 

@@ -1,0 +1,152 @@
+"""Rings on compact rows run head-parallel where their ranks divide the heads (``ring._Swapped``).
+
+A spanning dilated pattern (every LongNet pattern longer than a rank's block) is dense attention on its compact
+rows. Where the ring's ``G`` ranks divide the query and kv heads, one all-to-all gives each rank the whole
+segment's compact rows of ``1 / G`` of the heads, the segment is computed there as one local pattern, and a second
+all-to-all brings the results home (the backward likewise). Spawned gloo ranks run causal and non-causal cases
+with the swap on and off against the float64 oracle, and count the exchanges that carry swapped rows; where the
+ranks do not divide the heads, or the layout is zigzag, the ring runs as before. The harness battery in
+``tests/comm/test_backends.py`` runs swapped patterns on every backend, bitwise across them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention import ring
+from dilated_attention.comm.base import CommBackend
+from dilated_attention.patterns import plan_patterns
+from dilated_attention.testing.spawn import spawn_ranks
+
+
+class _Fake:
+    """What ``_swap_members`` reads of a backend."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world_size = rank, world
+
+
+def _call(causal: bool, world: int, rank: int, layout: ring.RingLayout = ring.RingLayout()) -> ring.RingCall:
+    return ring.RingCall((), _Fake(rank, world), layout, 0, None, causal, 1.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_swap_applies_to_compact_rings_whose_ranks_divide_the_heads(causal, monkeypatch):
+    q, k = torch.empty(1, 16, 4, 8), torch.empty(1, 16, 2, 8)
+    (local, spanning) = plan_patterns([16, 32], [1, 2], seq_len=32, local_len=16, num_heads=4, num_kv_heads=2)
+    assert (ring._swap_members(spanning, False, _call(causal, 2, 1), q, k) is not None) == causal  # the default
+    monkeypatch.setitem(ring.SWAP_COMPACT, causal, True)
+    assert ring._swap_members(spanning, False, _call(causal, 2, 1), q, k) == (0, 1)
+    assert ring._swap_members(local, False, _call(causal, 2, 1), q, k) is None  # a local pattern
+    assert ring._swap_members(spanning, True, _call(causal, 2, 1), q, k) is None  # a key mask: the ring
+    assert ring._swap_members(spanning, False, _call(causal, 2, 1, ring.RingLayout(zigzag=True)), q, k) is None
+    (odd,) = plan_patterns([48], [2], seq_len=48, local_len=16, num_heads=4, num_kv_heads=2)
+    assert ring._swap_members(odd, False, _call(causal, 3, 0), q, k) is None  # 3 ranks do not divide 4 heads
+    (full,) = plan_patterns([32], [1], seq_len=32, local_len=16, num_heads=4, num_kv_heads=2)
+    assert ring._swap_members(full, False, _call(causal, 2, 0), q, k) is None  # rate 1: the caller's rows
+    # grouped mode: heads 3-5 only, reading both kv heads, whose other query heads it does not read
+    grouped = plan_patterns([8, 32, 32], [1, 2, 4], seq_len=32, local_len=16, num_heads=8, num_kv_heads=2,
+                            mode="grouped")[1]
+    q8 = torch.empty(1, 16, 8, 8)
+    assert ring._dense_ring(grouped, False, ring.RingLayout(), q8, k) is not None
+    assert ring._swap_members(grouped, False, _call(causal, 2, 0), q8, k) is None
+
+
+def test_swapped_patterns_run_where_the_schedule_says(monkeypatch):
+    monkeypatch.setitem(ring.SWAP_AFTER, False, 1)
+    swaps = {2: None}
+    assert ring._swap_order(3, swaps) == [0, 2, 1]
+    assert ring._swap_order(3, swaps, [1, 0, 2]) == [1, 2, 0]
+    assert ring._swap_order(1, {0: None}) == [0]
+    monkeypatch.setitem(ring.SWAP_AFTER, False, 1 << 30)
+    assert ring._swap_order(3, {0: None}) == [1, 2, 0]
+
+
+def _schedules(rank: int, world: int) -> dict:
+    """One LongNet call's output and gradients under each swap schedule (computed first, second or last): bitwise
+    the same, since only the order of launches changes."""
+    from dilated_attention import dilated_attention
+    from dilated_attention.comm import get_backend
+
+    comm = get_backend("collective")
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v, dout = (torch.randn(2, 16, 4, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    results, kept, computed = [], dict(ring.SWAP_AFTER), []
+    original = ring._swap_forward
+    ring._swap_forward = lambda swap: (computed.append(swap.plan.index), original(swap))[1]
+    try:
+        for after in (0, 1, 1 << 30):
+            ring.SWAP_AFTER[False] = after
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = dilated_attention(*x, [8, 16, 16 * world], [1, 1, 2], causal=True, comm=comm, strategy="ring")
+            out.backward(dout)
+            results.append([out.detach(), *(t.grad for t in x)])
+    finally:
+        ring._swap_forward = original
+        ring.SWAP_AFTER.update(kept)
+    return {"equal": all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r)),
+            "swapped": computed}
+
+
+def test_swap_schedules_are_bitwise_equal():
+    for r in spawn_ranks(_schedules, 2):
+        assert r["swapped"] == [2] * 3  # the spanning pattern swapped under every schedule
+        assert r["equal"]
+
+
+def _worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from dilated_attention.testing.harness import Case, run_case
+
+    swapped: list[str] = []
+    original = CommBackend.exchange
+
+    def counting(self, sends, recvs, what="exchange", **kwargs):
+        if "head swap" in what:
+            swapped.append(what)
+        return original(self, sends, recvs, what, **kwargs)
+
+    n = 16 * world
+    cases = [Case("longnet-causal", world, (8, 16, n), (1, 2, 4), causal=True),
+             Case("longnet", world, (8, 16, n), (1, 2, 4)),
+             Case("gqa", world, (8, n), (2, 4), causal=True, heads=8, kv_heads=4, dim=16),
+             Case("bfloat16-transposed", world, (16, n), (1, 2), causal=True, dtype="bfloat16", dim=16,
+                  layout="transposed"),
+             Case("head-chunks", world, (8, n), (1, 4), heads=8, kv_heads=4, head_chunks=True),
+             Case("zigzag", world, (8, n), (1, 2), causal=True, shards="zigzag"),
+             Case("grouped-gqa", world, (8, n, n), (1, 2, 4), mode="grouped", causal=True, heads=8, kv_heads=2)]
+    if world == 4:  # a pattern spanning 2 of the 4 ranks beside one spanning all 4
+        cases.append(Case("two-rings", world, (8, 32, n), (1, 2, 4), causal=True))
+    res: dict = {}
+    kept = dict(ring.SWAP_COMPACT)
+    CommBackend.exchange = counting
+    try:
+        for on in (True, False):
+            ring.SWAP_COMPACT.update({False: on, True: on})
+            for i, case in enumerate(cases):
+                before = len(swapped)
+                got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 950 + i)
+                chunks = case.kv_heads if case.head_chunks else 1
+                # per spanning pattern on compact rows whose ring divides the heads of each of `chunks` head chunks:
+                # forward rows out, results home; backward the same
+                rings = [w // case.local_len for w, r in zip(case.segment_lengths, case.dilation_rates)
+                         if w > case.local_len and r > 1]
+                swaps = sum(on and case.shards == "contiguous" and case.mode == "longnet"
+                            and (case.heads // chunks) % g == 0 and (case.kv_heads // chunks) % g == 0 for g in rings)
+                res[f"{case.name}, swap {'on' if on else 'off'}"] = (got.ok, got.message, len(swapped) - before,
+                                                                     4 * chunks * swaps)
+    finally:
+        CommBackend.exchange = original
+        ring.SWAP_COMPACT.update(kept)
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_swapped_rings_match_the_oracle(world):
+    for rank, res in enumerate(spawn_ranks(_worker, world)):
+        for name, (ok, message, exchanges, expected) in res.items():
+            assert ok, f"rank {rank}, {name}: {message}"
+            assert exchanges == expected, (rank, name, exchanges)
+        assert any(expected for *_, expected in res.values()) == (world != 3)  # 3 ranks divide no case's heads
