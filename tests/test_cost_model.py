@@ -429,3 +429,20 @@ def test_cli_validate_and_calibrate(capsys, tmp_path):
     assert "fwd_tflops = 400" in out and "causal_keys = 500" in out
     assert cli.main(["--calibrate", str(tmp_path / "scaling_fake_x1.json")]) == 1  # whole calls alone: no fit
     assert "cost_model.py:" in capsys.readouterr().err
+
+
+def test_swapped_causal_rings_are_balanced_where_the_ranks_divide_the_heads():
+    """``ring._Swapped`` in the model: a causal dilated ring whose ranks divide the heads computes the segment
+    for ``1/G`` of the heads on every rank, so the replayed last rank is faster than its unbalanced ring; where
+    the ranks do not divide the heads, or the ring is not causal, nothing changes."""
+    hw = graph_replay(H100)
+    n = 2 * 32768
+    p = Problem(n, tuple(longnet_patterns(n)), heads=16, head_dim=128, causal=True)
+    swapped = rank_ms(p, 2, 1, hw, swap=(False, True))[0]
+    ring_only = rank_ms(p, 2, 1, hw, swap=(False, False))[0]
+    assert swapped < 0.97 * ring_only
+    odd = replace(p, heads=6, kv_heads=3)  # 2 ranks divide 6 heads but not 3 kv heads
+    assert rank_ms(odd, 2, 1, hw, swap=(False, True)) == rank_ms(odd, 2, 1, hw, swap=(False, False))
+    plain = replace(p, causal=False)
+    assert rank_ms(plain, 2, 1, hw, swap=(False, True)) == rank_ms(plain, 2, 1, hw, swap=(False, False))
+    assert rank_ms(plain, 2, 1, hw, swap=(True, True)) != rank_ms(plain, 2, 1, hw, swap=(False, True))
