@@ -106,6 +106,8 @@ def _worker(rank: int, world: int) -> dict:
     def counting(self, sends, recvs, what="exchange", **kwargs):
         if "head swap" in what:
             swapped.append(what)
+            peers = {r for _, r in sends}
+            assert len(sends) == len(recvs) == len(peers), what  # packed: one transfer per peer and direction
         return original(self, sends, recvs, what, **kwargs)
 
     n = 16 * world
