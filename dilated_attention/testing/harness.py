@@ -19,10 +19,12 @@ calls must give the same bits as unstamped ones. ``tests/parallel/test_out_of_st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -30,6 +32,7 @@ import torch.distributed as dist
 
 from .. import memory, ring
 from ..comm import get_backend
+from ..comm.base import CommBackend
 from ..distributed import shard_indices
 from ..functional import dilated_attention
 from ..launch_utils import init_distributed
@@ -212,6 +215,27 @@ def _oracle(case: Case, q, k, v, dout, dtype, seed: int):
                                   **_masks(case, seed))
     grads = torch.autograd.grad(out, leaves, dout.to(dtype))
     return [t.double() for t in (out, *grads)]
+
+
+@contextlib.contextmanager
+def recorded_exchanges(phrase: str, check: Callable[[list, list, str], None] | None = None):
+    """This process's ``CommBackend.exchange`` records the ``what`` of each exchange naming ``phrase`` (and runs
+    ``check(sends, recvs, what)`` on it) into the list it yields; restored on exit."""
+    seen: list[str] = []
+    original = CommBackend.exchange
+
+    def recording(self, sends, recvs, what="exchange", **kwargs):
+        if phrase in what:
+            seen.append(what)
+            if check is not None:
+                check(sends, recvs, what)
+        return original(self, sends, recvs, what, **kwargs)
+
+    CommBackend.exchange = recording
+    try:
+        yield seen
+    finally:
+        CommBackend.exchange = original
 
 
 def run_case(case: Case, backend_name: str, group, device: torch.device, seed: int):

@@ -71,16 +71,7 @@ def test_share_applies_to_long_causal_contiguous_rings_on_the_callers_rows(monke
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from dilated_attention.comm.base import CommBackend
-    from dilated_attention.testing.harness import Case, run_case
-
-    shared: list[str] = []
-    original = CommBackend.exchange
-
-    def counting(self, sends, recvs, what="exchange", **kwargs):
-        if "shared cross blocks" in what:
-            shared.append(what)
-        return original(self, sends, recvs, what, **kwargs)
+    from dilated_attention.testing.harness import Case, recorded_exchanges, run_case
 
     n = 16 * world
     cases = [Case("full", world, (n,), (1,), causal=True),  # full attention
@@ -93,16 +84,16 @@ def _worker(rank: int, world: int) -> dict:
     res: dict = {}
     kept = ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS, dict(ring.SWAP_COMPACT)
     ring.SWAP_COMPACT[True] = False  # compact rings stay rings (tests/parallel/test_swapped_ring.py swaps them)
-    CommBackend.exchange = counting
     try:
-        for on in (True, False):
-            ring.SHARE_MIN_ROWS = ring.SHARE_MIN_COMPACT_ROWS = 0 if on else 1 << 30
-            for i, case in enumerate(cases):
-                before = len(shared)
-                got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 900 + i)
-                res[f"{case.name}-{'shared' if on else 'unshared'}"] = (got.ok, got.message, len(shared) - before)
+        with recorded_exchanges("shared cross blocks") as shared:
+            for on in (True, False):
+                ring.SHARE_MIN_ROWS = ring.SHARE_MIN_COMPACT_ROWS = 0 if on else 1 << 30
+                for i, case in enumerate(cases):
+                    before = len(shared)
+                    got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 900 + i)
+                    res[f"{case.name}-{'shared' if on else 'unshared'}"] = (got.ok, got.message,
+                                                                            len(shared) - before)
     finally:
-        CommBackend.exchange = original
         ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS = kept[:2]
         ring.SWAP_COMPACT.update(kept[2])
     return res

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from dilated_attention import ring
-from dilated_attention.comm.base import CommBackend
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.spawn import spawn_ranks
 
@@ -98,17 +97,10 @@ def test_swap_schedules_are_bitwise_equal():
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from dilated_attention.testing.harness import Case, run_case
+    from dilated_attention.testing.harness import Case, recorded_exchanges, run_case
 
-    swapped: list[str] = []
-    original = CommBackend.exchange
-
-    def counting(self, sends, recvs, what="exchange", **kwargs):
-        if "head swap" in what:
-            swapped.append(what)
-            peers = {r for _, r in sends}
-            assert len(sends) == len(recvs) == len(peers), what  # packed: one transfer per peer and direction
-        return original(self, sends, recvs, what, **kwargs)
+    def packed(sends, recvs, what):  # one transfer per peer and direction
+        assert len(sends) == len(recvs) == len({r for _, r in sends}), what
 
     n = 16 * world
     cases = [Case("longnet-causal", world, (8, 16, n), (1, 2, 4), causal=True),
@@ -123,24 +115,24 @@ def _worker(rank: int, world: int) -> dict:
         cases.append(Case("two-rings", world, (8, 32, n), (1, 2, 4), causal=True))
     res: dict = {}
     kept = dict(ring.SWAP_COMPACT)
-    CommBackend.exchange = counting
     try:
-        for on in (True, False):
-            ring.SWAP_COMPACT.update({False: on, True: on})
-            for i, case in enumerate(cases):
-                before = len(swapped)
-                got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 950 + i)
-                chunks = case.kv_heads if case.head_chunks else 1
-                # per spanning pattern on compact rows whose ring divides the heads of each of `chunks` head chunks:
-                # forward rows out, results home; backward the same
-                rings = [w // case.local_len for w, r in zip(case.segment_lengths, case.dilation_rates)
-                         if w > case.local_len and r > 1]
-                swaps = sum(on and case.shards == "contiguous" and case.mode == "longnet"
-                            and (case.heads // chunks) % g == 0 and (case.kv_heads // chunks) % g == 0 for g in rings)
-                res[f"{case.name}, swap {'on' if on else 'off'}"] = (got.ok, got.message, len(swapped) - before,
-                                                                     4 * chunks * swaps)
+        with recorded_exchanges("head swap", packed) as swapped:
+            for on in (True, False):
+                ring.SWAP_COMPACT.update({False: on, True: on})
+                for i, case in enumerate(cases):
+                    before = len(swapped)
+                    got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 950 + i)
+                    chunks = case.kv_heads if case.head_chunks else 1
+                    # per spanning pattern on compact rows whose ring divides the heads of each of `chunks` head
+                    # chunks: forward rows out, results home; backward the same
+                    rings = [w // case.local_len for w, r in zip(case.segment_lengths, case.dilation_rates)
+                             if w > case.local_len and r > 1]
+                    swaps = sum(on and case.shards == "contiguous" and case.mode == "longnet"
+                                and (case.heads // chunks) % g == 0 and (case.kv_heads // chunks) % g == 0
+                                for g in rings)
+                    res[f"{case.name}, swap {'on' if on else 'off'}"] = (got.ok, got.message,
+                                                                         len(swapped) - before, 4 * chunks * swaps)
     finally:
-        CommBackend.exchange = original
         ring.SWAP_COMPACT.update(kept)
     return res
 
