@@ -13,11 +13,15 @@ setting). Emptying costs only the time to work things out again: no result chang
 What a CUDA graph capture reads is another matter: a captured kernel or copy re-reads the memory it was given
 at every replay, long after the call, so whatever a capture is handed from a cache is also held by
 ``held_for_graphs`` for the life of the process (never emptied: freeing it would hand a live graph freed memory).
+And device memory a cache keeps past a call is allocated under ``kept``: in the library's own memory pool, never
+in the pool of a CUDA graph that ``torch.compile(mode="reduce-overhead")`` is warming up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -137,6 +141,58 @@ def rows_on(name: str, rows: list[list[int]], dtype: torch.dtype, device: torch.
 
     made = held_for_graphs((name, tuple(map(tuple, rows))), host) if capturing() else host()
     return made.to(device, non_blocking=True)
+
+
+_KEPT_POOLS: dict[int, Any] = {}
+register("caches.kept_pools", _KEPT_POOLS.__len__)  # held: one memory pool per device
+
+
+@contextlib.contextmanager
+def kept(device: torch.device) -> Iterator[None]:
+    """Device memory allocated under it outlives the call (a cache's device tables, the stamps' log): on CUDA it
+    goes to the library's own memory pool. A cudagraph tree (``torch.compile(mode="reduce-overhead")``) warms a
+    graph up eagerly with every allocation routed to the graph's pool, and hands out again, at its next recording,
+    pool memory no graph output holds; allocations go to the innermost pool in use (``pools_nest``). Not in a
+    capture: what a capture allocates belongs to its graph."""
+    if device.type != "cuda" or capturing() or not hasattr(torch.cuda, "use_mem_pool"):
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = _KEPT_POOLS.get(index)
+    if pool is None:
+        pool = remember(_KEPT_POOLS, index, torch.cuda.MemPool())
+    with torch.cuda.use_mem_pool(pool, device=index):
+        yield
+
+
+def kept_table(name: str, cache: Table, key: Any, make: Callable[[], Any], device: torch.device) -> Any:
+    """``make()``'s device tables, kept in ``cache`` under ``key`` and made under ``kept``. In a capture, a cache
+    entry is also held for good under ``(name, key)`` (a captured kernel reads it at every replay); without one,
+    the tables are the call's own (a pinned host copy held for good, and its captured copy, fill them at every
+    replay), not a cache entry."""
+    hit = cache.get(key)
+    if capturing():
+        return make() if hit is None else held_for_graphs((name, key), lambda: hit)
+    if hit is None:
+        with kept(device):
+            hit = remember(cache, key, make())
+    return hit
+
+
+@memoize("caches.pools_nest", 16)
+def pools_nest(index: int) -> bool:
+    """Whether CUDA device ``index``'s allocator routes an allocation to the innermost of two memory pools in use
+    (what ``kept`` relies on inside a cudagraph tree's warm-up; older torch releases searched them oldest
+    first). Found by allocating under two pools, once per device."""
+    if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda.MemPool, "snapshot"):
+        return False
+    outer, inner = torch.cuda.MemPool(), torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(outer, device=index), torch.cuda.use_mem_pool(inner, device=index):
+        probe = torch.empty(1, device=torch.device("cuda", index))
+    at = probe.data_ptr()
+    inside = any(seg["address"] <= at < seg["address"] + seg["total_size"] for seg in inner.snapshot())
+    del probe
+    return inside
 
 
 def typed(value: Any) -> tuple:

@@ -12,15 +12,18 @@ return empty tensors.
 
 The forward op returns ``out`` and what the backward needs beyond the op's inputs and ``out``
 (``lse``; the gathered key mask; for head-parallel strategies the swapped q/k/v and their output;
-the call number for timeout messages): the eager path saves the same tensors. ``cu_seqlens``
-values are data, read inside the ops at run time (so a compiled graph serves any document split;
+the call number that the backward's exchanges and timeout messages name): the eager path saves the same
+tensors. ``cu_seqlens`` values are data, read inside the ops at run time (so a compiled graph serves any document split;
 the backward op reads them again: one small host copy).
 
-Both ops are tagged ``cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")`` inductor graphs the
-model around them and runs them between its graphs. A cudagraph tree warms a graph up eagerly in the graph's
-memory pool and refuses pool memory still held after it; a call's kept state (the cross-rank stamps' device log
-and headers, the merges' and the fused kernel's device tables) lives past the op by design. Captured by hand
-(``torch.cuda.graph``), a call replays in one graph (README, CUDA graphs).
+Under ``torch.compile(mode="reduce-overhead")`` a cudagraph tree captures the ops with the code around them and
+replays the attention too. It warms a graph up eagerly with allocations routed to the graph's memory pool, and
+hands out again, at its next recording, pool memory no graph output holds; so what a call keeps past itself (the
+cross-rank stamps' device log and headers, the merges' and the fused kernel's device tables) is allocated in
+the library's own pool (``caches.kept``). Packed documents read ``cu_seqlens`` on the host, which a capture
+cannot (as does ``check_calls="always"``), and a torch whose allocator does not route to the innermost pool (``caches.pools_nest``) would put the
+kept memory in the graph's: those calls trace to a second pair of ops, ``attend_ungraphed``, tagged
+``cudagraph_unsafe``, which inductor runs between its graphs.
 
 A ``CommBackend`` or kernel object travels as a string key into ``_OBJECTS`` (held for the life of
 the process, as the compiled graph is); names (``"collective"``, ``"auto"``) travel as themselves. The key is
@@ -40,9 +43,13 @@ from .comm.base import live_backend
 # torch.library.custom_op and register_autograd arrived in torch 2.4; without them a compiled call
 # runs the eager path (graph breaks around it).
 AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
-# (a torch without the tag: a cudagraph tree refuses the op's kept state when it warms the op up)
+# (a torch without the tag graphs every op: a call that cannot be captured fails loudly there)
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+GRAPHED, UNGRAPHED = "attend", "attend_ungraphed"  # op pairs a cudagraph tree captures, and runs between graphs
 _OBJECTS: dict[str, object] = {}
+# A forward's call number travels to its backward as a tensor on the call's device (a CPU output would split the
+# graph a cudagraph tree captures), and on the host here, by the tensor's address.
+_CALL_NUMBERS = caches.table("custom_ops.call_numbers", 4096)
 # kept for the life of the process (a compiled graph refers to its entries): listed, never emptied
 caches.register("custom_ops.objects", _OBJECTS.__len__)
 # functional's call path (``bind``)
@@ -71,7 +78,21 @@ def _backend_key(ident: int) -> str:
     return _object_key(backend)
 
 
+def _pools_nest(index: int | None) -> bool:
+    """``caches.pools_nest`` for CUDA device ``index`` (``None``: the current one), asked at trace time."""
+    return caches.pools_nest(torch.cuda.current_device() if index is None else index)
+
+
+def op_name(q: torch.Tensor, cu_seqlens: torch.Tensor | None, comm=None) -> str:
+    """The op pair a compiled call traces to: ``GRAPHED`` where a cudagraph tree may capture it (not with packed
+    documents or ``check_calls="always"``, whose host reads a capture forbids)."""
+    host_reads = cu_seqlens is not None or getattr(comm, "check_calls", None) == "always"
+    graphable = not host_reads and (not q.is_cuda or _pools_nest(q.device.index))
+    return GRAPHED if graphable else UNGRAPHED
+
+
 if AVAILABLE:
+    _pools_nest = torch.compiler.assume_constant_result(_pools_nest)
     # Run at trace time (the registry write must happen before the graph runs), result baked in; Dynamo
     # guards on the objects themselves (``id`` included), so another backend or kernel recompiles. A backend
     # goes in by its id: torch < 2.13 cannot hand an assumed-constant function an object, only constants.
@@ -116,66 +137,90 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, d
     if comm is not None and not isinstance(comm, (str, CommBackend)):
         resolve_comm(comm)  # raises its TypeError
     requires_grad = [torch.is_grad_enabled() and t.requires_grad for t in (q, k, v)]
-    out, _ = torch.ops.dilated_attention.attend(
+    op = getattr(torch.ops.dilated_attention, op_name(q, cu_seqlens, comm))
+    out, _ = op(
         q, k, v, key_padding_mask, cu_seqlens, list(segment_lengths), list(dilation_rates), mode, causal,
         softmax_scale, pad_to_segments, head_offsets, _key(comm), strategy, _key(kernel), layout, requires_grad)
     return out
 
 
-if AVAILABLE:
-    @torch.library.custom_op("dilated_attention::attend", mutates_args=(), tags=_TAGS)
-    def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None, segment_lengths: list[int], dilation_rates: list[int],
-                   mode: str, causal: bool, softmax_scale: float | None, pad_to_segments: bool, head_offsets: str,
-                   comm: str, strategy: str, kernel: str, layout: str, requires_grad: list[bool]
-                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
-                           key_padding_mask, cu_seqlens)
-        backend = resolve_comm(_lookup(comm))
-        spec, call = _f.prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
-        out, saved = _f.forward(spec, call, q, k, v, key_padding_mask)
-        # Contiguous, as the fake implementation promises (inductor asserts output strides).
-        return out.contiguous(), [t.contiguous() for t in saved] + [torch.tensor(call, dtype=torch.int64)]
+def _attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None, segment_lengths: list[int], dilation_rates: list[int], mode: str,
+                 causal: bool, softmax_scale: float | None, pad_to_segments: bool, head_offsets: str, comm: str,
+                 strategy: str, kernel: str, layout: str, requires_grad: list[bool]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
+                       key_padding_mask, cu_seqlens)
+    backend = resolve_comm(_lookup(comm))
+    spec, call = _f.prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
+    out, saved = _f.forward(spec, call, q, k, v, key_padding_mask)
+    number = torch.full((), call, dtype=torch.int64, device=q.device)
+    _CALL_NUMBERS[number.data_ptr()] = call
+    # Contiguous, as the fake implementation promises (inductor asserts output strides).
+    return out.contiguous(), [t.contiguous() for t in saved] + [number]
 
-    @_attend_op.register_fake
-    def _(q, k, v, key_padding_mask, cu_seqlens, segment_lengths, dilation_rates, mode, causal, softmax_scale,
-          pad_to_segments, head_offsets, comm, strategy, kernel, layout, requires_grad):
-        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
-                           key_padding_mask, cu_seqlens)
-        spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
-                            shapes_only=True, **options)
-        saved = _f.saved_like(spec, q, k, key_padding_mask)
-        return q.new_empty(q.shape), saved + [torch.empty((), dtype=torch.int64, device="cpu")]
 
-    @torch.library.custom_op("dilated_attention::attend_backward", mutates_args=(), tags=_TAGS)
-    def _attend_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            key_padding_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                            out: torch.Tensor, saved: list[torch.Tensor], segment_lengths: list[int],
-                            dilation_rates: list[int], mode: str, causal: bool, softmax_scale: float | None,
-                            pad_to_segments: bool, head_offsets: str, comm: str, strategy: str, kernel: str,
-                            layout: str, requires_grad: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
-                           key_padding_mask, cu_seqlens)
-        # The forward planned this call successfully: the same plan (no new agreement, no debug record).
-        spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
-                            record=False, **options)
-        grads = _f.backward(spec, int(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
-        return tuple(g.contiguous() for g in grads)
+def _attend_fake(q, k, v, key_padding_mask, cu_seqlens, segment_lengths, dilation_rates, mode, causal,
+                 softmax_scale, pad_to_segments, head_offsets, comm, strategy, kernel, layout, requires_grad):
+    options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
+                       key_padding_mask, cu_seqlens)
+    spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
+                        shapes_only=True, **options)
+    saved = _f.saved_like(spec, q, k, key_padding_mask)
+    return q.new_empty(q.shape), saved + [torch.empty((), dtype=torch.int64, device=q.device)]
 
-    @_attend_backward_op.register_fake
-    def _(dout, q, k, v, key_padding_mask, cu_seqlens, out, saved, *options):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
-    def _setup_context(ctx, inputs, output) -> None:
-        q, k, v, key_padding_mask, cu_seqlens, *options = inputs
-        out, saved = output
-        ctx.save_for_backward(q, k, v, key_padding_mask, cu_seqlens, out, *saved)
-        ctx.options = options
+def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, out: torch.Tensor,
+                   saved: list[torch.Tensor], segment_lengths: list[int], dilation_rates: list[int], mode: str,
+                   causal: bool, softmax_scale: float | None, pad_to_segments: bool, head_offsets: str, comm: str,
+                   strategy: str, kernel: str, layout: str, requires_grad: list[bool]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
+                       key_padding_mask, cu_seqlens)
+    # The forward planned this call successfully: the same plan (no new agreement, no debug record).
+    spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
+                        record=False, **options)
+    grads = _f.backward(spec, _call_number(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
+    return tuple(g.contiguous() for g in grads)
 
-    def _attend_grad(ctx, dout, _saved_grads):
+
+def _backward_fake(dout, q, k, v, key_padding_mask, cu_seqlens, out, saved, *options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _call_number(number: torch.Tensor) -> int:
+    """The forward's call number, which the backward's exchanges and messages name: read on the host from
+    ``_CALL_NUMBERS`` (reading the device would wait for it), else from ``number`` (outside a capture)."""
+    known = _CALL_NUMBERS.get(number.data_ptr())
+    if known is not None:
+        return known
+    return 0 if caches.capturing() else int(number)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, key_padding_mask, cu_seqlens, *options = inputs
+    out, saved = output
+    ctx.save_for_backward(q, k, v, key_padding_mask, cu_seqlens, out, *saved)
+    ctx.options = options
+
+
+def _register(name: str, tags: tuple) -> None:
+    """The op pair ``dilated_attention::{name}`` and ``{name}_backward`` (one implementation, ``tags``)."""
+    torch.library.custom_op(f"dilated_attention::{name}", mutates_args=(), tags=tags)(_attend_impl) \
+        .register_fake(_attend_fake)
+    torch.library.custom_op(f"dilated_attention::{name}_backward", mutates_args=(), tags=tags)(_backward_impl) \
+        .register_fake(_backward_fake)
+    backward = getattr(torch.ops.dilated_attention, f"{name}_backward")
+
+    def grad(ctx, dout, _saved_grads):
         q, k, v, key_padding_mask, cu_seqlens, out, *saved = ctx.saved_tensors
-        grads = torch.ops.dilated_attention.attend_backward(dout, q, k, v, key_padding_mask, cu_seqlens, out,
-                                                            saved, *ctx.options)
+        grads = backward(dout, q, k, v, key_padding_mask, cu_seqlens, out, saved, *ctx.options)
         return (*grads, None, None) + (None,) * len(ctx.options)
 
-    torch.library.register_autograd("dilated_attention::attend", _attend_grad, setup_context=_setup_context)
+    torch.library.register_autograd(f"dilated_attention::{name}", grad, setup_context=_setup_context)
+
+
+if AVAILABLE:
+    _register(GRAPHED, ())
+    _register(UNGRAPHED, _TAGS)

@@ -608,14 +608,9 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     same relative addresses step after step (the caching allocator), so a step usually reuses the last
     step's table instead of a pinned host copy and a transfer (what the kernels read is never written). Kept
     per stream: the copy is ordered on the stream it was issued on, and so is the freeing of a dropped table."""
-    if caches.capturing():  # this call's own table (a cache entry could be freed, or replaced, under a live graph)
-        return caches.rows_on("merge.combine_table", rows, torch.int64, device)
     stream = current_raw_stream(device.index) if device.type == "cuda" else None
-    key = (device, stream, *map(tuple, rows))
-    table = _TABLES.get(key)
-    if table is None:
-        table = remember(_TABLES, key, caches.rows_on("merge.combine_table", rows, torch.int64, device))
-    return table
+    return caches.kept_table("merge.combine_table", _TABLES, (device, stream, *map(tuple, rows)),
+                             lambda: caches.rows_on("merge.combine_table", rows, torch.int64, device), device)
 
 
 def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted: bool,

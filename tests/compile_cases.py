@@ -8,13 +8,15 @@ inductor (which fuses the layers around the attention). Sequence-parallel models
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
 from torch import nn
 
-from dilated_attention import MultiheadDilatedAttention, dilated_attention
+from dilated_attention import MultiheadDilatedAttention, custom_ops, dilated_attention
 from dilated_attention.kernels.chunk_loop import ChunkLoop
 from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.testing.spawn import spawn_ranks
@@ -93,12 +95,39 @@ def test_compiled_model_with_inductor():
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
 
 
-def test_reduce_overhead_graphs_around_the_ops():
-    """Both ops are cudagraph-unsafe: a cudagraph tree would warm them up in its pool and refuse the state a call
-    keeps past itself (the GPU harness runs ``mode="reduce-overhead"`` against eager); here, the same mode on
-    CPU (no graphs) gives the eager result."""
-    for op in (torch.ops.dilated_attention.attend, torch.ops.dilated_attention.attend_backward):
-        assert torch.Tag.cudagraph_unsafe in op.default.tags, op
+def _traced_ops(fn, *args) -> set[str]:
+    """The ``dilated_attention`` ops in the graph Dynamo traces from ``fn(*args)``."""
+    names: set[str] = set()
+
+    def backend(gm, example_inputs):
+        names.update(str(node.target) for node in gm.graph.nodes
+                     if node.op == "call_function" and "dilated_attention" in str(node.target))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return names
+
+
+def test_reduce_overhead_captures_the_ops_a_graph_can_hold():
+    """``attend`` and its backward may be captured by a cudagraph tree (what they keep past a call lives in the
+    library's own memory pool); packed documents read ``cu_seqlens`` on the host, so they trace to
+    ``attend_ungraphed``, tagged cudagraph-unsafe, which inductor runs between its graphs. The GPU harness and
+    ``tests/kernels/test_cuda_graphs.py`` check the replays; here, the mode on CPU (no graphs) gives the eager
+    result."""
+    for name, unsafe in ((custom_ops.GRAPHED, False), (custom_ops.UNGRAPHED, True)):
+        for op in (getattr(torch.ops.dilated_attention, name), getattr(torch.ops.dilated_attention, f"{name}_backward")):
+            assert (torch.Tag.cudagraph_unsafe in op.default.tags) == unsafe, op
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 32, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    docs = torch.tensor([0, 12, 32], dtype=torch.int32)
+    assert _traced_ops(lambda a, b, c: dilated_attention(a, b, c, [8, 16], [1, 2]), q, k, v) \
+        == {"dilated_attention.attend"}
+    assert _traced_ops(lambda a, b, c: dilated_attention(a, b, c, [8, 16], [1, 2], cu_seqlens=docs), q, k, v) \
+        == {"dilated_attention.attend_ungraphed"}
+    always, checked = SimpleNamespace(check_calls="always"), SimpleNamespace(check_calls=True)
+    assert custom_ops.op_name(q, None, always) == custom_ops.UNGRAPHED
+    assert custom_ops.op_name(q, None, checked) == custom_ops.op_name(q, None, "collective") == custom_ops.GRAPHED
     model = _model(True)
     x, mask = _inputs(5)
     with torch._inductor.config.patch(compile_threads=1):
@@ -142,8 +171,6 @@ def test_compiled_call_raises_at_trace_time():
 
 def _spawned(rank: int, world: int) -> dict:
     from dilated_attention.comm import get_backend, resolve_comm
-
-    from dilated_attention import custom_ops
 
     res = {"backend_key_args": []}
     comm = get_backend("collective")
@@ -255,10 +282,11 @@ def test_opcheck_custom_ops():
     cu = torch.tensor([0, 10, 45, 60], dtype=torch.int32)
     common = ([16, 64], [1, 2], "longnet", True, None, True, "spread", "", "auto", "auto", "contiguous",
               [True, True, True])
-    for extra in ((mask, None), (None, cu)):
+    for name, extra in ((custom_ops.GRAPHED, (mask, None)), (custom_ops.UNGRAPHED, (None, cu))):
+        forward = getattr(torch.ops.dilated_attention, name)
+        backward = getattr(torch.ops.dilated_attention, f"{name}_backward")
         args = (q, k, v, *extra, *common)
-        torch.library.opcheck(torch.ops.dilated_attention.attend.default, args)
-        out, saved = torch.ops.dilated_attention.attend(*args)
-        torch.library.opcheck(torch.ops.dilated_attention.attend_backward.default,
-                              (torch.randn_like(out), q.detach(), k.detach(), v.detach(), *extra, out.detach(),
-                               [t.detach() for t in saved], *common))
+        torch.library.opcheck(forward.default, args)
+        out, saved = forward(*args)
+        torch.library.opcheck(backward.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), *extra,
+                                                 out.detach(), [t.detach() for t in saved], *common))

@@ -42,14 +42,38 @@ def test_every_cache_is_listed_with_its_bound():
     expected = {"functional.schedules", "patterns.plans", "patterns.head_offsets", "merge.launch_plans",
                 "merge.combine_tables", "triton_support.jitted", "fused.head_tables", "fused.shared_memory_reason",
                 "cudnn.forward_calls", "cudnn.backward_calls", "cudnn.refused", "dispatch.kernels",
-                "dispatch.auto_kernels", "guard.fallen_back", "guard.proven", "custom_ops.objects", "comm.schedules"}
+                "dispatch.auto_kernels", "guard.fallen_back", "guard.proven", "custom_ops.objects", "custom_ops.call_numbers",
+                "comm.schedules", "caches.kept_pools", "caches.pools_nest"}
     assert expected <= set(info), sorted(expected - set(info))
     for name, (size, bound) in info.items():
         assert bound is None or (isinstance(bound, int) and bound > 0), (name, bound)
         assert bound is None or 0 <= size <= bound, (name, size, bound)
     held = {name for name, i in info.items() if i.bound is None}  # never emptied: what refers to them lives on
     assert "custom_ops.objects" in held and held <= {"custom_ops.objects", "models.lm.data_parallel_groups",
-                                                   "ring.side_streams", "huggingface.mask_codes", "caches.held_for_graphs"}, held
+                                                   "ring.side_streams", "huggingface.mask_codes", "caches.held_for_graphs",
+                                                   "caches.kept_pools"}, held
+
+
+def test_a_capture_holds_the_cached_tables_it_reads(monkeypatch):
+    """Tables an eager call cached (a warm-up) and a capture then reads are held for good: a live graph keeps
+    reading them after ``clear_caches``."""
+    from dilated_attention import caches
+    from dilated_attention.kernels import fused
+
+    q, k, v = _inputs(4)
+    clear_caches()
+    expected = _run(q, k, v, "fused")
+    cached = dict(fused._TABLES)
+    assert cached
+    monkeypatch.setattr(caches, "capturing", lambda: True)
+    got = _run(q, k, v, "fused")
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    held = {key[1]: value for key, value in caches._HELD_FOR_GRAPHS.items() if key[0] == "fused.head_tables"}
+    assert held.keys() >= cached.keys()
+    assert all(held[key] is value for key, value in cached.items())
+    clear_caches()
+    assert not fused._TABLES and all(caches._HELD_FOR_GRAPHS[("fused.head_tables", key)] is held[key] for key in held)
 
 
 def test_a_full_table_starts_over():
@@ -69,11 +93,12 @@ def test_a_full_table_starts_over():
 
 
 def test_what_a_capture_reads_is_held_for_good_and_equal(monkeypatch):
-    """Inside a CUDA graph capture (simulated: ``capturing`` patched) the merge's combine table is the call's
-    own, made from a host copy held for good (the captured copy re-reads it at every replay); the fused kernel's
-    head tables are held for good too, so ``clear_caches`` cannot free what a graph reads. Results equal the
-    uncaptured call's."""
+    """Inside a CUDA graph capture (simulated: ``capturing`` patched) the merge's combine table and the fused
+    kernel's head tables are the call's own, made from host copies held for good (the captured copy re-reads
+    them at every replay), and no cache keeps them, so ``clear_caches`` cannot free what a graph reads. Results
+    equal the uncaptured call's."""
     from dilated_attention import caches, merge
+    from dilated_attention.kernels import fused
 
     q, k, v = _inputs(3)
     expected = _run(q, k, v, "fused")
@@ -83,11 +108,11 @@ def test_what_a_capture_reads_is_held_for_good_and_equal(monkeypatch):
     got = _run(q, k, v, "fused")
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
-    assert len(merge._TABLES) == 0  # nothing made in a capture is left in a table that can be emptied
+    assert len(merge._TABLES) == len(fused._TABLES) == 0  # nothing made in a capture is left in a table
     held = dict(caches._HELD_FOR_GRAPHS)
     assert len(held) > held_before
     assert any(key[0] == "merge.combine_table" for key in held), sorted(k[0] for k in held)
-    assert any(key[0] == "fused.head_tables" for key in held), sorted(k[0] for k in held)
+    assert any(key[0] == "fused.head_table_host" for key in held), sorted(k[0] for k in held)
     rows = [[1, 2, 3], [4, 5, 6]]
     first, second = merge._device_table(rows, torch.device("cpu")), merge._device_table(rows, torch.device("cpu"))
     assert first.tolist() == rows and torch.equal(first, second)

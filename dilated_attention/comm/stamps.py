@@ -39,6 +39,8 @@ from dataclasses import astuple, dataclass
 
 import torch
 
+from ..caches import kept
+
 DIRECTIONS = {"forward": 1, "backward": 2}
 _NAMES = {code: name for name, code in DIRECTIONS.items()}
 WORDS = 4  # int32 words per stamp
@@ -127,7 +129,8 @@ class Stamp:
             host = torch.tensor(words, dtype=torch.int32)
             if device.type == "cuda":  # an asynchronous copy: a pageable one would wait for the stream
                 host = host.pin_memory()
-            self._device = host.to(device, non_blocking=True)
+            with kept(device):  # held by the ledger past the call
+                self._device = host.to(device, non_blocking=True)
         return self._device
 
 
@@ -171,7 +174,8 @@ class Ledger:
         if last is None or last.device != device or self._used + n > len(last):
             if last is not None:  # the rest of the old chunk stays unused
                 self._expect.extend([None] * (len(last) - self._used))
-            self._chunks.append(torch.empty(max(_LOG_ROWS, n), WORDS, dtype=torch.int32, device=device))
+            with kept(device):  # the log outlives the call
+                self._chunks.append(torch.empty(max(_LOG_ROWS, n), WORDS, dtype=torch.int32, device=device))
             self._used = 0
         rows = self._chunks[-1][self._used:self._used + n]
         self._used += n

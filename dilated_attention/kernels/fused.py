@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import caches
-from ..caches import remember
 from ..patterns import PatternPlan
 from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, triton
 from ..views import new_grad_parts
@@ -196,14 +195,11 @@ _TABLES = caches.table("fused.head_tables", 1024)  # per plan (or head counts) a
 
 
 def _tables(key: tuple, rows_fn, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    full_key = key + (str(device),)
-    hit = _TABLES.get(full_key)
-    if hit is None:
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
         heads, units = rows_fn()
-        hit = remember(_TABLES, full_key, (_table(heads, device), _table(units, device)))
-    if caches.capturing():  # a captured launch reads them at every replay: held for good, whatever _TABLES does
-        hit = caches.held_for_graphs(("fused.head_tables", full_key), lambda: hit)
-    return hit
+        return _table(heads, device), _table(units, device)
+
+    return caches.kept_table("fused.head_tables", _TABLES, key + (str(device),), make, device)
 
 
 # ---------------------------------------------------------------------------

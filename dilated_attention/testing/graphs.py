@@ -3,9 +3,14 @@ benchmark all capture it (README: CUDA graphs)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
 from typing import Callable, TypeVar
 
 import torch
+
+from .. import custom_ops
 
 T = TypeVar("T")
 
@@ -27,4 +32,26 @@ def capture(step: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUDAGrap
     return graph, result
 
 
-__all__ = ["capture"]
+@contextlib.contextmanager
+def op_runs() -> Iterator[Counter]:
+    """Counts, under ``"forward"`` and ``"backward"``, the runs of the compiled ops' bodies (``custom_ops``): a
+    call that a cudagraph tree replays runs neither."""
+    runs: Counter = Counter()
+    saved = {name: getattr(custom_ops._f, name) for name in ("forward", "backward")}
+
+    def counted(name: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            runs[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    for name, fn in saved.items():
+        setattr(custom_ops._f, name, counted(name, fn))
+    try:
+        yield runs
+    finally:
+        for name, fn in saved.items():
+            setattr(custom_ops._f, name, fn)
+
+
+__all__ = ["capture", "op_runs"]

@@ -38,7 +38,7 @@ from ..functional import dilated_attention
 from ..launch_utils import init_distributed
 from ..patterns import hybrid_team_size
 from .compare import as_layout, rel_err, tolerance
-from .graphs import capture
+from .graphs import capture, op_runs
 from .oracle import dense_dilated_attention
 from .spawn import spawn_ranks
 
@@ -367,8 +367,9 @@ def check_cuda_graph(backend_name: str, group, device: torch.device) -> list[Res
 
 
 def check_compiled_graphs(backend_name: str, group, device: torch.device) -> Result:
-    """GPUs: a ring call inside ``torch.compile(mode="reduce-overhead")`` (cudagraph trees graph the code around
-    the op, which runs between the graphs) gives, step after step, what the eager call gives, bit for bit."""
+    """GPUs: a ring call inside ``torch.compile(mode="reduce-overhead")`` gives, step after step, what the eager
+    call gives, bit for bit, and from the third step on the cudagraph tree replays it (the op's body runs in
+    the warm-up and the recording only)."""
     comm = get_backend(backend_name, group)
     rank, size = comm.rank, comm.world_size
 
@@ -386,11 +387,15 @@ def check_compiled_graphs(backend_name: str, group, device: torch.device) -> Res
             for fn in (layer, compiled):
                 torch.compiler.cudagraph_mark_step_begin()
                 leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-                out = fn(*leaves)
-                out.backward(dout)
+                with op_runs() as runs:
+                    out = fn(*leaves)
+                    out.backward(dout)
                 answers.append([t.clone() for t in (out, *(x.grad for x in leaves))])
             if not all(torch.equal(a, b) for a, b in zip(*answers)):
                 same, msg = False, f"step {seed}: the compiled call differs from the eager one"
+                break
+            if seed >= 2 and runs:
+                same, msg = False, f"step {seed}: the cudagraph tree ran the op instead of replaying it ({dict(runs)})"
                 break
     except Exception as exc:
         same, msg = False, f"{type(exc).__name__}: {exc}"[:200]

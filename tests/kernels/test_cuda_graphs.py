@@ -1,4 +1,5 @@
-"""A forward+backward of ``dilated_attention`` captured into one CUDA graph (GPUs only; CI has none).
+"""A forward+backward of ``dilated_attention`` captured into CUDA graphs, by hand or by
+``torch.compile(mode="reduce-overhead")`` (GPUs only; CI has none).
 
 A LongNet call of a few thousand rows per segment issues faster kernels than the host can launch them
 one by one; a captured step replays without the host. Replays must give, bit for bit, what the eager
@@ -15,7 +16,7 @@ from kernel_checks import CUDA, d64, seeded
 from dilated_attention import dilated_attention
 from dilated_attention.kernels import flash4
 from dilated_attention.testing.compare import assert_within_rule
-from dilated_attention.testing.graphs import capture
+from dilated_attention.testing.graphs import capture, op_runs
 from dilated_attention.testing.oracle import dense_dilated_attention
 
 pytestmark = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -65,3 +66,41 @@ def test_captured_step_replays_eager_bits_and_follows_new_inputs(kernel, causal)
                                  (plain, *(x.grad for x in low))):
             assert_within_rule(name, g, o.detach(), p.detach(), context=f"({kernel}, causal={causal}, "
                                                                       f"replay {trial}, seed {seed})")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", ["auto", "fused"])
+def test_reduce_overhead_replays_the_call(kernel, causal):
+    """Under ``torch.compile(mode="reduce-overhead")`` the cudagraph tree warms the op up, records it, then
+    replays it without running it: each step, on fresh values, gives what the eager call gives, bit for bit, and
+    follows the fp64 oracle."""
+    seed = seeded("reduce-overhead", kernel, causal)
+    shape, dtype = (1, 2048, 8, 128), torch.bfloat16
+
+    def layer(q, k, v):
+        return dilated_attention(q, k, v, SEGS, RATES, causal=causal, kernel=kernel) * 2
+
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    for step in range(4):  # warm-up, recording, replays
+        fresh = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4)]
+        answers = []
+        for fn in (layer, compiled):
+            torch.compiler.cudagraph_mark_step_begin()
+            leaves = [f.clone().requires_grad_() for f in fresh[:3]]
+            with op_runs() as runs:
+                out = fn(*leaves)
+                out.backward(fresh[3])
+            answers.append([t.clone() for t in (out.detach(), *(x.grad for x in leaves))])
+        assert step < 2 or not runs, f"step {step}: the tree ran the op ({dict(runs)}) instead of replaying it"
+        for name, g, w in zip(("out", "dq", "dk", "dv"), *answers):
+            assert torch.equal(g, w), f"{kernel} causal={causal}: compiled {name} differs from eager (step {step})"
+        base = [d64(f).requires_grad_() for f in fresh[:3]]
+        ref = dense_dilated_attention(*base, SEGS, RATES, causal=causal) * 2
+        ref.backward(d64(fresh[3]))
+        low = [f.detach().requires_grad_() for f in fresh[:3]]
+        plain = dense_dilated_attention(*low, SEGS, RATES, causal=causal) * 2
+        plain.backward(fresh[3])
+        for name, g, o, p in zip(("out", "dq", "dk", "dv"), answers[1], (ref, *(x.grad for x in base)),
+                                 (plain, *(x.grad for x in low))):
+            assert_within_rule(name, g, o.detach(), p.detach(),
+                               context=f"({kernel}, causal={causal}, step {step}, seed {seed})")
