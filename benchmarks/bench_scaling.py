@@ -28,6 +28,10 @@ N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
   replays of one CUDA graph of the forward+backward, captured after a warm-up (records ``ours+graph``,
   ``ulysses+graph``; efficiency against the graphed T1): what a step captured whole runs at, with
   no host launch overhead. The other peers run eager only.
+- ``--compile``: the library's cases and its T1 are timed again with the call inside
+  ``torch.compile(mode="reduce-overhead")`` (records ``ours+compiled``; efficiency against the
+  compiled T1): on GPUs its cudagraph tree replays the attention, with the tree's input copies and
+  a forward and a backward graph per step.
 - ``ring_flash_attn``: ring-flash-attention's zigzag ring (``zigzag_ring_flash_attn_func``,
   flash-attn blocks), full causal attention only (the zigzag order exists to even out
   causal work); efficiency against flash-attn's ``flash_attn_func`` on one GPU.
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import datetime
 import gc
 import inspect
@@ -349,6 +354,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time the library (ours, its T1, and ulysses around it) as replays of one CUDA graph of "
                         "the forward+backward, captured after a warm-up: records ours+graph, ulysses+graph (GPUs)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the library (ours and its T1) with its call inside torch.compile("
+                        "mode='reduce-overhead'): records ours+compiled")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name: scaling_<tag>_x<K>.json (default: the GPU name)")
     p.add_argument("--smoke", action="store_true", help="CPU gloo, tiny sizes (overrides sizes, no peers)")
@@ -500,13 +508,14 @@ def has_layout_argument() -> bool:
 
 
 def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: int, comm, strategy: str | None,
-              layout: str = "contiguous", phase=None):
+              layout: str = "contiguous", phase=None, compiled: bool = False):
     """A closure running forward+backward of the library on (B, n_local, H, D) inputs (random rows:
     timing needs only the shapes, so a zigzag layout needs no reordering of real data). ``phase``: a
-    context-manager factory (``record_function``) that names the forward and the backward on the host."""
+    context-manager factory (``record_function``) that names the forward and the backward on the host.
+    ``compiled``: the call inside ``torch.compile(mode="reduce-overhead")`` (``--compile``)."""
     from dilated_attention import dilated_attention
 
-    a, rank = bench.args, bench.env.rank
+    a, rank, torch = bench.args, bench.env.rank, bench.torch
     shape = (a.batch, n_local, a.heads, a.head_dim)
     q, k, v = (bench.randn(shape, 1000 * i + rank).requires_grad_() for i in range(3))
     dout = bench.randn(shape, 7000 + rank)
@@ -515,22 +524,28 @@ def ours_step(bench: Bench, n_local: int, config: str, causal: bool, n_total: in
     if layout != "contiguous":
         extra["layout"] = layout
 
-    def step() -> None:
-        out = dilated_attention(q, k, v, segs, rates, causal=causal, comm=comm, kernel=a.kernel, **extra)
-        out.backward(dout)
-        q.grad = k.grad = v.grad = None
+    def attend(q_, k_, v_):
+        return dilated_attention(q_, k_, v_, segs, rates, causal=causal, comm=comm, kernel=a.kernel, **extra)
 
-    def marked_step() -> None:
-        with phase(FORWARD_RANGE):
-            out = dilated_attention(q, k, v, segs, rates, causal=causal, comm=comm, kernel=a.kernel, **extra)
-        with phase(BACKWARD_RANGE):
+    if compiled:  # each case compiles afresh (a new closure of one code object would count as a recompile)
+        torch._dynamo.reset()
+        attend = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+    named = phase or (lambda _name: contextlib.nullcontext())
+
+    def step() -> None:
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are dead: the tree may reuse them
+        with named(FORWARD_RANGE):
+            out = attend(q, k, v)
+        with named(BACKWARD_RANGE):
             out.backward(dout)
         q.grad = k.grad = v.grad = None
 
-    return step if phase is None else marked_step
+    return step
 
 
 GRAPHED = "ours+graph"  # --cuda-graph: the library's records timed as CUDA graph replays
+COMPILED = "ours+compiled"  # --compile: the library's call inside torch.compile(mode="reduce-overhead")
 
 
 def graphed(bench: Bench, step: Callable[[], None]) -> Callable[[], None]:
@@ -697,6 +712,14 @@ def ring_flash_attn_step(bench: Bench, n_local: int):
     return step
 
 
+def failure(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` as a skip reason: the type and message of the error it arose from (torch.compile wraps the error a
+    call raised while tracing in its own)."""
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+    return f"{type(exc).__name__}: {str(exc)[:limit]}"
+
+
 def run_guarded(bench: Bench, fn: Callable[[], object]) -> tuple[object, str | None]:
     """Run ``fn`` on every rank; if any rank fails, every rank returns (None, reason)."""
     result, error = None, None
@@ -705,7 +728,7 @@ def run_guarded(bench: Bench, fn: Callable[[], object]) -> tuple[object, str | N
     except Skip as exc:
         error = exc.reason
     except Exception as exc:  # a peer's or strategy's failure is data, not the end of the run
-        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        error = failure(exc)
     error = bench.agree(error)
     bench.free()
     return (None, error) if error else (result, None)
@@ -720,7 +743,7 @@ def single_gpu(bench: Bench, make_step: Callable[[], Callable[[], None]]) -> tup
         try:
             box[0] = bench.measure(make_step(), collective=False)
         except Exception as exc:
-            box[0] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            box[0] = failure(exc)
     bench.free()
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
@@ -742,7 +765,7 @@ def _probe_step(bench: Bench, comm, strategy: str | None, tokens: int) -> tuple[
     except torch.cuda.OutOfMemoryError:
         status = "OOM"
     except Exception as exc:
-        status = f"{type(exc).__name__}: {str(exc)[:200]}"
+        status = failure(exc, 200)
     step = None  # drop the inputs (and the traceback's references) before emptying the cache
     ms = 1e3 * (time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if bench.cuda else None
@@ -951,6 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend, "kernel": args.kernel, "tokens_per_gpu": args.tokens,
         "longnet_segments": args.longnet_segments, "longnet_rates": args.longnet_rates,
         "cuda_graph": bool(args.cuda_graph and bench.cuda),  # records of impl ours+graph (and ulysses+graph)
+        "compile": args.compile,  # records of impl ours+compiled
         "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
         "share_min_rows": ring.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
@@ -1025,11 +1049,16 @@ def main(argv: list[str] | None = None) -> int:
         t1, _ = single_reference("ours", config, causal, tokens, n,
                                  lambda: ours_step(bench, n, config, causal, n, None, None))
         progress.update()
-        timings = [("ours", t1, lambda step: step)]  # (impl, its T1, how a step is timed)
+        # (impl, its T1, how a step is timed, whether the library's call is compiled)
+        timings = [("ours", t1, lambda step: step, False)]
         if graphs:  # the same cases again, each captured whole into a CUDA graph
             t1g, _ = single_reference(GRAPHED, config, causal, tokens, n,
                                       lambda: graphed(bench, ours_step(bench, n, config, causal, n, None, None)))
-            timings.append((GRAPHED, t1g, lambda step: graphed(bench, step)))
+            timings.append((GRAPHED, t1g, lambda step: graphed(bench, step), False))
+        if args.compile:  # and with the call inside torch.compile(mode="reduce-overhead")
+            t1c, _ = single_reference(COMPILED, config, causal, tokens, n,
+                                      lambda: ours_step(bench, n, config, causal, n, None, None, compiled=True))
+            timings.append((COMPILED, t1c, lambda step: step, True))
         for strategy, layout in [(s, lay) for s in args.strategies for lay in args.layouts] if k > 1 else []:
             progress.set_postfix_str(f"{label}: ours/{strategy}/{layout}")
             if not strategies_ok and strategy != "ring":
@@ -1037,9 +1066,10 @@ def main(argv: list[str] | None = None) -> int:
             elif layout != "contiguous" and not layouts_ok:
                 skip("ours", strategy, config, causal, tokens, "dilated_attention has no layout= argument yet", layout)
             else:
-                for impl, t1_, wrap in timings:
+                for impl, t1_, wrap, compiled in timings:
                     multi_gpu(impl, strategy, config, causal, tokens, t1_, lambda: bench.measure(wrap(ours_step(
-                        bench, tokens, config, causal, n, comm, strategy if strategies_ok else None, layout))), layout)
+                        bench, tokens, config, causal, n, comm, strategy if strategies_ok else None, layout,
+                        compiled=compiled))), layout)
             progress.update()
         # peers, the established one first: a peer that hangs ends the job (run_scaling.sh bounds each K)
         if "ulysses" in args.peers:
@@ -1047,7 +1077,9 @@ def main(argv: list[str] | None = None) -> int:
             if k == 1:
                 skip("ulysses", "head", config, causal, tokens, "one GPU: nothing to exchange")
             else:
-                for impl, t1_, wrap in timings:
+                for impl, t1_, wrap, compiled in timings:
+                    if compiled:  # (Ulysses runs our call eagerly or captured whole)
+                        continue
                     peer = impl.replace("ours", "ulysses")
                     multi_gpu(peer, "head", config, causal, tokens, t1_,
                               lambda: bench.measure(wrap(ulysses_step(bench, tokens, config, causal, n))))

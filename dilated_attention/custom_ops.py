@@ -13,17 +13,17 @@ return empty tensors.
 The forward op returns ``out`` and what the backward needs beyond the op's inputs and ``out``
 (``lse``; the gathered key mask; for head-parallel strategies the swapped q/k/v and their output;
 the call number that the backward's exchanges and timeout messages name): the eager path saves the same
-tensors. ``cu_seqlens`` values are data, read inside the ops at run time (so a compiled graph serves any document split;
-the backward op reads them again: one small host copy).
+tensors. ``cu_seqlens`` values are data, read inside the ops at run time (so a compiled graph serves any
+document split; the backward op reads them again: one small host copy).
 
 Under ``torch.compile(mode="reduce-overhead")`` a cudagraph tree captures the ops with the code around them and
 replays the attention too. It warms a graph up eagerly with allocations routed to the graph's memory pool, and
 hands out again, at its next recording, pool memory no graph output holds; so what a call keeps past itself (the
 cross-rank stamps' device log and headers, the merges' and the fused kernel's device tables) is allocated in
 the library's own pool (``caches.kept``). Packed documents read ``cu_seqlens`` on the host, which a capture
-cannot (as does ``check_calls="always"``), and a torch whose allocator does not route to the innermost pool (``caches.pools_nest``) would put the
-kept memory in the graph's: those calls trace to a second pair of ops, ``attend_ungraphed``, tagged
-``cudagraph_unsafe``, which inductor runs between its graphs.
+cannot (nor can ``check_calls="always"``'s agreement), and a torch whose allocator does not route to the
+innermost pool (``caches.pools_nest``) would put the kept memory in the graph's: those calls trace to a second
+pair of ops, ``attend_ungraphed``, tagged ``cudagraph_unsafe``, which inductor runs between its graphs.
 
 A ``CommBackend`` or kernel object travels as a string key into ``_OBJECTS`` (held for the life of
 the process, as the compiled graph is); names (``"collective"``, ``"auto"``) travel as themselves. The key is

@@ -45,7 +45,7 @@ def smoke_json(tmp_path_factory):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DILATED_ATTENTION_TIMEOUT="60")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--smoke", "--out", str(out), "--tag", "smoke",
-           "--profile", "--profile-trace", str(out / "traces")]
+           "--profile", "--profile-trace", str(out / "traces"), "--compile"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out / "scaling_smoke_x2.json"
@@ -67,6 +67,11 @@ def test_smoke_json_schema(smoke_json):
     assert {r["causal"] for r in ring} == {False, True}
     for r in ring:
         assert 0 < r["efficiency"] < 10  # T1 / (K * TK) from the same run
+    # --compile: the same cases with the call inside torch.compile(mode="reduce-overhead"), against its own T1
+    compiled = [r for r in timed if r["impl"] == "ours+compiled" and r["strategy"] == "ring"]
+    assert meta["compile"] and {r["causal"] for r in compiled} == {False, True}
+    assert all(0 < r["efficiency"] < 10 for r in compiled)
+    assert {(s["impl"], s["causal"]) for s in meta["single_gpu"]} >= {("ours+compiled", False), ("ours+compiled", True)}
     # every requested strategy either ran or says why not
     for s in ("head", "hybrid"):
         for causal in (False, True):
