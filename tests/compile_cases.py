@@ -19,6 +19,7 @@ from torch import nn
 from dilated_attention import MultiheadDilatedAttention, custom_ops, dilated_attention
 from dilated_attention.kernels.chunk_loop import ChunkLoop
 from dilated_attention.kernels.reference import ReferenceKernel
+from dilated_attention.testing.graphs import op_runs
 from dilated_attention.testing.spawn import spawn_ranks
 
 E, HEADS, KV_HEADS = 32, 4, 2
@@ -130,8 +131,9 @@ def test_reduce_overhead_captures_the_ops_a_graph_can_hold():
     assert custom_ops.op_name(q, None, checked) == custom_ops.op_name(q, None, "collective") == custom_ops.GRAPHED
     model = _model(True)
     x, mask = _inputs(5)
-    with torch._inductor.config.patch(compile_threads=1):
+    with torch._inductor.config.patch(compile_threads=1), op_runs() as runs:
         got = _run(torch.compile(model, mode="reduce-overhead", fullgraph=True), x, mask)
+    assert runs == {"forward": 2, "backward": 2}  # two blocks; op_runs counts what the GPU tests count
     for a, b in zip(got, _run(model, x, mask)):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
 

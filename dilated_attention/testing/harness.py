@@ -394,6 +394,9 @@ def check_compiled_graphs(backend_name: str, group, device: torch.device) -> Res
             if not all(torch.equal(a, b) for a, b in zip(*answers)):
                 same, msg = False, f"step {seed}: the compiled call differs from the eager one"
                 break
+            if seed == 0 and runs != {"forward": 1, "backward": 1}:
+                same, msg = False, f"the warm-up ran the op {dict(runs)} times, not once each way: nothing counted"
+                break
             if seed >= 2 and runs:
                 same, msg = False, f"step {seed}: the cudagraph tree ran the op instead of replaying it ({dict(runs)})"
                 break
