@@ -609,7 +609,7 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     step's table instead of a pinned host copy and a transfer (what the kernels read is never written). Kept
     per stream: the copy is ordered on the stream it was issued on, and so is the freeing of a dropped table."""
     stream = current_raw_stream(device.index) if device.type == "cuda" else None
-    return caches.kept_table("merge.combine_table", _TABLES, (device, stream, *map(tuple, rows)),
+    return caches.kept_table("merge.combine_tables", _TABLES, (device, stream, *map(tuple, rows)),
                              lambda: caches.rows_on("merge.combine_table", rows, torch.int64, device), device)
 
 

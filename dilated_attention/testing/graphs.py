@@ -1,5 +1,6 @@
 """One forward+backward captured into a CUDA graph, the way the harness, the GPU tests and the scaling
-benchmark all capture it (README: CUDA graphs)."""
+benchmark all capture it (README: CUDA graphs); and the compiled step that the harness and the GPU tests
+compare with eager under ``torch.compile(mode="reduce-overhead")``."""
 
 from __future__ import annotations
 
@@ -54,4 +55,30 @@ def op_runs() -> Iterator[Counter]:
             setattr(custom_ops._f, name, fn)
 
 
-__all__ = ["capture", "op_runs"]
+def eager_and_compiled(layer: Callable, compiled: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       dout: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], Counter]:
+    """One forward+backward of ``layer`` and of ``compiled`` (its ``torch.compile``) on fresh leaves of the same
+    values: each one's ``[out, dq, dk, dv]``, and the op runs the compiled step made (``op_runs``)."""
+    answers = []
+    for fn in (layer, compiled):
+        torch.compiler.cudagraph_mark_step_begin()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with op_runs() as runs:
+            out = fn(*leaves)
+            out.backward(dout)
+        answers.append([t.clone() for t in (out.detach(), *(x.grad for x in leaves))])
+    return answers[0], answers[1], runs
+
+
+def replay_problem(step: int, runs: Counter) -> str | None:
+    """What is wrong with the op runs of compiled step ``step`` (0: the cudagraph tree's warm-up, 1: its
+    recording, then replays), or ``None``: the warm-up runs the op once each way (so the count counts), a replay
+    not at all."""
+    if step == 0 and runs != {"forward": 1, "backward": 1}:
+        return f"the warm-up ran the op {dict(runs)} times, not once each way: nothing counted"
+    if step >= 2 and runs:
+        return f"step {step}: the cudagraph tree ran the op instead of replaying it ({dict(runs)})"
+    return None
+
+
+__all__ = ["capture", "eager_and_compiled", "op_runs", "replay_problem"]

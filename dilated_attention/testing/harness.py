@@ -38,7 +38,7 @@ from ..functional import dilated_attention
 from ..launch_utils import init_distributed
 from ..patterns import hybrid_team_size
 from .compare import as_layout, rel_err, tolerance
-from .graphs import capture, op_runs
+from .graphs import capture, eager_and_compiled, replay_problem
 from .oracle import dense_dilated_attention
 from .spawn import spawn_ranks
 
@@ -383,22 +383,13 @@ def check_compiled_graphs(backend_name: str, group, device: torch.device) -> Res
             g = torch.Generator().manual_seed(100 + seed)
             full = [torch.randn((1, 16 * size, 4 * size, 16), generator=g) for _ in range(4)]
             q, k, v, dout = (x[:, rank * 16:(rank + 1) * 16].to(device, torch.bfloat16) for x in full)
-            answers = []
-            for fn in (layer, compiled):
-                torch.compiler.cudagraph_mark_step_begin()
-                leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-                with op_runs() as runs:
-                    out = fn(*leaves)
-                    out.backward(dout)
-                answers.append([t.clone() for t in (out, *(x.grad for x in leaves))])
-            if not all(torch.equal(a, b) for a, b in zip(*answers)):
+            eager, got, runs = eager_and_compiled(layer, compiled, q, k, v, dout)
+            if not all(torch.equal(a, b) for a, b in zip(eager, got)):
                 same, msg = False, f"step {seed}: the compiled call differs from the eager one"
                 break
-            if seed == 0 and runs != {"forward": 1, "backward": 1}:
-                same, msg = False, f"the warm-up ran the op {dict(runs)} times, not once each way: nothing counted"
-                break
-            if seed >= 2 and runs:
-                same, msg = False, f"step {seed}: the cudagraph tree ran the op instead of replaying it ({dict(runs)})"
+            problem = replay_problem(seed, runs)
+            if problem is not None:
+                same, msg = False, problem
                 break
     except Exception as exc:
         same, msg = False, f"{type(exc).__name__}: {exc}"[:200]

@@ -16,7 +16,7 @@ from kernel_checks import CUDA, d64, seeded
 from dilated_attention import dilated_attention
 from dilated_attention.kernels import flash4
 from dilated_attention.testing.compare import assert_within_rule
-from dilated_attention.testing.graphs import capture, op_runs
+from dilated_attention.testing.graphs import capture, eager_and_compiled, replay_problem
 from dilated_attention.testing.oracle import dense_dilated_attention
 
 pytestmark = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -56,16 +56,22 @@ def test_captured_step_replays_eager_bits_and_follows_new_inputs(kernel, causal)
         want = [eager.detach(), *(x.grad for x in leaves)]
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
             assert torch.equal(g, w), f"{kernel} causal={causal}: replayed {name} differs from eager (seed {seed})"
-        base = [d64(f).requires_grad_() for f in fresh[:3]]
-        ref = dense_dilated_attention(*base, SEGS, RATES, causal=causal)
-        ref.backward(d64(fresh[3]))
-        low = [f.detach().requires_grad_() for f in fresh[:3]]
-        plain = dense_dilated_attention(*low, SEGS, RATES, causal=causal)
-        plain.backward(fresh[3])
-        for name, g, o, p in zip(("out", "dq", "dk", "dv"), got, (ref, *(x.grad for x in base)),
-                                 (plain, *(x.grad for x in low))):
-            assert_within_rule(name, g, o.detach(), p.detach(), context=f"({kernel}, causal={causal}, "
-                                                                      f"replay {trial}, seed {seed})")
+        _follow_oracle(got, fresh, causal, 1, f"({kernel}, causal={causal}, replay {trial}, seed {seed})")
+
+
+def _follow_oracle(got: list[torch.Tensor], fresh: list[torch.Tensor], causal: bool, factor: float,
+                   context: str) -> None:
+    """``got`` (out, dq, dk, dv of ``factor`` times the call on ``fresh`` q, k, v, with ``fresh[3]`` as dout)
+    within the flash-attention rule of the fp64 oracle."""
+    base = [d64(f).requires_grad_() for f in fresh[:3]]
+    ref = dense_dilated_attention(*base, SEGS, RATES, causal=causal) * factor
+    ref.backward(d64(fresh[3]))
+    low = [f.detach().requires_grad_() for f in fresh[:3]]
+    plain = dense_dilated_attention(*low, SEGS, RATES, causal=causal) * factor
+    plain.backward(fresh[3])
+    for name, g, o, p in zip(("out", "dq", "dk", "dv"), got, (ref, *(x.grad for x in base)),
+                             (plain, *(x.grad for x in low))):
+        assert_within_rule(name, g, o.detach(), p.detach(), context=context)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -83,26 +89,9 @@ def test_reduce_overhead_replays_the_call(kernel, causal):
     compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
     for step in range(4):  # warm-up, recording, replays
         fresh = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4)]
-        answers = []
-        for fn in (layer, compiled):
-            torch.compiler.cudagraph_mark_step_begin()
-            leaves = [f.clone().requires_grad_() for f in fresh[:3]]
-            with op_runs() as runs:
-                out = fn(*leaves)
-                out.backward(fresh[3])
-            answers.append([t.clone() for t in (out.detach(), *(x.grad for x in leaves))])
-        if step == 0:  # the warm-up runs the op: what the replays' count of nothing is measured against
-            assert runs == {"forward": 1, "backward": 1}, dict(runs)
-        assert step < 2 or not runs, f"step {step}: the tree ran the op ({dict(runs)}) instead of replaying it"
-        for name, g, w in zip(("out", "dq", "dk", "dv"), *answers):
+        eager, got, runs = eager_and_compiled(layer, compiled, *fresh)
+        problem = replay_problem(step, runs)
+        assert problem is None, problem
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, eager):
             assert torch.equal(g, w), f"{kernel} causal={causal}: compiled {name} differs from eager (step {step})"
-        base = [d64(f).requires_grad_() for f in fresh[:3]]
-        ref = dense_dilated_attention(*base, SEGS, RATES, causal=causal) * 2
-        ref.backward(d64(fresh[3]))
-        low = [f.detach().requires_grad_() for f in fresh[:3]]
-        plain = dense_dilated_attention(*low, SEGS, RATES, causal=causal) * 2
-        plain.backward(fresh[3])
-        for name, g, o, p in zip(("out", "dq", "dk", "dv"), answers[1], (ref, *(x.grad for x in base)),
-                                 (plain, *(x.grad for x in low))):
-            assert_within_rule(name, g, o.detach(), p.detach(),
-                               context=f"({kernel}, causal={causal}, step {step}, seed {seed})")
+        _follow_oracle(got, fresh, causal, 2, f"({kernel}, causal={causal}, step {step}, seed {seed})")
