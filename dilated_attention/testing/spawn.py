@@ -4,7 +4,11 @@
 group, calls ``fn(rank, world, *args)`` on each, and returns the per-rank return
 values (JSON round-tripped: dicts, lists, numbers, strings). ``fn`` must be a
 module-level function (it is pickled by name). A rank that exits non-zero (an
-exception, or a signal such as SIGABRT at exit) makes ``spawn_ranks`` raise.
+exception, or a signal such as SIGABRT at exit) makes ``spawn_ranks`` raise, with one
+exception: a rank killed by a signal after it destroyed its group and returned its value
+died in the interpreter's teardown (a gloo worker thread releasing a tensor while Python
+shuts down, seen rarely on loaded machines); the job then runs once more and raises if it
+recurs.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -29,11 +34,12 @@ def init_local_rank(rank: int, world_size: int, port: int, backend: str = "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
 
 
-def run_spawned(fn: Callable[..., None], world_size: int, *args: Any) -> str:
-    """Run ``fn(rank, world_size, port, *args, out_dir)`` on ``world_size`` spawned processes; returns out_dir."""
+def run_spawned(fn: Callable[..., None], world_size: int, *args: Any, out_dir: str | None = None) -> str:
+    """Run ``fn(rank, world_size, port, *args, out_dir)`` on ``world_size`` spawned processes; returns out_dir
+    (a new temporary folder unless given)."""
     import torch.multiprocessing as mp
 
-    out_dir = tempfile.mkdtemp(prefix="dilated_attention_")
+    out_dir = out_dir or tempfile.mkdtemp(prefix="dilated_attention_")
     mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size, start_method="spawn")
     return out_dir
 
@@ -50,9 +56,22 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         json.dump(result, f)
 
 
-def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own gloo rank."""
-    out_dir = run_spawned(_entry, world_size, fn, args)
+def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, teardown_retry: bool = True) -> list[Any]:
+    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own gloo rank.
+    ``teardown_retry=False``: a crash at exit raises at once (for tests of clean exits)."""
+    from torch.multiprocessing import ProcessExitedException
+
+    for attempt in (1, 2):
+        out_dir = tempfile.mkdtemp(prefix="dilated_attention_")
+        try:
+            run_spawned(_entry, world_size, fn, args, out_dir=out_dir)
+            break
+        except ProcessExitedException as exc:  # raise unless a signal killed a rank that had returned (teardown)
+            returned = os.path.exists(os.path.join(out_dir, f"rank{exc.error_index}.json"))
+            if attempt == 2 or not teardown_retry or exc.signal_name is None or not returned:
+                raise
+            print(f"spawn_ranks: rank {exc.error_index} died of {exc.signal_name} at interpreter exit, after its "
+                  "group was destroyed and its value returned; running the job once more", file=sys.stderr, flush=True)
     results = []
     for rank in range(world_size):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:

@@ -127,21 +127,13 @@ def _warnings_worker(rank: int, world: int, backend: str) -> list[dict]:
 @pytest.fixture(scope="module", params=[n for n in ("deepspeed", "fairscale") if n in INSTALLED])
 def warned(request):
     """(backend, per-rank warnings) of ``_warnings_worker`` on 2 gloo ranks."""
-    from torch.multiprocessing import ProcessExitedException
-
     from dilated_attention.testing.spawn import spawn_ranks
 
     if request.param == "deepspeed":
         from dilated_attention.comm.deepspeed import prebuild_ops
 
         prebuild_ops()  # the CPU op is compiled once (cached), not inside a rank
-    try:
-        return request.param, spawn_ranks(_warnings_worker, 2, request.param)
-    except ProcessExitedException:
-        # A DeepSpeed CPU rank on a loaded machine has, rarely, aborted in its teardown ("terminate called
-        # without an active exception"); this test is about warnings, so it tries once more. Clean exits
-        # are what tests/comm/test_faults.py checks, without a second try.
-        return request.param, spawn_ranks(_warnings_worker, 2, request.param)
+    return request.param, spawn_ranks(_warnings_worker, 2, request.param)
 
 
 def test_no_future_warning_from_our_calls(warned):

@@ -88,8 +88,8 @@ def outcomes(request):
     if request.param == "fairscale":
         pytest.importorskip("fairscale")
     # each rank runs every scenario (init_process_group timeout 120 s); raises if any rank exits
-    # non-zero, e.g. SIGABRT at exit after the errors
-    return request.param, spawn_ranks(_scenarios, WORLD, request.param)
+    # non-zero, e.g. SIGABRT at exit after the errors (no second try)
+    return request.param, spawn_ranks(_scenarios, WORLD, request.param, teardown_retry=False)
 
 
 def _waiting_ranks_time_out(got, scenario, words):
