@@ -8,7 +8,7 @@ exception, or a signal such as SIGABRT at exit) makes ``spawn_ranks`` raise, wit
 exception: a rank killed by a signal after it destroyed its group and returned its value
 died in the interpreter's teardown (a gloo worker thread releasing a tensor while Python
 shuts down, seen rarely on loaded machines); the job then runs once more and raises if it
-recurs.
+recurs. ``run_torchrun`` runs a script under torchrun on CPU ranks by the same rule.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 from typing import Any, Callable
@@ -77,3 +79,25 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, teardown_re
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
+
+
+_SIGNAL_DEATH = re.compile(r"Signal \d+ \(SIG\w+\) received")  # torchrun's summary of a rank killed by a signal
+
+
+def run_torchrun(args: list[str], *, cwd: str, done: str, nproc: int = 2, timeout: float = 240,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=nproc *args`` in ``cwd`` on CPU ranks
+    (gloo, DeepSpeed's CPU accelerator, one thread a rank), output captured. Runs once more when a rank died of
+    a signal after the job printed ``done`` (a crash in the interpreter's teardown: ``spawn_ranks``'s rule)."""
+    full_env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+    proc = run()
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0 and done in output and _SIGNAL_DEATH.search(output):
+        print(f"run_torchrun: a rank died of a signal after {done!r}; running the job once more", file=sys.stderr,
+              flush=True)
+        proc = run()
+    return proc

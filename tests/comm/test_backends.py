@@ -85,15 +85,12 @@ def test_bench_ring_smoke(tmp_path):
     """benchmarks/bench_ring.py --smoke on 2 gloo ranks writes a report with all three backends."""
     import json
     import os
-    import subprocess
-    import sys
+
+    from dilated_attention.testing.spawn import run_torchrun
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "benchmarks/bench_ring.py", "--smoke", "--out", str(tmp_path), "--tag", "smoke"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_torchrun(["benchmarks/bench_ring.py", "--smoke", "--out", str(tmp_path), "--tag", "smoke"], cwd=root,
+                        done=f"wrote {tmp_path}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "ring_smoke.json").read_text())
     assert set(report["median_ms"]) == set(BACKEND_NAMES)

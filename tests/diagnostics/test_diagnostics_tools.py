@@ -596,10 +596,12 @@ def test_topology_parse_and_slow_link_verdict():
     assert "SLOW" not in lines[1] and "SLOW" not in lines[2]
 
 
-def _torchrun(nproc, *args, timeout=150):
-    return _run(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "scripts/diagnose.py",
-                 "ring", "--distributed", "--backend", "collective", "--sizes-mb", "0.0625", "--iters", "2", *args],
-                timeout=timeout)
+def _torchrun(nproc, *args):
+    from dilated_attention.testing.spawn import run_torchrun
+
+    return run_torchrun(["scripts/diagnose.py", "ring", "--distributed", "--backend", "collective", "--sizes-mb",
+                         "0.0625", "--iters", "2", *args], cwd=ROOT, done="healthy: every check passed", nproc=nproc,
+                        env={"PYTHONPATH": ROOT}, timeout=150)
 
 
 def test_ring_health_check_passes_on_healthy_gloo_ranks():

@@ -164,22 +164,13 @@ def test_lm_rejects_bad_input():
         model(torch.zeros(1, 32, dtype=torch.long), position_offset=48)
 
 
-def _torchrun(args: list[str], timeout: int = 240, done: str = "[train_lm] done:") -> str:
-    """Run under torchrun on 2 gloo ranks; once more if a rank died of a signal after the job printed ``done``
-    (a crash in the interpreter's teardown, as ``spawn_ranks`` allows once), and raise if that recurs."""
+def _torchrun(args: list[str]) -> str:
     import os
-    import subprocess
-    import sys
+
+    from dilated_attention.testing.spawn import run_torchrun
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    for attempt in (1, 2):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-        at_exit = proc.returncode != 0 and done in proc.stdout and "Signal" in proc.stderr
-        if not at_exit or attempt == 2:
-            break
-        print(f"a rank died of a signal after {done!r}; running the job once more", file=sys.stderr)
+    proc = run_torchrun(args, cwd=root, done="[train_lm] done:")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

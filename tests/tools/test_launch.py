@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from dilated_attention.testing.spawn import run_torchrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -50,8 +52,8 @@ def test_demo_under_torchrun_speaks_once():
     from dilated_attention.comm.deepspeed import prebuild_ops
 
     prebuild_ops()  # DeepSpeed compiles a CPU op on first use: not inside the timed ranks
-    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/demo.py",
-                 "--seq-len", "256", "--patterns", "2", "--heads", "2", "--head-dim", "8", "--iters", "1"])
+    proc = run_torchrun(["launch/demo.py", "--seq-len", "256", "--patterns", "2", "--heads", "2", "--head-dim", "8",
+                         "--iters", "1"], cwd=ROOT, done="all backends match the single-device result")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     for i, label in enumerate(["single-device result", "backend collective", "backend fairscale",

@@ -1,5 +1,6 @@
 """``spawn_ranks``: a rank that crashes at interpreter exit after returning its value gets one more run of the
-job; a crash that recurs, a crash before returning, and any crash with ``teardown_retry=False`` raise."""
+job; a crash that recurs, a crash before returning, and any crash with ``teardown_retry=False`` raise.
+``run_torchrun``: the same rule, with "returned" read as "the job printed its last line"."""
 
 from __future__ import annotations
 
@@ -50,3 +51,32 @@ def test_a_crash_before_returning_raises_at_once(tmp_path):
     with pytest.raises(ProcessExitedException, match="SIGABRT"):
         spawn_ranks(_abort_before_returning, 2, str(tmp_path))
     assert len(os.listdir(tmp_path)) == 1
+
+
+_SCRIPT = '''
+import atexit, os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+print("job done", flush=True)
+folder, crashes = sys.argv[1], int(sys.argv[2])
+if os.environ["RANK"] == "1":
+    runs = len(os.listdir(folder))
+    open(os.path.join(folder, f"run{runs}"), "w").close()
+    if runs < crashes:
+        atexit.register(os.abort)
+'''
+
+
+@pytest.mark.parametrize("crashes, done, ok, runs", [(1, "job done", True, 2), (2, "job done", False, 2),
+                                                     (1, "not printed", False, 1)])
+def test_run_torchrun_runs_once_more_after_a_crash_at_exit_past_done(tmp_path, crashes, done, ok, runs):
+    from dilated_attention.testing.spawn import run_torchrun
+
+    script, folder = tmp_path / "job.py", tmp_path / "runs"
+    script.write_text(_SCRIPT)
+    folder.mkdir()
+    proc = run_torchrun([str(script), str(folder), str(crashes)], cwd=str(tmp_path), done=done, timeout=120)
+    assert (proc.returncode == 0) == ok, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(os.listdir(folder)) == runs
