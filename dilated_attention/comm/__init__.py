@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -30,6 +31,13 @@ def get_backend(name: str, group: dist.ProcessGroup | None = None, *, timeout: f
 
 
 _by_name: dict[str, tuple[object, CommBackend]] = {}
+
+
+@atexit.register
+def _release_named_backends() -> None:
+    """At exit, while the interpreter is whole: a process group the caller destroyed then dies with its named
+    backend here, not in the interpreter's teardown (where gloo's worker threads can abort the process)."""
+    _by_name.clear()
 
 
 def resolve_comm(comm: str | CommBackend | None) -> CommBackend | None:

@@ -83,3 +83,36 @@ def test_a_call_without_gradients_is_planned_and_signed_anew(outcomes, strategy)
 def test_the_schedules_go_with_their_backend(outcomes, strategy):
     for rank_out in outcomes:
         assert rank_out[f"{strategy}-released"]
+
+
+_NAMED = '''
+import gc, os, weakref
+import torch, torch.distributed as dist
+from dilated_attention import comm, dilated_attention
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo", rank=0, world_size=1)
+q, k, v = (torch.randn(1, 16, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+dilated_attention(q, k, v, [8, 16], [1, 2], comm="collective").sum().backward()
+group = weakref.ref(dist.group.WORLD)
+dist.destroy_process_group()
+gc.collect()
+print("held after destroy:", group() is not None)
+comm._release_named_backends()  # what runs at exit
+gc.collect()
+print("held at exit:", group() is not None)
+'''
+
+
+def test_a_named_backend_lets_its_destroyed_group_go_at_exit():
+    """``comm="collective"`` keeps one backend per process group; at exit it lets a destroyed group go while the
+    interpreter is whole (gloo can abort when a group dies in the interpreter's teardown)."""
+    import os
+    import subprocess
+    import sys
+
+    from dilated_attention.launch_utils import free_port
+
+    proc = subprocess.run([sys.executable, "-c", _NAMED], env=dict(os.environ, PORT=str(free_port())),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held after destroy: True" in proc.stdout and "held at exit: False" in proc.stdout, proc.stdout
