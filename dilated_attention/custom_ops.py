@@ -32,6 +32,7 @@ constants only, so a backend goes in by its ``id`` (found among the live backend
 torch 2.13 (before it, pass a kernel name).
 """
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -91,13 +92,21 @@ def op_name(q: torch.Tensor, cu_seqlens: torch.Tensor | None, comm=None) -> str:
     return GRAPHED if graphable else UNGRAPHED
 
 
+def _assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result(fn)``: the mark it sets, without importing Dynamo, which costs a
+    second at import and, imported after ``init_process_group``, keeps the default group alive past
+    ``destroy_process_group`` (tests/test_compile.py checks that the mark is the one torch sets)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 if AVAILABLE:
-    _pools_nest = torch.compiler.assume_constant_result(_pools_nest)
+    _pools_nest = _assume_constant_result(_pools_nest)
     # Run at trace time (the registry write must happen before the graph runs), result baked in; Dynamo
     # guards on the objects themselves (``id`` included), so another backend or kernel recompiles. A backend
     # goes in by its id: torch < 2.13 cannot hand an assumed-constant function an object, only constants.
-    _object_key = torch.compiler.assume_constant_result(_object_key)
-    _backend_key = torch.compiler.assume_constant_result(_backend_key)
+    _object_key = _assume_constant_result(_object_key)
+    _backend_key = _assume_constant_result(_backend_key)
 
 
 def _key(obj) -> str:

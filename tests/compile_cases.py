@@ -138,6 +138,23 @@ def test_reduce_overhead_captures_the_ops_a_graph_can_hold():
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
 
 
+def test_the_constant_mark_is_the_one_torch_sets():
+    """custom_ops marks its trace-time key functions as torch.compiler.assume_constant_result would, without
+    importing Dynamo: the same attributes, so a torch that marks otherwise fails here (and compiled calls would
+    then recompile or break)."""
+    def ours():
+        return 0
+
+    def torchs():
+        return 0
+
+    assert custom_ops._assume_constant_result(ours) is ours
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) and vars(ours)
+    assert all(vars(fn) == vars(ours) for fn in (custom_ops._object_key, custom_ops._backend_key,
+                                                  custom_ops._pools_nest))
+
+
 def test_compiled_call_options():
     """Grouped mode, internal padding, a scale, a kernel object (passed by registry key), packed documents."""
     g = torch.Generator().manual_seed(3)

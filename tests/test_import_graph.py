@@ -7,7 +7,8 @@
 * the package's ``__init__`` loads ``diagnostics/`` only on request (inside a function, or under an
   ``if`` on the environment): debug mode plugs in at the kernel hooks, never on the call path;
 * a module imports the package's own modules at module level, except where a lazy import keeps an
-  optional dependency (or an optional tool) off the import path: ``LAZY`` says why for each.
+  optional dependency (or an optional tool) off the import path: ``LAZY`` says why for each;
+* importing the package leaves torch's Dynamo unloaded (a subprocess checks).
 """
 
 from __future__ import annotations
@@ -170,3 +171,15 @@ def test_own_modules_are_imported_at_module_level():
     assert not unexplained, f"function-level imports of the package's modules without a reason in LAZY: {unexplained}"
     stale = sorted(set(LAZY) - lazy)
     assert not stale, f"LAZY names imports that are no longer lazy: {stale}"
+
+
+def test_importing_the_package_leaves_dynamo_unloaded():
+    """Dynamo costs a second at import, and imported after ``init_process_group`` it keeps the default group
+    alive past ``destroy_process_group``: the package loads it only when a call is compiled."""
+    import subprocess
+    import sys
+
+    code = "import sys, dilated_attention; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[]", run.stdout
