@@ -26,7 +26,6 @@ rank follows, so nothing waits for a peer that has left.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -41,7 +40,7 @@ from ..functional import dilated_attention
 from ..kernels.guard import STICKY
 from ..patterns import hybrid_team_size, padded_length, validate_patterns
 from ..testing.compare import LAYOUTS, as_layout
-from ..testing.spawn import init_local_rank, run_spawned
+from ..testing.spawn import init_local_rank, run_spawned, write_result
 from . import repro
 from .repro import describe_tensor
 
@@ -492,8 +491,7 @@ def _spawn_worker(rank, world, port, kwargs, out_dir_results):
         res = _loop(dist.group.WORLD, comms, backend=backend, **kwargs)
     except Exception as exc:
         res = FuzzResult(failure=f"fuzzer crashed on rank {rank}: {type(exc).__name__}: {exc}")
-    with open(os.path.join(out_dir_results, f"rank{rank}.json"), "w") as f:
-        json.dump(asdict(res), f)
+    write_result(out_dir_results, rank, asdict(res))
     dist.destroy_process_group()
 
 
@@ -508,12 +506,8 @@ def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float 
                   dtypes=tuple(dtypes), device="cpu", invalid_fraction=invalid_fraction,
                   out_dir=os.path.abspath(out_dir), progress=progress, kernel_override=None, backend=backend,
                   option_rate=option_rate)
-    results_dir = run_spawned(_spawn_worker, world_sizes[-1], kwargs)
-    with open(os.path.join(results_dir, "rank0.json")) as f:
-        res = FuzzResult(**json.load(f))
-    for r in range(1, world_sizes[-1]):
-        with open(os.path.join(results_dir, f"rank{r}.json")) as f:
-            other = FuzzResult(**json.load(f))
+    res, *others = (FuzzResult(**x) for x in run_spawned(_spawn_worker, world_sizes[-1], kwargs))
+    for other in others:
         if other.failure and not res.failure:
             res.failure = other.failure
     return res

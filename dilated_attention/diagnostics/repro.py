@@ -52,7 +52,7 @@ from ..kernels.registry import KERNEL_NAMES
 from ..patterns import head_groups, longnet_offsets
 from ..testing.compare import rel_err, tolerance
 from ..testing.oracle import dense_dilated_attention
-from ..testing.spawn import init_local_rank, run_spawned
+from ..testing.spawn import init_local_rank, run_spawned, write_result
 
 VERSION = 2  # 2: key_padding_mask, cu_seqlens (version 1 files have neither)
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -649,20 +649,15 @@ def _spawned_worker(rank, world, port, spec, device, backend, out_dir):
         rep = run_spec(spec, comm=get_backend(backend), device=device)
     except Exception as exc:
         rep = Report(rank, False, raised=repr(exc), lines=[f"FAIL: replay raised {exc!r}"])
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(rep.__dict__, f)
+    write_result(out_dir, rank, rep.__dict__)
     dist.destroy_process_group()
 
 
 def replay_spawned(spec: dict[str, Any], backend: str | None = None) -> list[Report]:
     """Replay a multi-rank repro on this machine: ``world_size`` gloo ranks on CPU."""
     world = int(spec.get("world_size") or 1)
-    out_dir = run_spawned(_spawned_worker, world, spec, "cpu", backend or spec.get("backend") or "collective")
-    reports = []
-    for r in range(world):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            reports.append(Report(**json.load(f)))
-    return reports
+    return [Report(**x) for x in run_spawned(_spawned_worker, world, spec, "cpu",
+                                             backend or spec.get("backend") or "collective")]
 
 
 __all__ = ["Report", "build_cu_seqlens", "build_inputs", "build_mask", "call_extras", "call_meta", "capture",

@@ -8,7 +8,8 @@ exception, or a signal such as SIGABRT at exit) makes ``spawn_ranks`` raise, wit
 exception: a rank killed by a signal after it destroyed its group and returned its value
 died in the interpreter's teardown (a gloo worker thread releasing a tensor while Python
 shuts down, seen rarely on loaded machines); the job then runs once more and raises if it
-recurs. ``run_torchrun`` runs a script under torchrun on CPU ranks by the same rule.
+recurs. ``run_spawned`` is the same for a worker that joins its own group and writes its
+result (``write_result``); ``run_torchrun`` runs a script under torchrun by the same rule.
 """
 
 from __future__ import annotations
@@ -36,14 +37,40 @@ def init_local_rank(rank: int, world_size: int, port: int, backend: str = "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
 
 
-def run_spawned(fn: Callable[..., None], world_size: int, *args: Any, out_dir: str | None = None) -> str:
-    """Run ``fn(rank, world_size, port, *args, out_dir)`` on ``world_size`` spawned processes; returns out_dir
-    (a new temporary folder unless given)."""
+def write_result(out_dir: str, rank: int, value: Any) -> None:
+    """A spawned rank's result (JSON) where ``run_spawned`` collects it."""
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(value, f)
+
+
+def run_spawned(fn: Callable[..., None], world_size: int, *args: Any, teardown_retry: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, port, *args, out_dir)`` on ``world_size`` spawned processes, each ending with
+    ``write_result(out_dir, rank, value)``; returns the values in rank order (``out_dir`` is then removed).
+    ``teardown_retry=False``: a crash at exit raises at once (for tests of clean exits)."""
+    results = _spawn_once(fn, world_size, args, teardown_retry)
+    return _spawn_once(fn, world_size, args, False) if results is None else results
+
+
+def _spawn_once(fn: Callable[..., None], world_size: int, args: tuple, teardown_retry: bool) -> list[Any] | None:
+    """The ranks' results; None where a rank died of a signal after writing its result and ``teardown_retry``."""
     import torch.multiprocessing as mp
 
-    out_dir = out_dir or tempfile.mkdtemp(prefix="dilated_attention_")
-    mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size, start_method="spawn")
-    return out_dir
+    with tempfile.TemporaryDirectory(prefix="dilated_attention_") as out_dir:
+        try:
+            mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size,
+                               start_method="spawn")
+        except mp.ProcessExitedException as exc:
+            returned = os.path.exists(os.path.join(out_dir, f"rank{exc.error_index}.json"))
+            if not (teardown_retry and exc.signal_name and returned):
+                raise
+            print(f"run_spawned: rank {exc.error_index} died of {exc.signal_name} at interpreter exit, after writing "
+                  "its result; running the job once more", file=sys.stderr, flush=True)
+            return None
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
@@ -54,31 +81,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     finally:
         dist.barrier()
         dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_result(out_dir, rank, result)
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, teardown_retry: bool = True) -> list[Any]:
-    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own gloo rank.
-    ``teardown_retry=False``: a crash at exit raises at once (for tests of clean exits)."""
-    from torch.multiprocessing import ProcessExitedException
-
-    for attempt in (1, 2):
-        out_dir = tempfile.mkdtemp(prefix="dilated_attention_")
-        try:
-            run_spawned(_entry, world_size, fn, args, out_dir=out_dir)
-            break
-        except ProcessExitedException as exc:  # raise unless a signal killed a rank that had returned (teardown)
-            returned = os.path.exists(os.path.join(out_dir, f"rank{exc.error_index}.json"))
-            if attempt == 2 or not teardown_retry or exc.signal_name is None or not returned:
-                raise
-            print(f"spawn_ranks: rank {exc.error_index} died of {exc.signal_name} at interpreter exit, after its "
-                  "group was destroyed and its value returned; running the job once more", file=sys.stderr, flush=True)
-    results = []
-    for rank in range(world_size):
-        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
-    return results
+    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own gloo rank
+    (``teardown_retry``: see ``run_spawned``)."""
+    return run_spawned(_entry, world_size, fn, args, teardown_retry=teardown_retry)
 
 
 _SIGNAL_DEATH = re.compile(r"Signal \d+ \(SIG\w+\) received")  # torchrun's summary of a rank killed by a signal

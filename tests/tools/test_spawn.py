@@ -30,9 +30,16 @@ def _abort_before_returning(rank: int, world_size: int, folder: str) -> dict:
     return {"rank": rank}
 
 
-def test_a_crash_at_exit_after_returning_runs_the_job_once_more(tmp_path):
-    assert spawn_ranks(_abort_at_exit, 2, str(tmp_path), 1) == [{"rank": 0, "world": 2}, {"rank": 1, "world": 2}]
-    assert len(os.listdir(tmp_path)) == 2
+def test_a_crash_at_exit_after_returning_runs_the_job_once_more(tmp_path, monkeypatch):
+    import tempfile
+
+    runs, scratch = tmp_path / "runs", tmp_path / "scratch"
+    runs.mkdir()
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the ranks' results are collected
+    assert spawn_ranks(_abort_at_exit, 2, str(runs), 1) == [{"rank": 0, "world": 2}, {"rank": 1, "world": 2}]
+    assert len(os.listdir(runs)) == 2
+    assert os.listdir(scratch) == []  # both runs' result folders removed
 
 
 def test_a_crash_at_exit_that_recurs_raises(tmp_path):
