@@ -16,7 +16,7 @@
 # --profile-trace DIR keeps the Chrome traces). A peer whose package does not import (deepspeed
 # for ulysses, ring-flash-attn with flash-attn for ring_flash_attn) is recorded as skipped. PYTHON
 # names the interpreter (default python3). Each K is bounded by K_TIMEOUT seconds (default 180;
-# 300 with any --profile option).
+# 300 with any --profile option, 420 with --compile: each compiled case compiles afresh).
 # Waits: stream-ordered by default (DILATED_ATTENTION_TIMEOUT is not set here: what a user gets, and
 # what the peers get); --waits host measures host-timed waits (a host sync per exchange). Each JSON
 # records the mode (meta.waits). --layouts contiguous,zigzag adds zigzag rings where the package
@@ -48,10 +48,14 @@ fi
 if [ -z "$worlds" ]; then
   for k in 1 2 4 8; do [ "$k" -le "$gpus" ] && worlds="$worlds${worlds:+,}$k"; done
 fi
-k_timeout=${K_TIMEOUT:-180}
-for arg in "$@"; do  # the profile adds a few seconds per profiled case
-  case "$arg" in --profile|--profile-*) k_timeout=${K_TIMEOUT:-300} ;; esac
+k_timeout=180
+for arg in "$@"; do  # the profile adds a few seconds per profiled case, compiling more
+  case "$arg" in
+    --profile|--profile-*) [ "$k_timeout" -lt 300 ] && k_timeout=300 ;;
+    --compile) k_timeout=420 ;;
+  esac
 done
+k_timeout=${K_TIMEOUT:-$k_timeout}
 log=${LOG:-/tmp/scaling_${slug}.log}
 : >"$log"
 
