@@ -37,9 +37,13 @@ def init_local_rank(rank: int, world_size: int, port: int, backend: str = "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
 
 
+def _result_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.json")
+
+
 def write_result(out_dir: str, rank: int, value: Any) -> None:
     """A spawned rank's result (JSON) where ``run_spawned`` collects it."""
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(_result_path(out_dir, rank), "w") as f:
         json.dump(value, f)
 
 
@@ -60,7 +64,7 @@ def _spawn_once(fn: Callable[..., None], world_size: int, args: tuple, teardown_
             mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size,
                                start_method="spawn")
         except mp.ProcessExitedException as exc:
-            returned = os.path.exists(os.path.join(out_dir, f"rank{exc.error_index}.json"))
+            returned = os.path.exists(_result_path(out_dir, exc.error_index))
             if not (teardown_retry and exc.signal_name and returned):
                 raise
             print(f"run_spawned: rank {exc.error_index} died of {exc.signal_name} at interpreter exit, after writing "
@@ -68,7 +72,7 @@ def _spawn_once(fn: Callable[..., None], world_size: int, args: tuple, teardown_
             return None
         results = []
         for rank in range(world_size):
-            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            with open(_result_path(out_dir, rank)) as f:
                 results.append(json.load(f))
         return results
 
@@ -100,6 +104,7 @@ def run_torchrun(args: list[str], *, cwd: str, done: str, nproc: int = 2, timeou
     a signal after the job printed ``done`` (a crash in the interpreter's teardown: ``spawn_ranks``'s rule)."""
     full_env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
     def run() -> subprocess.CompletedProcess:
         return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 

@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ import gpu_tag  # noqa: E402
 import plot_scaling  # noqa: E402
 
 from dilated_attention.cost_model import validate  # noqa: E402
+from dilated_attention.testing.spawn import run_torchrun  # noqa: E402
 
 RECORD_KEYS = {"impl", "strategy", "config", "causal", "gpus", "tokens_per_gpu", "layout", "ms", "efficiency",
                "peak_gib", "own_gib"}
@@ -42,11 +42,9 @@ def test_default_patterns():
 @pytest.fixture(scope="module")
 def smoke_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DILATED_ATTENTION_TIMEOUT="60")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--smoke", "--out", str(out), "--tag", "smoke",
-           "--profile", "--profile-trace", str(out / "traces"), "--compile"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = run_torchrun([os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--smoke", "--out", str(out), "--tag",
+                         "smoke", "--profile", "--profile-trace", str(out / "traces"), "--compile"], cwd=ROOT,
+                        done=f"wrote {out}", env={"DILATED_ATTENTION_TIMEOUT": "60"}, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out / "scaling_smoke_x2.json"
 
