@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from dilated_attention.launch_utils import init_distributed
+    from dilated_attention.launch_utils import init_distributed, leave_process_group
 
     env = init_distributed("cpu" if args.smoke else "auto")  # before DeepSpeed is imported
     from dilated_attention import dilated_attention
@@ -208,8 +208,7 @@ def main(argv=None) -> int:
             # the table covers this run and its causal / non-causal sibling, when the directory has it
             base = re.sub(r"_causal$", "", os.path.splitext(path)[0])
             print(f"wrote {path} and {render([p for p in (base + '.json', base + '_causal.json') if os.path.exists(p)])}")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
     return 0
 
 

@@ -65,9 +65,21 @@ class DistEnv:
 
     def shutdown(self) -> None:
         """Leave the process group (after a barrier, so no rank exits while others still talk)."""
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        leave_process_group()
+
+
+def leave_process_group(barrier: bool = True) -> None:
+    """Destroy the default process group (after a barrier unless ``barrier=False``), first releasing what
+    ``torch.compile`` captured: a CUDA graph still alive with NCCL kernels in it keeps NCCL's finalize
+    waiting forever, so ``destroy_process_group`` hangs after ``mode="reduce-overhead"`` (pytorch/pytorch#115388).
+    Does nothing outside a process group."""
+    if not dist.is_initialized():
+        return
+    if "torch._dynamo" in sys.modules:  # something was compiled: its cudagraph trees may hold NCCL work
+        torch.compiler.reset()
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -133,4 +145,4 @@ def init_distributed(device: str = "auto", *, seed: int | None = None,
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, local_world, dev, backend)
 
 
-__all__ = ["DistEnv", "free_port", "init_distributed"]
+__all__ = ["DistEnv", "free_port", "init_distributed", "leave_process_group"]

@@ -67,7 +67,7 @@ def _ring(a, d) -> int:
 
     from dilated_attention.diagnostics import health
 
-    from dilated_attention.launch_utils import init_distributed
+    from dilated_attention.launch_utils import init_distributed, leave_process_group
 
     env = init_distributed("cuda" if a.device == "cuda" else "cpu", timeout=max(60.0, 4 * a.timeout))
     device, local, rank, world = env.device, env.local_rank, env.rank, env.world_size
@@ -114,7 +114,7 @@ def _ring(a, d) -> int:
     dist.all_reduce(flag)
     if rank == 0:
         print("healthy: every check passed on every rank" if flag.item() == 0 else f"{int(flag.item())} check(s) failed")
-    dist.destroy_process_group()
+    leave_process_group(barrier=False)
     return 1 if flag.item() else 0
 
 

@@ -79,13 +79,13 @@ def _torchrun(spec, a, use_cuda: bool, world: int) -> int:
     from dilated_attention.comm import get_backend
     from dilated_attention.diagnostics import repro
 
-    from dilated_attention.launch_utils import init_distributed
+    from dilated_attention.launch_utils import init_distributed, leave_process_group
 
     device = init_distributed("cuda" if use_cuda else "cpu").device
     if dist.get_world_size() != world:
         if dist.get_rank() == 0:
             print(f"the repro is for {world} ranks, torchrun started {dist.get_world_size()}", file=sys.stderr)
-        dist.destroy_process_group()
+        leave_process_group(barrier=False)
         return 2
     rep = repro.run_spec(spec, comm=get_backend(a.backend or spec.get("backend") or "collective"), device=device,
                          kernel=a.kernel)
@@ -94,7 +94,7 @@ def _torchrun(spec, a, use_cuda: bool, world: int) -> int:
     dist.all_reduce(bad)
     if dist.get_rank() == 0:
         print(f"REPRODUCED on {int(bad.item())} rank(s)" if bad.item() else "no difference: the call matches the oracle")
-    dist.destroy_process_group()
+    leave_process_group(barrier=False)
     return 1 if bad.item() else 0
 
 

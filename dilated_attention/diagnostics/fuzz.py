@@ -38,6 +38,7 @@ import torch
 from ..comm import get_backend
 from ..functional import dilated_attention
 from ..kernels.guard import STICKY
+from ..launch_utils import leave_process_group
 from ..patterns import hybrid_team_size, padded_length, validate_patterns
 from ..testing.compare import LAYOUTS, as_layout
 from ..testing.spawn import init_local_rank, run_spawned, write_result
@@ -492,7 +493,7 @@ def _spawn_worker(rank, world, port, kwargs, out_dir_results):
     except Exception as exc:
         res = FuzzResult(failure=f"fuzzer crashed on rank {rank}: {type(exc).__name__}: {exc}")
     write_result(out_dir_results, rank, asdict(res))
-    dist.destroy_process_group()
+    leave_process_group(barrier=False)
 
 
 def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float | None = None, *, seed: int = 0,

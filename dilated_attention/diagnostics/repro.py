@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..comm import get_backend
 from ..functional import dilated_attention
 from ..kernels.registry import KERNEL_NAMES
+from ..launch_utils import leave_process_group
 from ..patterns import head_groups, longnet_offsets
 from ..testing.compare import rel_err, tolerance
 from ..testing.oracle import dense_dilated_attention
@@ -650,7 +650,7 @@ def _spawned_worker(rank, world, port, spec, device, backend, out_dir):
     except Exception as exc:
         rep = Report(rank, False, raised=repr(exc), lines=[f"FAIL: replay raised {exc!r}"])
     write_result(out_dir, rank, rep.__dict__)
-    dist.destroy_process_group()
+    leave_process_group(barrier=False)
 
 
 def replay_spawned(spec: dict[str, Any], backend: str | None = None) -> list[Report]:

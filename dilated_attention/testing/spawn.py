@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..launch_utils import free_port
+from ..launch_utils import free_port, leave_process_group
 
 
 def init_local_rank(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
@@ -83,8 +83,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     try:
         result = fn(rank, world_size, *args)
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_process_group()
     write_result(out_dir, rank, result)
 
 
