@@ -726,7 +726,8 @@ def main(argv=None):
         result = {"meta": meta, "rows": rows, "full_attention": full_rows, "table": table_rows, "sweep": sweeps,
                   "pipeline_trials": pipeline_trials, "rel_diff_vs_fused": checks, "summary": summary, "complete": final,
                   "auto_table": {gpu: {"source": f"benchmarks/results/kernel_{tag}.json ({meta['time']})",
-                                       "torch": meta["torch"], "cudnn": meta["cudnn"], "choices": choices}}}
+                                       "torch": meta["torch"], "cudnn": meta["cudnn"], "measured": sorted(names),
+                                       "choices": choices}}}
         md = markdown(result)
         result["markdown"] = md
         with open(path, "w") as f:

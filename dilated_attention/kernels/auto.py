@@ -203,6 +203,18 @@ class AutoKernel(KernelWrapper):
         return self.impls[name]
 
 
+def table_gap(gpu: str, available) -> str | None:
+    """Why ``auto`` may miss the fastest implementation on GPU model ``gpu``, given the implementations
+    ``available`` here: no table for it, or one measured without some of them (its ``measured`` list); else None."""
+    entry = auto_table.TABLE.get(gpu)
+    if entry is None:
+        return f"no kernel table was measured on {gpu}, so kernel='auto' runs the fused kernel everywhere"
+    missing = sorted(set(available) - set(entry.get("measured", available)))
+    if missing:
+        return f"the kernel table of {gpu} was measured without {missing} (available here): kernel='auto' never runs them"
+    return None
+
+
 def device_choices(device: torch.device) -> dict[str, str]:
     """The shipped table's choices for this GPU model (empty if it was never measured)."""
     name = torch.cuda.get_device_name(device)
@@ -211,4 +223,4 @@ def device_choices(device: torch.device) -> dict[str, str]:
 
 __all__ = ["AutoKernel", "CLASS_FALLBACK", "DIRECTIONS", "LENGTH_CLASSES", "LONG_ROWS", "SHORT_ROWS",
            "available_choices", "device_choices", "length_class", "lookup_keys", "normalize_choices",
-           "nondeterministic_allowed", "ranked", "table_key"]
+           "nondeterministic_allowed", "ranked", "table_gap", "table_key"]

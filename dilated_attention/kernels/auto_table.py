@@ -5,6 +5,7 @@ from a benchmark run on that GPU; edit by re-measuring, not by hand. Keys:
 ``direction/dense|dilated/full|causal/D<head dim>/<dtype>/short|long``, the length class of the rows
 per segment (``auto.table_key``; ``/M<rows>`` in tables written before classes: the class of those rows).
 Entries: a name, or names fastest first (the first that runs on the device is taken).
+``measured``: the implementations the run timed (``auto`` warns where one available is missing).
 """
 
 TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/causal/D128/bfloat16/long': ('flash4-nondet',
@@ -152,6 +153,12 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                                        'fwd/dilated/full/D128/float16/short': 'cudnn-det',
                                        'fwd/dilated/full/D64/bfloat16/short': 'cudnn-det'},
                            'cudnn': 91900,
+                           'measured': ['cudnn',
+                                        'cudnn-det',
+                                        'cudnn-dkdv',
+                                        'flash4',
+                                        'flash4-nondet',
+                                        'fused'],
                            'source': 'benchmarks/results/kernel_h100.json (2026-11-26T14:00:23Z)',
                            'torch': '2.11.0+cu130'},
  'NVIDIA H200': {'choices': {'bwd-any/dense/causal/D128/bfloat16/M2048': 'cudnn-det',
@@ -197,5 +204,6 @@ TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'choices': {'bwd-any/dense/c
                              'fwd/dilated/full/D128/float16/M2048': 'cudnn-det',
                              'fwd/dilated/full/D64/bfloat16/M2048': 'fused'},
                  'cudnn': 91900,
+                 'measured': ['cudnn', 'cudnn-det', 'cudnn-dkdv', 'fused'],
                  'source': 'benchmarks/results/kernel_h200.json (2026-11-23T05:00:04Z)',
                  'torch': '2.11.0+cu130'}}

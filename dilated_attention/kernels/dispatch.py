@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from .. import caches
-from .auto import AutoKernel, available_choices, device_choices, nondeterministic_allowed, ranked
+from .auto import AutoKernel, available_choices, device_choices, nondeterministic_allowed, ranked, table_gap
 from .chunk_loop import ChunkLoop
 from .flash4 import unavailable_reason as flash4_unavailable
 from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel, takes_masks, takes_padding_masks
@@ -102,6 +102,10 @@ def _measured(device: torch.device, fused: PatternKernel) -> PatternKernel:
         impls = {**auto_implementations(device), "fused": fused}
         chosen = auto_for(available_choices(device_choices(device), impls), impls, allow_nondeterministic=key[1])
         _auto_kernels[key] = chosen
+        gap = table_gap(key[0], impls)
+        if gap is not None:
+            warnings.warn(f"dilated_attention: {gap}; measure this GPU with `python benchmarks/bench_kernel.py` and "
+                          "`--write-table` (docs/performance.md), or pass one by name (kernel=...)", stacklevel=4)
     return chosen
 
 

@@ -8,6 +8,7 @@ fused kernel and the cuDNN pattern kernel (real on a GPU, the float64 stand-in
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -25,6 +26,7 @@ from dilated_attention.kernels.auto import (
     available_choices,
     length_class,
     normalize_choices,
+    ranked,
     table_key,
 )
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel
@@ -329,3 +331,35 @@ def test_a_pick_is_remembered_per_geometry_only():
     with pytest.warns(UserWarning, match="needs a unit-stride head dim"):
         assert kern.pick("fwd", PLANS[0], False, strided, strided) is fused
     assert other.asked == 2 and kern.pick("fwd", PLANS[0], False, Q, Q) is other and other.asked == 2
+
+
+def test_auto_warns_where_the_table_never_measured_an_available_implementation(monkeypatch):
+    """A GPU model without a table, or with one measured before an implementation available here existed, gets
+    one warning naming what ``auto`` cannot choose; a table that measured everything available gets none."""
+    fused = Recorder("fused")
+    key = table_key("fwd", 1, False, 32, torch.bfloat16, LONG_ROWS * 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU")
+    monkeypatch.setattr(dispatch, "flash4_unavailable", lambda device: None)  # flash4 "installed"
+    everything = sorted(dispatch.auto_implementations(torch.device("cpu")))
+    for table, expected in (({}, "no kernel table was measured on Imaginary GPU"),
+                            ({"measured": ["cudnn", "cudnn-det", "cudnn-dkdv", "fused"]},
+                             r"measured without \['flash4', 'flash4-nondet'\]"),
+                            ({"measured": everything}, None)):
+        monkeypatch.setattr(auto_table, "TABLE", {"Imaginary GPU": {"choices": {key: "cudnn"}, **table}} if table
+                            else {})
+        monkeypatch.setattr(dispatch, "_auto_kernels", {})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dispatch._measured(torch.device("cpu"), fused)
+            dispatch._measured(torch.device("cpu"), fused)  # once per GPU model
+        gaps = [str(w.message) for w in caught if "kernel table" in str(w.message)]
+        if expected is None:
+            assert gaps == []
+        else:
+            assert len(gaps) == 1 and re.search(expected, gaps[0]) and "--write-table" in gaps[0], gaps
+
+
+def test_the_shipped_tables_say_what_they_measured():
+    for gpu, entry in auto_table.TABLE.items():
+        named = {name for names in entry["choices"].values() for name in ranked(names)}
+        assert named <= set(entry["measured"]), (gpu, named - set(entry["measured"]))

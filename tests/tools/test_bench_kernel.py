@@ -34,6 +34,7 @@ def test_bench_kernel_smoke(tmp_path):
             assert f"{direction}/dense/{causal}/D16/float32/short" in choices
             assert f"{direction}/dilated/{causal}/D16/float32/short" in choices
     assert all(names and set(names) <= {"fused", "reference"} for names in choices.values())
+    assert entry["measured"] == ["fused", "reference"]  # what auto's gap warning reads
     summary = result["summary"]
     for causal in ("False", "True"):
         assert summary[causal]["library_fwd_bwd_vs_dense_cudnn"] > 0
