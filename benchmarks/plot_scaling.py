@@ -119,13 +119,22 @@ def timed(records: list[dict], tokens: int) -> dict[tuple, dict[int, dict]]:
     return dict(sorted(out.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0] != "ours", kv[0][0], kv[0][1])))
 
 
+def runs_line(metas: list[dict]) -> str:
+    """Where each column comes from: each file's date and command (a table may join files of different runs)."""
+    by_command: dict[str, list[str]] = {}
+    for m in sorted(metas, key=lambda m: m["gpus"]):
+        by_command.setdefault(m.get("command", "?"), []).append(f"K={m['gpus']} {m.get('date', '?')[:16]}")
+    return "Runs: " + "; ".join(f"{', '.join(when)}: `{command}`" for command, when in by_command.items())
+
+
 def markdown(records: list[dict], metas: list[dict], profile: list[dict] | None = None) -> str:
     gpus = sorted({m["gpus"] for m in metas})
     tokens_list = sorted({r["tokens_per_gpu"] for r in records if "max_tokens" not in r})
     m0 = metas[0] if metas else {}
     lines = [f"{m0.get('gpu', '?')}, torch {m0.get('torch', '?')}, {m0.get('dtype', '?')}, B={m0.get('batch')} "
              f"H={m0.get('heads')} D={m0.get('head_dim')}, backend {m0.get('backend')}, kernel {m0.get('kernel')}; "
-             "forward+backward ms (efficiency = T1 / (K x TK), T1 = one GPU on the whole sequence, same run)", ""]
+             "forward+backward ms (efficiency = T1 / (K x TK), T1 = one GPU on the whole sequence, same run)", "",
+             runs_line(metas), ""]
     for tokens in tokens_list:
         lines += [f"**{tokens} tokens per GPU**", "",
                   "| impl | strategy | config | causal | " + " | ".join(f"K={k}" for k in gpus) + " |",

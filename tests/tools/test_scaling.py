@@ -95,6 +95,8 @@ def test_plots_tables_and_validation(smoke_json, tmp_path):
     table = md.read_text()
     assert "| ours | ring | longnet | no |" in table and "| 2 | 256 | 128 |" in table
     assert "Profile: no CUDA kernels in the profile" in table and "Where communication is exposed" not in table
+    meta = json.loads(smoke_json.read_text())["meta"]
+    assert f"Runs: K=2 {meta['date'][:16]}: `{meta['command']}`" in table  # each column says which run it is
     rows = validate([str(smoke_json)])
     assert {(r["strategy"], r["causal"]) for r in rows} >= {("ring", False), ("ring", True)}
     assert all(math.isfinite(r["error_pct"]) for r in rows)
