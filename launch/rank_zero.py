@@ -40,14 +40,17 @@ def run_job(prog: str, env, body: Callable[[], None]) -> int:
 
     A ``ValueError`` is the library rejecting the configuration, raised alike on every
     rank (its cross-rank check makes them agree): rank 0 says it in one line and the
-    job exits with status 2. Returns the exit status.
+    job exits with status 2. Any other exception may be this rank's alone (out of memory,
+    a data error) while the others wait in an exchange it will never join: it propagates
+    without the leaving barrier, so this process exits at once and torchrun stops the
+    others, instead of every rank waiting out the process group's timeout. Returns the exit status.
     """
     try:
         body()
     except ValueError as exc:
         if job_rank() == 0:
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
         env.shutdown()
+        return 2
+    env.shutdown()
     return 0

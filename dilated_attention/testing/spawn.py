@@ -80,10 +80,8 @@ def _spawn_once(fn: Callable[..., None], world_size: int, args: tuple, teardown_
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
     torch.set_num_threads(1)  # ranks share the machine's cores
     init_local_rank(rank, world_size, port)
-    try:
-        result = fn(rank, world_size, *args)
-    finally:
-        leave_process_group()
+    result = fn(rank, world_size, *args)  # raising, this rank exits at once (no barrier its peers may never reach)
+    leave_process_group()
     write_result(out_dir, rank, result)
 
 

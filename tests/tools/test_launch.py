@@ -62,3 +62,29 @@ def test_demo_under_torchrun_speaks_once():
     assert out.count("fairscale model parallel was not initialised") == 1, out
     assert "FutureWarning" not in out, out
     assert "all backends match the single-device result" in out, out
+
+
+_ONE_RANK_FAILS = '''
+import sys, time
+sys.path.insert(0, "launch")
+import torch, torch.distributed as dist
+from rank_zero import run_job
+from dilated_attention.launch_utils import init_distributed
+
+env = init_distributed("cpu", timeout=300)
+def body():
+    if env.rank == 1:
+        raise RuntimeError("rank 1 ran out of data")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for an exchange rank 1 never joins
+sys.exit(run_job("job", env, body))
+'''
+
+
+def test_a_crash_on_one_rank_ends_the_job_at_once(tmp_path):
+    """An exception on one rank ends the torchrun job with it, not after the process group's timeout (300 s here):
+    the failing rank leaves without waiting in a barrier the others cannot reach."""
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(_ONE_RANK_FAILS)
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)], timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 ran out of data" in proc.stdout + proc.stderr

@@ -30,6 +30,28 @@ def _abort_before_returning(rank: int, world_size: int, folder: str) -> dict:
     return {"rank": rank}
 
 
+def _raise_on_one_rank(rank: int, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise RuntimeError("rank 1 failed alone")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for an exchange rank 1 never joins
+    return {"rank": rank}
+
+
+def test_an_exception_on_one_rank_raises_without_waiting_for_the_others():
+    """The failing rank exits at once (no leaving barrier), so the job ends well inside the group's 120 s timeout."""
+    import time
+
+    from torch.multiprocessing import ProcessRaisedException
+
+    start = time.monotonic()
+    with pytest.raises(ProcessRaisedException, match="rank 1 failed alone"):
+        spawn_ranks(_raise_on_one_rank, 2)
+    assert time.monotonic() - start < 60
+
+
 def test_a_crash_at_exit_after_returning_runs_the_job_once_more(tmp_path, monkeypatch):
     import tempfile
 
