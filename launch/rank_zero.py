@@ -45,12 +45,12 @@ def run_job(prog: str, env, body: Callable[[], None]) -> int:
     without the leaving barrier, so this process exits at once and torchrun stops the
     others, instead of every rank waiting out the process group's timeout. Returns the exit status.
     """
+    status = 0
     try:
         body()
     except ValueError as exc:
         if job_rank() == 0:
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-        env.shutdown()
-        return 2
+        status = 2
     env.shutdown()
-    return 0
+    return status

@@ -65,7 +65,7 @@ def test_demo_under_torchrun_speaks_once():
 
 
 _ONE_RANK_FAILS = '''
-import sys, time
+import sys
 sys.path.insert(0, "launch")
 import torch, torch.distributed as dist
 from rank_zero import run_job

@@ -23,7 +23,7 @@ def steps(monkeypatch):
     return done
 
 
-def test_compiled_graphs_go_before_the_group(steps, monkeypatch):
+def test_compiled_graphs_go_before_the_group(steps):
     import torch._dynamo  # noqa: F401  (something was compiled)
 
     launch_utils.leave_process_group()

@@ -1,14 +1,18 @@
 """``spawn_ranks``: a rank that crashes at interpreter exit after returning its value gets one more run of the
 job; a crash that recurs, a crash before returning, and any crash with ``teardown_retry=False`` raise.
+An exception on one rank raises at once, without waiting for the others.
 ``run_torchrun``: the same rule, with "returned" read as "the job printed its last line"."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import time
 
 import pytest
-from torch.multiprocessing import ProcessExitedException
+import torch
+import torch.distributed as dist
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from dilated_attention.testing.spawn import spawn_ranks
 
@@ -31,9 +35,6 @@ def _abort_before_returning(rank: int, world_size: int, folder: str) -> dict:
 
 
 def _raise_on_one_rank(rank: int, world_size: int) -> dict:
-    import torch
-    import torch.distributed as dist
-
     if rank == 1:
         raise RuntimeError("rank 1 failed alone")
     dist.all_reduce(torch.ones(1))  # rank 0 waits for an exchange rank 1 never joins
@@ -42,10 +43,6 @@ def _raise_on_one_rank(rank: int, world_size: int) -> dict:
 
 def test_an_exception_on_one_rank_raises_without_waiting_for_the_others():
     """The failing rank exits at once (no leaving barrier), so the job ends well inside the group's 120 s timeout."""
-    import time
-
-    from torch.multiprocessing import ProcessRaisedException
-
     start = time.monotonic()
     with pytest.raises(ProcessRaisedException, match="rank 1 failed alone"):
         spawn_ranks(_raise_on_one_rank, 2)
