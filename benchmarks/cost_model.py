@@ -4,7 +4,7 @@ Predictions: forward+backward time, exposed communication, efficiency and memory
 strategy, for a LongNet or full-attention problem. ``--validate``: predicted vs measured efficiency
 of every multi-GPU record of the library in scaling JSONs (``bench_scaling.py``), each in the wait
 mode its file recorded unless ``--waits`` says. ``--fit``: the kernel and memory constants fitted
-to the whole calls of scaling JSONs (how ``Hardware``'s defaults were made). ``--calibrate``:
+to the whole calls of scaling JSONs (how the presets were made). ``--calibrate``:
 fit the kernel and memory constants to single-GPU measurements (a kernel benchmark JSON of the
 fused kernel, and the ``single_gpu`` entries of scaling JSONs) of the code the model describes: it
 says so when no physical fit exists (the committed ``kernel_h200.json`` measures compact parts
@@ -13,11 +13,10 @@ combined once, which the model's memory terms do not describe).
     python benchmarks/cost_model.py --tokens 1073741824 --gpus 64,128,256,512,1024
     python benchmarks/cost_model.py --tokens-per-gpu 32768 --gpus 8,16,64,256,1024      # docs/performance.md
     python benchmarks/cost_model.py --validate tests/data/cost_model_h200_x2.json
-    python benchmarks/cost_model.py --fit tests/data/cost_model_h200_x1.json tests/data/cost_model_h200_x2.json
     python benchmarks/cost_model.py --calibrate kernel_<gpu>.json scaling_<gpu>_x*.json
     python benchmarks/cost_model.py --gpu h100 --validate tests/data/cost_model_h100_x2.json --impl ours+graph
     python benchmarks/cost_model.py --gpu h100 --fit tests/data/cost_model_h100_x*.json --impl ours+graph \
-        --names bwd_tflops,bwd_launch_us,causal_keys,key_penalty,hbm_gbps,op_us,dispatch_us   # the H100 preset,
+        --names bwd_tflops,bwd_launch_us,causal_keys,key_penalty,hbm_gbps,op_us,dispatch_us   # a preset,
     python benchmarks/cost_model.py --gpu h100 --fit tests/data/cost_model_h100_x*.json --names issue_us  # then this
 
 ``--impl ours+graph`` reads the records ``bench_scaling.py --cuda-graph`` times as CUDA graph replays, which
@@ -126,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--host-waits", dest="waits", action="store_const", const="host", help="same as --waits host")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--gpu", choices=sorted(PRESETS), default="h200",
-                    help="whose fitted constants (Hardware() is the H200's); the options below override them")
+                    help="whose fitted constants (cost_model.PRESETS); the options below override them")
     for name in ("fwd_tflops", "bwd_tflops", "bwd_launch_us", "causal_keys", "key_penalty", "hbm_gbps", "op_us", "dispatch_us",
                  "issue_us", "nvlink_gbps", "ib_gbps", "latency_us", "poll_ms", "memory_gib"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=None,

@@ -31,8 +31,7 @@ streams (compute, communication) and a host thread (``_Timeline``):
 - **Host issue** (``issue_us``): eagerly, the host spends ``issue_us`` on every replayed op (a
   pattern's kernel calls, a pass, a transfer: Python, checks and launches) before the GPU can start
   it, so host-bound stretches (LongNet's short patterns) run at the host's pace. A CUDA graph replay
-  has none (``graph_replay``). The H200 defaults carry none: fitted on eager records without it, their
-  other constants absorb it.
+  has none (``graph_replay``).
 - **Waits** (``host_waits``, every entry point takes it; default stream-ordered, what a user
   gets by default): with NCCL and no timeout set, a wait only orders the compute stream. With
   ``host_waits=True`` (NCCL with ``DILATED_ATTENTION_TIMEOUT`` or a ``timeout=`` set; gloo always)
@@ -81,25 +80,27 @@ DEFAULT_META = {"heads": 16, "kv_heads": 16, "head_dim": 128, "batch": 1, "dtype
 
 @dataclass(frozen=True)
 class Hardware:
-    """Model constants. Kernel and memory figures: ``fit`` (``benchmarks/cost_model.py --fit``) on
-    ``tests/data/cost_model_h200_x{1,2}.json`` (2 x H200, bf16, D=128, 16 heads, stream-ordered waits):
-    the four one-GPU references at N = 32768 and 65536 and the eight K=2 records, each constant kept
-    inside its ``PLAUSIBLE`` range. Whole calls do not separate forward from backward rates (only
-    their sum is determined): the forward sits at the GPU's peak and the backward carries the rest;
-    launch and host terms sit at their floor. Links: H200 nodes of 8
+    """Model constants (the H200's by default). Kernel and memory figures: ``fit`` (``benchmarks/cost_model.py
+    --fit ... --impl ours+graph``) on the CUDA-graph records of ``tests/data/cost_model_h200_x{1,2}.json`` (2 x H200,
+    bf16, D=128, 16 heads, flash-attn-4 installed, stream-ordered waits): the four one-GPU references at N = 32768
+    and 65536 and the eight K=2 records, each constant kept inside its ``PLAUSIBLE`` range, with the forward held
+    at flash4's measured rate on full attention (``kernel_h200.json``: 642 TFLOP/s; whole calls determine only
+    the sum of the forward and backward terms). Replays have no host launch time, so the launch and dispatch terms
+    sit at their floor and ``issue_us`` at 0 (a replay); ``H200`` adds the eager host time, fitted alone
+    (``--fit ... --names issue_us``) on the same files' eager records. Links: H200 nodes of 8
     GPUs on NVLink (NV18, 450 GB/s per direction nominal, about 350 achievable by NCCL), one
     InfiniBand NDR 400 Gb/s NIC per GPU (50 GB/s), 20 us per message: documented figures, not
     fitted. ``poll_ms``: torch's timed-wait poll (1 ms)."""
 
-    fwd_tflops: float = 989.0  # fused forward, short key blocks
-    bwd_tflops: float = 437.7  # fused backward, on 2.5x the forward FLOPs
+    fwd_tflops: float = 642.0  # attention forward (flash4's full-attention rate)
+    bwd_tflops: float = 600.3  # attention backward, on 2.5x the forward FLOPs
     bwd_launch_us: float = 1.0  # fixed GPU time of one pattern's backward (3 launches)
-    causal_keys: float = 242.1  # causal segment of m keys costs 1/2 + causal_keys / (2 m) of unmasked
-    key_penalty: float = 0.2421  # kernel time x (1 + key_penalty x min(keys, 65536) / 65536): long blocks slower
-    hbm_gbps: float = 4800.0  # elementwise/copy passes
-    op_us: float = 13.2  # per elementwise op of those passes
+    causal_keys: float = 258.2  # causal segment of m keys costs 1/2 + causal_keys / (2 m) of unmasked
+    key_penalty: float = 0.0  # kernel time x (1 + key_penalty x min(keys, 65536) / 65536): long blocks slower
+    hbm_gbps: float = 3369.0  # elementwise/copy passes
+    op_us: float = 3.36  # per elementwise op of those passes
     dispatch_us: float = 1.0  # host work before a call's first kernel (or after a host wake-up)
-    issue_us: float = 0.0  # host work to issue one replayed op eagerly (none in a CUDA graph replay)
+    issue_us: float = 0.0  # host work to issue one replayed op eagerly (none in a CUDA graph replay; H200: 442)
     nvlink_gbps: float = 350.0
     ib_gbps: float = 50.0
     gpus_per_node: int = 8
@@ -118,16 +119,13 @@ class Hardware:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
 
-# 2 x H100 80GB: ``fit`` (``--fit ... --impl ours+graph``) on the CUDA-graph records of
-# ``tests/data/cost_model_h100_x{1,2}.json`` (flash-attn-4 installed: auto runs flash4 on full attention and on
-# LongNet's backward but its short causal segments; stream-ordered waits), with the forward held at flash4's
-# measured rate on full attention (``kernel_h100.json``: 654 TFLOP/s; whole calls determine only the sum of the
-# forward and backward terms). Replays have no host launch time, so the launch and host terms sit at their
-# floor. ``issue_us``: then fitted alone (``--fit ... --impl ours --names issue_us``) on the same files' eager
-# records. Links as for the H200 (NVLink 4, NDR).
+# 2 x H100 80GB, fitted as the defaults are, on ``tests/data/cost_model_h100_x{1,2}.json`` (flash-attn-4 installed),
+# with the forward held at flash4's measured rate on full attention (``kernel_h100.json``: 654 TFLOP/s). Links as
+# for the H200 (NVLink 4, NDR).
 H100 = Hardware(fwd_tflops=654.0, bwd_tflops=586.0, bwd_launch_us=1.0, causal_keys=792.0, key_penalty=0.0,
                 hbm_gbps=2788.0, op_us=5.65, dispatch_us=1.0, issue_us=414.0, memory_gib=79.0)
-PRESETS = {"h200": Hardware(), "h100": H100}  # the constants ``--gpu`` names
+H200 = Hardware(issue_us=442.0)  # the defaults with the eager host time fitted on the same files
+PRESETS = {"h200": H200, "h100": H100}  # the constants ``--gpu`` names
 IMPLS = ("ours", "ours+graph")  # a scaling JSON's records of the library: eager, or timed as CUDA graph replays
 
 
@@ -481,7 +479,7 @@ def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
     return 1.4 * p.batch * tokens_per_gpu * per_token / 2**30
 
 
-def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardware(),
+def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = H200,
             *, balanced: bool = False, host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
             swap: tuple[bool, bool] | None = None) -> Prediction | None:
     """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
@@ -520,7 +518,7 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = Hardwa
                       p.tokens)
 
 
-def best(p: Problem, gpus: int, hw: Hardware = Hardware(), *, balanced: bool = False,
+def best(p: Problem, gpus: int, hw: Hardware = H200, *, balanced: bool = False,
          host_waits: bool = False) -> Prediction:
     """The fastest feasible strategy by this model (``strategy.py`` holds what was measured)."""
     preds = [x for s in STRATEGIES
@@ -701,7 +699,7 @@ def _multi_records(meta: dict, records: list[dict], impl: str = "ours") -> list[
             and r.get("layout", "contiguous") == "contiguous"]
 
 
-def validate(paths: Sequence[str], hw: Hardware = Hardware(), *, host_waits: bool | None = None,
+def validate(paths: Sequence[str], hw: Hardware = H200, *, host_waits: bool | None = None,
              impl: str = "ours") -> list[dict]:
     """Compare predicted with measured efficiency (and ms) for every multi-GPU record of ``impl`` (``ours``, or
     ``ours+graph``: ``bench_scaling.py --cuda-graph``'s replays, modelled without host issue time).
@@ -815,7 +813,7 @@ def _fit_errors(samples: list[dict], hw: Hardware) -> list[tuple[float, float | 
     return out
 
 
-def fit(paths: Sequence[str], base: Hardware = Hardware(), names: Sequence[str] = FIT_NAMES, *,
+def fit(paths: Sequence[str], base: Hardware = H200, names: Sequence[str] = FIT_NAMES, *,
         single_weight: float = 1.0, rounds: int = 4, impl: str = "ours") -> tuple[Hardware, list[dict]]:
     """Fit ``names`` to whole calls: least squares of relative errors of every multi-GPU time and
     efficiency, plus ``single_weight`` times those of the one-GPU references, plus the square of the

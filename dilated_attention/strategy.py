@@ -2,33 +2,24 @@
 
 ``A = 1`` is the ring, ``A = world`` head-parallel, anything between the hybrid (docs/design.md
 section 2). The rule is a table of what ``benchmarks/bench_scaling.py`` measured, per kind of
-pattern set, causality and shard layout, on 2 x H200 at 32768 tokens per GPU, stream-ordered waits
-(``benchmarks/run_scaling.sh --worlds 1,2 --strategies ring,head --layouts contiguous,zigzag
---no-probe``, ``benchmarks/results/scaling_h200_x2.json``; forward+backward, ms):
-
-==========================  ====  ====  ===========  ===========  ==========  ==========
-patterns                    ring  head  ring zigzag  head zigzag  contiguous  zigzag
-==========================  ====  ====  ===========  ===========  ==========  ==========
-LongNet, non-causal         16.2  17.4         19.7         18.2  ring        head
-LongNet, causal             16.6  13.7         20.2         14.6  head        head
-full attention, non-causal 145.3 141.1        144.8        141.9  tie: ring   tie: ring
-full attention, causal     108.8  70.3         72.5         71.4  head        tie: ring
-==========================  ====  ====  ===========  ===========  ==========  ==========
-
-The last two columns are the choice per layout (the fastest; "tie": within 3%).
-
-A GPU model measured otherwise has its own choices (``MEASURED_ON``, read by the device's name).
-2 x H100 with flash-attn-4 installed (the same command with ``--peers torch_cp,ulysses --cuda-graph``,
-``benchmarks/results/scaling_h100_x2.json``), where the choice differs:
+pattern set, causality and shard layout, on 2 x H200 with flash-attn-4 installed at 32768 tokens per
+GPU, stream-ordered waits, eagerly (``benchmarks/run_scaling.sh --worlds 1,2 --strategies ring,head
+--layouts contiguous,zigzag --peers torch_cp,ulysses --cuda-graph --profile``,
+``benchmarks/results/scaling_h200_x2.json``; forward+backward, ms):
 
 ==========================  =====  =====  ===========  ===========  ==========  ==========
 patterns                    ring   head   ring zigzag  head zigzag  contiguous  zigzag
 ==========================  =====  =====  ===========  ===========  ==========  ==========
-LongNet, causal              15.0   14.7         28.3         17.3  ring        head
+LongNet, non-causal          14.0   15.6         22.5         17.2  ring        head
+LongNet, causal              11.9   12.4         20.3         13.3  ring        head
+full attention, non-causal  106.1  104.1        106.2        104.9  tie: ring   tie: ring
+full attention, causal       59.1   57.2         58.7         58.1  head        tie: ring
 ==========================  =====  =====  ===========  ===========  ==========  ==========
 
-(Eagerly within 3%, the ring is 1.31x faster replayed in a CUDA graph: 9.3 ms against 12.2. Its other choices
-are the H200's: full attention, non-causal, ring 108.0 and head 106.8 ms is within 3%.)
+The last two columns are the choice per layout (the fastest; "tie": within 3%). Replayed in a CUDA
+graph the choices hold (causal LongNet: ring 7.9 ms, head 10.6). 2 x H100 with flash-attn-4
+(``scaling_h100_x2.json``) chooses the same in every row. A GPU model measured otherwise would get
+its own choices (``MEASURED_ON``, read by the device's name).
 
 A job whose ranks see different GPU models may resolve ``"auto"`` differently: the cross-rank agreement
 compares the resolved team (``functional.py``), so every rank raises instead of exchanging mismatched
@@ -38,7 +29,7 @@ change of layout). "Full" means a rate-1 pattern spans ranks (dense attention ac
 LongNet's spanning patterns are dilated (rate > 1), so most of its work is local and a ring
 moves ``1/r`` of the keys. Where head is measured best but cannot run (the ranks do not divide
 the heads) or the job spans nodes (the all-to-all would cross the network), the hybrid takes its
-place when a team exists (4 x H200: full causal hybrid 304 ms against ring 361), else the ring.
+place when a team exists, else the ring.
 """
 
 from __future__ import annotations
@@ -49,7 +40,7 @@ from .patterns import hybrid_team_size
 # (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest (the table above).
 MEASURED = {
     (False, False, "contiguous"): "ring",
-    (False, True, "contiguous"): "head",  # the causal ring's small calls leave the GPU idle
+    (False, True, "contiguous"): "ring",  # spanning pattern head-swapped (ring._swaps); 1.34x head's speed in a graph
     (True, False, "contiguous"): "ring",  # within 3% of head
     (True, True, "contiguous"): "head",  # the contiguous causal ring waits on its last rank
     (False, False, "zigzag"): "head",  # zigzag turns mid-length segments into rings
@@ -58,12 +49,7 @@ MEASURED = {
     (True, True, "zigzag"): "ring",  # balanced: every rank does half a block per step; within 3% of head
 }
 # GPU model (``torch.cuda.get_device_name``) -> its measured choices, where they differ (the tables above)
-MEASURED_ON = {
-    "NVIDIA H100 80GB HBM3": {
-        **MEASURED,
-        (False, True, "contiguous"): "ring",  # within 3% eagerly, 1.31x faster in a CUDA graph
-    },
-}
+MEASURED_ON: dict[str, dict[tuple[bool, bool, str], str]] = {}
 
 
 def pattern_spans(segment_lengths, dilation_rates, seq_len: int, shard_len: int) -> tuple[bool, bool]:
