@@ -1,10 +1,10 @@
 """The interface the strategies use. A backend only moves bytes and names its group.
 
-Subclasses provide ``_resolve_group`` (which process group) and two
+Subclasses provide ``_resolve_group`` (which process group) and three
 asynchronous primitives returning work handles: ``_batch_p2p`` (a batch of
 sends and receives with *global* peer ranks: one pair for a ring step, every
-block to every peer for an all-to-all) and ``_all_gather`` (into a preallocated
-tensor).
+block to every peer for an all-to-all of part of the group), ``_all_gather`` (into a
+preallocated tensor) and ``_all_to_all`` (the whole group's all-to-all of one tensor).
 Everything else lives here once: batches of transfers to any ranks (``exchange``: ring
 steps, the shared rows of causal rings), ring topology, all-to-all over any set of ranks, rank
 bookkeeping, and the timeout on every wait.
@@ -20,9 +20,9 @@ pattern, step), so a rank that skipped a call or a backward turns into an error
 on every rank that waits for it instead of a hang.
 
 Every exchange of a call also carries the call's stamp (``stamps.py``: configuration
-fingerprint, call number, direction; 16 bytes): ring steps and all-to-alls as a small tensor
-to each peer in the same batch of transfers (so received blocks stay contiguous and callers
-read them as views), all-gathers after each rank's row (``Blocks``). A rank whose
+fingerprint, call number, direction; 16 bytes): ring steps as a small tensor to each peer in the
+same batch of transfers (so received blocks stay contiguous and callers read them as views),
+all-to-alls as one more all-to-all of the stamps, all-gathers after each rank's row (``Blocks``). A rank whose
 peer is in another call or configuration raises ``ValueError`` instead of mixing their data.
 """
 
@@ -253,6 +253,11 @@ class CommBackend(ABC):
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         """Start: 1-D ``out`` of ``world * inp.numel()`` gets group rank ``i``'s flat ``inp`` at block ``i``."""
 
+    @abstractmethod
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        """Start: block ``i`` of ``out`` (dim 0, one per group rank) gets group rank ``i``'s block of ``inp`` for
+        this rank (both contiguous, shaped alike)."""
+
     # -- shared by every backend --------------------------------------------------
     @property
     def group(self) -> dist.ProcessGroup:
@@ -372,9 +377,10 @@ class CommBackend(ABC):
         Each tensor is contiguous with dim 0 indexed by position in ``ranks``: block ``m`` goes to
         ``ranks[m]``. Returns ``(received, pending)``: tensors of the same shapes, block ``m`` from
         ``ranks[m]`` once ``pending.wait()`` returns. The received blocks of a tensor are contiguous
-        one after the other, so a caller whose rows follow the blocks gets them as a view. Every
-        tensor goes in one batch of point-to-point transfers, with ``stamp`` (16 bytes) to each peer
-        as a separate small transfer of the same batch, checked on arrival.
+        one after the other, so a caller whose rows follow the blocks gets them as a view. Over the
+        whole group each tensor is one collective all-to-all, and ``stamp`` (16 bytes to each peer) one
+        more; over part of it, every tensor goes in one batch of point-to-point transfers with the stamp
+        as a separate small transfer of the same batch. Either way the stamps are checked on arrival.
         """
         for x in sends:
             if x.shape[0] != len(ranks) or not x.is_contiguous():
@@ -382,12 +388,25 @@ class CommBackend(ABC):
                                  f"got shape {tuple(x.shape)}")
         me = ranks.index(self.rank)
         got = [torch.empty_like(x) for x in sends]
-        peers = [(m, r) for m, r in enumerate(ranks) if m != me]
-        pending = self.exchange([(x[m], r) for m, r in peers for x in sends],
-                                [(y[m], r) for m, r in peers for y in got], what, stamp=stamp)
-        for x, y in zip(sends, got):
-            y[me].copy_(x[me])
-        return got, pending
+        if ranks != tuple(range(self.world_size)):
+            peers = [(m, r) for m, r in enumerate(ranks) if m != me]
+            pending = self.exchange([(x[m], r) for m, r in peers for x in sends],
+                                    [(y[m], r) for m, r in peers for y in got], what, stamp=stamp)
+            for x, y in zip(sends, got):
+                y[me].copy_(x[me])
+            return got, pending
+        # the whole group: one collective per tensor (a batch of point-to-point transfers costs the host a
+        # call per transfer), its own block copied by the collective
+        works = [self._all_to_all(y, x) for x, y in zip(sends, got)]
+        rows = None
+        if stamp is not None and len(ranks) > 1:
+            device = sends[0].device
+            rows = self.ledger.landing(stamp, len(ranks), device)  # (this rank's own stamp lands too)
+            works.append(self._all_to_all(rows, stamp.header(device, len(ranks))))
+        peers = f"the all-to-all of ranks {list(ranks)}"
+        waiting = _Waiting([w for work in works for w in self._handles(work)], self.timeout, self.host_waits,
+                           self.rank, peers, what)
+        return got, waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
         """Where small control tensors must live for this group's collectives."""

@@ -1,4 +1,4 @@
-"""torch.distributed backend: ``batch_isend_irecv`` on any process group (default: world)."""
+"""torch.distributed backend: ``batch_isend_irecv`` and collectives on any process group (default: world)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,6 @@ class CollectiveBackend(CommBackend):
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         return _all_gather_single(out, inp, group=self.group, async_op=True)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor):
+        return dist.all_to_all_single(out, inp, group=self.group, async_op=True)

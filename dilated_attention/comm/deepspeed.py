@@ -110,3 +110,6 @@ class DeepSpeedBackend(CommBackend):
         # goes through deepspeed.comm as well and is not deprecated: the blocks are views of ``out``.
         blocks = list(out.view(-1).split(inp.numel()))
         return self._ds.all_gather(blocks, inp, group=self.group, async_op=True)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor):
+        return self._ds.all_to_all_single(out, inp, group=self.group, async_op=True)

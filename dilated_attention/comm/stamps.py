@@ -12,7 +12,8 @@ carries a stamp, four int32 words::
 (the fingerprint is the crc32 of the agreed call signature; backward stamps carry 0 there, their
 call number and direction identify them) and the receiver compares each stamp it gets with its own.
 Ring steps send it as a 16-byte tensor in the same batched send/receive as the block; all-to-alls
-and the key-mask all-gather append it to each block they already send. No extra collective.
+of the whole group as one more small all-to-all beside theirs (of part of it, as a transfer in
+their batch); the key-mask all-gather appends it to each rank's row.
 
 Where the comparison happens:
 
@@ -47,6 +48,7 @@ WORDS = 4  # int32 words per stamp
 STAMP_BYTES = 4 * WORDS
 _POISONED = 1 << 8
 _LOG_ROWS = 1024  # rows per chunk of the device log
+_TEMPLATES = 64  # header templates a ledger keeps (``Ledger.template``)
 
 
 def fingerprint(text: str) -> int:
@@ -111,27 +113,28 @@ class Mismatch:
 class Stamp:
     """One direction of one call on this rank: the words it sends and expects back."""
 
-    __slots__ = ("ledger", "call", "direction", "fingerprint", "rank", "_device")
+    __slots__ = ("ledger", "call", "direction", "fingerprint", "rank", "_made")
 
     def __init__(self, ledger: Ledger, call: int, direction: int, fingerprint: int, rank: int) -> None:
         self.ledger, self.call, self.direction, self.fingerprint, self.rank = ledger, call, direction, fingerprint, rank
-        self._device: torch.Tensor | None = None
+        self._made: dict[tuple[torch.device, int], torch.Tensor] = {}
 
-    def header(self, device: torch.device) -> torch.Tensor:
-        """``(4,)`` int32 on ``device``: what this rank sends. On the host it says whether this rank has
-        found a mismatch already; on a device it is made once per call and direction (no host sync)."""
+    def header(self, device: torch.device, copies: int = 0) -> torch.Tensor:
+        """``(4,)`` int32 on ``device`` (``copies > 0``: ``(copies, 4)``, one row per peer of an all-to-all): what
+        this rank sends. On the host it says whether this rank has found a mismatch already; on a device it is
+        made once per call, direction and shape, by one kernel from a template (no host sync, no host copy)."""
         words = [self.fingerprint, self.call, self.direction, self.rank]
         if device.type == "cpu":
             if self.ledger.mismatch is not None:
                 words[2] |= _POISONED
-            return torch.tensor(words, dtype=torch.int32)
-        if self._device is None or self._device.device != device:
-            host = torch.tensor(words, dtype=torch.int32)
-            if device.type == "cuda":  # an asynchronous copy: a pageable one would wait for the stream
-                host = host.pin_memory()
+            made = torch.tensor(words, dtype=torch.int32)
+            return made.repeat(copies, 1) if copies else made
+        made = self._made.get((device, copies))
+        if made is None:
+            base, unit = self.ledger.template(device, self.fingerprint, self.direction, self.rank, copies)
             with kept(device):  # held by the ledger past the call
-                self._device = host.to(device, non_blocking=True)
-        return self._device
+                made = self._made[device, copies] = torch.add(base, unit, alpha=self.call)
+        return made
 
 
 class Ledger:
@@ -146,8 +149,27 @@ class Ledger:
         self._chunks: list[torch.Tensor] = []  # the device log: rows of received stamps
         self._used = 0  # rows used in the last chunk
         self._expect: list[tuple[int, int, int] | None] = []  # per log row: (fingerprint, call, direction)
+        self._templates: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (``template``)
 
     # -- what the agreement and the exchanges call ------------------------------------
+    def template(self, device: torch.device, fp: int, direction: int, rank: int, copies: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(base, unit)`` on ``device``, shaped like a header with ``copies`` rows: a header of call ``c`` is
+        ``base + c * unit``. Made once per configuration, direction and shape, through a pinned host copy (an
+        asynchronous one: a pageable copy would wait for the stream)."""
+        key = (device, fp, direction, rank, copies)
+        made = self._templates.get(key)
+        if made is None:
+            if len(self._templates) >= _TEMPLATES:  # configurations come and go: start over
+                self._templates.clear()
+            rows = [[fp, 0, direction, rank], [0, 1, 0, 0]]
+            host = torch.tensor(rows, dtype=torch.int32, pin_memory=device.type == "cuda")
+            with kept(device):
+                both = host.to(device, non_blocking=True)
+                made = tuple(x.expand(copies, -1).contiguous() if copies else x for x in both)
+            self._templates[key] = made
+        return made
+
     def begin(self, call: int, fp: int, text: str) -> None:
         """The call about to run has configuration ``text`` (fingerprint ``fp``)."""
         self._current = (call, fp)

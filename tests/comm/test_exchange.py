@@ -1,8 +1,10 @@
-"""``CommBackend.exchange``: one batch of point-to-point transfers to and from any ranks, with stamps.
+"""``CommBackend.exchange``: one batch of point-to-point transfers to and from any ranks, with stamps; and
+``CommBackend.all_to_all``, a collective over the whole group and such a batch over part of it.
 
-Ring steps, all-to-alls and the shared rows of causal rings all go through it; three gloo ranks check
-that every tensor lands where it was sent (two per peer, in posting order), one-sided batches (a rank
-that only receives, ranks that only send), and the errors raised before anything is posted.
+Ring steps, all-to-alls of part of the group and the shared rows of causal rings go through ``exchange``;
+three gloo ranks check that every tensor lands where it was sent (two per peer, in posting order), one-sided
+batches (a rank that only receives, ranks that only send), the errors raised before anything is posted, and
+that both kinds of all-to-all deliver each block to its member with the stamps checked.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ def _worker(rank: int, world: int) -> dict:
         comm.exchange([(torch.full((5,), float(rank)), 0)], [], "gather", stamp=stamp).wait()
         res["one_sided"] = True
     comm.exchange([], [], "nothing").wait()  # a batch without transfers: nothing to wait for
+    # all-to-alls: block m of each tensor to member m; over the whole group (a collective) and over ranks 0, 1
+    for name, ranks in (("a2a_group", tuple(range(world))), ("a2a_part", (0, 1))):
+        if rank not in ranks:
+            res[name] = True
+            continue
+        a = len(ranks)
+        sends = [torch.arange(a * 6.0).view(a, 2, 3) + 1000 * rank, torch.full((a, 5), rank, dtype=torch.int64)]
+        got, pending = comm.all_to_all(sends, ranks, name, stamp=comm.stamp(2, "forward"))
+        pending.wait()
+        me = ranks.index(rank)
+        res[name] = all(torch.equal(got[0][m], torch.arange(6.0).view(2, 3) + 6 * me + 1000 * r)
+                        and torch.equal(got[1][m], torch.full((5,), r)) for m, r in enumerate(ranks))
+    res["mismatch"] = comm.ledger.mismatch
     try:
         comm.exchange([(torch.zeros(4, 4).t(), others[0])], [], "strided")
         res["strided"] = "no error"
@@ -48,3 +63,15 @@ def test_exchange_delivers_every_tensor_to_its_peer():
         assert res["blocks"] and res["rows"], rank
         assert res["one_sided"], rank
         assert "contiguous" in res["strided"], res["strided"]
+        assert res["a2a_group"] and res["a2a_part"], rank
+        assert res["mismatch"] is None, res["mismatch"]
+
+
+def test_header_templates_make_each_calls_words():
+    """On a GPU a call's stamp is ``base + call * unit`` (one kernel, no host copy): the words it must be."""
+    from dilated_attention.comm.stamps import Ledger
+
+    base, unit = Ledger().template(torch.device("cpu"), -5, 2, 3, 4)
+    assert torch.add(base, unit, alpha=2**31 - 1).tolist() == [[-5, 2**31 - 1, 2, 3]] * 4
+    base, unit = Ledger().template(torch.device("cpu"), 77, 1, 0, 0)
+    assert torch.add(base, unit, alpha=9).tolist() == [77, 9, 1, 0]
