@@ -403,9 +403,8 @@ class CommBackend(ABC):
             device = sends[0].device
             rows = self.ledger.landing(stamp, len(ranks), device)  # (this rank's own stamp lands too)
             works.append(self._all_to_all(rows, stamp.header(device, len(ranks))))
-        peers = f"the all-to-all of ranks {list(ranks)}"
-        waiting = _Waiting([w for work in works for w in self._handles(work)], self.timeout, self.host_waits,
-                           self.rank, peers, what)
+        waiting = self._waiting([w for work in works for w in self._handles(work)],
+                                f"the all-to-all of ranks {list(ranks)}", what)
         return got, waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
