@@ -64,7 +64,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import caches
-from .caches import capturing
 from .comm.base import CommBackend, Pending
 from .kernels.protocol import PatternKernel, clear_result_
 from .kernels.wrapper import KernelWrapper
@@ -548,11 +547,13 @@ def _help_backward(kernel, guests, arriving: Pending, k, v, plan: PatternPlan, r
 
 # The backward runs rings on compact rows after this many of its other patterns (by causal flag): their blocks
 # and fp32 accumulators then meet fewer local parts, the backward's peak. The parts still sum in plan order and
-# patterns merged in place keep theirs, so no bit depends on it. Measured on 2 x H100 (LongNet, 32768 tokens per
-# GPU, alternated runs), after the first against last: non-causal 1.00x the time, peak 1.69x -> 1.41x own; causal
-# peak 1.69x -> 1.41x (flash-attn-4; cuDNN 1.61x -> 1.33x) but 0.99-1.05x the time on an idle host and 1.08-1.09x
-# on a loaded one: issued last, a causal ring's host work hides behind the local patterns queued on side streams.
-RING_AFTER = {False: 1, True: 1 << 30}  # (a count past the others: last)
+# patterns merged in place keep theirs, so no bit depends on it. Non-causal, first: on 2 x H100 (LongNet, 32768
+# tokens per GPU, alternated runs) after the first against last measured the same time at 1.41x own instead of
+# 1.69x, and on 2 x H200 (flash-attn-4) first against after the first 1.39x instead of 1.41x at 1.00-1.02x the time.
+# Causal rings (those not swapped: ``_Swapped``) stay last: 1.41x instead of 1.69x after the first
+# (flash-attn-4; cuDNN 1.61x -> 1.33x) but 0.99-1.05x the time on an idle host and 1.08-1.09x on a loaded one:
+# issued last, a causal ring's host work hides behind the local patterns queued on side streams.
+RING_AFTER = {False: 0, True: 1 << 30}  # (a count past the others: last)
 
 CAUSAL_PART_STREAMS = 2  # side streams for causal local patterns (1: none); why, in _SideStreams
 _STREAM_POOLS: dict[int, tuple[torch.cuda.Stream, ...]] = {}
@@ -652,12 +653,12 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     def sends(plan: PatternPlan) -> list[torch.Tensor]:
         return [_compact(q, plan), *pack_kv(k, v, plan)]
 
-    swaps = _swaps(ring, plans, q, k, key_mask is not None, "forward", sends)
     sides = _SideStreams(q, ring.causal)
+    swaps = _swaps(ring, plans, q, k, key_mask is not None, "forward", sends, sides)
     for i in _swap_order(len(plans), swaps):
         plan = plans[i]
         if i in swaps:
-            _swap_forward(swaps[i])
+            _run_swap(swaps[i], _swap_forward, sends, sides)
             continue
         split, pieces, part = _route(ring.kernel, ring.causal, "fwd", plan, q, k, key_mask is not None)
         if part:
@@ -718,11 +719,11 @@ def _dense_backward(q, k, v, out, lse, dout, plan: PatternPlan, dense: PatternPl
 # non-causal rings are balanced already: 0.97-1.0x replayed, 1.02-1.10x eagerly, so they stay rings.
 SWAP_COMPACT = {False: False, True: True}  # by causal flag
 # Where among the call's other patterns a swapped pattern is computed (its first all-to-all is posted before them
-# all), eagerly and in a CUDA-graph capture (by ``caches.capturing()``; only the order of launches differs, not a
-# bit of the result). Replayed, every rank starts together, so the transfers hide behind the pattern computed
-# first; eagerly the ranks' hosts reach the call apart, and computing it last measured 0.96-0.98x of second
-# (posting its first all-to-all only then: 1.06x).
-SWAP_AFTER = {False: 1 << 30, True: 1}  # (a count past the others: last)
+# all; only the order of launches changes, not a bit of the result): second, so that the transfers hide behind the
+# pattern computed first and its buffers meet one pattern's parts, not all of them. Measured on 2 x H200 (LongNet,
+# 32768 tokens per GPU, flash-attn-4, eager steps alternated in one process), second / last: 0.98x the time, peak
+# 1.44x -> 1.39x own (with ``land``); replayed in a CUDA graph second was already the faster.
+SWAP_AFTER = 1
 
 
 def _swap_members(plan: PatternPlan, masked: bool, ring: RingCall, q: torch.Tensor, k: torch.Tensor
@@ -747,17 +748,20 @@ class _Swapped:
     pattern (every rank the same share of a causal segment: no cross blocks, no fp32 accumulators in flight),
     and the results sent home by a second all-to-all as compact parts, like ``_dense_forward``'s. The backward
     sends the compact q, k, v, out, dO and lse the same way (nothing is kept between the directions) and brings
-    dQ, dK, dV home. The first all-to-all is posted before the call's other patterns, so the transfers run
-    beside them. Each all-to-all packs its tensors into one buffer per rank: one transfer per peer and
-    direction, with the call's stamp beside it (each transfer costs the host a launch)."""
+    dQ, dK, dV home. The first all-to-all runs beside other patterns: posted before them all on one stream, or
+    at its turn where side streams run the local patterns (``_run_swap``). Each all-to-all packs its tensors into
+    one buffer per rank: one transfer per peer and direction, with the call's stamp beside it (each transfer
+    costs the host a launch)."""
 
-    def __init__(self, ring: RingCall, plan: PatternPlan, members: tuple[int, ...], direction: str,
-                 sends: list[torch.Tensor]) -> None:
-        """Posts the first all-to-all of ``sends``: compact ``(B, L / r, heads, ...)`` tensors, heads divisible by
-        ``G``."""
+    def __init__(self, ring: RingCall, plan: PatternPlan, members: tuple[int, ...], direction: str) -> None:
         self.ring, self.plan, self.members, self.direction = ring, plan, members, direction
         self.stamp = ring.comm.stamp(ring.call, direction)
-        g = len(members)
+        self.pending = None
+
+    def post(self, sends: list[torch.Tensor]) -> None:
+        """The first all-to-all, of ``sends``: compact ``(B, L / r, heads, ...)`` tensors, heads divisible by
+        ``G``."""
+        g = len(self.members)
         self._post([x.unflatten(2, (g, x.shape[2] // g)).movedim(2, 0) for x in sends], "rows out")
 
     def _post(self, blocks: list[torch.Tensor], what: str) -> None:
@@ -769,15 +773,26 @@ class _Swapped:
             view = buffer[:, at:at + x[0].numel() * x.element_size()].view(x.dtype).unflatten(1, x.shape[1:])
             view.copy_(x)
             self.views.append((at, view.shape, x.dtype))
+        blocks.clear()  # packed: each goes before the receiving buffer comes (its caller holds none)
         plan = self.plan
         (self.got,), self.pending = self.ring.comm.all_to_all(
             [buffer], self.members, f"call {self.ring.call}, {self.direction}, pattern {plan.index} "
             f"(w={plan.segment}, r={plan.dilation}), head swap of ranks {list(self.members)}, {what}",
             stamp=self.stamp)
 
+    def land(self) -> None:
+        """Orders the caller's stream after the posted all-to-all (no host sync) and lets go of the sent buffer,
+        which the wait holds: called early where that stream has nothing else to run meanwhile."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
     def _received(self) -> list[torch.Tensor]:
-        self.pending.wait()
-        return [self.got[:, at:at + math.prod(shape[1:]) * dtype.itemsize].view(dtype).unflatten(1, shape[1:])
+        """The landed blocks, views of the receiving buffer, which the swap lets go of: the rows' copies that
+        ``heads`` and ``home`` make free it, not the swap's end."""
+        self.land()
+        got, self.got = self.got, None
+        return [got[:, at:at + math.prod(shape[1:]) * dtype.itemsize].view(dtype).unflatten(1, shape[1:])
                 for at, shape, dtype in self.views]
 
     def heads(self) -> list[torch.Tensor]:
@@ -785,9 +800,12 @@ class _Swapped:
         return [x.movedim(0, 1).flatten(1, 2) for x in self._received()]
 
     def send_home(self, results: list[torch.Tensor]) -> None:
-        """Results ``(B, G L / r, heads / G, ...)`` of ``heads()``' rows, each member's rows to it."""
+        """Results ``(B, G L / r, heads / G, ...)`` of ``heads()``' rows, each member's rows to it. ``results``
+        is emptied: each result is freed once packed."""
         g = len(self.members)
-        self._post([x.unflatten(1, (g, x.shape[1] // g)).movedim(1, 0) for x in results], "results home")
+        blocks = [x.unflatten(1, (g, x.shape[1] // g)).movedim(1, 0) for x in results]
+        results.clear()
+        self._post(blocks, "results home")
 
     def home(self) -> list[torch.Tensor]:
         """This rank's compact rows of the results, every head (waits for them)."""
@@ -805,9 +823,13 @@ def _whole_plan(heads: torch.Tensor, kv: torch.Tensor) -> PatternPlan:
 
 
 def _swap_forward(swap: _Swapped) -> None:
-    """A posted forward swap (q, k, v): computes this rank's heads and sends the results home."""
-    ring = swap.ring
-    q, k, v = swap.heads()
+    """A posted forward swap (q, k, v): computes this rank's heads and sends the results home (the rows are
+    freed before the results travel)."""
+    swap.send_home(_swapped_forward(swap.ring, *swap.heads()))
+
+
+def _swapped_forward(ring: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """``[out, lse]`` of a swapped pattern's rows of this rank's heads."""
     plan = _whole_plan(q, k)
     _, pieces, part = _route(ring.kernel, ring.causal, "fwd", plan, q, k, False)
     if part:
@@ -821,13 +843,18 @@ def _swap_forward(swap: _Swapped) -> None:
             ring.kernel.forward_pattern_into(q, k, v, plan, out, lse, packed=False, causal=ring.causal,
                                              scale=ring.scale, fresh=True)
         out = out.to(q.dtype)
-    swap.send_home([out, lse])
+    return [out, lse]
 
 
 def _swap_backward(swap: _Swapped) -> None:
-    """A posted backward swap (q, k, v, out, dO, lse): this rank's heads' gradients, sent home."""
-    ring = swap.ring
-    q, k, v, out, dout, lse = swap.heads()
+    """A posted backward swap (q, k, v, out, dO, lse): this rank's heads' gradients, sent home (the rows are
+    freed before the gradients travel)."""
+    swap.send_home(_swapped_backward(swap.ring, *swap.heads()))
+
+
+def _swapped_backward(ring: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      dout: torch.Tensor, lse: torch.Tensor) -> list[torch.Tensor]:
+    """``[dq, dk, dv]`` of a swapped pattern's rows of this rank's heads."""
     plan = _whole_plan(q, k)
     _, pieces, part = _route(ring.kernel, ring.causal, "bwd", plan, q, k, False)
     if part:
@@ -842,26 +869,50 @@ def _swap_backward(swap: _Swapped) -> None:
             ring.kernel.backward_pattern(q, k, v, plan, out, lse, dout, *acc, packed=False, causal=ring.causal,
                                          scale=ring.scale, fresh=True)
         grads = tuple(g.to(x.dtype) for g, x in zip(acc, (q, k, v)))
-    swap.send_home(list(grads))
+    return list(grads)
 
 
 def _swaps(ring: RingCall, plans: list[PatternPlan], q: torch.Tensor, k: torch.Tensor, masked: bool,
-           direction: str, sends: Callable[[PatternPlan], list[torch.Tensor]]) -> dict[int, _Swapped]:
-    """Each swapped pattern of ``plans`` (by position) with what it sends (``sends(plan)``)."""
+           direction: str, sends: Callable[[PatternPlan], list[torch.Tensor]], sides: _SideStreams
+           ) -> dict[int, _Swapped]:
+    """Each swapped pattern of ``plans`` (by position), its first all-to-all (of ``sends(plan)``) posted now
+    unless it is posted at its turn (``_at_turn``)."""
     swaps = {}
     for i, plan in enumerate(plans):
         members = _swap_members(plan, masked, ring, q, k)
         if members is not None:
-            swaps[i] = _Swapped(ring, plan, members, direction, sends(plan))
+            swaps[i] = _Swapped(ring, plan, members, direction)
+            if not _at_turn(sides):
+                swaps[i].post(sends(plan))
     return swaps
+
+
+def _at_turn(sides: _SideStreams) -> bool:
+    """Whether swaps are posted at their turn and their results awaited at once: where side streams run the local
+    patterns (``_run_swap``)."""
+    return bool(sides.pool)
+
+
+def _run_swap(swap: _Swapped, compute: Callable[[_Swapped], None], sends: Callable[[PatternPlan], list[torch.Tensor]],
+              sides: _SideStreams) -> None:
+    """``compute`` (``_swap_forward`` or ``_swap_backward``) of ``swap`` at its turn. Beside side streams its first
+    all-to-all is posted only now (the patterns they run hide it) and its results' is awaited at once (nothing
+    else runs on the caller's stream meanwhile): its buffers then meet only the parts computed before it, and no
+    kernel's workspace (2 x H200, LongNet causal at 32768 tokens per GPU, flash-attn-4: peak 1.50x -> 1.39x own
+    with ``SWAP_AFTER``)."""
+    at_turn = _at_turn(sides)
+    if at_turn:
+        swap.post(sends(swap.plan))
+    compute(swap)
+    if at_turn:
+        swap.land()
 
 
 def _swap_order(count: int, swaps: dict[int, _Swapped], rest: list[int] | None = None) -> list[int]:
     """The positions of ``count`` patterns in the order they are computed: ``rest`` (default: plan order) with the
     swapped ones after ``SWAP_AFTER`` of the others."""
     order = [i for i in (range(count) if rest is None else rest) if i not in swaps]
-    at = SWAP_AFTER[capturing()]
-    order[at:at] = sorted(swaps)
+    order[SWAP_AFTER:SWAP_AFTER] = sorted(swaps)
     return order
 
 
@@ -882,7 +933,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     def sends(plan: PatternPlan) -> list[torch.Tensor]:
         return [_compact(q, plan), *pack_kv(k, v, plan), *(_compact(x, plan) for x in (out, dout, lse))]
 
-    swaps = _swaps(ring, plans, q, k, key_mask is not None, "backward", sends)
+    swaps = _swaps(ring, plans, q, k, key_mask is not None, "backward", sends, sides)
     dense = [_dense_ring(p, key_mask is not None, layout, q, k) for p in plans]
     order = [i for i, d in enumerate(dense) if d is None]
     at = RING_AFTER[ring.causal]
@@ -890,7 +941,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     for i in _swap_order(len(plans), swaps, order):
         plan = plans[i]
         if i in swaps:
-            _swap_backward(swaps[i])
+            _run_swap(swaps[i], _swap_backward, sends, sides)
             continue
         split, pieces, part = _route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
         if part or dense[i] is not None:

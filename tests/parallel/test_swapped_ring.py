@@ -53,17 +53,18 @@ def test_swap_applies_to_compact_rings_whose_ranks_divide_the_heads(causal, monk
 
 
 def test_swapped_patterns_run_where_the_schedule_says(monkeypatch):
-    monkeypatch.setitem(ring.SWAP_AFTER, False, 1)
+    monkeypatch.setattr(ring, "SWAP_AFTER", 1)
     swaps = {2: None}
     assert ring._swap_order(3, swaps) == [0, 2, 1]
     assert ring._swap_order(3, swaps, [1, 0, 2]) == [1, 2, 0]
     assert ring._swap_order(1, {0: None}) == [0]
-    monkeypatch.setitem(ring.SWAP_AFTER, False, 1 << 30)
+    monkeypatch.setattr(ring, "SWAP_AFTER", 1 << 30)
     assert ring._swap_order(3, {0: None}) == [1, 2, 0]
 
 
 def _schedules(rank: int, world: int) -> dict:
-    """One LongNet call's output and gradients under each swap schedule (computed first, second or last): bitwise
+    """One LongNet call's output and gradients under each swap schedule (computed first, second or last; posted
+    before the other patterns, or at its turn with its results awaited at once, as beside side streams): bitwise
     the same, since only the order of launches changes."""
     from dilated_attention import dilated_attention
     from dilated_attention.comm import get_backend
@@ -71,26 +72,28 @@ def _schedules(rank: int, world: int) -> dict:
     comm = get_backend("collective")
     gen = torch.Generator().manual_seed(rank)
     q, k, v, dout = (torch.randn(2, 16, 4, 8, generator=gen, dtype=torch.float64) for _ in range(4))
-    results, kept, computed = [], dict(ring.SWAP_AFTER), []
+    results, kept, computed = [], (ring.SWAP_AFTER, ring._at_turn), []
     original = ring._swap_forward
     ring._swap_forward = lambda swap: (computed.append(swap.plan.index), original(swap))[1]
     try:
         for after in (0, 1, 1 << 30):
-            ring.SWAP_AFTER[False] = after
-            x = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = dilated_attention(*x, [8, 16, 16 * world], [1, 1, 2], causal=True, comm=comm, strategy="ring")
-            out.backward(dout)
-            results.append([out.detach(), *(t.grad for t in x)])
+            for at_turn in (False, True):
+                ring.SWAP_AFTER, ring._at_turn = after, lambda sides, at_turn=at_turn: at_turn
+                x = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = dilated_attention(*x, [8, 16, 16 * world], [1, 1, 2], causal=True, comm=comm,
+                                        strategy="ring")
+                out.backward(dout)
+                results.append([out.detach(), *(t.grad for t in x)])
     finally:
         ring._swap_forward = original
-        ring.SWAP_AFTER.update(kept)
+        ring.SWAP_AFTER, ring._at_turn = kept
     return {"equal": all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r)),
             "swapped": computed}
 
 
 def test_swap_schedules_are_bitwise_equal():
     for r in spawn_ranks(_schedules, 2):
-        assert r["swapped"] == [2] * 3  # the spanning pattern swapped under every schedule
+        assert r["swapped"] == [2] * 6  # the spanning pattern swapped under every schedule
         assert r["equal"]
 
 
