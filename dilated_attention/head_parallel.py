@@ -5,8 +5,9 @@ gives each rank the team's whole block of ``A * L`` rows for ``H / A`` of the
 query heads (and the kv heads those need), the attention runs on that block
 (locally, or as a ring across teams: the hybrid strategy), and a second
 all-to-all brings the output rows home. Each swap's gradient is the reverse swap
-(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each swap is one
-batch of transfers (q, k and v together) with the call's stamp beside them (``comm/stamps.py``).
+(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each swap moves q, k and v
+(``CommBackend.all_to_all``: one collective each over the whole group on GPUs, else one batch of transfers)
+with the call's stamp beside them (``comm/stamps.py``).
 
 Copies: one per tensor and swap, where heads interleave (packing one member's heads,
 merging every member's heads); the side where rows follow member blocks is a view at
@@ -116,7 +117,7 @@ def _kv_by_member(x: torch.Tensor, split: HeadSplit) -> torch.Tensor:
 
 
 def _swap(sends: list[torch.Tensor], swap: HeadSwap, direction: str, what: str) -> list[torch.Tensor]:
-    """The team's all-to-all of ``sends`` (each ``(A, ...)``, block ``m`` to member ``m``), in one batch;
+    """The team's all-to-all of ``sends`` (each ``(A, ...)``, block ``m`` to member ``m``);
     the received blocks, block ``m`` from member ``m``, once their stamps have been checked."""
     got, pending = swap.comm.all_to_all(sends, swap.team, f"{swap.what}, {what}",
                                         stamp=swap.comm.stamp(swap.call, direction))

@@ -721,8 +721,9 @@ SWAP_COMPACT = {False: False, True: True}  # by causal flag
 # Where among the call's other patterns a swapped pattern is computed (its first all-to-all is posted before them
 # all; only the order of launches changes, not a bit of the result): second, so that the transfers hide behind the
 # pattern computed first and its buffers meet one pattern's parts, not all of them. Measured on 2 x H200 (LongNet,
-# 32768 tokens per GPU, flash-attn-4, eager steps alternated in one process), second / last: 0.98x the time, peak
-# 1.44x -> 1.39x own (with ``land``); replayed in a CUDA graph second was already the faster.
+# 32768 tokens per GPU, flash-attn-4, eager steps alternated in one process), second against last: the same time
+# within the noise of eager steps (0.98x in one run, 1.03x in another), peak 1.50x -> 1.42x own (1.39x posted at
+# its turn: ``_run_swap``); replayed in a CUDA graph second was already the faster.
 SWAP_AFTER = 1
 
 
@@ -898,8 +899,7 @@ def _run_swap(swap: _Swapped, compute: Callable[[_Swapped], None], sends: Callab
     """``compute`` (``_swap_forward`` or ``_swap_backward``) of ``swap`` at its turn. Beside side streams its first
     all-to-all is posted only now (the patterns they run hide it) and its results' is awaited at once (nothing
     else runs on the caller's stream meanwhile): its buffers then meet only the parts computed before it, and no
-    kernel's workspace (2 x H200, LongNet causal at 32768 tokens per GPU, flash-attn-4: peak 1.50x -> 1.39x own
-    with ``SWAP_AFTER``)."""
+    kernel's workspace (2 x H200, LongNet causal at 32768 tokens per GPU, flash-attn-4: peak 1.42x -> 1.39x own)."""
     at_turn = _at_turn(sides)
     if at_turn:
         swap.post(sends(swap.plan))

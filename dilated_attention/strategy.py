@@ -10,14 +10,14 @@ GPU, stream-ordered waits, eagerly (``benchmarks/run_scaling.sh --worlds 1,2 --s
 ==========================  =====  =====  ===========  ===========  ==========  ==========
 patterns                    ring   head   ring zigzag  head zigzag  contiguous  zigzag
 ==========================  =====  =====  ===========  ===========  ==========  ==========
-LongNet, non-causal          14.0   15.6         22.5         17.2  ring        head
-LongNet, causal              11.9   12.4         20.3         13.3  ring        head
-full attention, non-causal  106.1  104.1        106.2        104.9  tie: ring   tie: ring
-full attention, causal       59.1   57.2         58.7         58.1  head        tie: ring
+LongNet, non-causal          14.1   15.8         21.2         16.6  ring        head
+LongNet, causal              10.8   12.4         19.0         12.5  ring        head
+full attention, non-causal  106.4  104.8        107.0        105.2  tie: ring   tie: ring
+full attention, causal       58.8   57.0         58.6         57.9  head        tie: ring
 ==========================  =====  =====  ===========  ===========  ==========  ==========
 
 The last two columns are the choice per layout (the fastest; "tie": within 3%). Replayed in a CUDA
-graph the choices hold (causal LongNet: ring 7.9 ms, head 10.6). 2 x H100 with flash-attn-4
+graph the choices hold (causal LongNet: ring 8.1 ms, head 10.6). 2 x H100 with flash-attn-4
 (``scaling_h100_x2.json``) chooses the same in every row. A GPU model measured otherwise would get
 its own choices (``MEASURED_ON``, read by the device's name).
 
@@ -40,7 +40,7 @@ from .patterns import hybrid_team_size
 # (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest (the table above).
 MEASURED = {
     (False, False, "contiguous"): "ring",
-    (False, True, "contiguous"): "ring",  # spanning pattern head-swapped (ring._swaps); 1.34x head's speed in a graph
+    (False, True, "contiguous"): "ring",  # spanning pattern head-swapped (ring._swaps); 1.30x head's speed in a graph
     (True, False, "contiguous"): "ring",  # within 3% of head
     (True, True, "contiguous"): "head",  # the contiguous causal ring waits on its last rank
     (False, False, "zigzag"): "head",  # zigzag turns mid-length segments into rings

@@ -410,7 +410,7 @@ def test_cli_validate_and_calibrate(capsys, tmp_path):
     cli = _cli()
     assert cli.main(["--validate", *SCALING]) == 0
     out = capsys.readouterr().out
-    assert "| longnet | no | ring | 2 | 32768 | 14.0 |" in out and "8 records" in out and "(stream waits)" in out
+    assert "| longnet | no | ring | 2 | 32768 | 14.1 |" in out and "8 records" in out and "(stream waits)" in out
     assert cli.main(["--validate", *SCALING, "--waits", "stream"]) == 0
     assert "(stream waits)" in capsys.readouterr().out
     assert cli.main(["--calibrate", *_single_gpu_files(tmp_path, TRUTH)]) == 0

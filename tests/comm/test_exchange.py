@@ -1,5 +1,5 @@
 """``CommBackend.exchange``: one batch of point-to-point transfers to and from any ranks, with stamps; and
-``CommBackend.all_to_all``, a collective over the whole group and such a batch over part of it.
+``CommBackend.all_to_all``, a collective over the whole group (on GPUs) and such a batch otherwise.
 
 Ring steps, all-to-alls of part of the group and the shared rows of causal rings go through ``exchange``;
 three gloo ranks check that every tensor lands where it was sent (two per peer, in posting order), one-sided
@@ -37,8 +37,13 @@ def _worker(rank: int, world: int) -> dict:
         comm.exchange([(torch.full((5,), float(rank)), 0)], [], "gather", stamp=stamp).wait()
         res["one_sided"] = True
     comm.exchange([], [], "nothing").wait()  # a batch without transfers: nothing to wait for
-    # all-to-alls: block m of each tensor to member m; over the whole group (a collective) and over ranks 0, 1
-    for name, ranks in (("a2a_group", tuple(range(world))), ("a2a_part", (0, 1))):
+    # all-to-alls: block m of each tensor to member m; over the whole group (on CPU tensors a batch, unless
+    # collectives are asked for) and over ranks 0, 1
+    collectives, posted = [], comm._all_to_all
+    comm._all_to_all = lambda out, inp: (collectives.append(inp.shape), posted(out, inp))[1]
+    for name, ranks, collective in (("a2a_group", tuple(range(world)), None),
+                                    ("a2a_collective", tuple(range(world)), True), ("a2a_part", (0, 1), True)):
+        comm.collective_all_to_all = collective
         if rank not in ranks:
             res[name] = True
             continue
@@ -49,6 +54,8 @@ def _worker(rank: int, world: int) -> dict:
         me = ranks.index(rank)
         res[name] = all(torch.equal(got[0][m], torch.arange(6.0).view(2, 3) + 6 * me + 1000 * r)
                         and torch.equal(got[1][m], torch.full((5,), r)) for m, r in enumerate(ranks))
+        res[name + "_collectives"] = len(collectives)
+    comm.collective_all_to_all, comm._all_to_all = None, posted
     res["mismatch"] = comm.ledger.mismatch
     try:
         comm.exchange([(torch.zeros(4, 4).t(), others[0])], [], "strided")
@@ -63,7 +70,11 @@ def test_exchange_delivers_every_tensor_to_its_peer():
         assert res["blocks"] and res["rows"], rank
         assert res["one_sided"], rank
         assert "contiguous" in res["strided"], res["strided"]
-        assert res["a2a_group"] and res["a2a_part"], rank
+        assert res["a2a_group"] and res["a2a_collective"] and res["a2a_part"], rank
+        # CPU tensors: a batch by default; asked for, two collectives and one for the stamps; part of the group:
+        # a batch whatever is asked
+        assert (res["a2a_group_collectives"], res["a2a_collective_collectives"]) == (0, 3), res
+        assert res.get("a2a_part_collectives", 3) == 3, res
         assert res["mismatch"] is None, res["mismatch"]
 
 
