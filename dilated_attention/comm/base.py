@@ -209,7 +209,7 @@ class CommBackend(ABC):
     """One process group over which sequence shards are spread (rank ``j`` holds shard ``j``)."""
 
     name = "base"
-    # Whole-group all-to-alls as one collective per tensor (``_all_to_all``): ``None`` on GPU tensors only. A batch
+    # Whole-group all-to-alls as one collective per tensor (``_all_to_all``); ``None``: on GPU tensors only. A batch
     # of point-to-point transfers costs the host a call per transfer, which host-bound GPU steps feel; on CPU
     # (gloo) the batch stays: after gloo's asynchronous all_to_all_single, two-rank jobs aborted at exit
     # ("terminate called without an active exception", 9 of 12 on torch 2.13, none with the batch).
