@@ -655,8 +655,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
 
     sides = _SideStreams(q, ring.causal)
     swaps = _swaps(ring, plans, q, k, key_mask is not None, "forward", sends, sides)
+    travelling = _Travelling()
     for i in _swap_order(len(plans), swaps):
         plan = plans[i]
+        travelling.turn(swaps.get(i))
         if i in swaps:
             _run_swap(swaps[i], _swap_forward, sends, sides)
             continue
@@ -908,6 +910,26 @@ def _run_swap(swap: _Swapped, compute: Callable[[_Swapped], None], sends: Callab
         swap.land()
 
 
+class _Travelling:
+    """Swaps whose results travel home while the call issues its next pattern: awaited once that pattern is
+    issued (a stream wait after its kernels: the transfer runs beside them), so that their sent buffers go before
+    the later patterns' parts and workspaces come. Beside side streams ``_run_swap`` awaits them at once."""
+
+    def __init__(self) -> None:
+        self.swaps: list[_Swapped] = []
+        self.issued = False  # a pattern was issued since the swaps
+
+    def turn(self, swap: _Swapped | None) -> None:
+        """At each pattern's turn: ``swap`` if the pattern is swapped, else ``None``."""
+        if self.swaps and self.issued:
+            for travelling in self.swaps:
+                travelling.land()
+            self.swaps = []
+        if swap is not None:
+            self.swaps.append(swap)
+        self.issued = swap is None and bool(self.swaps)
+
+
 def _swap_order(count: int, swaps: dict[int, _Swapped], rest: list[int] | None = None) -> list[int]:
     """The positions of ``count`` patterns in the order they are computed: ``rest`` (default: plan order) with the
     swapped ones after ``SWAP_AFTER`` of the others."""
@@ -938,8 +960,10 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     order = [i for i, d in enumerate(dense) if d is None]
     at = RING_AFTER[ring.causal]
     order[at:at] = [i for i, d in enumerate(dense) if d is not None]
+    travelling = _Travelling()
     for i in _swap_order(len(plans), swaps, order):
         plan = plans[i]
+        travelling.turn(swaps.get(i))
         if i in swaps:
             _run_swap(swaps[i], _swap_backward, sends, sides)
             continue

@@ -147,3 +147,25 @@ def test_swapped_rings_match_the_oracle(world):
             assert ok, f"rank {rank}, {name}: {message}"
             assert exchanges == expected, (rank, name, exchanges)
         assert any(expected for *_, expected in res.values()) == (world != 3)  # 3 ranks divide no case's heads
+
+
+def test_travelling_results_are_awaited_once_the_next_pattern_is_issued():
+    landed = []
+
+    class Swap:
+        def __init__(self, name):
+            self.name = name
+
+        def land(self):
+            landed.append(self.name)
+
+    travelling, a, b = ring._Travelling(), Swap("a"), Swap("b")
+    for swap in (None, a, b):  # a pattern, then two swaps: nothing awaited yet
+        travelling.turn(swap)
+    assert landed == []
+    travelling.turn(None)  # the next pattern's turn: issued after it, the swaps' results still travel
+    assert landed == []
+    travelling.turn(None)  # the one after: that pattern is issued, so the swaps are awaited (once)
+    assert landed == ["a", "b"]
+    travelling.turn(None)
+    assert landed == ["a", "b"]
