@@ -278,6 +278,12 @@ class _Schedule:
         return tuple(RingCall(p, self.backend, RingLayout(self.team, self.zigzag), call, self.kernel, self.causal,
                               self.scale) for p in self.plans)
 
+    def chunk(self, i: int) -> _Schedule:
+        """Head chunk ``i`` alone, on tensors holding only its heads (a head strategy's chunked swap)."""
+        batches = None if self.batches is None else tuple(replace(b, plans=(b.plans[i],)) for b in self.batches)
+        plans = None if self.plans is None else (self.plans[i],)
+        return replace(self, batches=batches, plans=plans, heads=())
+
     def swap(self, call: int) -> HeadSwap:
         first = self.backend.rank - self.backend.rank % self.team
         return HeadSwap(self.backend, tuple(range(first, first + self.team)), self.split,
@@ -513,19 +519,25 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
 def _head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, rows: int, causal: bool,
                  masked: bool) -> tuple[HeadRange, ...]:
     """The head ranges a call runs in (``memory.py``'s rule, from its whole-heads plans); () for all at once."""
+    length = rows
     if batches is not None:  # the largest batch: documents of one padded length run as batch rows
         batch = max(batches, key=lambda b: b.length * (len(b.spans) if b.spans else 1))
-        plans, rows = batch.plans[0], batch.length * (len(batch.spans) if batch.spans else 1)
+        plans, length, rows = batch.plans[0], batch.length, batch.length * (len(batch.spans) if batch.spans else 1)
     else:
         plans = plans[0]
     rows *= q.shape[0]
     shape = (split.local_heads, split.local_kv_heads, q.shape[-1], q.element_size())
+    own = own_bytes(rows, *shape)
+    # stand-ins for the tensors the attention reads (the head layout where a team swaps): their shapes, dtype, device
+    q, k = (x.new_empty(()).expand(1, length, heads, x.shape[-1]) for x, heads in ((q, shape[0]), (k, shape[1])))
 
     def scratch() -> int:  # (asked only of calls long enough to chunk: it asks the kernel about every pattern)
-        return scratch_bytes(plans, lambda p: leaves_part(kernel, causal, "bwd", p, q, k, masked), rows, *shape,
-                             causal=causal)
+        attend = scratch_bytes(plans, lambda p: leaves_part(kernel, causal, "bwd", p, q, k, masked), rows, *shape,
+                               causal=causal)
+        # the head strategy's swaps: the head-layout q, k, v, out, dout and gradients, own bytes' worth
+        return attend + (own if split.team > 1 else 0)
 
-    ranges = head_ranges(scratch, own_bytes(rows, *shape), split.local_heads, split.local_kv_heads)
+    ranges = head_ranges(scratch, own, split.local_heads, split.local_kv_heads)
     return ranges if len(ranges) > 1 else ()
 
 
@@ -629,6 +641,15 @@ def _forward(spec: _Schedule, call: int, q, k, v, key_padding_mask) -> tuple[tor
         settle(spec.backend)  # a peer in another call or configuration raises here (stamps)
         return out, saved + [lse]
     swap = spec.swap(call)
+    if spec.heads:  # one chunk's heads at a time; the backward swaps them again (head_parallel.py)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = q.new_empty((q.shape[0], q.shape[1] * spec.team, spec.split.local_heads), dtype=accum_dtype(q.dtype))
+        for i, part in enumerate(spec.heads):
+            out_h, part_lse = _attend(spec.chunk(i), call, *sequence_to_heads(q, k, v, swap, part), mask)
+            part.query(lse).copy_(part_lse)
+            heads_to_sequence(out_h, swap, part, into=out)
+        settle(spec.backend)
+        return out, saved + [lse]
     qh, kh, vh = sequence_to_heads(q, k, v, swap)
     out_h, lse = _attend(spec, call, qh, kh, vh, mask)
     out = heads_to_sequence(out_h, swap)
@@ -647,8 +668,19 @@ def _backward(spec: _Schedule, call: int, q, k, v, key_padding_mask, out, saved:
         grads = _attend_backward(spec, call, q, k, v, mask, out, lse, dout)
         settle(spec.backend)
         return grads
-    qh, kh, vh, out_h, lse = saved
     swap = spec.swap(call)
+    if spec.heads:  # one chunk's heads at a time, swapped again (``_forward``)
+        (lse,) = saved
+        adds = spec.split.kv_heads % spec.team != 0  # a kv head several members read: its chunks add
+        into = (q.new_empty(q.shape), *((k.new_zeros if adds else k.new_empty)(k.shape) for _ in "kv"))
+        for i, part in enumerate(spec.heads):
+            qh, kh, vh, out_h, dout_h = sequence_to_heads(q, k, v, swap, part, (out, dout), "backward")
+            grads = list(_attend_backward(spec.chunk(i), call, qh, kh, vh, mask, out_h, part.query(lse), dout_h))
+            del qh, kh, vh, out_h, dout_h
+            sequence_to_heads_backward(grads, swap, k.shape, part, into)
+        settle(spec.backend)
+        return into
+    qh, kh, vh, out_h, lse = saved
     grads = list(_attend_backward(spec, call, qh, kh, vh, mask, out_h, lse, heads_to_sequence_backward(dout, swap)))
     grads = sequence_to_heads_backward(grads, swap, k.shape)  # (frees the head-layout gradients as it goes)
     settle(spec.backend)
@@ -665,6 +697,8 @@ def _saved_like(spec: _Schedule, q, k, key_padding_mask) -> list[torch.Tensor]:
     if spec.team == 1:
         return saved + [q.new_empty((bsz, local, heads), dtype=acc)]
     n, hl, hk = local * spec.team, spec.split.local_heads, spec.split.local_kv_heads
+    if spec.heads:
+        return saved + [q.new_empty((bsz, n, hl), dtype=acc)]
     return saved + [q.new_empty((bsz, n, hl, dim)), k.new_empty((bsz, n, hk, dim)), k.new_empty((bsz, n, hk, dim)),
                     q.new_empty((bsz, n, hl, dim)), q.new_empty((bsz, n, hl), dtype=acc)]
 

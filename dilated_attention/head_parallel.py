@@ -22,6 +22,11 @@ the copy those functions make anyway above batch size 1, and one copy per tensor
 K/V heads travel no more than needed: with ``A | Hkv`` each rank gets its
 ``Hkv / A`` kv heads; with ``Hkv | A`` each rank gets the one kv head its query
 heads read; otherwise kv heads are expanded to one per query head first.
+
+Head chunks (``memory.py``): a swap of one ``HeadRange`` (``part``) moves only those local heads of every
+member, and the swaps back write them into head slices of the sequence-layout result (``into``), so a call in
+chunks holds one chunk's head-layout tensors at a time, the backward swapping q, k, v and out again
+(``functional._forward``/``_backward``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm.base import CommBackend
+from .memory import HeadRange
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,15 @@ class HeadSplit:
         return None
 
 
-def _by_member_heads(x: torch.Tensor, a: int) -> torch.Tensor:
-    """``(B, L, A h, D)`` -> ``(A, B, L, h, D)``: block ``m`` holds member ``m``'s heads (one copy)."""
-    return x.unflatten(2, (a, x.shape[2] // a)).permute(2, 0, 1, 3, 4).contiguous()
+def _member_heads(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
+    """``(B, L, A h, D)`` -> the ``(B, L, A, h1 - h0, D)`` view of every member's local heads ``[h0, h1)``."""
+    return x.unflatten(2, (a, x.shape[2] // a))[:, :, :, h0:h1]
+
+
+def _by_member_heads(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
+    """``(B, L, A h, D)`` -> ``(A, B, L, h1 - h0, D)``: block ``m`` holds member ``m``'s local heads ``[h0, h1)``
+    (one copy)."""
+    return _member_heads(x, a, h0, h1).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def _by_member_rows(x: torch.Tensor, a: int, zigzag: bool = False) -> torch.Tensor:
@@ -109,11 +121,13 @@ def _merge_heads(recv: torch.Tensor) -> torch.Tensor:
     return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, a * h, dim)
 
 
-def _kv_by_member(x: torch.Tensor, split: HeadSplit) -> torch.Tensor:
-    """``(B, L, Hkv, D)`` -> ``(A, B, L, hk, D)``: block ``m`` holds the kv heads member ``m`` reads."""
+def _kv_by_member(x: torch.Tensor, split: HeadSplit, part: HeadRange | None = None) -> torch.Tensor:
+    """``(B, L, Hkv, D)`` -> ``(A, B, L, hk, D)``: block ``m`` holds the kv heads member ``m`` reads (``part``:
+    its local kv heads ``[k0, k1)``)."""
+    k0, k1 = (part.k0, part.k1) if part is not None else (0, None)
     if split.kv_heads % split.team == 0:  # kv heads split evenly: one strided copy, no loop
-        return _by_member_heads(x, split.team)
-    return torch.stack([x[:, :, split.kv_sources(m)] for m in range(split.team)])
+        return _by_member_heads(x, split.team, k0, k1)
+    return torch.stack([x[:, :, split.kv_sources(m)[k0:k1]] for m in range(split.team)])
 
 
 def _swap(sends: list[torch.Tensor], swap: HeadSwap, direction: str, what: str) -> list[torch.Tensor]:
@@ -138,41 +152,63 @@ class HeadSwap:
     zigzag: bool = False  # members hold zigzag shards (module doc)
 
 
-def sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, swap: HeadSwap
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(B, L, H, D)`` q/k/v shards of the team -> ``(B, A L, H/A, D)`` q and the kv heads it reads."""
-    sends = [_by_member_heads(q, swap.split.team), _kv_by_member(k, swap.split), _kv_by_member(v, swap.split)]
-    return tuple(member_rows(x, swap.zigzag) for x in _swap(sends, swap, "forward", "sequence-to-heads all-to-all"))
+def sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, swap: HeadSwap,
+                      part: HeadRange | None = None, more: tuple[torch.Tensor, ...] = (),
+                      direction: str = "forward") -> tuple[torch.Tensor, ...]:
+    """``(B, L, H, D)`` q/k/v shards of the team -> ``(B, A L, H/A, D)`` q and the kv heads it reads, then
+    ``more`` query-side tensors (a chunk's backward: out, dout) as q; ``part``: only those local heads."""
+    h0, h1 = (part.h0, part.h1) if part is not None else (0, None)
+    team = swap.split.team
+    sends = [_by_member_heads(q, team, h0, h1), _kv_by_member(k, swap.split, part),
+             _kv_by_member(v, swap.split, part), *(_by_member_heads(x, team, h0, h1) for x in more)]
+    return tuple(member_rows(x, swap.zigzag) for x in _swap(sends, swap, direction, "sequence-to-heads all-to-all"))
 
 
-def sequence_to_heads_backward(grads: list[torch.Tensor], swap: HeadSwap, kv_shape: torch.Size
+def sequence_to_heads_backward(grads: list[torch.Tensor], swap: HeadSwap, kv_shape: torch.Size,
+                               part: HeadRange | None = None,
+                               into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of ``sequence_to_heads`` for ``grads = [dq, dk, dv]``: the reverse swap (kv heads several
     members read add up). ``grads`` is emptied: each head-layout gradient is freed once sent and each received
-    one once merged, so at most one merged copy is alive beside the received blocks (the peak of a head call)."""
+    one once merged, so at most one merged copy is alive beside the received blocks (the peak of a head call).
+    ``part``: the swap of those local heads, written into their heads of ``into`` (``dk``/``dv`` zeroed by the
+    caller where several members read one kv head: every chunk adds)."""
     team, split = len(swap.team), swap.split
     sends = [_by_member_rows(g, team, swap.zigzag) for g in grads]
     grads.clear()
     got = _swap(sends, swap, "backward", "backward of sequence-to-heads all-to-all")
     del sends
-    if split.kv_heads % team == 0:  # each kv head came from exactly one member
-        return tuple(_merge_heads(got.pop(0)) for _ in range(3))
-    merged = [_merge_heads(got.pop(0))]
-    while got:  # several members may have read one kv head: their gradients add
-        blocks = got.pop(0)
-        total = torch.zeros(kv_shape, dtype=blocks.dtype, device=blocks.device)
-        for m in range(team):
-            for i, src in enumerate(split.kv_sources(m)):
-                total[:, :, src].add_(blocks[m, :, :, i])
-        merged.append(total)
+    into = into if into is not None else (None, None, None)
+    heads = [(part.h0, part.h1), (part.k0, part.k1), (part.k0, part.k1)] if part is not None else [(0, None)] * 3
+    merged = []
+    for i, ((h0, h1), target) in enumerate(zip(heads, into)):
+        blocks = got.pop(0)  # (A, B, L, h, D): member m's rows of its heads
+        if i == 0 or split.kv_heads % team == 0:  # each head came from exactly one member
+            if target is None:
+                merged.append(_merge_heads(blocks))
+            else:
+                _member_heads(target, team, h0, h1).copy_(blocks.permute(1, 2, 0, 3, 4))
+                merged.append(target)
+            continue
+        if target is None:
+            target = torch.zeros(kv_shape, dtype=blocks.dtype, device=blocks.device)
+        for m in range(team):  # several members may have read one kv head: their gradients add
+            for j, src in enumerate(split.kv_sources(m)[h0:h1]):
+                target[:, :, src].add_(blocks[m, :, :, j])
+        merged.append(target)
     return tuple(merged)
 
 
-def heads_to_sequence(out: torch.Tensor, swap: HeadSwap) -> torch.Tensor:
-    """``(B, A L, H/A, D)`` output of a team rank -> this rank's ``(B, L, H, D)`` rows, all heads."""
+def heads_to_sequence(out: torch.Tensor, swap: HeadSwap, part: HeadRange | None = None,
+                      into: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, A L, H/A, D)`` output of a team rank -> this rank's ``(B, L, H, D)`` rows, all heads; ``part``: the
+    output of those local heads, written into their heads of ``into`` (returned)."""
     (got,) = _swap([_by_member_rows(out, len(swap.team), swap.zigzag)], swap, "forward",
                    "heads-to-sequence all-to-all")
-    return _merge_heads(got)
+    if part is None:
+        return _merge_heads(got)
+    _member_heads(into, len(swap.team), part.h0, part.h1).copy_(got.permute(1, 2, 0, 3, 4))
+    return into
 
 
 def heads_to_sequence_backward(dout: torch.Tensor, swap: HeadSwap) -> torch.Tensor:

@@ -5,7 +5,9 @@ of patterns merged in place (``ring.py``), the compact parts of local patterns, 
 blocks and fp32 dK/dV accumulators in flight. Every one of them is per head, so running the heads in
 ``C`` chunks divides them by ``C``; the results are written into head slices of the call's output and
 gradients (``ring_forward``/``ring_backward``'s ``into``), so nothing is copied. The cost is more,
-smaller kernel calls and ring messages, which is why short calls run whole.
+smaller kernel calls and ring messages, which is why short calls run whole. The head strategy's swaps
+count as scratch too (its head-layout tensors): in chunks they move one chunk's heads at a time, and the
+backward swaps the chunk's q, k, v, out again rather than keeping them (``head_parallel.py``).
 
 Rule: a call whose own bytes reach ``SCRATCH_FLOOR`` runs in the fewest chunks (a divisor of its kv
 heads: a chunk holds whole kv groups, so each kv head's gradient comes from one chunk) whose estimated
@@ -81,7 +83,7 @@ def set_memory_bound(scratch_share: float = DEFAULT_SCRATCH_SHARE, from_bytes: i
     otherwise raises ``ValueError`` in the cross-rank check). ``from_bytes=0`` chunks every call whose estimate
     exceeds the share, at more, smaller kernel calls (2 x H100, 32768 tokens per GPU, ``(0.4, 0)``: the
     non-causal full-attention ring 4.0x -> 1.42x own for 7% more time; causal rings and LongNet pay 2.7-3.2x;
-    the head strategy's swap is not chunked: docs/performance.md). The defaults restore the speed-first rule."""
+    the head strategy's swaps are chunked too, its backward swapping q, k, v, out again: docs/performance.md). The defaults restore the speed-first rule."""
     global SCRATCH_SHARE, SCRATCH_FLOOR
     if isinstance(scratch_share, bool) or not isinstance(scratch_share, (int, float)) or not scratch_share >= 0:
         raise ValueError(f"scratch_share must be a number >= 0 (a fraction of the call's own bytes, e.g. 0.4), "

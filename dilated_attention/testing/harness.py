@@ -140,6 +140,11 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
                     dtype="bfloat16", dim=16, head_chunks=True))
     out.append(Case(f"P{world}-head-chunks-head-docs", world, (4, 8, 16), (1, 2, 4), causal=True, heads=heads,
                     kv_heads=4, batch=1, strategy="head", docs=(0, 5, 5, n // 2 + 3, n), head_chunks=True))
+    # the head strategy in chunks swaps one chunk's heads at a time (head_parallel.py), the backward again
+    out.append(Case(f"P{world}-head-chunks-full", world, (n,), (1,), heads=heads, kv_heads=4, strategy="head",
+                    layout="transposed", head_chunks=True))
+    out.append(Case(f"P{world}-head-chunks-longnet-causal", world, *spanning, causal=True, heads=heads,
+                    kv_heads=3, strategy="head", masked=True, head_chunks=True))  # 2, 4 ranks: kv heads expanded
     # causal rings on contiguous blocks sharing their cross blocks: full attention, dilated rings kept whole by key padding
     out.append(Case(f"P{world}-ring-shared-dilated-causal", world, *spanning, causal=True, heads=6, kv_heads=2,
                     layout="transposed", masked=True, shared=True))
@@ -149,12 +154,16 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
     out.append(Case(f"P{world}-ring-shared-head-chunks", world, (n,), (1,), causal=True, heads=8, kv_heads=4,
                     layout="transposed", head_chunks=True, shared=True))  # each kv group's heads a ring of its own
     if world >= 4:  # the ring across teams of the hybrid, each team a block of its lane's rows
+        out.append(Case(f"P{world}-hybrid-head-chunks-causal", world, *spanning, causal=True, heads=heads,
+                        kv_heads=4, strategy="hybrid", head_chunks=True))
         out.append(Case(f"P{world}-hybrid-shared-full-causal", world, (n,), (1,), causal=True, heads=heads,
                         kv_heads=4, strategy="hybrid", shared=True))
     if world > 1:
         out.extend(zigzag_cases(world))
         out.append(Case(f"P{world}-zigzag-ring-head-chunks", world, (8, 2 * n), (1, 2), causal=True, heads=6,
                         kv_heads=3, shards="zigzag", head_chunks=True))
+        out.append(Case(f"P{world}-zigzag-head-chunks", world, (8, 2 * n), (1, 2), causal=True, heads=heads,
+                        kv_heads=2, strategy="head", shards="zigzag", dtype="bfloat16", dim=16, head_chunks=True))
     return out
 
 
