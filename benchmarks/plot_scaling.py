@@ -89,6 +89,49 @@ def profile_table(entries: list[dict]) -> list[str]:
     return lines
 
 
+TIE = 0.03  # strategies within 3% of each other tie; a tie goes to the ring (the simpler strategy)
+MODES = {"ours": "eager", "ours+graph": "replayed"}
+
+
+def auto_choices(records: list[dict], gpus: int = 2, tokens: int = 32768) -> dict[tuple[bool, bool, str], str]:
+    """``strategy="auto"``'s table (``dilated_attention/strategy.py``) from one run's library records at ``gpus``
+    and ``tokens`` per GPU: ``{(dense, causal, layout): "ring" | "head"}``, ``dense`` meaning full attention.
+
+    Rule: each strategy's worse ratio to the fastest strategy over the modes the run timed (eager; replayed in a
+    CUDA graph with ``--cuda-graph``), so that the choice holds whether or not a step is captured and however fast
+    the host issues it; the smallest wins, and the ring wherever it is within ``TIE`` of the winner."""
+    ms: dict[tuple, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in records:
+        if r["impl"] in MODES and r["gpus"] == gpus and r["tokens_per_gpu"] == tokens and "max_tokens" not in r:
+            key = (r["config"] == "full", r["causal"], r.get("layout", "contiguous"))
+            ms[key][r["strategy"]][MODES[r["impl"]]] = r["ms"]
+    choices = {}
+    for key, by in ms.items():
+        if set(by) != {"ring", "head"}:
+            continue
+        modes = set(by["ring"]) & set(by["head"])
+        worst = {s: max(by[s][m] / min(by[t][m] for t in by) for m in modes) for s in by}
+        best = min(worst, key=worst.get)
+        choices[key] = "ring" if worst["ring"] <= worst[best] * (1 + TIE) else best
+    return choices
+
+
+def choices_table(records: list[dict]) -> list[str]:
+    """Markdown lines: ``auto_choices`` per GPU count of the run, with the times it read."""
+    lines = []
+    for gpus in sorted({r["gpus"] for r in records if r["gpus"] > 1}):
+        choices = auto_choices(records, gpus)
+        if not choices:
+            continue
+        lines += [f"**`strategy=\"auto\"` on this run, K={gpus}** (`auto_choices`: each strategy's worse ratio "
+                  f"to the fastest, eager and replayed; within {TIE:.0%}: the ring)", "",
+                  "| pattern | causal | layout | choice |", "| --- | :---: | --- | --- |"]
+        for (dense, causal, layout), choice in sorted(choices.items()):
+            lines.append(f"| {'full' if dense else 'longnet'} | {'yes' if causal else 'no'} | {layout} | {choice} |")
+        lines.append("")
+    return lines
+
+
 def _series_key(r: dict) -> tuple:
     """A zigzag-layout ring is its own series ("ring/zigzag"); contiguous shards keep the plain name."""
     layout = r.get("layout", "contiguous")
@@ -180,6 +223,7 @@ def markdown(records: list[dict], metas: list[dict], profile: list[dict] | None 
             per = f"{r['tokens_per_gpu']:,}" if r else "-"
             lines.append(f"| {k} | {p['max_tokens']:,} | {per} | {gib} | {own} | {ratio} | {p['stop']} |")
         lines.append("")
+    lines += choices_table(records)
     lines += profile_table(profile or [])
     notes = sorted({m["profiling"]["note"] for m in metas if (m.get("profiling") or {}).get("note")})
     if notes:
