@@ -44,6 +44,7 @@ import warnings
 import torch
 
 from ..caches import Table, remember
+from ..callers import user_stacklevel
 from ..patterns import PatternPlan
 from ..views import layout_key
 from . import auto_table
@@ -199,7 +200,8 @@ class AutoKernel(KernelWrapper):
         if name != names[0] and (names[0], first_reason) not in self._skipped:
             self._skipped.add((names[0], first_reason))
             warnings.warn(f"auto: the measured choice {names[0]!r} for {direction} of w={plan.local_segment}, "
-                          f"r={plan.dilation} cannot run here ({first_reason}); running {name!r}", stacklevel=3)
+                          f"r={plan.dilation} cannot run here ({first_reason}); running {name!r}",
+                          stacklevel=user_stacklevel())
         return self.impls[name]
 
 

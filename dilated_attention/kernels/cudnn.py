@@ -52,6 +52,7 @@ import torch
 
 from .. import caches
 from ..caches import remember
+from ..callers import user_stacklevel
 from ..patterns import HeadChunk, PatternPlan
 from ..views import ALIGN_BYTES, compact_view, dilated_view, layout_key, new_grad_parts, packed_view, readable
 from ..merge import add_into_, merge_pattern_
@@ -174,7 +175,7 @@ def _refuse(key: tuple, exc: BaseException, name: str) -> None:
     if key not in _REFUSED:
         _REFUSED.add(key)
         warnings.warn(f"{name} kernel: the op refused a call stacking head chunks ({str(exc)[:300]}); "
-                      f"running this configuration chunk by chunk", stacklevel=3)
+                      f"running this configuration chunk by chunk", stacklevel=user_stacklevel())
 
 
 def _group_view(x: torch.Tensor, plan: PatternPlan, g: _Group, role: str) -> torch.Tensor:

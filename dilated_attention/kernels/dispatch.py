@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from .. import caches
+from ..callers import user_stacklevel
 from .auto import AutoKernel, available_choices, device_choices, nondeterministic_allowed, ranked, table_gap
 from .chunk_loop import ChunkLoop
 from .flash4 import unavailable_reason as flash4_unavailable
@@ -78,7 +79,8 @@ def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:
             return fused if masked else _measured(q.device, fused)
         if reason not in _warned:
             _warned.add(reason)
-            warnings.warn(f"dilated_attention: fused kernel not used ({reason}); falling back", stacklevel=3)
+            warnings.warn(f"dilated_attention: fused kernel not used ({reason}); falling back",
+                          stacklevel=user_stacklevel())
     if q.dtype != torch.float64 and not masked:
         sdpa = _make("sdpa")
         if sdpa.supports(q, k) is None:
@@ -105,7 +107,8 @@ def _measured(device: torch.device, fused: PatternKernel) -> PatternKernel:
         gap = table_gap(key[0], impls)
         if gap is not None:
             warnings.warn(f"dilated_attention: {gap}; measure this GPU with `python benchmarks/bench_kernel.py` and "
-                          "`--write-table` (docs/performance.md), or pass one by name (kernel=...)", stacklevel=4)
+                          "`--write-table` (docs/performance.md), or pass one by name (kernel=...)",
+                          stacklevel=user_stacklevel())
     return chosen
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import caches
+from ..callers import user_stacklevel
 from .dispatch import select_kernel
 from .protocol import CALL_ARGUMENTS
 from .wrapper import KernelWrapper
@@ -145,7 +146,7 @@ class GuardedKernel(KernelWrapper):
                     _warned.add(reason)
                     warnings.warn(f"dilated_attention: {where} could not launch ({reason}); using the {fb.name!r} "
                                   f"path for {q.dtype} head dim {q.shape[-1]} from now on", RuntimeWarning,
-                                  stacklevel=4)
+                                  stacklevel=user_stacklevel())
                 return getattr(fb, op)(*args, **kwargs)
             sticky = kind == "sticky"
             msg = (f"{type(exc).__name__} in {where}: {str(exc).strip().splitlines()[0][:500]}\n"

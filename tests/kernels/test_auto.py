@@ -328,8 +328,9 @@ def test_a_pick_is_remembered_per_geometry_only():
     assert kern.pick("fwd", PLANS[0], False, Q, Q) is other
     assert kern.pick("fwd", PLANS[0], False, Q, Q) is other and other.asked == 1
     strided = Q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same shape, head dim stride != 1
-    with pytest.warns(UserWarning, match="needs a unit-stride head dim"):
+    with pytest.warns(UserWarning, match="needs a unit-stride head dim") as caught:
         assert kern.pick("fwd", PLANS[0], False, strided, strided) is fused
+    assert {w.filename for w in caught} == {__file__}  # the caller's line, not the library's frames
     assert other.asked == 2 and kern.pick("fwd", PLANS[0], False, Q, Q) is other and other.asked == 2
 
 
@@ -357,6 +358,7 @@ def test_auto_warns_where_the_table_never_measured_an_available_implementation(m
             assert gaps == []
         else:
             assert len(gaps) == 1 and re.search(expected, gaps[0]) and "--write-table" in gaps[0], gaps
+            assert {w.filename for w in caught if "kernel table" in str(w.message)} == {__file__}
 
 
 def test_the_shipped_tables_say_what_they_measured():
