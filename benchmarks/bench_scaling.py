@@ -49,6 +49,10 @@ N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
 - Memory against the rank's own bytes: every record has ``own_gib``, the bytes of this rank's
   q, k, v, out, dout, dq, dk, dv (k, v, dk, dv with the kv heads) in the input dtype, so
   ``peak_gib / own_gib`` is the peak in units of the tensors the caller holds anyway.
+- ``--memory-bound SHARE,FROM``: every call of the library (its T1 too) runs under
+  ``dilated_attention.set_memory_bound(SHARE, FROM)`` (head chunks; ``0.4,0``: every call within about
+  1.4x its own bytes), recorded in ``meta.memory_bound``; the file is ``scaling_<gpu>-bound_x<K>.json``
+  unless ``--tag`` names it, so the default run's file stays.
 
 Peers are optional: a failed import or call is recorded in ``meta.skipped`` with
 the reason; a measurement that started but never returned (a hang the job was killed
@@ -100,6 +104,18 @@ def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"{bad} not in {choices}")
         return names
     return parse
+
+
+def memory_bound(text: str) -> tuple[float, int]:
+    """``--memory-bound``: ``SHARE,FROM`` as ``set_memory_bound`` takes them (a fraction >= 0, bytes >= 0)."""
+    try:
+        share, start = text.split(",")
+        bound = float(share), int(start)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SHARE,FROM_BYTES (e.g. 0.4,0), got {text!r}") from None
+    if not (bound[0] >= 0 and bound[1] >= 0):
+        raise argparse.ArgumentTypeError(f"SHARE and FROM_BYTES must be >= 0, got {text!r}")
+    return bound
 
 
 # -- profile: which cases, and what the GPU did in each step (pure: no torch, checked on CPU) ------------
@@ -319,6 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "gets); host: DILATED_ATTENTION_TIMEOUT set (default 300 s), a host-timed wait per exchange")
     p.add_argument("--peers", type=_names(PEERS), default=None, help="'' for none (default: all; none with --smoke)")
     p.add_argument("--backend", default="collective", choices=["collective", "fairscale", "deepspeed"])
+    p.add_argument("--memory-bound", type=memory_bound, default=None, metavar="SHARE,FROM",
+                   help="run the library under set_memory_bound(SHARE, FROM) (e.g. 0.4,0: every call within about "
+                        "1.4x its own bytes, in head chunks); default tag <gpu>-bound")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -954,9 +973,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from dilated_attention import ring
+    from dilated_attention import memory, ring, set_memory_bound
     from dilated_attention.comm import get_backend
 
+    if args.memory_bound is not None:
+        set_memory_bound(*args.memory_bound)
     bench = Bench(env, args)
     k = env.world_size
     comm = get_backend(args.backend) if k > 1 else None
@@ -977,6 +998,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile": args.compile,  # records of impl ours+compiled
         "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
+        "memory_bound": [memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR],  # head chunks: set_memory_bound's rule
         "share_min_rows": ring.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
         # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring._Swapped)
         "swap_compact": [ring.SWAP_COMPACT[False], ring.SWAP_COMPACT[True]],
@@ -1035,7 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
                 record(impl, "single", config, causal, tokens, t1_, t1_, peak_)
         return t1_, err_
 
-    path = os.path.join(args.out, f"scaling_{args.tag or (gpu_tag(device_name) if bench.cuda else 'cpu')}_x{k}.json")
+    tag = args.tag or (gpu_tag(device_name) if bench.cuda else "cpu") + ("-bound" if args.memory_bound else "")
+    path = os.path.join(args.out, f"scaling_{tag}_x{k}.json")
     cases = [(t, c, z) for t in args.tokens for c in args.configs for z in causals]
     graphs = bool(args.cuda_graph and bench.cuda)
     per_case = 1 + (len(args.strategies) * len(args.layouts) if k > 1 else 0) + len(args.peers)

@@ -21,6 +21,7 @@
 # what the peers get); --waits host measures host-timed waits (a host sync per exchange). Each JSON
 # records the mode (meta.waits). --layouts contiguous,zigzag adds zigzag rings where the package
 # accepts layout= (skipped with the reason otherwise).
+# --memory-bound 0.4,0 runs the library under set_memory_bound (head chunks) into scaling_<gpu>-bound_*.
 # SMOKE=1 rehearses the whole script on CPU (gloo, tiny sizes, K = 1, 2).
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header above is the manual
   echo "usage: OUT=benchmarks/results benchmarks/run_scaling.sh [--worlds 1,2,4] [bench_scaling.py options...]"
@@ -53,8 +54,10 @@ for arg in "$@"; do  # the profile adds a few seconds per profiled case, compili
   case "$arg" in
     --profile|--profile-*) [ "$k_timeout" -lt 300 ] && k_timeout=300 ;;
     --compile) k_timeout=420 ;;
+    --memory-bound|--memory-bound=*) bound=-bound ;;  # its own files: the default run's stay
   esac
 done
+slug=$slug${bound:-}
 k_timeout=${K_TIMEOUT:-$k_timeout}
 log=${LOG:-/tmp/scaling_${slug}.log}
 : >"$log"

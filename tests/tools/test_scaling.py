@@ -37,6 +37,11 @@ def test_default_patterns():
     assert bench_scaling.patterns_for(args, "full", 65536) == ([65536], [1])
     with pytest.raises(SystemExit):
         bench_scaling.parse_args(["--longnet-rates", "1,2"])
+    assert bench_scaling.parse_args([]).memory_bound is None
+    assert bench_scaling.parse_args(["--memory-bound", "0.4,0"]).memory_bound == (0.4, 0)
+    for bad in ("0.4", "x,0", "0.4,-1", "-1,0"):
+        with pytest.raises(SystemExit):
+            bench_scaling.parse_args(["--memory-bound", bad])
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,7 @@ def test_smoke_json_schema(smoke_json):
     data = json.loads(smoke_json.read_text())
     meta, records = data["meta"], data["records"]
     assert meta["gpus"] == 2 and meta["heads"] == 2 and meta["single_gpu"]
+    assert meta["memory_bound"] == [0.4, 1 << 32]  # the default rule: no --memory-bound
     for rec in records:
         extra = set(rec) - RECORD_KEYS
         assert extra == ({"max_tokens"} if extra else set()), rec
