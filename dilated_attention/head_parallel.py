@@ -115,10 +115,15 @@ def member_rows(recv: torch.Tensor, zigzag: bool = False) -> torch.Tensor:
     return rows
 
 
-def _merge_heads(recv: torch.Tensor) -> torch.Tensor:
-    """``(A, B, L, h, D)`` with member ``m``'s heads in block ``m`` -> ``(B, L, A h, D)`` (one copy)."""
-    a, bsz, n, h, dim = recv.shape
-    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, a * h, dim)
+def _merge_heads(recv: torch.Tensor, into: torch.Tensor | None = None, h0: int = 0, h1: int | None = None
+                 ) -> torch.Tensor:
+    """``(A, B, L, h, D)`` with member ``m``'s heads in block ``m`` -> ``(B, L, A h, D)`` (one copy); ``into``:
+    written into every member's local heads ``[h0, h1)`` of ``into``, which is returned."""
+    if into is None:
+        a, bsz, n, h, dim = recv.shape
+        return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, a * h, dim)
+    _member_heads(into, recv.shape[0], h0, h1).copy_(recv.permute(1, 2, 0, 3, 4))
+    return into
 
 
 def _kv_by_member(x: torch.Tensor, split: HeadSplit, part: HeadRange | None = None) -> torch.Tensor:
@@ -184,11 +189,7 @@ def sequence_to_heads_backward(grads: list[torch.Tensor], swap: HeadSwap, kv_sha
     for i, ((h0, h1), target) in enumerate(zip(heads, into)):
         blocks = got.pop(0)  # (A, B, L, h, D): member m's rows of its heads
         if i == 0 or split.kv_heads % team == 0:  # each head came from exactly one member
-            if target is None:
-                merged.append(_merge_heads(blocks))
-            else:
-                _member_heads(target, team, h0, h1).copy_(blocks.permute(1, 2, 0, 3, 4))
-                merged.append(target)
+            merged.append(_merge_heads(blocks, target, h0, h1))
             continue
         if target is None:
             target = torch.zeros(kv_shape, dtype=blocks.dtype, device=blocks.device)
@@ -205,10 +206,7 @@ def heads_to_sequence(out: torch.Tensor, swap: HeadSwap, part: HeadRange | None 
     output of those local heads, written into their heads of ``into`` (returned)."""
     (got,) = _swap([_by_member_rows(out, len(swap.team), swap.zigzag)], swap, "forward",
                    "heads-to-sequence all-to-all")
-    if part is None:
-        return _merge_heads(got)
-    _member_heads(into, len(swap.team), part.h0, part.h1).copy_(got.permute(1, 2, 0, 3, 4))
-    return into
+    return _merge_heads(got, into, *((part.h0, part.h1) if part is not None else (0, None)))
 
 
 def heads_to_sequence_backward(dout: torch.Tensor, swap: HeadSwap) -> torch.Tensor:

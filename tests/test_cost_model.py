@@ -1,7 +1,6 @@
 """The cost model: each term on cases small enough to do by hand, its calibration on single-GPU runs,
 and its predictions against the committed multi-GPU measurements (no timing anywhere)."""
 
-import importlib.util
 import json
 import os
 from dataclasses import replace
@@ -16,6 +15,7 @@ from dilated_attention.cost_model import (
     merge_terms, offset_runs, packed_pairs, pass_ms, pattern_flops, predict, rank_ms, single_gpu_ms, transfer_ms,
     validate,
 )
+from dilated_attention.testing.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The scaling measurements the presets were fitted on, kept here so that a new benchmark run in
@@ -30,10 +30,7 @@ RUNS = {gpu: [os.path.join(DATA, f"cost_model_{gpu}_x{k}.json") for k in (1, 2)]
 
 def _cli():
     """benchmarks/cost_model.py, the command line, as a module."""
-    spec = importlib.util.spec_from_file_location("cost_model_cli", os.path.join(ROOT, "benchmarks", "cost_model.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(os.path.join(ROOT, "benchmarks", "cost_model.py"))
 
 # 1 FLOP per ms, 1 byte per ms on links, free memory passes and host: every time below is a count.
 UNIT = Hardware(fwd_tflops=1e-9, bwd_tflops=1e-9, bwd_launch_us=0.0, causal_keys=0.0, key_penalty=0.0, hbm_gbps=1e15,

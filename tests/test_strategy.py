@@ -1,12 +1,12 @@
 """strategy="auto": the team size the scaling benchmark measured fastest (dilated_attention/strategy.py)."""
 
 import glob
-import importlib.util
 import os
 
 import pytest
 
 from dilated_attention.strategy import MEASURED, MEASURED_ON, auto_team_size, pattern_spans
+from dilated_attention.testing.scripts import load_script
 
 LONGNET = ([2048, 8192, 32768, 65536], [1, 2, 4, 8])  # N = 65536 on 2 ranks of 32768
 FULL = ([65536], [1])
@@ -49,10 +49,7 @@ def test_two_gpu_measurements(patterns, causal, layout, team):
 def _plot_scaling():
     """benchmarks/plot_scaling.py, whose ``auto_choices`` is the table's rule."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("plot_scaling", os.path.join(root, "benchmarks", "plot_scaling.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, root
+    return load_script(os.path.join(root, "benchmarks", "plot_scaling.py")), root
 
 
 def test_the_tables_are_the_rule_applied_to_the_committed_runs():

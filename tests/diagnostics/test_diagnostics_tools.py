@@ -22,6 +22,7 @@ from dilated_attention.kernels.chunk_loop import ChunkLoop
 from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import as_layout
+from dilated_attention.testing.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
@@ -100,12 +101,7 @@ def _plan(index=1, n=32, h=4, hk=2):
 
 def _script(name: str):
     """A script of scripts/ as a module, to call its main(argv) in this process (no interpreter start-up)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"script_{name}", os.path.join(ROOT, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(os.path.join(ROOT, "scripts", f"{name}.py"))
 
 
 def _run(args, timeout=120, **kw):

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 
 import pytest
@@ -28,6 +27,7 @@ from dilated_attention.integrations.huggingface import register_dilated_attentio
 from dilated_attention.testing.compare import FLOOR, rel_err  # noqa: E402
 from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
 from dilated_attention.testing.oracle import dense_dilated_attention  # noqa: E402
+from dilated_attention.testing.scripts import load_script  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 32
@@ -300,10 +300,7 @@ def test_unsupported_features_raise():
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("hf_llama_train", os.path.join(ROOT, "launch", "hf_llama_train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(os.path.join(ROOT, "launch", "hf_llama_train.py"))
 
 
 def _sp_worker(rank: int, world_size: int) -> dict:
