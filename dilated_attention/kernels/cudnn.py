@@ -165,6 +165,10 @@ def _stacks(plan: PatternPlan) -> bool:
 # Configurations where cuDNN refused a call stacking several chunks: they run chunk by
 # chunk from then on (the same choice every time, so results stay reproducible).
 _REFUSED = caches.keys("cudnn.refused", 1024)
+# Configurations whose stacked backward ran whole once: their calls' gradients are stored as each call
+# returns (nothing is redone chunk by chunk after a refusal, so nothing is added twice), which frees each
+# call's gradients before the next call allocates its own (a group's calls held all of theirs before).
+_PROVEN = caches.keys("cudnn.proven_backward", 1024)
 
 
 def _config_key(q, k, plan: PatternPlan, packed: bool, causal: bool, ops: str) -> tuple:
@@ -628,26 +632,42 @@ class CudnnKernel:
         kv = self._kv_role(packed)
         same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
         key = _config_key(q, k, plan, packed, causal, self.name)
-        stacked = key not in _REFUSED
+        stacked, proven = key not in _REFUSED, key in _PROVEN
         for g in _groups(plan) if stacked else _singles(plan):
+            retry = stacked and not proven and len(g.chunks) > 1  # a refusal would redo it chunk by chunk
             try:
-                self._backward_group(tensors, plan, g, kv, same, causal, scale, written, compact, key_mask)
+                self._backward_group(tensors, plan, g, kv, same, causal, scale, written, compact, key_mask,
+                                     store_late=retry)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError as exc:  # nothing of this group was stored yet: its chunks one by one
-                if len(g.chunks) == 1:
+                if not retry:
                     raise
                 _refuse(key, exc, self.name)
+                stacked = False
                 for c in g.chunks:
                     self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale,
                                          written, compact, key_mask)
+        if stacked:
+            _PROVEN.add(key)
 
     def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, causal: bool,
-                        scale: float, written: set[int] | None, compact: bool, key_mask: torch.Tensor | None) -> None:
-        """One group's calls; its gradients are stored only once every call succeeded. ``written``: the kv
-        heads already holding gradients in a fresh backward (``None``: accumulate everything). ``compact``:
-        the targets are compact parts, stored (an op that wrote them in place needs no copy)."""
+                        scale: float, written: set[int] | None, compact: bool, key_mask: torch.Tensor | None,
+                        store_late: bool = False) -> None:
+        """One group's calls, each call's gradients stored as it returns (``store_late``: only once every call
+        succeeded). ``written``: the kv heads already holding gradients in a fresh backward (``None``:
+        accumulate everything). ``compact``: the targets are compact parts, stored (an op that wrote them in
+        place needs no copy). Either way the stores run in the same order on the same values."""
         dtype = tensors[0].dtype
+        kv_heads = {h for c in g.chunks for h in range(c.k0, c.k1)}
+        first_kv = written is not None and not kv_heads & written
+
+        def store(name: str, target: torch.Tensor, grad: torch.Tensor) -> None:
+            if compact:
+                target.copy_(grad)
+            else:  # each query row and head written once, or added
+                add_into_(target, grad, fresh=written is not None and (name == "dq" or first_kv))
+
         pending = []
         for call in _backward_calls(tensors, plan, g, kv, same, compact, key_mask):
             nt, tsz = len(call.tsz), call.tsz
@@ -657,18 +677,18 @@ class CudnnKernel:
             into = tuple(spec.on(tensors) for spec in call.into) if call.into is not None else None
             grads = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale, into=into,
                                       **_padding(call.keys, key_mask))
-            for i, ((name, target), grad) in enumerate(zip(call.targets, grads)):
-                if name in self.grads and not (into is not None and grad is into[i]):
-                    pending.append((name, target.on(tensors), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0]))
-        if compact:
-            for _, target, grad in pending:
-                target.copy_(grad)
-            return
-        kv_heads = {h for c in g.chunks for h in range(c.k0, c.k1)}
-        first_kv = written is not None and not kv_heads & written
-        for name, target, grad in pending:  # each query row and head written once, or added
-            add_into_(target, grad, fresh=written is not None and (name == "dq" or first_kv))
-        if written is not None:
+            done = [(name, target.on(tensors), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0])
+                    for i, ((name, target), grad) in enumerate(zip(call.targets, grads))
+                    if name in self.grads and not (into is not None and grad is into[i])]
+            del grads
+            if store_late:
+                pending += done
+            else:
+                while done:  # popped: no name keeps a stored gradient alive into the next call
+                    store(*done.pop(0))
+        for item in pending:
+            store(*item)
+        if written is not None and not compact:
             written |= kv_heads
 
 

@@ -11,6 +11,9 @@ CUDA the real ops run in bf16/fp16 on real shapes, judged by the tolerance rule.
 
 from __future__ import annotations
 
+import weakref
+import warnings
+
 import pytest
 import torch
 
@@ -30,6 +33,7 @@ from kernel_checks import (  # noqa: I001
     seeded,
 )
 
+from dilated_attention import clear_caches
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel, readable
 from dilated_attention.testing.compare import LAYOUTS, assert_within_rule
 
@@ -367,6 +371,79 @@ def test_refused_stacking_runs_chunk_by_chunk():
                            packed=False, causal=False, scale=0.25)
     for name, got, w in zip("qkv", acc2, want2):
         assert_within_rule(f"d{name} (refused in backward)", got, w, w.float(), context=f"(seed {seed})")
+
+
+class HeldGrads(MathOps):
+    """Counts, at each backward call, the gradients of earlier calls still alive; fails the ``fail_at``-th call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned: list[weakref.ref] = []
+        self.held: list[int] = []
+        self.fail_at: int | None = None
+
+    def backward(self, *args, **kw):
+        self.held.append(sum(ref() is not None for ref in self.returned))
+        if self.fail_at is not None and len(self.held) == self.fail_at:
+            raise RuntimeError("cuDNN Frontend error: out of engines (test stand-in)")
+        grads = super().backward(*args, **kw)
+        self.returned += [weakref.ref(g) for g in grads]
+        return grads
+
+
+def _held_grads_case(seed_name: str):
+    seed = seeded(seed_name)
+    heads, n, dim = 4, 32, 16
+    p = plans_for("longnet", heads, heads, n, n, [8, 16, 32], [1, 2, 4])[1]  # rate 2: one group of two offsets
+    q, k, v, dout = (rand((2, n, heads, dim), torch.float32, "transposed") for _ in range(4))  # two calls a chunk
+    out, lse = torch.randn(q.shape), torch.randn(q.shape[:3]) + 3.0
+    return seed, p, (q, k, v, out, lse, dout)
+
+
+def test_proven_backward_frees_each_calls_gradients_before_the_next():
+    """Once a configuration's stacked backward has run whole, each call's gradients are stored as it returns
+    and freed before the next call allocates (a group held all its calls' gradients until it ended: on GPUs
+    under CUDA-graph capture that was four calls' worth at the step's peak). The first run, which a refusal
+    could still redo chunk by chunk, keeps them to the end of the group. Both give the same bits, within the
+    rule of the float64 oracle."""
+    clear_caches()
+    seed, p, (q, k, v, out, lse, dout) = _held_grads_case("cudnn-held-grads")
+    ops = HeldGrads()
+    kern = CudnnKernel(ops)
+    runs = []
+    for _ in range(2):
+        ops.held.clear()
+        acc = [torch.zeros(x.shape) for x in (q, k, v)]
+        kern.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False, causal=True, scale=0.25)
+        runs.append((acc, list(ops.held)))
+    (first, held_first), (second, held_second) = runs
+    assert len(held_first) == len(held_second) > 1
+    assert held_first[-1] == 3 * (len(held_first) - 1), held_first  # kept to the end of the group
+    assert held_second == [0] * len(held_second), held_second  # each call's freed before the next
+    want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(out), d64(lse), d64(dout), *want, packed=False,
+                           causal=True, scale=0.25)
+    for name, a, b, w in zip("qkv", first, second, want):
+        assert torch.equal(a, b), f"d{name}: storing as each call returns changed bits"
+        assert_within_rule(f"d{name}", b, w, w.float(), context=f"(seed {seed})")
+
+
+def test_proven_backward_failing_mid_group_raises_instead_of_adding_twice():
+    """A proven configuration has stored a call's gradients before a later call fails, so it cannot be redone
+    chunk by chunk: the error propagates (an unproven one falls back, warned, as above)."""
+    clear_caches()
+    _, p, (q, k, v, out, lse, dout) = _held_grads_case("cudnn-held-grads-fail")
+    ops = HeldGrads()
+    kern = CudnnKernel(ops)
+    kern.backward_pattern(q, k, v, p, out, lse, dout, *(torch.zeros(x.shape) for x in (q, k, v)), packed=False,
+                          causal=True, scale=0.25)
+    ops.held.clear()
+    ops.fail_at = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(RuntimeError, match="out of engines"):
+            kern.backward_pattern(q, k, v, p, out, lse, dout, *(torch.zeros(x.shape) for x in (q, k, v)),
+                                  packed=False, causal=True, scale=0.25)
 
 
 @pytest.mark.parametrize("causal", [False, True])
