@@ -395,7 +395,7 @@ def _held_grads_case(seed_name: str):
     seed = seeded(seed_name)
     heads, n, dim = 4, 32, 16
     p = plans_for("longnet", heads, heads, n, n, [8, 16, 32], [1, 2, 4])[1]  # rate 2: one group of two offsets
-    q, k, v, dout = (rand((2, n, heads, dim), torch.float32, "transposed") for _ in range(4))  # two calls a chunk
+    q, k, v, dout = (rand((2, n, heads, dim), torch.float32, "transposed").cpu() for _ in range(4))  # 2 calls a chunk
     out, lse = torch.randn(q.shape), torch.randn(q.shape[:3]) + 3.0
     return seed, p, (q, k, v, out, lse, dout)
 
