@@ -53,6 +53,12 @@ N taking the next rate; full attention ``w=[N]``, ``r=[1]``), causal and not:
   ``dilated_attention.set_memory_bound(SHARE, FROM)`` (head chunks; ``0.4,0``: every call within about
   1.4x its own bytes), recorded in ``meta.memory_bound``; the file is ``scaling_<gpu>-bound_x<K>.json``
   unless ``--tag`` names it, so the default run's file stays.
+- ``--pipelined [STEPS]``: each timed iteration runs STEPS forward+backward steps (default 8) back to back
+  and records their mean, for every case, peer and T1 alike: what a loop that does not sync each step
+  sees, the host issuing a step while the GPU runs the last one. By default each step runs alone after a
+  barrier and a device sync (what a loop that syncs every step sees: a host-bound step also pays its
+  start). Recorded in ``meta.pipelined``; the file is ``scaling_<gpu>-pipelined_x<K>.json`` unless
+  ``--tag`` names it.
 
 Peers are optional: a failed import or call is recorded in ``meta.skipped`` with
 the reason; a measurement that started but never returned (a hang the job was killed
@@ -104,6 +110,17 @@ def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"{bad} not in {choices}")
         return names
     return parse
+
+
+def steps_per_iteration(text: str) -> int:
+    """``--pipelined``: forward+backward steps per timed iteration (>= 1)."""
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of steps >= 1, got {text!r}")
+    return steps
 
 
 def memory_bound(text: str) -> tuple[float, int]:
@@ -338,6 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-bound", type=memory_bound, default=None, metavar="SHARE,FROM",
                    help="run the library under set_memory_bound(SHARE, FROM) (e.g. 0.4,0: every call within about "
                         "1.4x its own bytes, in head chunks); default tag <gpu>-bound")
+    p.add_argument("--pipelined", type=steps_per_iteration, nargs="?", const=8, default=0, metavar="STEPS",
+                   help="time STEPS steps back to back per iteration (default 8; every case, peer and T1), not "
+                        "each step alone after a barrier and a device sync; default tag <gpu>-pipelined")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -458,15 +478,22 @@ class Bench:
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            step()
+            for _ in range(self.steps):
+                step()
             b.record()
             b.synchronize()
-            ms = a.elapsed_time(b)
+            ms = a.elapsed_time(b) / self.steps
         else:
             t0 = time.perf_counter()
-            step()
-            ms = 1e3 * (time.perf_counter() - t0)
+            for _ in range(self.steps):
+                step()
+            ms = 1e3 * (time.perf_counter() - t0) / self.steps
         return self.max_over_ranks(ms) if collective else ms
+
+    @property
+    def steps(self) -> int:
+        """Steps per timed iteration: one alone, or ``--pipelined``'s back to back (their mean is the time)."""
+        return self.args.pipelined or 1
 
     def measure(self, step: Callable[[], None], collective: bool = True) -> tuple[float, float | None]:
         """(median ms of the slowest rank, peak GiB of the largest rank) of ``step``.
@@ -479,7 +506,7 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
         for _ in range(max(1, a.warmup)):
             warm = self._once(step, collective)  # the last warm-up: compiled and cached
-        n = max(a.min_iters, min(a.iters, int(1e3 * a.seconds_per_measurement / max(warm, 1e-3))))
+        n = max(a.min_iters, min(a.iters, int(1e3 * a.seconds_per_measurement / max(warm * self.steps, 1e-3))))
         times = [self._once(step, collective) for _ in range(n)]
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
         if peak is not None:  # a graph's replay (``graphed``) allocates nothing: its capture's peak counts
@@ -1003,7 +1030,10 @@ def main(argv: list[str] | None = None) -> int:
         # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring._Swapped)
         "swap_compact": [ring.SWAP_COMPACT[False], ring.SWAP_COMPACT[True]],
         "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,
-        "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock"),
+        "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock")
+                  + (f"; an iteration is the mean of {args.pipelined} steps run back to back" if args.pipelined
+                     else "; an iteration is one step after a barrier and a device sync"),
+        "pipelined": args.pipelined,  # steps per timed iteration, back to back (0: one step, synced)
         "efficiency": "T1 / (gpus * ms), T1 = one GPU on the whole sequence in this run: the library for ours and "
                       "ulysses, cuDNN SDPA for torch_cp, flash-attn for ring_flash_attn",
         "own_gib": "a rank's own q, k, v, out, dout, dq, dk, dv (k, v, dk, dv with kv_heads) in the input dtype, "
@@ -1057,7 +1087,8 @@ def main(argv: list[str] | None = None) -> int:
                 record(impl, "single", config, causal, tokens, t1_, t1_, peak_)
         return t1_, err_
 
-    tag = args.tag or (gpu_tag(device_name) if bench.cuda else "cpu") + ("-bound" if args.memory_bound else "")
+    tag = args.tag or ((gpu_tag(device_name) if bench.cuda else "cpu") + ("-bound" if args.memory_bound else "")
+                       + ("-pipelined" if args.pipelined else ""))
     path = os.path.join(args.out, f"scaling_{tag}_x{k}.json")
     cases = [(t, c, z) for t in args.tokens for c in args.configs for z in causals]
     graphs = bool(args.cuda_graph and bench.cuda)

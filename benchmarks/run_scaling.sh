@@ -22,6 +22,7 @@
 # records the mode (meta.waits). --layouts contiguous,zigzag adds zigzag rings where the package
 # accepts layout= (skipped with the reason otherwise).
 # --memory-bound 0.4,0 runs the library under set_memory_bound (head chunks) into scaling_<gpu>-bound_*.
+# --pipelined times steps back to back (no sync between them) into scaling_<gpu>-pipelined_*.
 # SMOKE=1 rehearses the whole script on CPU (gloo, tiny sizes, K = 1, 2).
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header above is the manual
   echo "usage: OUT=benchmarks/results benchmarks/run_scaling.sh [--worlds 1,2,4] [bench_scaling.py options...]"
@@ -55,9 +56,10 @@ for arg in "$@"; do  # the profile adds a few seconds per profiled case, compili
     --profile|--profile-*) [ "$k_timeout" -lt 300 ] && k_timeout=300 ;;
     --compile) k_timeout=420 ;;
     --memory-bound|--memory-bound=*) bound=-bound ;;  # its own files: the default run's stay
+    --pipelined|--pipelined=*) pipelined=-pipelined ;;
   esac
 done
-slug=$slug${bound:-}
+slug=$slug${bound:-}${pipelined:-}
 k_timeout=${K_TIMEOUT:-$k_timeout}
 log=${LOG:-/tmp/scaling_${slug}.log}
 : >"$log"

@@ -44,6 +44,30 @@ def test_default_patterns():
             bench_scaling.parse_args(["--memory-bound", bad])
 
 
+def test_pipelined_parses_steps_per_iteration():
+    assert bench_scaling.parse_args([]).pipelined == 0
+    assert bench_scaling.parse_args(["--pipelined"]).pipelined == 8
+    assert bench_scaling.parse_args(["--pipelined", "3"]).pipelined == 3
+    for bad in ("0", "-2", "x"):
+        with pytest.raises(SystemExit):
+            bench_scaling.parse_args(["--pipelined", bad])
+
+
+@pytest.mark.parametrize("pipelined, steps", [(0, 1), (3, 3)])
+def test_an_iteration_times_its_steps_back_to_back(pipelined, steps):
+    """One timed iteration runs one step, or ``--pipelined``'s steps back to back, and records their mean."""
+    import types
+
+    import torch
+
+    args = bench_scaling.parse_args(["--iters", "4", "--min-iters", "4", "--warmup", "2"]
+                                    + (["--pipelined", str(pipelined)] if pipelined else []))
+    bench = bench_scaling.Bench(types.SimpleNamespace(device=torch.device("cpu")), args)
+    calls = []
+    ms, peak = bench.measure(lambda: calls.append(1), collective=False)
+    assert len(calls) == (2 + 4) * steps and peak is None and ms >= 0
+
+
 @pytest.fixture(scope="module")
 def smoke_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
