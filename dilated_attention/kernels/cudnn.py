@@ -644,11 +644,10 @@ class CudnnKernel:
                 if not retry:
                     raise
                 _refuse(key, exc, self.name)
-                stacked = False
                 for c in g.chunks:
                     self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale,
                                          written, compact, key_mask)
-        if stacked:
+        if key not in _REFUSED:  # every group ran stacked
             _PROVEN.add(key)
 
     def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, causal: bool,

@@ -373,6 +373,26 @@ def test_refused_stacking_runs_chunk_by_chunk():
         assert_within_rule(f"d{name} (refused in backward)", got, w, w.float(), context=f"(seed {seed})")
 
 
+def test_refused_backward_falls_back_in_every_group():
+    """A backward whose first stacked group is refused runs that group, and each later one, chunk by chunk."""
+    clear_caches()
+    seed = seeded("cudnn-refused-groups")
+    heads, kv_heads, n, dim = 8, 2, 64, 16
+    p = plans_for("longnet", heads, kv_heads, n, n, [64], [8])[0]  # two groups (one per kv head) of four offsets
+    q, dout = (torch.randn(1, n, heads, dim) for _ in range(2))
+    k, v = (torch.randn(1, n, kv_heads, dim) for _ in range(2))
+    fin, lse = torch.randn(1, n, heads, dim), torch.randn(1, n, heads) + 3.0
+    acc = [torch.zeros(x.shape) for x in (q, k, v)]
+    with pytest.warns(UserWarning, match="chunk by chunk"):
+        CudnnKernel(PickyOps()).backward_pattern(q, k, v, p, fin, lse, dout, *acc, packed=False, causal=True,
+                                                 scale=0.25)
+    want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(fin), d64(lse), d64(dout), *want, packed=False,
+                           causal=True, scale=0.25)
+    for name, got, w in zip("qkv", acc, want):
+        assert_within_rule(f"d{name}", got, w, w.float(), context=f"(seed {seed})")
+
+
 class HeldGrads(MathOps):
     """Counts, at each backward call, the gradients of earlier calls still alive; fails the ``fail_at``-th call."""
 
