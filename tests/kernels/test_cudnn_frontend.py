@@ -11,6 +11,10 @@ pattern cases, bitwise reproducibility, split equals unsplit.
 
 from __future__ import annotations
 
+import gc
+import sys
+import weakref
+
 import pytest
 import torch
 
@@ -232,3 +236,79 @@ def test_raw_pointer_execute_matches_the_mapped_one(monkeypatch, causal):
         results.append((out, lse4, *grads))
     for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
         assert torch.equal(a, b), f"{what} differs between raw-pointer and mapped execution"
+
+
+class _CyclicFrontend:
+    """A stand-in ``cudnn`` frontend module whose graph build leaves a reference cycle holding the frame it ran
+    under, as the frontend's Python layer does: through ``f_back`` the cycle holds every frame up the stack."""
+
+    class data_type:  # noqa: N801 (the frontend's name)
+        HALF, BFLOAT16, FLOAT = "half", "bfloat16", "float"
+
+    class heur_mode:  # noqa: N801
+        A, FALLBACK = "a", "fallback"
+
+    class _Node:
+        def __getattr__(self, name):  # set_output / set_dim / set_stride / set_data_type chain
+            return lambda *args: self
+
+    class pygraph:  # noqa: N801
+        def __init__(self, **kwargs):
+            self.runs = 0
+
+        def tensor_like(self, x):
+            return _CyclicFrontend._Node()
+
+        def sdpa(self, **kwargs):
+            return _CyclicFrontend._Node(), _CyclicFrontend._Node()
+
+        def build_plans(self):
+            cycle = {"frame": sys._getframe()}
+            cycle["self"] = cycle
+
+        def validate(self):
+            pass
+
+        build_operation_graph = check_support = validate
+
+        def create_execution_plans(self, modes):
+            pass
+
+        def get_workspace_size(self):
+            return 4096
+
+        def execute(self, tensors, workspace, handle):
+            self.runs += 1
+
+    @staticmethod
+    def set_stream(handle, stream):
+        pass
+
+
+def test_a_built_graph_leaves_no_cycle_holding_the_callers_tensors(monkeypatch):
+    """A graph's build must not keep the tensors of the frames it ran under alive past the call (on an H100 the
+    frontend's build held the first call's 512 MiB workspace beside the next calls'): with Python's collector
+    off, a tensor the caller dropped is freed once the call returns, whether the call built its graph or not."""
+    from dilated_attention.kernels import cudnn_frontend
+
+    monkeypatch.setattr(cudnn_frontend, "_frontend", lambda: _CyclicFrontend)
+    monkeypatch.setattr(cudnn_frontend, "current_raw_stream", lambda index: 0)
+    ops = CudnnFrontendOps()
+    q = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
+    ops._handles[q.device.index] = "handle"
+
+    def call() -> weakref.ref:
+        held = torch.randn(8)  # the caller's, dropped on return
+        ops.forward(q, q, q, causal=False, scale=0.25)
+        return weakref.ref(held)
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for built in (True, False):
+            ref = call()
+            assert ref() is None, f"a tensor of the calling frame outlived the call (graph built: {built})"
+        assert [entry[0].runs for entry in ops._graphs.values()] == [2]
+    finally:
+        if enabled:
+            gc.enable()
