@@ -983,7 +983,8 @@ def versions(torch, cuda: bool) -> dict:
         out["cuda"] = torch.version.cuda
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     names = {"triton": "triton", "deepspeed": "deepspeed", "fairscale": "fairscale", "flash_attn": "flash-attn",
-             "ring_flash_attn": "ring-flash-attn"}
+             "ring_flash_attn": "ring-flash-attn", "flash_attn_4": "flash-attn-4",
+             "cudnn_frontend": "nvidia-cudnn-frontend"}  # (the kernels a run measured: auto's flash4 and cudnn-det)
     found = package_versions(*names.values())
     return {**out, **{name: found[dist] for name, dist in names.items()}}
 
