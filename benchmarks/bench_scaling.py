@@ -474,19 +474,22 @@ class Bench:
             import torch.distributed as dist
 
             dist.barrier()
+
+        def iteration() -> None:
+            for _ in range(self.steps):
+                step()
+
         if self.cuda:
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            for _ in range(self.steps):
-                step()
+            iteration()
             b.record()
             b.synchronize()
             ms = a.elapsed_time(b) / self.steps
         else:
             t0 = time.perf_counter()
-            for _ in range(self.steps):
-                step()
+            iteration()
             ms = 1e3 * (time.perf_counter() - t0) / self.steps
         return self.max_over_ranks(ms) if collective else ms
 

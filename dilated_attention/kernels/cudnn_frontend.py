@@ -126,7 +126,6 @@ class CudnnFrontendOps(CudnnOps):
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._handles: dict[int, object] = {}
         self._streams: dict[int, int] = {}  # the stream each device's handle was last set to
-        self._builds = 0  # graphs built (a new one's first run collects the cycles its build left)
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         reason = super().supports(q, k)
@@ -176,8 +175,7 @@ class CudnnFrontendOps(CudnnOps):
         cudnn = _frontend()
         q = tensors[0]
         index = q.device.index
-        builds = self._builds
-        graph, nodes, workspace_bytes, order = self._graph(cudnn, tensors, direction, causal, scale)
+        (graph, nodes, workspace_bytes, order), built = self._graph(cudnn, tensors, direction, causal, scale)
         handle = self._handles[index]
         stream = current_raw_stream(index)
         if self._streams.get(index) != stream:  # (set once per stream: it costs a call per launch)
@@ -191,16 +189,17 @@ class CudnnFrontendOps(CudnnOps):
         else:  # (as a graph's build, older frontends' execute may read tensors through DLPack)
             graph.execute(dict(zip(nodes, (x.detach() for x in tensors))),
                           0 if workspace is None else workspace, handle=handle)
-        if self._builds != builds and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # built here
+        if built and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             _collect_build_cycles()
 
-    def _graph(self, cudnn, tensors, direction: str, causal: bool, scale: float):
+    def _graph(self, cudnn, tensors, direction: str, causal: bool, scale: float) -> tuple[tuple, bool]:
+        """``((graph, nodes, workspace bytes, pointer order), whether this call built it)``."""
         q = tensors[0]
         key = (q.device.index, direction, causal, scale, *((x.dtype, x.shape, x.stride()) for x in tensors))
         hit = self._graphs.get(key)
         if hit is not None:
             self._graphs.move_to_end(key)
-            return hit
+            return hit, False
         if q.device.index not in self._handles:
             with torch.cuda.device(q.device):
                 self._handles[q.device.index] = cudnn.create_handle()
@@ -232,10 +231,9 @@ class CudnnFrontendOps(CudnnOps):
         nodes = [*inputs, *results]
         entry = (graph, nodes, graph.get_workspace_size(), _pointer_order(graph, nodes))
         self._graphs[key] = entry
-        self._builds += 1
         if len(self._graphs) > _GRAPHS_KEPT:
             self._graphs.popitem(last=False)
-        return entry
+        return entry, True
 
 
 __all__ = ["BATCH_WORKSPACE_LIMIT", "CAUSAL_BLOCK", "CudnnFrontendOps", "WORKSPACE_LIMIT", "split_plan",
