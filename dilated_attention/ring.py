@@ -65,6 +65,7 @@ import torch
 
 from . import caches
 from .comm.base import CommBackend, Pending
+from .comm.stamps import STAMP_BYTES
 from .kernels.protocol import PatternKernel, clear_result_
 from .kernels.wrapper import KernelWrapper
 from .merge import Part, accum_dtype, add_into_, combine_results, merge_into_, sum_grads
@@ -753,8 +754,8 @@ class _Swapped:
     sends the compact q, k, v, out, dO and lse the same way (nothing is kept between the directions) and brings
     dQ, dK, dV home. The first all-to-all runs beside other patterns: posted before them all on one stream, or
     at its turn where side streams run the local patterns (``_run_swap``). Each all-to-all packs its tensors into
-    one buffer per rank: one transfer per peer and direction, with the call's stamp beside it (each transfer
-    costs the host a launch)."""
+    one buffer per rank, the call's stamp in its last 16 bytes: one transfer per peer and direction (each
+    all-to-all costs the host a launch)."""
 
     def __init__(self, ring: RingCall, plan: PatternPlan, members: tuple[int, ...], direction: str) -> None:
         self.ring, self.plan, self.members, self.direction = ring, plan, members, direction
@@ -770,7 +771,9 @@ class _Swapped:
     def _post(self, blocks: list[torch.Tensor], what: str) -> None:
         """An all-to-all of ``blocks`` (each ``(G, ...)``, any strides: block ``m`` to member ``m``), packed."""
         sizes = [-(-x[0].numel() * x.element_size() // _ALIGN) * _ALIGN for x in blocks]
-        buffer = torch.empty((len(self.members), sum(sizes)), dtype=torch.uint8, device=blocks[0].device)
+        # (the last 16 bytes of each member's block carry the stamp: one transfer per peer, stamp included)
+        buffer = torch.empty((len(self.members), sum(sizes) + STAMP_BYTES), dtype=torch.uint8,
+                             device=blocks[0].device)
         self.views = []
         for x, at in zip(blocks, itertools.accumulate([0, *sizes[:-1]])):
             view = buffer[:, at:at + x[0].numel() * x.element_size()].view(x.dtype).unflatten(1, x.shape[1:])
@@ -781,7 +784,7 @@ class _Swapped:
         (self.got,), self.pending = self.ring.comm.all_to_all(
             [buffer], self.members, f"call {self.ring.call}, {self.direction}, pattern {plan.index} "
             f"(w={plan.segment}, r={plan.dilation}), head swap of ranks {list(self.members)}, {what}",
-            stamp=self.stamp)
+            stamp=self.stamp, stamp_room=True)
 
     def land(self) -> None:
         """Orders the caller's stream after the posted all-to-all (no host sync) and lets go of the sent buffer,

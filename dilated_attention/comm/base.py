@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..caches import Table, capturing, register
-from .stamps import STAMP_BYTES, Ledger, Stamp, verdict
+from .stamps import STAMP_BYTES, Ledger, Stamp, block_tail, verdict
 
 SCHEDULES_KEPT = 256  # configurations a backend remembers (a table that fills up starts over)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # backends alive, for cache_info and clear_caches (weakly held)
@@ -376,7 +376,7 @@ class CommBackend(ABC):
         return rows.data
 
     def all_to_all(self, sends: Sequence[torch.Tensor], ranks: tuple[int, ...], what: str = "all-to-all", *,
-                   stamp: Stamp | None = None) -> tuple[list[torch.Tensor], Pending]:
+                   stamp: Stamp | None = None, stamp_room: bool = False) -> tuple[list[torch.Tensor], Pending]:
         """Start an all-to-all of each tensor of ``sends`` among group ranks ``ranks`` (this rank among them).
 
         Each tensor is contiguous with dim 0 indexed by position in ``ranks``: block ``m`` goes to
@@ -385,15 +385,24 @@ class CommBackend(ABC):
         one after the other, so a caller whose rows follow the blocks gets them as a view. Over the
         whole group each tensor is one collective all-to-all, and ``stamp`` (16 bytes to each peer) one
         more (on GPUs: ``collective_all_to_all``); otherwise every tensor goes in one batch of point-to-point
-        transfers with the stamp as a separate small transfer of the same batch. Either way the stamps are
-        checked on arrival.
+        transfers with the stamp as a separate small transfer of the same batch. ``stamp_room``: the caller left
+        the last 16 bytes of each block of ``sends[0]`` free (``stamps.block_tail``): the stamp travels there,
+        inside the transfers (each all-to-all costs the host a launch). Either way the stamps are checked on
+        arrival.
         """
         for x in sends:
             if x.shape[0] != len(ranks) or not x.is_contiguous():
                 raise ValueError(f"all_to_all needs contiguous tensors with dim 0 = {len(ranks)} ranks, "
                                  f"got shape {tuple(x.shape)}")
-        me = ranks.index(self.rank)
         got = [torch.empty_like(x) for x in sends]
+        if stamp is not None and stamp_room:
+            return got, self._stamped_inside(sends, got, ranks, what, stamp)
+        return got, self._post_all_to_all(sends, got, ranks, what, stamp)
+
+    def _post_all_to_all(self, sends: Sequence[torch.Tensor], got: list[torch.Tensor], ranks: tuple[int, ...],
+                         what: str, stamp: Stamp | None = None) -> Pending:
+        """``all_to_all``'s transfers of ``sends`` into ``got``, ``stamp`` beside them."""
+        me = ranks.index(self.rank)
         collective = sends[0].is_cuda if self.collective_all_to_all is None else self.collective_all_to_all
         if ranks != tuple(range(self.world_size)) or not collective:
             peers = [(m, r) for m, r in enumerate(ranks) if m != me]
@@ -401,7 +410,7 @@ class CommBackend(ABC):
                                     [(y[m], r) for m, r in peers for y in got], what, stamp=stamp)
             for x, y in zip(sends, got):
                 y[me].copy_(x[me])
-            return got, pending
+            return pending
         # the whole group: one collective per tensor (a batch of point-to-point transfers costs the host a
         # call per transfer), its own block copied by the collective
         works = [self._all_to_all(y, x) for x, y in zip(sends, got)]
@@ -412,7 +421,19 @@ class CommBackend(ABC):
             works.append(self._all_to_all(rows, stamp.header(device, len(ranks))))
         waiting = self._waiting([w for work in works for w in self._handles(work)],
                                 f"the all-to-all of ranks {list(ranks)}", what)
-        return got, waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
+        return waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
+
+    def _stamped_inside(self, sends: Sequence[torch.Tensor], got: list[torch.Tensor], ranks: tuple[int, ...],
+                        what: str, stamp: Stamp) -> Pending:
+        """``all_to_all`` of ``sends`` into ``got`` with the stamp in the last 16 bytes of each block of the first:
+        written there before the transfers, checked where it lands (on the host a row still 0 after a failed wait
+        says that nothing arrived there)."""
+        device = sends[0].device
+        block_tail(sends[0]).copy_(stamp.header(device, len(ranks)))
+        rows = block_tail(got[0])
+        if not self.ledger.deferred(device):
+            rows.zero_()
+        return _Stamped(self._post_all_to_all(sends, got, ranks, what), self.ledger, stamp, rows, logged=False)
 
     def collective_device(self, like: torch.Tensor) -> torch.device:
         """Where small control tensors must live for this group's collectives."""

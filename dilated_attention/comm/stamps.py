@@ -12,8 +12,9 @@ carries a stamp, four int32 words::
 (the fingerprint is the crc32 of the agreed call signature; backward stamps carry 0 there, their
 call number and direction identify them) and the receiver compares each stamp it gets with its own.
 Ring steps send it as a 16-byte tensor in the same batched send/receive as the block; all-to-alls
-of the whole group as one more small all-to-all beside theirs (of part of it, as a transfer in
-their batch); the key-mask all-gather appends it to each rank's row.
+inside their blocks where the caller left room (``block_tail``: the head swaps, the causal ring's
+swapped patterns), else as one more small all-to-all beside theirs (of part of the group, as a
+transfer in their batch); the key-mask all-gather appends it to each rank's row.
 
 Where the comparison happens:
 
@@ -261,6 +262,13 @@ class Ledger:
             return None
         full = self._chunks[:-1]
         return torch.cat([*full, self._chunks[-1][:self._used]]) if full else self._chunks[-1][:self._used]
+
+
+def block_tail(buffer: torch.Tensor) -> torch.Tensor:
+    """``(A, 4)`` int32 view of the last 16 bytes of each block ``buffer[m]`` of a contiguous buffer whose blocks
+    are a multiple of 16 bytes: where an all-to-all's stamp travels inside the transfers
+    (``CommBackend.all_to_all(..., stamp_room=True)``)."""
+    return buffer.view(buffer.shape[0], -1)[:, -(STAMP_BYTES // buffer.element_size()):].view(torch.int32)
 
 
 def explain(what: str) -> str:

@@ -41,20 +41,27 @@ def _worker(rank: int, world: int) -> dict:
     # collectives are asked for) and over ranks 0, 1
     collectives, posted = [], comm._all_to_all
     comm._all_to_all = lambda out, inp: (collectives.append(inp.shape), posted(out, inp))[1]
+    # (``_room``: the stamp inside the first tensor's blocks, in 16 bytes left free after the data)
     for name, ranks, collective in (("a2a_group", tuple(range(world)), None),
-                                    ("a2a_collective", tuple(range(world)), True), ("a2a_part", (0, 1), True)):
+                                    ("a2a_collective", tuple(range(world)), True), ("a2a_part", (0, 1), True),
+                                    ("a2a_collective_room", tuple(range(world)), True),
+                                    ("a2a_part_room", (0, 1), True)):
         comm.collective_all_to_all = collective
         if rank not in ranks:
             res[name] = True
             continue
-        a = len(ranks)
-        sends = [torch.arange(a * 6.0).view(a, 2, 3) + 1000 * rank, torch.full((a, 5), rank, dtype=torch.int64)]
-        got, pending = comm.all_to_all(sends, ranks, name, stamp=comm.stamp(2, "forward"))
+        a, room = len(ranks), name.endswith("_room")
+        first = torch.arange(a * 8.0, dtype=torch.float64).view(a, 8) + 1000 * rank  # (room: its last two)
+        sends = [first, torch.full((a, 5), rank, dtype=torch.int64)]
+        before = len(collectives)
+        got, pending = comm.all_to_all(sends, ranks, name, stamp=comm.stamp(2, "forward"), stamp_room=room)
         pending.wait()
         me = ranks.index(rank)
-        res[name] = all(torch.equal(got[0][m], torch.arange(6.0).view(2, 3) + 6 * me + 1000 * r)
+        data = 6 if room else 8
+        sent = torch.arange(8.0, dtype=torch.float64)
+        res[name] = all(torch.equal(got[0][m, :data], (sent + 8 * me + 1000 * r)[:data])
                         and torch.equal(got[1][m], torch.full((5,), r)) for m, r in enumerate(ranks))
-        res[name + "_collectives"] = len(collectives)
+        res[name + "_collectives"] = len(collectives) - before
     comm.collective_all_to_all, comm._all_to_all = None, posted
     res["mismatch"] = comm.ledger.mismatch
     try:
@@ -70,11 +77,13 @@ def test_exchange_delivers_every_tensor_to_its_peer():
         assert res["blocks"] and res["rows"], rank
         assert res["one_sided"], rank
         assert "contiguous" in res["strided"], res["strided"]
-        assert res["a2a_group"] and res["a2a_collective"] and res["a2a_part"], rank
-        # CPU tensors: a batch by default; asked for, two collectives and one for the stamps; part of the group:
-        # a batch whatever is asked
+        assert all(res[n] for n in ("a2a_group", "a2a_collective", "a2a_part", "a2a_collective_room",
+                                    "a2a_part_room")), (rank, res)
+        # CPU tensors: a batch by default; asked for, two collectives and one for the stamps (none with the stamp
+        # inside); part of the group: a batch whatever is asked
         assert (res["a2a_group_collectives"], res["a2a_collective_collectives"]) == (0, 3), res
-        assert res.get("a2a_part_collectives", 3) == 3, res
+        assert res["a2a_collective_room_collectives"] == 2, res
+        assert res.get("a2a_part_collectives", 0) == res.get("a2a_part_room_collectives", 0) == 0, res
         assert res["mismatch"] is None, res["mismatch"]
 
 
