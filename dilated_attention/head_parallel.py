@@ -5,16 +5,13 @@ gives each rank the team's whole block of ``A * L`` rows for ``H / A`` of the
 query heads (and the kv heads those need), the attention runs on that block
 (locally, or as a ring across teams: the hybrid strategy), and a second
 all-to-all brings the output rows home. Each swap's gradient is the reverse swap
-(``*_backward``; ``functional.py`` pairs them), so gradients are exact. A swap from sequence to heads
-packs q, k and v (and the backward's dO) side by side in each row of one buffer (``_packed``), the call's
-stamp in room left at the rows' end: one all-to-all (``CommBackend.all_to_all``: a collective over the whole
-group on GPUs, else one batch of transfers) where three and a stamp's would each cost the host a launch. The
-swaps home (out; dQ, dK, dV) send the results where they lie, one all-to-all each with the stamp's beside.
+(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each swap moves q, k and v
+(``CommBackend.all_to_all``: one collective each over the whole group on GPUs, else one batch of transfers)
+with the call's stamp beside them (``comm/stamps.py``).
 
 Copies: one per tensor and swap, where heads interleave (packing one member's heads,
 merging every member's heads); the side where rows follow member blocks is a view at
-batch size 1 (``_by_member_rows``, ``member_rows``; received packed rows are read in place, at their
-row stride), as in DeepSpeed Ulysses.
+batch size 1 (``_by_member_rows``, ``member_rows``), as in DeepSpeed Ulysses.
 
 In the zigzag layout (``RingLayout``) member ``m`` holds two half-shard chunks; the team's rows are
 put in the team's own zigzag order (``member_rows``, and back: ``_by_member_rows``): the members' first
@@ -34,13 +31,11 @@ chunks holds one chunk's head-layout tensors at a time, the backward swapping q,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .comm.base import CommBackend
-from .comm.stamps import STAMP_BYTES
 from .memory import HeadRange
 
 
@@ -86,26 +81,9 @@ def _member_heads(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -
 
 
 def _by_member_heads(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
-    """``(B, L, A h, D)`` -> the ``(A, B, L, h1 - h0, D)`` view whose block ``m`` holds member ``m``'s local heads
-    ``[h0, h1)``."""
-    return _member_heads(x, a, h0, h1).permute(2, 0, 1, 3, 4)
-
-
-def _packed(shapes: list[tuple[int, ...]], like: torch.Tensor, buffer: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``(buffer, views)``: a ``(A, B, L, width)`` buffer (``buffer``, else a new one like ``like``) holding
-    tensors of ``shapes`` (each ``(A, B, L, h, D)``) side by side in each row, and their views. One all-to-all
-    then moves them all, with the stamp in each member block's last row (16 bytes of room at the end of every
-    row: ``stamps.block_tail``). Each tensor starts 16-byte aligned (kernels read the received rows in place:
-    at batch 1 the member-order rows keep one row stride, ``member_rows``)."""
-    step = STAMP_BYTES // like.element_size()
-    starts, width = [], 0
-    for shape in shapes:
-        starts.append(width)
-        width += -(-math.prod(shape[3:]) // step) * step
-    if buffer is None:
-        buffer = like.new_empty((*shapes[0][:3], width + step))
-    return buffer, [buffer[..., at:at + math.prod(s[3:])].unflatten(3, s[3:]) for at, s in zip(starts, shapes)]
+    """``(B, L, A h, D)`` -> ``(A, B, L, h1 - h0, D)``: block ``m`` holds member ``m``'s local heads ``[h0, h1)``
+    (one copy)."""
+    return _member_heads(x, a, h0, h1).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def _by_member_rows(x: torch.Tensor, a: int, zigzag: bool = False) -> torch.Tensor:
@@ -128,7 +106,7 @@ def member_rows(recv: torch.Tensor, zigzag: bool = False) -> torch.Tensor:
     members' in order (a view at batch 1), or ``zigzag`` (module doc; one copy)."""
     a, bsz, n, *rest = recv.shape
     if not zigzag:
-        return recv.transpose(0, 1).reshape(bsz, a * n, *rest)
+        return recv.transpose(0, 1).reshape(bsz, a * n, *rest).contiguous()
     half = n // 2
     rows = recv.new_empty((bsz, a * n, *rest))
     rows[:, :a * half].unflatten(1, (a, half)).copy_(recv[:, :, :half].transpose(0, 1))
@@ -152,7 +130,7 @@ def _kv_by_member(x: torch.Tensor, split: HeadSplit, part: HeadRange | None = No
     """``(B, L, Hkv, D)`` -> ``(A, B, L, hk, D)``: block ``m`` holds the kv heads member ``m`` reads (``part``:
     its local kv heads ``[k0, k1)``)."""
     k0, k1 = (part.k0, part.k1) if part is not None else (0, None)
-    if split.kv_heads % split.team == 0:  # kv heads split evenly: a view, no loop
+    if split.kv_heads % split.team == 0:  # kv heads split evenly: one strided copy, no loop
         return _by_member_heads(x, split.team, k0, k1)
     return torch.stack([x[:, :, split.kv_sources(m)[k0:k1]] for m in range(split.team)])
 
@@ -164,22 +142,6 @@ def _swap(sends: list[torch.Tensor], swap: HeadSwap, direction: str, what: str) 
                                         stamp=swap.comm.stamp(swap.call, direction))
     pending.wait()
     return got
-
-
-def _swap_packed(sources: list[torch.Tensor], swap: HeadSwap, direction: str, what: str) -> list[torch.Tensor]:
-    """``_swap`` of ``sources`` (each ``(A, B, L, h, D)``, any strides) copied into one packed buffer
-    (``_packed``: one copy each, the one a send needs anyway): one all-to-all, stamp inside. The received
-    blocks are views of one buffer."""
-    shapes = [tuple(x.shape) for x in sources]
-    sends, views = _packed(shapes, sources[0])
-    for view, x in zip(views, sources):
-        view.copy_(x)
-    del views
-    sources.clear()
-    (got,), pending = swap.comm.all_to_all([sends], swap.team, f"{swap.what}, {what}",
-                                           stamp=swap.comm.stamp(swap.call, direction), stamp_room=True)
-    pending.wait()
-    return _packed(shapes, got, got)[1]
 
 
 @dataclass(frozen=True)
@@ -202,10 +164,9 @@ def sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, swap: H
     ``more`` query-side tensors (a chunk's backward: out, dout) as q; ``part``: only those local heads."""
     h0, h1 = (part.h0, part.h1) if part is not None else (0, None)
     team = swap.split.team
-    sources = [_by_member_heads(q, team, h0, h1), _kv_by_member(k, swap.split, part),
-               _kv_by_member(v, swap.split, part), *(_by_member_heads(x, team, h0, h1) for x in more)]
-    got = _swap_packed(sources, swap, direction, "sequence-to-heads all-to-all")
-    return tuple(member_rows(x, swap.zigzag) for x in got)
+    sends = [_by_member_heads(q, team, h0, h1), _kv_by_member(k, swap.split, part),
+             _kv_by_member(v, swap.split, part), *(_by_member_heads(x, team, h0, h1) for x in more)]
+    return tuple(member_rows(x, swap.zigzag) for x in _swap(sends, swap, direction, "sequence-to-heads all-to-all"))
 
 
 def sequence_to_heads_backward(grads: list[torch.Tensor], swap: HeadSwap, kv_shape: torch.Size,
@@ -250,6 +211,6 @@ def heads_to_sequence(out: torch.Tensor, swap: HeadSwap, part: HeadRange | None 
 
 def heads_to_sequence_backward(dout: torch.Tensor, swap: HeadSwap) -> torch.Tensor:
     """The gradient of ``heads_to_sequence``: the reverse swap."""
-    (got,) = _swap_packed([_by_member_heads(dout, len(swap.team))], swap, "backward",
-                          "backward of heads-to-sequence all-to-all")
+    (got,) = _swap([_by_member_heads(dout, len(swap.team))], swap, "backward",
+                   "backward of heads-to-sequence all-to-all")
     return member_rows(got, swap.zigzag)

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from dilated_attention.comm.stamps import block_tail
 from dilated_attention.head_parallel import (HeadSplit, _by_member_heads, _by_member_rows, _kv_by_member,
-                                             _merge_heads, _packed, member_rows)
+                                             _merge_heads, member_rows)
 
 
 def _x(*shape, seed=0):
@@ -57,28 +56,3 @@ def test_kv_heads_each_member_reads(heads, kv_heads, team):
     assert blocks.shape[3] == split.local_kv_heads
     for m in range(team):
         assert torch.equal(blocks[m], k[:, :, split.kv_sources(m)])
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bsz", [1, 2])
-def test_packed_rows_hold_each_tensor_and_the_stamp_apart(dtype, bsz):
-    """q, k, v packed side by side in each row: each view holds its tensor, the stamp's room (the last 16 bytes of
-    each member block) touches none of them, every start is 16-byte aligned, and at batch 1 the member-order rows
-    are a view with one row stride."""
-    team, rows = 3, 5
-    shapes = [(team, bsz, rows, 4, 6), (team, bsz, rows, 1, 6), (team, bsz, rows, 1, 6)]  # GQA, odd head dim
-    sources = [_x(*s, seed=10 + i).to(dtype) for i, s in enumerate(shapes)]
-    buffer, views = _packed(shapes, sources[0])
-    for view, x in zip(views, sources):
-        view.copy_(x)
-    block_tail(buffer).copy_(torch.arange(4 * team, dtype=torch.int32).view(team, 4))
-    for view, x in zip(views, sources):
-        assert view.data_ptr() % 16 == 0 and view.stride(2) % (16 // dtype.itemsize) == 0
-        assert torch.equal(view, x), "the stamp's room overlaps a tensor"
-    assert block_tail(buffer).tolist() == torch.arange(4 * team).view(team, 4).tolist()
-    again = _packed(shapes, buffer, buffer)[1]  # the receiver's views of the same layout
-    assert all(torch.equal(a, x) for a, x in zip(again, sources))
-    team_rows = member_rows(again[0])
-    assert torch.equal(team_rows, torch.cat(list(sources[0].unbind(0)), dim=1))
-    if bsz == 1:
-        assert team_rows.data_ptr() == buffer.data_ptr(), "batch 1: read in place"

@@ -12,9 +12,10 @@ carries a stamp, four int32 words::
 (the fingerprint is the crc32 of the agreed call signature; backward stamps carry 0 there, their
 call number and direction identify them) and the receiver compares each stamp it gets with its own.
 Ring steps send it as a 16-byte tensor in the same batched send/receive as the block; all-to-alls
-inside their blocks where the caller left room (``block_tail``: the head swaps, the causal ring's
-swapped patterns), else as one more small all-to-all beside theirs (of part of the group, as a
-transfer in their batch); the key-mask all-gather appends it to each rank's row.
+carry it inside their blocks where the caller left room (``block_tail``: the causal ring's swapped
+patterns, whose tensors travel packed in one buffer anyway), else as one more small all-to-all
+beside theirs (of part of the group, as a transfer in their batch); the key-mask all-gather appends
+it to each rank's row.
 
 Where the comparison happens:
 

@@ -23,7 +23,10 @@ What is copied, and why (everything else is read in place):
 * backward ``out``/``dout`` are read in place only when they have exactly ``q``'s
   strides; otherwise ``q``, ``out`` and ``dout`` are all copied compact. torch's
   backward graph cache keys on q/k/v only (some versions), so ``out``/``dout``
-  strides must be a function of q's: they are always equal to them.
+  strides must be a function of q's: they are always equal to them. Ops whose
+  plans key on every tensor's strides (``own_strides``: the frontend's) read each
+  in place wherever it is readable: q, k, v as views of a packed projection, with
+  out and dout dense.
 
 GQA runs natively (a call has ``h`` query heads and ``h / g`` kv heads).
 cuDNN's backward is not deterministic (dQ is accumulated with atomics; torch
@@ -90,6 +93,7 @@ class CudnnOps:
 
     name = "cudnn"
     deterministic_backward = False  # cuDNN accumulates dQ with atomics (torch exposes no deterministic mode)
+    own_strides = False  # backward out/dout must have q's strides: torch's graph cache keys on q, k, v only
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         if q.device.type != "cuda":
@@ -630,7 +634,8 @@ class CudnnKernel:
                          written: set[int] | None, compact: bool, key_mask: torch.Tensor | None) -> None:
         q, k, out, dout = tensors[0], tensors[1], tensors[3], tensors[5]
         kv = self._kv_role(packed)
-        same = all(x.stride() == q.stride() and x.dtype == q.dtype for x in (out, dout))
+        own = getattr(self.ops, "own_strides", False)
+        same = all((own or x.stride() == q.stride()) and x.dtype == q.dtype for x in (out, dout))
         key = _config_key(q, k, plan, packed, causal, self.name)
         stacked, proven = key not in _REFUSED, key in _PROVEN
         for g in _groups(plan) if stacked else _singles(plan):

@@ -114,6 +114,7 @@ class CudnnFrontendOps(CudnnOps):
 
     name = "cudnn-det"
     deterministic_backward = True
+    own_strides = True  # a graph is built per every tensor's strides (``_graph``): out/dout need not be q's
 
     def __init__(self, workspace_limit: int = WORKSPACE_LIMIT, batch_workspace_limit: int = BATCH_WORKSPACE_LIMIT
                  ) -> None:

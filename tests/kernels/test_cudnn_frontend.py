@@ -40,7 +40,7 @@ class MathFrontendOps(CudnnFrontendOps):
 
     def __init__(self, workspace_limit: int = 1 << 40, batch_workspace_limit: int = 1 << 40) -> None:
         super().__init__(workspace_limit, batch_workspace_limit)
-        self.math = MathOps(write_into=True)  # the frontend's forward writes where it is told
+        self.math = MathOps(write_into=True, own_strides=True)  # the frontend's forward writes where it is told
         self.runs: list[tuple] = []
 
     def supports(self, q, k):
