@@ -634,7 +634,7 @@ class CudnnKernel:
                          written: set[int] | None, compact: bool, key_mask: torch.Tensor | None) -> None:
         q, k, out, dout = tensors[0], tensors[1], tensors[3], tensors[5]
         kv = self._kv_role(packed)
-        own = getattr(self.ops, "own_strides", False)
+        own = getattr(self.ops, "own_strides", False)  # (ops without the attribute: as torch's)
         same = all((own or x.stride() == q.stride()) and x.dtype == q.dtype for x in (out, dout))
         key = _config_key(q, k, plan, packed, causal, self.name)
         stacked, proven = key not in _REFUSED, key in _PROVEN

@@ -157,6 +157,7 @@ class Flash4Ops:
     keys alike (a causal square stays aligned); the rows past them are skipped, their results unspecified."""
 
     padding_masks = True
+    own_strides = False  # (``CudnnOps.own_strides``) out/dout without q's strides are copied with q (unmeasured)
 
     def __init__(self, deterministic: bool = True) -> None:
         self.deterministic_backward = bool(deterministic)
