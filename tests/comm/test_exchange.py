@@ -4,7 +4,8 @@
 Ring steps, all-to-alls of part of the group and the shared rows of causal rings go through ``exchange``;
 three gloo ranks check that every tensor lands where it was sent (two per peer, in posting order), one-sided
 batches (a rank that only receives, ranks that only send), the errors raised before anything is posted, and
-that both kinds of all-to-all deliver each block to its member with the stamps checked.
+that both kinds of all-to-all deliver each block to its member with the stamps checked, beside the blocks or
+inside them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def _worker(rank: int, world: int) -> dict:
         res[name + "_collectives"] = len(collectives) - before
     comm.collective_all_to_all, comm._all_to_all = None, posted
     res["mismatch"] = comm.ledger.mismatch
+    # a stamp inside the blocks still tells ranks out of step: each rank sends another call number
+    first = torch.zeros(world, 8, dtype=torch.float64)
+    comm.all_to_all([first], tuple(range(world)), "drift", stamp=comm.stamp(10 + rank, "forward"),
+                    stamp_room=True)[1].wait()
+    error = comm.ledger.error()
+    res["drift"] = "" if error is None else str(error)
+    comm.ledger.defer = True  # the device path on CPU: logged on arrival, raised by the next verdict
+    comm.all_to_all([first], tuple(range(world)), "drift", stamp=comm.stamp(20 + rank, "forward"),
+                    stamp_room=True)[1].wait()
+    try:
+        comm.verify()
+        res["deferred_drift"] = ""
+    except ValueError as exc:
+        res["deferred_drift"] = str(exc)
     try:
         comm.exchange([(torch.zeros(4, 4).t(), others[0])], [], "strided")
         res["strided"] = "no error"
@@ -85,6 +100,8 @@ def test_exchange_delivers_every_tensor_to_its_peer():
         assert res["a2a_collective_room_collectives"] == 2, res
         assert res.get("a2a_part_collectives", 0) == res.get("a2a_part_room_collectives", 0) == 0, res
         assert res["mismatch"] is None, res["mismatch"]
+        assert "ranks out of step" in res["drift"] and f"call {10 + rank}" in res["drift"], res["drift"]
+        assert "ranks out of step" in res["deferred_drift"], res["deferred_drift"]
 
 
 def test_header_templates_make_each_calls_words():
