@@ -64,8 +64,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import caches
-from .comm.base import CommBackend, Pending
-from .comm.stamps import STAMP_BYTES
+from .comm.base import Blocks, CommBackend, Pending
 from .kernels.protocol import PatternKernel, clear_result_
 from .kernels.wrapper import KernelWrapper
 from .merge import Part, accum_dtype, add_into_, combine_results, merge_into_, sum_grads
@@ -771,9 +770,8 @@ class _Swapped:
     def _post(self, blocks: list[torch.Tensor], what: str) -> None:
         """An all-to-all of ``blocks`` (each ``(G, ...)``, any strides: block ``m`` to member ``m``), packed."""
         sizes = [-(-x[0].numel() * x.element_size() // _ALIGN) * _ALIGN for x in blocks]
-        # (the last 16 bytes of each member's block carry the stamp: one transfer per peer, stamp included)
-        buffer = torch.empty((len(self.members), sum(sizes) + STAMP_BYTES), dtype=torch.uint8,
-                             device=blocks[0].device)
+        # (each member's block, the stamp after it: one transfer per peer, stamp included)
+        buffer = Blocks((len(self.members), sum(sizes)), torch.uint8, blocks[0].device).raw
         self.views = []
         for x, at in zip(blocks, itertools.accumulate([0, *sizes[:-1]])):
             view = buffer[:, at:at + x[0].numel() * x.element_size()].view(x.dtype).unflatten(1, x.shape[1:])

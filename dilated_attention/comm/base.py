@@ -22,7 +22,8 @@ on every rank that waits for it instead of a hang.
 Every exchange of a call also carries the call's stamp (``stamps.py``: configuration
 fingerprint, call number, direction; 16 bytes): ring steps as a small tensor to each peer in the
 same batch of transfers (so received blocks stay contiguous and callers read them as views),
-all-to-alls as one more all-to-all of the stamps, all-gathers after each rank's row (``Blocks``). A rank whose
+all-to-alls as one more all-to-all of the stamps (or inside the blocks, after each one's data, where the
+caller left room: ``Blocks``, ``stamp_room``), all-gathers after each rank's row (``Blocks``). A rank whose
 peer is in another call or configuration raises ``ValueError`` instead of mixing their data.
 """
 
@@ -192,8 +193,9 @@ class _Stamped:
 
 
 class Blocks:
-    """``data`` ``(A, ...)`` whose block ``m`` travels as one unit (rank ``m``'s row of an all-gather) with a
-    stamp after it: laid out in ``raw`` ``(A, row)``, ``header`` ``(A, 4)`` int32 after each block's data."""
+    """``data`` ``(A, ...)`` whose block ``m`` travels as one unit (rank ``m``'s row of an all-gather, member ``m``'s
+    block of an all-to-all with ``stamp_room``) with a stamp after it: laid out in ``raw`` ``(A, row)``, ``header``
+    ``(A, 4)`` int32 after each block's data (``stamps.block_tail``)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  raw: torch.Tensor | None = None) -> None:
@@ -202,7 +204,7 @@ class Blocks:
         pad = -(-per // step) * step
         self.raw = raw if raw is not None else torch.empty((shape[0], pad + step), dtype=dtype, device=device)
         self.data = self.raw[:, :per].view(shape)
-        self.header = self.raw[:, pad:].view(torch.int32)
+        self.header = block_tail(self.raw)
 
 
 class CommBackend(ABC):
@@ -386,7 +388,7 @@ class CommBackend(ABC):
         whole group each tensor is one collective all-to-all, and ``stamp`` (16 bytes to each peer) one
         more (on GPUs: ``collective_all_to_all``); otherwise every tensor goes in one batch of point-to-point
         transfers with the stamp as a separate small transfer of the same batch. ``stamp_room``: the caller left
-        the last 16 bytes of each block of ``sends[0]`` free (``stamps.block_tail``): the stamp travels there,
+        the last 16 bytes of each block of ``sends[0]`` free (``Blocks.raw``): the stamp travels there,
         inside the transfers (each all-to-all costs the host a launch). Either way the stamps are checked on
         arrival.
         """

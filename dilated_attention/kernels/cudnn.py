@@ -398,12 +398,12 @@ class _ForwardCall:
 _BACKWARD_CALLS = caches.table("cudnn.backward_calls", 512)
 
 
-def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, compact: bool,
+def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, joint: bool, compact: bool,
                     mask: torch.Tensor | None) -> tuple[_BackwardCall, ...]:
     """The calls of group ``g`` on ``tensors = (q, k, v, out, lse, dout, dq, dk, dv)``, cached by geometry;
     ``compact``: the gradients are a pattern's compact parts, else full-layout accumulators; ``mask``: a
     padding mask (``(B, L)``) or ``None``."""
-    key = (plan, g, kv, same, compact, *map(layout_key, tensors), mask is not None and layout_key(mask))
+    key = (plan, g, kv, joint, compact, *map(layout_key, tensors), mask is not None and layout_key(mask))
     hit = _BACKWARD_CALLS.get(key)
     if hit is not None:
         return hit
@@ -417,7 +417,7 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, 
               for name, x, role in zip(("dq", "dk", "dv"), (dq, dk, dv), grad_roles)},
            **({} if mask is None else {"keys": _key_view(mask, plan, g)})}
     in_place = {name for name in ("k", "v") if readable(src[name])}
-    if same and all(readable(src[x]) for x in ("q", "out", "dout")):
+    if joint and all(readable(src[x]) for x in ("q", "out", "dout")):
         in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
     calls = []
     for sub, tsz in _calls(src, *_split(src, in_place)):
@@ -634,14 +634,16 @@ class CudnnKernel:
                          written: set[int] | None, compact: bool, key_mask: torch.Tensor | None) -> None:
         q, k, out, dout = tensors[0], tensors[1], tensors[3], tensors[5]
         kv = self._kv_role(packed)
-        own = getattr(self.ops, "own_strides", False)  # (ops without the attribute: as torch's)
-        same = all((own or x.stride() == q.stride()) and x.dtype == q.dtype for x in (out, dout))
+        # q, out and dout may be read in place together: out/dout of q's dtype, and of q's strides unless the ops
+        # plan every tensor's (ops without the attribute: as torch's)
+        own = getattr(self.ops, "own_strides", False)
+        joint = all((own or x.stride() == q.stride()) and x.dtype == q.dtype for x in (out, dout))
         key = _config_key(q, k, plan, packed, causal, self.name)
         stacked, proven = key not in _REFUSED, key in _PROVEN
         for g in _groups(plan) if stacked else _singles(plan):
             retry = stacked and not proven and len(g.chunks) > 1  # a refusal would redo it chunk by chunk
             try:
-                self._backward_group(tensors, plan, g, kv, same, causal, scale, written, compact, key_mask,
+                self._backward_group(tensors, plan, g, kv, joint, causal, scale, written, compact, key_mask,
                                      store_late=retry)
             except torch.OutOfMemoryError:
                 raise
@@ -650,12 +652,12 @@ class CudnnKernel:
                     raise
                 _refuse(key, exc, self.name)
                 for c in g.chunks:
-                    self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, same, causal, scale,
+                    self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, joint, causal, scale,
                                          written, compact, key_mask)
         if key not in _REFUSED:  # every group ran stacked
             _PROVEN.add(key)
 
-    def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, same: bool, causal: bool,
+    def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, joint: bool, causal: bool,
                         scale: float, written: set[int] | None, compact: bool, key_mask: torch.Tensor | None,
                         store_late: bool = False) -> None:
         """One group's calls, each call's gradients stored as it returns (``store_late``: only once every call
@@ -673,7 +675,7 @@ class CudnnKernel:
                 add_into_(target, grad, fresh=written is not None and (name == "dq" or first_kv))
 
         pending = []
-        for call in _backward_calls(tensors, plan, g, kv, same, compact, key_mask):
+        for call in _backward_calls(tensors, plan, g, kv, joint, compact, key_mask):
             nt, tsz = len(call.tsz), call.tsz
             q4, k4, v4, o4, g4 = (spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt, dtype)
                                   for spec, in_place in call.operands)
