@@ -32,10 +32,11 @@ chunks holds one chunk's head-layout tensors at a time, the backward swapping q,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 
-from .comm.base import CommBackend
+from .comm.base import CommBackend, Pending
 from .memory import HeadRange
 
 
@@ -135,13 +136,24 @@ def _kv_by_member(x: torch.Tensor, split: HeadSplit, part: HeadRange | None = No
     return torch.stack([x[:, :, split.kv_sources(m)[k0:k1]] for m in range(split.team)])
 
 
-def _swap(sends: list[torch.Tensor], swap: HeadSwap, direction: str, what: str) -> list[torch.Tensor]:
-    """The team's all-to-all of ``sends`` (each ``(A, ...)``, block ``m`` to member ``m``);
-    the received blocks, block ``m`` from member ``m``, once their stamps have been checked."""
-    got, pending = swap.comm.all_to_all(sends, swap.team, f"{swap.what}, {what}",
-                                        stamp=swap.comm.stamp(swap.call, direction))
-    pending.wait()
-    return got
+def _swap(sends: Iterable[torch.Tensor], swap: HeadSwap, direction: str, what: str) -> Iterator[torch.Tensor]:
+    """Start the team's all-to-all of each tensor of ``sends`` (each ``(A, ...)``, block ``m`` to member ``m``) as
+    ``sends`` makes it: from a generator, the next tensor's layout copy overlaps this one's transfer. Returns the
+    received tensors (block ``m`` from member ``m``) one at a time, each once its own transfer is done, so laying
+    out one overlaps the transfers of those after it. The first all-to-all carries the call's stamp."""
+    arrivals = []
+    for x in sends:
+        stamp = None if arrivals else swap.comm.stamp(swap.call, direction)
+        got, pending = swap.comm.all_to_all([x], swap.team, f"{swap.what}, {what}", stamp=stamp)
+        arrivals.append((got[0], pending))
+    return _landed(arrivals)
+
+
+def _landed(arrivals: list[tuple[torch.Tensor, Pending]]) -> Iterator[torch.Tensor]:
+    while arrivals:  # (popped: a received tensor lives only as long as its reader keeps it)
+        got, pending = arrivals.pop(0)
+        pending.wait()
+        yield got
 
 
 @dataclass(frozen=True)
@@ -164,8 +176,14 @@ def sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, swap: H
     ``more`` query-side tensors (a chunk's backward: out, dout) as q; ``part``: only those local heads."""
     h0, h1 = (part.h0, part.h1) if part is not None else (0, None)
     team = swap.split.team
-    sends = [_by_member_heads(q, team, h0, h1), _kv_by_member(k, swap.split, part),
-             _kv_by_member(v, swap.split, part), *(_by_member_heads(x, team, h0, h1) for x in more)]
+
+    def query_side(x: torch.Tensor) -> torch.Tensor:
+        return _by_member_heads(x, team, h0, h1)
+
+    def kv_side(x: torch.Tensor) -> torch.Tensor:
+        return _kv_by_member(x, swap.split, part)
+
+    sends = (lay(x) for lay, x in ((query_side, q), (kv_side, k), (kv_side, v), *((query_side, x) for x in more)))
     return tuple(member_rows(x, swap.zigzag) for x in _swap(sends, swap, direction, "sequence-to-heads all-to-all"))
 
 
@@ -186,8 +204,8 @@ def sequence_to_heads_backward(grads: list[torch.Tensor], swap: HeadSwap, kv_sha
     into = into if into is not None else (None, None, None)
     heads = [(part.h0, part.h1), (part.k0, part.k1), (part.k0, part.k1)] if part is not None else [(0, None)] * 3
     merged = []
-    for i, ((h0, h1), target) in enumerate(zip(heads, into)):
-        blocks = got.pop(0)  # (A, B, L, h, D): member m's rows of its heads
+    for i, ((h0, h1), target, blocks) in enumerate(zip(heads, into, got)):  # blocks: (A, B, L, h, D), member
+        # m's rows of its heads, merged while the next tensor travels
         if i == 0 or split.kv_heads % team == 0:  # each head came from exactly one member
             merged.append(_merge_heads(blocks, target, h0, h1))
             continue

@@ -72,9 +72,9 @@ def test_chunked_head_calls_swap_each_chunk_and_keep_no_head_layout(world):
             c = r["chunks"]
             assert c > 1, (heads, kv_heads)
             assert r["close"], (world, heads, kv_heads)
-            # whole: q/k/v to heads, out home; backward: dout to heads, gradients home
-            assert r["whole"][:2] == [2, 2]
+            # one all-to-all per tensor; whole: q, k, v to heads, out home; backward: dout to heads, dq, dk, dv home
+            assert r["whole"][:2] == [4, 4]
             # chunked: per chunk the same forward, and the backward swaps q, k, v, out, dout again
-            assert r["chunked"][:2] == [2 * c, 2 * c], (world, heads, kv_heads, r["chunked"])
+            assert r["chunked"][:2] == [4 * c, 8 * c], (world, heads, kv_heads, r["chunked"])
             head_layout = (2, 16 * world, heads // world, 8)
             assert head_layout in map(tuple, r["whole"][2]) and head_layout not in map(tuple, r["chunked"][2])
