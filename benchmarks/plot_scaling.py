@@ -89,7 +89,8 @@ def profile_table(entries: list[dict]) -> list[str]:
     return lines
 
 
-TIE = 0.03  # strategies within 3% of each other tie; a tie goes to the ring (the simpler strategy)
+TIE = 0.03  # strategies within 3% of each other tie
+LEANER = 0.10  # a tie goes to the strategy whose peak memory is lower by more than 10%, else to the ring
 MODES = {"ours": "eager", "ours+graph": "replayed"}
 
 
@@ -99,12 +100,17 @@ def auto_choices(records: list[dict], gpus: int = 2, tokens: int = 32768) -> dic
 
     Rule: each strategy's worse ratio to the fastest strategy over the modes the run timed (eager; replayed in a
     CUDA graph with ``--cuda-graph``), so that the choice holds whether or not a step is captured and however fast
-    the host issues it; the smallest wins, and the ring wherever it is within ``TIE`` of the winner."""
+    the host issues it; the smallest wins. Strategies within ``TIE`` of the winner tie: a tie goes to the one whose
+    peak memory (the worse over the modes) is more than ``LEANER`` below the ring's, else to the ring (the simpler
+    strategy)."""
     ms: dict[tuple, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    peak: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in records:
         if r["impl"] in MODES and r["gpus"] == gpus and r["tokens_per_gpu"] == tokens and "max_tokens" not in r:
             key = (r["config"] == "full", r["causal"], r.get("layout", "contiguous"))
             ms[key][r["strategy"]][MODES[r["impl"]]] = r["ms"]
+            if r.get("peak_gib") is not None:
+                peak[key][r["strategy"]] = max(peak[key][r["strategy"]], r["peak_gib"])
     choices = {}
     for key, by in ms.items():
         if set(by) != {"ring", "head"}:
@@ -112,7 +118,12 @@ def auto_choices(records: list[dict], gpus: int = 2, tokens: int = 32768) -> dic
         modes = set(by["ring"]) & set(by["head"])
         worst = {s: max(by[s][m] / min(by[t][m] for t in by) for m in modes) for s in by}
         best = min(worst, key=worst.get)
-        choices[key] = "ring" if worst["ring"] <= worst[best] * (1 + TIE) else best
+        tied = [s for s in by if worst[s] <= worst[best] * (1 + TIE)]
+        choices[key] = best
+        if "ring" in tied:
+            peaks = peak[key]
+            leaner = [s for s in tied if s != "ring" and 0 < peaks[s] < peaks["ring"] * (1 - LEANER)]
+            choices[key] = min(leaner, key=peaks.get) if leaner else "ring"
     return choices
 
 
@@ -124,7 +135,8 @@ def choices_table(records: list[dict]) -> list[str]:
         if not choices:
             continue
         lines += [f"**`strategy=\"auto\"` on this run, K={gpus}** (`auto_choices`: each strategy's worse ratio "
-                  f"to the fastest, eager and replayed; within {TIE:.0%}: the ring)", "",
+                  f"to the fastest, eager and replayed; within {TIE:.0%}: the ring unless the other's peak memory is "
+                  f"more than {LEANER:.0%} lower)", "",
                   "| pattern | causal | layout | choice |", "| --- | :---: | --- | --- |"]
         for (dense, causal, layout), choice in sorted(choices.items()):
             lines.append(f"| {'full' if dense else 'longnet'} | {'yes' if causal else 'no'} | {layout} | {choice} |")

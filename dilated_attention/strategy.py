@@ -12,13 +12,14 @@ patterns                             ring           head    ring zigzag    head 
 ==========================  =============  =============  =============  =============  ==========  =========
 LongNet, non-causal           16.5 / 13.4    15.6 / 15.4    19.4 / 15.5    16.5 / 16.2  ring        head
 LongNet, causal                11.3 / 8.1    11.8 / 10.5    16.5 / 10.1    11.6 / 11.4  ring        head
-full attention, non-causal  106.7 / 106.5  105.0 / 104.8  107.0 / 106.1  105.7 / 105.3  tie: ring   tie: ring
-full attention, causal        59.2 / 58.3    57.1 / 57.1    58.2 / 57.3    57.7 / 57.5  head        tie: ring
+full attention, non-causal  106.7 / 106.5  105.0 / 104.8  107.0 / 106.1  105.7 / 105.3  tie: head   tie: head
+full attention, causal        59.2 / 58.3    57.1 / 57.1    58.2 / 57.3    57.7 / 57.5  head        tie: head
 ==========================  =============  =============  =============  =============  ==========  =========
 
 The last two columns are the choice per layout (``benchmarks/plot_scaling.py``'s ``auto_choices``, which
 ``tests/test_strategy.py`` applies to the committed results): each strategy's worse ratio to the fastest
-over the two modes, the smallest winning, "tie" where the ring is within 3% of it. Both modes count because
+over the two modes, the smallest winning, "tie" where the ring is within 3% of it: a tie goes to the strategy
+whose peak memory is more than 10% lower, else to the ring. Both modes count because
 eager LongNet steps are host-bound at this size: how fast the host issues them moves their eager times by
 up to 15% between machines (the non-causal ring 14.1 or 16.5 ms on two H200 hosts, replayed 13.4 on both),
 while a captured step, or one whose host runs ahead of the GPU inside a model, costs its replayed time.
@@ -29,7 +30,9 @@ A job whose ranks see different GPU models may resolve ``"auto"`` differently: t
 compares the resolved team (``functional.py``), so every rank raises instead of exchanging mismatched
 blocks.
 A tie goes to the ring, the simpler strategy (no all-to-all, no condition on the heads, no
-change of layout). "Full" means a rate-1 pattern spans ranks (dense attention across shards);
+change of layout), unless the other holds clearly less memory: on full attention the ring peaks at 4.0x the
+rank's own bytes (K/V blocks in flight and fp32 dK/dV accumulators), head at 1.9x non-causal and 2.6x causal
+(the head-layout q, k, v, out it keeps), the same on both GPU models. "Full" means a rate-1 pattern spans ranks (dense attention across shards);
 LongNet's spanning patterns are dilated (rate > 1), so most of its work is local and a ring
 moves ``1/r`` of the keys. Where head is measured best but cannot run (the ranks do not divide
 the heads) or the job spans nodes (the all-to-all would cross the network), the hybrid takes its
@@ -45,12 +48,12 @@ from .patterns import hybrid_team_size
 MEASURED = {
     (False, False, "contiguous"): "ring",
     (False, True, "contiguous"): "ring",  # spanning pattern head-swapped (ring._swaps); 1.30x head's speed in a graph
-    (True, False, "contiguous"): "ring",  # within 3% of head
+    (True, False, "contiguous"): "head",  # within 3% of the ring, at half its peak memory
     (True, True, "contiguous"): "head",  # the contiguous causal ring waits on its last rank
     (False, False, "zigzag"): "head",  # zigzag turns mid-length segments into rings
     (False, True, "zigzag"): "head",
-    (True, False, "zigzag"): "ring",  # within 3% of head
-    (True, True, "zigzag"): "ring",  # balanced: every rank does half a block per step; within 3% of head
+    (True, False, "zigzag"): "head",  # within 3% of the ring, at half its peak memory
+    (True, True, "zigzag"): "head",  # the balanced ring within 3% of it, at 1.5x its peak memory
 }
 # GPU model (``torch.cuda.get_device_name``) -> its measured choices, where they differ from ``MEASURED`` (none of
 # the measured models does: 2 x H100 and 2 x H200 choose the same)
