@@ -5,9 +5,12 @@ gives each rank the team's whole block of ``A * L`` rows for ``H / A`` of the
 query heads (and the kv heads those need), the attention runs on that block
 (locally, or as a ring across teams: the hybrid strategy), and a second
 all-to-all brings the output rows home. Each swap's gradient is the reverse swap
-(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each swap moves q, k and v
-(``CommBackend.all_to_all``: one collective each over the whole group on GPUs, else one batch of transfers)
-with the call's stamp beside them (``comm/stamps.py``).
+(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each tensor of a swap is one
+all-to-all (``CommBackend.all_to_all``: a collective over the whole group on GPUs, else a batch of
+transfers), the first carrying the call's stamp (``comm/stamps.py``). Going to heads, each transfer starts
+as soon as its blocks are laid out (the next tensor's layout copy overlaps it); the gradients going home
+travel one at a time, each merged and freed before the next is received: that is the peak of a head
+call, and it holds one received gradient beside the head-layout ones, as DeepSpeed Ulysses does.
 
 Copies: one per tensor and swap, where heads interleave (packing one member's heads,
 merging every member's heads); the side where rows follow member blocks is a view at
@@ -136,24 +139,25 @@ def _kv_by_member(x: torch.Tensor, split: HeadSplit, part: HeadRange | None = No
     return torch.stack([x[:, :, split.kv_sources(m)[k0:k1]] for m in range(split.team)])
 
 
-def _swap(sends: Iterable[torch.Tensor], swap: HeadSwap, direction: str, what: str) -> Iterator[torch.Tensor]:
-    """Start the team's all-to-all of each tensor of ``sends`` (each ``(A, ...)``, block ``m`` to member ``m``) as
-    ``sends`` makes it: from a generator, the next tensor's layout copy overlaps this one's transfer. Returns the
-    received tensors (block ``m`` from member ``m``) one at a time, each once its own transfer is done, so laying
-    out one overlaps the transfers of those after it. The first all-to-all carries the call's stamp."""
-    arrivals = []
-    for x in sends:
-        stamp = None if arrivals else swap.comm.stamp(swap.call, direction)
-        got, pending = swap.comm.all_to_all([x], swap.team, f"{swap.what}, {what}", stamp=stamp)
-        arrivals.append((got[0], pending))
-    return _landed(arrivals)
+def _swap(sends: Iterable[torch.Tensor], swap: HeadSwap, direction: str, what: str, ahead: bool = True
+          ) -> Iterator[torch.Tensor]:
+    """The team's all-to-all of each tensor of ``sends`` (each ``(A, ...)``, block ``m`` to member ``m``): the
+    received tensors (block ``m`` from member ``m``) one at a time, each once its own transfer is done. The first
+    all-to-all carries the call's stamp. ``ahead``: every transfer starts at once, each as ``sends`` makes its
+    tensor (from a generator, the next tensor's layout copy overlaps this one's transfer); else each starts when
+    the one before has been read, so that one received tensor is alive at a time (and, ``sends`` a generator,
+    one sent tensor): the backward's gradients, which are merged and freed in turn."""
+    stamp = swap.comm.stamp(swap.call, direction)
+    started = (swap.comm.all_to_all([x], swap.team, f"{swap.what}, {what}", stamp=None if i else stamp)
+               for i, x in enumerate(sends))
+    return _landed(list(started) if ahead else started)
 
 
-def _landed(arrivals: list[tuple[torch.Tensor, Pending]]) -> Iterator[torch.Tensor]:
-    while arrivals:  # (popped: a received tensor lives only as long as its reader keeps it)
-        got, pending = arrivals.pop(0)
+def _landed(arrivals: Iterable[tuple[list[torch.Tensor], Pending]]) -> Iterator[torch.Tensor]:
+    for (got,), pending in arrivals:
         pending.wait()
         yield got
+        del got, pending  # (the reader's tensor dies before the next transfer allocates its own)
 
 
 @dataclass(frozen=True)
@@ -192,30 +196,29 @@ def sequence_to_heads_backward(grads: list[torch.Tensor], swap: HeadSwap, kv_sha
                                into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of ``sequence_to_heads`` for ``grads = [dq, dk, dv]``: the reverse swap (kv heads several
-    members read add up). ``grads`` is emptied: each head-layout gradient is freed once sent and each received
-    one once merged, so at most one merged copy is alive beside the received blocks (the peak of a head call).
+    members read add up). ``grads`` is emptied: one gradient at a time is sent, received and merged, each
+    head-layout gradient freed once sent and each received one once merged, so one received tensor is alive
+    beside the gradients at the peak of a head call (as in DeepSpeed Ulysses).
     ``part``: the swap of those local heads, written into their heads of ``into`` (``dk``/``dv`` zeroed by the
     caller where several members read one kv head: every chunk adds)."""
     team, split = len(swap.team), swap.split
-    sends = [_by_member_rows(g, team, swap.zigzag) for g in grads]
-    grads.clear()
-    got = _swap(sends, swap, "backward", "backward of sequence-to-heads all-to-all")
-    del sends
-    into = into if into is not None else (None, None, None)
+    sends = (_by_member_rows(grads.pop(0), team, swap.zigzag) for _ in range(len(grads)))
+    got = _swap(sends, swap, "backward", "backward of sequence-to-heads all-to-all", ahead=False)
     heads = [(part.h0, part.h1), (part.k0, part.k1), (part.k0, part.k1)] if part is not None else [(0, None)] * 3
-    merged = []
-    for i, ((h0, h1), target, blocks) in enumerate(zip(heads, into, got)):  # blocks: (A, B, L, h, D), member
-        # m's rows of its heads, merged while the next tensor travels
+
+    def merge(i: int, blocks: torch.Tensor, h0: int, h1: int | None, target: torch.Tensor | None) -> torch.Tensor:
+        """``blocks`` ``(A, B, L, h, D)``: member ``m``'s rows of its heads, into the sequence layout."""
         if i == 0 or split.kv_heads % team == 0:  # each head came from exactly one member
-            merged.append(_merge_heads(blocks, target, h0, h1))
-            continue
+            return _merge_heads(blocks, target, h0, h1)
         if target is None:
             target = torch.zeros(kv_shape, dtype=blocks.dtype, device=blocks.device)
         for m in range(team):  # several members may have read one kv head: their gradients add
             for j, src in enumerate(split.kv_sources(m)[h0:h1]):
                 target[:, :, src].add_(blocks[m, :, :, j])
-        merged.append(target)
-    return tuple(merged)
+        return target
+
+    return tuple(merge(i, next(got), h0, h1, target)
+                 for i, ((h0, h1), target) in enumerate(zip(heads, into if into is not None else (None,) * 3)))
 
 
 def heads_to_sequence(out: torch.Tensor, swap: HeadSwap, part: HeadRange | None = None,
