@@ -30,9 +30,10 @@ A job whose ranks see different GPU models may resolve ``"auto"`` differently: t
 compares the resolved team (``functional.py``), so every rank raises instead of exchanging mismatched
 blocks.
 A tie goes to the ring, the simpler strategy (no all-to-all, no condition on the heads, no
-change of layout), unless the other holds clearly less memory: on full attention the ring peaks at 4.0x the
-rank's own bytes (K/V blocks in flight and fp32 dK/dV accumulators), head at 1.9x non-causal and 2.6x causal
-(the head-layout q, k, v, out it keeps), the same on both GPU models. "Full" means a rate-1 pattern spans ranks (dense attention across shards);
+change of layout), unless the other holds clearly less memory: on full attention the ring peaks
+at 4.0x the rank's own bytes (K/V blocks in flight and fp32 dK/dV accumulators), head at 1.9x
+non-causal and 2.6x causal (the head-layout q, k, v, out it keeps), on both GPU models.
+"Full" means a rate-1 pattern spans ranks (dense attention across shards);
 LongNet's spanning patterns are dilated (rate > 1), so most of its work is local and a ring
 moves ``1/r`` of the keys. Where head is measured best but cannot run (the ranks do not divide
 the heads) or the job spans nodes (the all-to-all would cross the network), the hybrid takes its
