@@ -485,6 +485,8 @@ class CudnnKernel:
         self.deterministic_backward = self.ops.deterministic_backward
         # padding masks (``protocol.py``) where the ops take each call's unpadded rows (``used=``): flash-attn-4's
         self.padding_masks = bool(getattr(self.ops, "padding_masks", False))
+        # the ops plan every tensor's strides: out/dout need not have q's to be read in place (``CudnnOps``)
+        self.own_strides = self.ops.own_strides
         bad = [g for g in grads if g not in ("dq", "dk", "dv")]
         if bad or not grads:
             raise ValueError(f"grads must be a non-empty subset of ('dq', 'dk', 'dv'), got {grads}")
@@ -635,9 +637,8 @@ class CudnnKernel:
         q, k, out, dout = tensors[0], tensors[1], tensors[3], tensors[5]
         kv = self._kv_role(packed)
         # q, out and dout may be read in place together: out/dout of q's dtype, and of q's strides unless the ops
-        # plan every tensor's (ops without the attribute: as torch's)
-        own = getattr(self.ops, "own_strides", False)
-        joint = all((own or x.stride() == q.stride()) and x.dtype == q.dtype for x in (out, dout))
+        # plan every tensor's
+        joint = all((self.own_strides or x.stride() == q.stride()) and x.dtype == q.dtype for x in (out, dout))
         key = _config_key(q, k, plan, packed, causal, self.name)
         stacked, proven = key not in _REFUSED, key in _PROVEN
         for g in _groups(plan) if stacked else _singles(plan):
