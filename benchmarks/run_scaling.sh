@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The scaling benchmark on the GPUs of this machine: one torchrun per GPU count K, then the
-# table and plots. About 6-8 minutes on 4 x H200 with the defaults.
+# table, plots and the cost model's predictions of them (with this GPU's constants where
+# cost_model.PRESETS has them). About 6-8 minutes on 4 x H200 with the defaults.
 #
 #   OUT=benchmarks/results benchmarks/run_scaling.sh [--worlds 1,2,4] [bench_scaling.py options...]
 #
@@ -59,6 +60,10 @@ for arg in "$@"; do  # the profile adds a few seconds per profiled case, compili
     --pipelined|--pipelined=*) pipelined=-pipelined ;;
   esac
 done
+gpu=$slug  # the cost model's constants for this GPU, where it has them (cost_model.PRESETS)
+preset=()
+"$PY" -c "import sys; from dilated_attention.cost_model import PRESETS; sys.exit(sys.argv[1] not in PRESETS)" "$gpu" \
+  2>/dev/null && preset=(--gpu "$gpu")
 slug=$slug${bound:-}${pipelined:-}
 k_timeout=${K_TIMEOUT:-$k_timeout}
 log=${LOG:-/tmp/scaling_${slug}.log}
@@ -84,6 +89,6 @@ jsons=("$OUT"/scaling_"${slug}"_x*.json)
 if [ ${#jsons[@]} -gt 0 ]; then
   "$PY" benchmarks/plot_scaling.py "${jsons[@]}" --png "$OUT/scaling_${slug}.png" --md "$OUT/scaling_${slug}.md" 2>&1 | tee -a "$log"
   echo "--- cost model vs these measurements ---" | tee -a "$log"
-  "$PY" benchmarks/cost_model.py --validate "${jsons[@]}" 2>&1 | tail -n 40 | tee -a "$log"
+  "$PY" benchmarks/cost_model.py "${preset[@]}" --validate "${jsons[@]}" 2>&1 | tail -n 40 | tee -a "$log"
 fi
 exit $status
