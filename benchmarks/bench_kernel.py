@@ -26,9 +26,9 @@ short, the ``--mid-segments`` plans' 4096-8192-row ones mid, the full-attention 
 long), and the class sums decide (a backward must also be bitwise reproducible to be the deterministic
 choice, and every implementation must agree with the fused kernel to be chosen at
 all); where a runner-up is close, the combinations are timed on the pipeline
-itself and the fastest is kept (``refine_by_pipeline``, ``pipeline_trials`` in the
-JSON). Each entry ranks the implementations that qualified, fastest first (auto takes the first that
-runs on the device). ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``;
+itself and the fastest is kept, or within ``TRIAL_TIE`` (1%) of it the combination whose step peaks lowest
+(``refine_by_pipeline``, ``pipeline_trials`` in the JSON). Each entry ranks the implementations that
+qualified, the kept one first, then the others fastest first (auto takes the first that runs on the device). ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``;
 ``--table-only`` measures just the table (LongNet plans and the full-attention plan).
 
 Reported: median ms of CUDA-event timings after warm-up, TFLOP/s of the unmasked
@@ -407,6 +407,9 @@ def ranked_choices(choices, ranking):
 
 CLOSE_CALL = 1.3  # a runner-up within this factor of the fastest pattern timing is tried in the pipeline too
 TRIAL_ROUNDS = 3  # rounds of pipeline trials; each combination's median over them decides
+# trials within this fraction of the fastest are a tie (trial medians move 2-3% between rounds): the one whose
+# step peaks lowest is kept (a cuDNN deterministic backward's workspace, say, that another kernel does not hold)
+TRIAL_TIE = 0.01
 
 
 def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, scale, warmup, reps):
@@ -415,9 +418,10 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
     Patterns timed one by one hide what overlaps in the pipeline (one implementation's host work runs
     under the previous pattern's kernels), so where the runner-up of a key is within ``CLOSE_CALL`` of its
     fastest, every combination of the two is timed as ``ring_forward`` + ``ring_backward`` through an
-    ``AutoKernel`` (deterministic backward) and the fastest combination is kept. Returns
-    ``(choices, trials)``; a trial is ``{"choices": {key: name}, "ms": median, "rounds": [...]}`` for the keys
-    tried, timed in ``TRIAL_ROUNDS`` round-robin rounds (timings drift by 10% over a run on a busy host)."""
+    ``AutoKernel`` (deterministic backward) and the fastest combination is kept (``pick_trial``). Returns
+    ``(choices, trials)``; a trial is ``{"choices": {key: name}, "ms": median, "rounds": [...], "peak_bytes":
+    int}`` for the keys tried, timed in ``TRIAL_ROUNDS`` round-robin rounds (timings drift by 10% over a run on a
+    busy host), its peak taken on one more step (bytes beyond the inputs; 0 off a GPU)."""
     keys = [key for key, names in ranked.items()
             if key.split("/")[0] in ("fwd", "bwd") and len(names) > 1 and names[1][1] <= CLOSE_CALL * names[0][1]]
     if not keys:
@@ -430,12 +434,23 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
         for kernel, ms in zip(kernels, times):
             ms.append(timed(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), warmup, reps,
                             q.device))
-    trials = [{"choices": tried, "ms": sorted(ms)[len(ms) // 2], "rounds": ms} for tried, ms in zip(combos, times)]
+    peaks = [peak_extra(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), q.device)[0]
+             for kernel in kernels]
+    trials = [{"choices": tried, "ms": sorted(ms)[len(ms) // 2], "rounds": ms, "peak_bytes": peak}
+              for tried, ms, peak in zip(combos, times, peaks)]
     for trial in trials:
         print(f"  pipeline trial causal={causal} {trial['choices']}: {trial['ms']:.3f} ms "
-              f"(rounds {', '.join(f'{x:.3f}' for x in trial['rounds'])})", flush=True)
-    best = min(trials, key=lambda t: t["ms"])
-    return {**choices, **best["choices"]}, trials
+              f"(rounds {', '.join(f'{x:.3f}' for x in trial['rounds'])}), peak {trial['peak_bytes'] / 2**20:.0f} MiB",
+              flush=True)
+    return {**choices, **pick_trial(trials)["choices"]}, trials
+
+
+def pick_trial(trials: list[dict]) -> dict:
+    """The trial kept: the fastest, or among those within ``TRIAL_TIE`` of it the one whose step peaks lowest
+    (trials of older result files carry no peak: the fastest)."""
+    fastest = min(trials, key=lambda t: t["ms"])
+    tied = [t for t in trials if t["ms"] <= fastest["ms"] * (1 + TRIAL_TIE)]
+    return min(tied, key=lambda t: (t.get("peak_bytes", 0), t["ms"]))
 
 
 # ---------------------------------------------------------------------------
