@@ -28,8 +28,9 @@ choice, and every implementation must agree with the fused kernel to be chosen a
 all); where a runner-up is close, the combinations are timed on the pipeline
 itself and the fastest is kept, or within ``TRIAL_TIE`` (1%) of it the combination whose step peaks lowest
 (``refine_by_pipeline``, ``pipeline_trials`` in the JSON). Each entry ranks the implementations that
-qualified, the kept one first, then the others fastest first (auto takes the first that runs on the device). ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``;
-``--table-only`` measures just the table (LongNet plans and the full-attention plan).
+qualified, the kept one first, then the others fastest first (auto takes the first that runs on the device).
+``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``; ``--table-only`` measures just
+the table (LongNet plans and the full-attention plan).
 
 Reported: median ms of CUDA-event timings after warm-up, TFLOP/s of the unmasked
 work only (fwd: 4*M*M*D per block and head, halved+diag for causal; bwd 2.5x fwd),
@@ -447,10 +448,10 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
 
 def pick_trial(trials: list[dict]) -> dict:
     """The trial kept: the fastest, or among those within ``TRIAL_TIE`` of it the one whose step peaks lowest
-    (trials of older result files carry no peak: the fastest)."""
+    (at equal peaks, as off a GPU, the fastest)."""
     fastest = min(trials, key=lambda t: t["ms"])
     tied = [t for t in trials if t["ms"] <= fastest["ms"] * (1 + TRIAL_TIE)]
-    return min(tied, key=lambda t: (t.get("peak_bytes", 0), t["ms"]))
+    return min(tied, key=lambda t: (t["peak_bytes"], t["ms"]))
 
 
 # ---------------------------------------------------------------------------
