@@ -418,7 +418,7 @@ def _backward_calls(tensors, plan: PatternPlan, g: _Group, kv: str, joint: bool,
            **({} if mask is None else {"keys": _key_view(mask, plan, g)})}
     in_place = {name for name in ("k", "v") if readable(src[name])}
     if joint and all(readable(src[x]) for x in ("q", "out", "dout")):
-        in_place |= {"q", "out", "dout"}  # out/dout share q's strides: safe for torch's graph cache
+        in_place |= {"q", "out", "dout"}  # out/dout share q's strides, or the ops plan each tensor's (``joint``)
     calls = []
     for sub, tsz in _calls(src, *_split(src, in_place)):
         nt = len(tsz)
