@@ -132,6 +132,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_tag import gpu_tag  # noqa: E402
+from host_cost import issue_ms, kernel_launches  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import (  # noqa: E402
@@ -218,7 +219,9 @@ def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):
 
 def _print_row(r):
     tf = r.get("tflops") or 0
-    print(f"  {r['method']:12s} causal={r['causal']!s:5s} {r['kind']:22s} {r['ms']:9.3f} ms  {tf:7.1f} TFLOP/s", flush=True)
+    host = f"  host {r['host_issue_ms']:.2f} ms, {r['launches']} kernels" if "host_issue_ms" in r else ""
+    print(f"  {r['method']:12s} causal={r['causal']!s:5s} {r['kind']:22s} {r['ms']:9.3f} ms  {tf:7.1f} TFLOP/s{host}",
+          flush=True)
 
 
 def peak_extra(fn, device) -> tuple[int, object]:
@@ -273,7 +276,8 @@ def measure_method(name, kernel, q, k, v, dout, plans, causal, scale, warmup, re
             o_ = dilated_attention(*leaves, segs, rates, causal=causal, kernel=kernel)
             torch.autograd.grad(o_, leaves, dout)
 
-        row("api fwd+bwd", timed(api, warmup, reps, dev), 3.5 * fl_fwd)
+        host = {"host_issue_ms": issue_ms(api), "launches": kernel_launches(api)} if dev.type == "cuda" else {}
+        row("api fwd+bwd", timed(api, warmup, reps, dev), 3.5 * fl_fwd, host)
     return rows
 
 

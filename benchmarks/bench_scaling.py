@@ -88,6 +88,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_tag import gpu_tag, package_versions  # noqa: E402
+from host_cost import issue_ms, kernel_launches  # noqa: E402
 
 STRATEGIES = ("ring", "head", "hybrid")
 CONFIGS = ("longnet", "full")
@@ -396,6 +397,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="also time the library (ours and its T1) with its call inside torch.compile("
                         "mode='reduce-overhead'): records ours+compiled")
+    p.add_argument("--no-host-cost", dest="host_cost", action="store_false",
+                   help="skip measuring each case's host issue time and kernel launches (host_cost.py; GPUs)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name: scaling_<tag>_x<K>.json (default: the GPU name)")
     p.add_argument("--smoke", action="store_true", help="CPU gloo, tiny sizes (overrides sizes, no peers)")
@@ -448,6 +451,7 @@ class Bench:
         self.torch, self.env, self.args = torch, env, args
         self.cuda = env.device.type == "cuda"
         self.mesh = None  # torch_cp's device mesh, built on first use
+        self.last_host: dict = {}  # the last ``measure``'s ``host_cost``
 
     # -- agreement ------------------------------------------------------------------------------
 
@@ -512,11 +516,20 @@ class Bench:
         n = max(a.min_iters, min(a.iters, int(1e3 * a.seconds_per_measurement / max(warm * self.steps, 1e-3))))
         times = [self._once(step, collective) for _ in range(n)]
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+        self.last_host = self.host_cost(step, collective) if self.cuda and a.host_cost else {}
         if peak is not None:  # a graph's replay (``graphed``) allocates nothing: its capture's peak counts
             peak = max(peak, getattr(step, "peak_gib", 0.0))
         if collective and peak is not None:
             peak = self.max_over_ranks(peak)
         return statistics.median(times), peak
+
+    def host_cost(self, step: Callable[[], None], collective: bool) -> dict:
+        """The host's side of ``step`` (``host_cost.py``): issue time (slowest rank) and kernels launched."""
+        import torch.distributed as dist
+
+        issue = issue_ms(step, before=dist.barrier if collective else None)
+        launches = kernel_launches(step)
+        return {"host_issue_ms": self.max_over_ranks(issue) if collective else issue, "launches": launches}
 
     def randn(self, shape, seed: int, dtype=None):
         g = self.torch.Generator(device=self.env.device).manual_seed(seed)
@@ -1055,7 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
         records.append({"impl": impl, "strategy": strategy, "config": config, "causal": causal, "gpus": k,
                         "tokens_per_gpu": tokens, "layout": layout, "ms": ms,
                         "efficiency": (t1 / (k * ms)) if t1 else None, "peak_gib": peak,
-                        "own_gib": bench.own_gib(tokens)})
+                        "own_gib": bench.own_gib(tokens), **bench.last_host})
         save()  # after every record: a later case that hangs or is killed loses nothing measured
 
     def save():
@@ -1083,7 +1096,8 @@ def main(argv: list[str] | None = None) -> int:
         """An implementation's own T1 on rank 0 (shared with every rank); at K=1 it is its record."""
         t1_, peak_, err_ = single_gpu(bench, make_step)
         meta["single_gpu"].append({"impl": impl, "config": config, "causal": causal, "tokens": n, "ms": t1_,
-                                   "peak_gib": peak_, "own_gib": bench.own_gib(n), "error": err_})
+                                   "peak_gib": peak_, "own_gib": bench.own_gib(n), "error": err_,
+                                   **(bench.last_host if env.rank == 0 and not err_ else {})})
         if k == 1:
             if err_:
                 skip(impl, "single", config, causal, tokens, err_)

@@ -23,7 +23,6 @@ import os
 import re
 import statistics
 import sys
-import time
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also print cProfile's top LINES functions by own time per method and causal flag")
     ap.add_argument("--python-sort", default="tottime", choices=("tottime", "cumulative"),
                     help="cProfile's order: own time, or time including callees")
+    ap.add_argument("--pstats", metavar="DIR", default=None,
+                    help="also write each method and causal flag's cProfile as DIR/<method>_<causal|full>.pstats")
     ap.add_argument("--forward-only", action="store_true", help="profile the forward alone (no backward)")
     ap.add_argument("--api", action="store_true",
                     help="profile the public call (dilated_attention and autograd's backward) instead of the schedule")
@@ -53,6 +54,9 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from host_cost import issue_ms  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.dispatch import select_kernel  # noqa: E402
@@ -125,20 +129,9 @@ def profile_step(step, reps: int) -> dict:
 SYNCS = r"Synchronize|cudaMalloc|cudaFree|cudaMemcpy(?!Async)|cudaHostAlloc"
 
 
-def cpu_issue_ms(step, reps: int) -> float:
-    """Median CPU time to issue one step (the GPU is drained first, so the queue never blocks the CPU)."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1000.0)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def python_profile(step, reps: int, lines: int, order: str = "tottime") -> str:
-    """cProfile of ``reps`` steps (GPU drained before each): where the CPU issue time goes, by function."""
+def python_profile(step, reps: int, lines: int, order: str = "tottime", dump: str | None = None) -> str:
+    """cProfile of ``reps`` steps (GPU drained before each): where the CPU issue time goes, by function
+    (``dump``: also a pstats file of it, for ``python -m pstats`` or snakeviz)."""
     prof = cProfile.Profile()
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -146,6 +139,8 @@ def python_profile(step, reps: int, lines: int, order: str = "tottime") -> str:
         step()
         prof.disable()
     torch.cuda.synchronize()
+    if dump:
+        prof.dump_stats(dump)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(lines)
     return buf.getvalue()
@@ -188,9 +183,12 @@ def main(argv=None) -> int:
                    "wall_ms": wall_ms(step, args.reps),
                    **profile_step(step, args.reps)}
             row["gap_ms"] = row["wall_ms"] - row["busy_ms"]
-            row["cpu_issue_ms"] = cpu_issue_ms(step, args.reps)
-            if args.python_profile:
-                row["python_profile"] = python_profile(step, args.reps, args.python_profile, args.python_sort)
+            row["cpu_issue_ms"] = issue_ms(step, args.reps)
+            if args.python_profile or args.pstats:
+                dump = (os.path.join(args.pstats, f"{method}_{'causal' if causal else 'full'}.pstats")
+                        if args.pstats else None)
+                row["python_profile"] = python_profile(step, args.reps, args.python_profile or 40, args.python_sort,
+                                                       dump)
             results.append(row)
             what = " forward" if args.forward_only else ""
             print(f"\n{method} causal={causal}{what}: wall {row['wall_ms']:.2f} ms, GPU busy {row['busy_ms']:.2f} ms, "

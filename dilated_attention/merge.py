@@ -29,7 +29,7 @@ import torch
 from . import caches
 from .caches import remember
 from .patterns import PatternPlan
-from .triton_support import JITTED, interpreting, triton
+from .triton_support import JITTED, interpreting, launch, triton
 from .views import chunk_views, compact_view, region_views
 
 tl = None if triton is None else triton.language
@@ -301,13 +301,11 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
     ints, meta, grid = plan
     fn = _jitted(merge_kernel)
     args = (out, lse if weighted else out, part_out, part_lse if weighted else part_out, *ints)
-    if interpreting():
-        fn[grid](*args, **meta)
-    elif torch.cuda.current_device() == out.device.index:
-        fn[grid](*args, **meta, num_warps=NUM_WARPS)
+    if interpreting() or torch.cuda.current_device() == out.device.index:
+        launch(fn, grid, args, meta, num_warps=NUM_WARPS)
     else:
         with torch.cuda.device(out.device):  # Triton launches on the current device, not the tensors'
-            fn[grid](*args, **meta, num_warps=NUM_WARPS)
+            launch(fn, grid, args, meta, num_warps=NUM_WARPS)
 
 
 _LAUNCHES = caches.table("merge.launch_plans", 1024)  # by geometry: a call pays only for Triton's own launch
@@ -638,7 +636,6 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
         rows.append([delta, lse_delta, *strides, *(part.lse.stride() if weighted else (0, 0, 0)),
                      part.plan.dilation, *row_divider(part.plan.dilation), *part.plan.head_offsets(heads, part.kv)])
     table = _device_table(rows, like.device)
-    launch = {} if interpreting() else dict(num_warps=COMBINE_WARPS)
     weights = lse_base  # (unread when summing)
     # Triton launches on the current device, not the tensors' (entering the guard costs as much as a launch)
     other_device = like.is_cuda and torch.cuda.current_device() != like.device.index
@@ -647,16 +644,18 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
             slots = len(parts) + (running is not None)  # (the running result's weight is the last slot)
             weights = torch.empty((bsz, slots, n * heads), dtype=torch.float32, device=like.device)
             rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
-            _jitted(combine_lse_kernel)[(triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz)](
-                table, lse_base, lse_base if run_lse is None else run_lse, lse, weights, n,
-                *rl_strides, *lse.stride(), weights.stride(1), weights.stride(0),
-                H=heads, P=len(parts), HAS_RUN=running is not None, BLOCK=COMBINE_LSE_BLOCK, **launch)
+            launch(_jitted(combine_lse_kernel), (triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz),
+                   (table, lse_base, lse_base if run_lse is None else run_lse, lse, weights, n,
+                    *rl_strides, *lse.stride(), weights.stride(1), weights.stride(0)),
+                   dict(H=heads, P=len(parts), HAS_RUN=running is not None, BLOCK=COMBINE_LSE_BLOCK),
+                   num_warps=COMBINE_WARPS)
         block_d = max(16, triton.next_power_of_2(dim))
         block_r = max(1, COMBINE_TILE // block_d)
         r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
         w_strides = (weights.stride(1), weights.stride(0)) if weighted else (0, 0)
-        _jitted(combine_kernel)[(triton.cdiv(n, block_r), heads, bsz)](
-            table, base, weights, out if run_out is None else run_out, out, n, dim, *r_strides, *out.stride()[:3],
-            *w_strides, H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align,
-            WIDE=wide, BLOCK_R=block_r, BLOCK_D=block_d, **launch)
+        launch(_jitted(combine_kernel), (triton.cdiv(n, block_r), heads, bsz),
+               (table, base, weights, out if run_out is None else run_out, out, n, dim, *r_strides,
+                *out.stride()[:3], *w_strides),
+               dict(H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align, WIDE=wide,
+                    BLOCK_R=block_r, BLOCK_D=block_d), num_warps=COMBINE_WARPS)
     return out, lse

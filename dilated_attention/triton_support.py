@@ -1,14 +1,22 @@
 """Triton, where it is importable, and what the code launching Triton kernels shares (``kernels/fused.py``,
-``merge.py``): the interpreter switch and one table of jitted kernels.
+``merge.py``): the interpreter switch, one table of jitted kernels, and ``launch``.
 
 Kernels are jitted at first use, not at import, so ``TRITON_INTERPRET`` is read when a kernel first runs; a
 process runs in one mode (Triton decides at its own import whether its library functions are interpreted),
 and the table keys each kernel by the mode it was jitted for.
+
+``launch`` is ``fn[grid](*args, **meta)`` with Triton's per-launch work done once per specialization: Triton's
+launcher binds every argument, specializes it, builds a cache key and reads the device and stream anew on each
+launch, about as much host time as a LongNet step's own Python between its 25-45 launches. A launch whose
+arguments specialize as an earlier one's did reuses that launch's compiled kernel and calls its launcher
+directly.
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
 
 from . import caches
 
@@ -24,9 +32,62 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 JITTED = caches.table("triton_support.jitted", 64)
 
 
+@caches.memoize("triton_support.interpreting", 1)  # asked on every launch; read once (one mode per process)
 def interpreting() -> bool:
     """Is Triton's interpreter on (``TRITON_INTERPRET=1``: the kernels run on CPU tensors)?"""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-__all__ = ["JITTED", "TRITON_ERROR", "interpreting", "triton"]
+# (kernel, device, options, meta, argument specialization) -> (compiled kernel, constexpr values after the args)
+_COMPILED = caches.table("triton_support.compiled", 4096)
+# Triton releases whose compiled kernels are launched as ``run(grid, stream, function, packed metadata,
+# launch metadata, enter hook, exit hook, *every argument)`` (read in their ``JITFunction.run``): others always
+# launch through Triton.
+_DIRECT_LAUNCH = ("3.4.", "3.5.", "3.6.", "3.7.", "3.8.", "3.9.")
+DIRECT = triton is not None and triton.__version__.startswith(_DIRECT_LAUNCH)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler's, e.g. Proton's): it needs Triton's launch metadata."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _specialization(args: tuple) -> tuple:
+    """What Triton's specialization reads of ``args``, or finer: a tensor's dtype and whether its address is
+    16-byte aligned, every other value itself (ints exactly; a float by type only, as Triton never specializes
+    a non-constexpr float)."""
+    return tuple((a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
+                 (float if type(a) is float else a) for a in args)
+
+
+def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
+    """``fn[grid](*args, **meta, **options)`` on the current CUDA device and stream (``options``: ``num_warps``,
+    ``num_stages``; not passed to the interpreter). ``args`` are the kernel's leading parameters, ``meta`` by name
+    every later one (its constexprs).
+    The first launch of each specialization goes through Triton (compiling if needed); later ones call the
+    compiled kernel's launcher with the same arguments Triton would pass. Under the interpreter, or while a
+    launch hook is set (a profiler's), every launch goes through Triton."""
+    if interpreting():  # (the interpreter takes no launch options)
+        fn[grid](*args, **meta)
+        return
+    if not DIRECT or _hooked():
+        fn[grid](*args, **meta, **options)
+        return
+    device = torch.cuda.current_device()
+    key = (fn, device, tuple(options.items()), tuple(meta.items()), _specialization(args))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = fn[grid](*args, **meta, **options)
+        rest = fn.arg_names[len(args):]
+        if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")) and set(rest) == set(meta):
+            _COMPILED[key] = (compiled, tuple(meta[name] for name in rest))  # (else Triton's path every time)
+        return
+    compiled, consts = hit
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *consts)
+
+
+__all__ = ["JITTED", "TRITON_ERROR", "interpreting", "launch", "triton"]

@@ -42,7 +42,7 @@ import torch
 
 from .. import caches
 from ..patterns import PatternPlan
-from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, triton
+from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, launch, triton
 from ..views import new_grad_parts
 
 LOG2E = 1.4426950408889634
@@ -325,12 +325,8 @@ class FusedKernel:
 
     @staticmethod
     def _launch(kernel: str, grid, args, meta, warps: int, stages: int) -> None:
-        fn = _kernel(kernel)
         try:
-            if interpreting():
-                fn[grid](*args, **meta)
-            else:
-                fn[grid](*args, **meta, num_warps=warps, num_stages=stages)
+            launch(_kernel(kernel), grid, args, meta, num_warps=warps, num_stages=stages)
         except Exception as exc:  # turn Triton's resource errors into a clear message
             if triton is not None and isinstance(exc, triton.runtime.errors.OutOfResources):
                 raise RuntimeError(f"fused {kernel} kernel: out of resources ({exc}); choose a smaller config") from exc

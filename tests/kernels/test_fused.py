@@ -75,10 +75,17 @@ def test_supports_rejects_with_reason(case):
 
 
 def test_supports_rejects_cpu_without_interpreter(monkeypatch):
+    from dilated_attention import triton_support
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    q = torch.randn(1, 1, 16, 2, 64)
-    reason = FUSED.supports(q, q)
-    assert reason is not None and "CUDA" in reason
+    triton_support.interpreting.cache_clear()  # (read once per process; this test switches the mode)
+    try:
+        q = torch.randn(1, 1, 16, 2, 64)
+        reason = FUSED.supports(q, q)
+        assert reason is not None and "CUDA" in reason
+    finally:
+        monkeypatch.undo()
+        triton_support.interpreting.cache_clear()
 
 
 def test_padded_dim():

@@ -1,0 +1,112 @@
+"""The host's budget for one LongNet forward+backward: how many torch operations the library dispatches around
+its kernels, counted (never timed) on CPU through the cuDNN kernel's view logic with plain-torch stand-in ops and
+the merges' Triton kernels in Triton's interpreter (each counted as one launch, as on a GPU).
+
+An eager call is host-bound on a GPU (docs/performance.md): every operation dispatched costs microseconds of
+Python and C++ between kernel launches. A change that adds per-call work shows here as a higher count; the
+bounds are the counts of today's code plus a little room, so raise one only for a reason that is worth its host
+time (and say it in the commit).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dilated_attention import dilated_attention, merge
+from dilated_attention.kernels.cudnn import CudnnKernel
+from dilated_attention.testing.compare import assert_within_rule
+from dilated_attention.testing.oracle import dense_dilated_attention
+
+from test_cudnn import MathOps  # (the cuDNN kernel's plain-torch stand-in ops)
+
+SEGMENTS, RATES = [64, 128, 256, 512], [1, 2, 4, 8]  # LongNet's geometric pattern on 512 rows
+# (ops dispatched around the kernels, kernel calls) per forward+backward
+BUDGET = {False: (170, 17), True: (170, 17)}
+
+
+class _Counted(TorchDispatchMode):
+    """Counts the aten operations dispatched while ``counting`` (the stand-in ops and Triton's interpreter switch
+    it off: on a GPU those are single kernels, counted as kernel calls instead)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.counting = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _UncountedOps(MathOps):
+    """The frontend's contract (writes into given views, reads out/dout in their own strides), its arithmetic
+    outside the count."""
+
+    mode: _Counted | None = None
+
+    def _quiet(self, fn, *args, **kwargs):
+        mode, self.mode.counting = self.mode.counting, False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.mode.counting = mode
+
+    def forward(self, *args, **kwargs):
+        return self._quiet(super().forward, *args, **kwargs) if self.mode else super().forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        return self._quiet(super().backward, *args, **kwargs) if self.mode else super().backward(*args, **kwargs)
+
+
+needs_triton = pytest.mark.skipif(merge.triton is None or not (torch.cuda.is_available() or merge.interpreting()),
+                                  reason="needs Triton and CUDA or TRITON_INTERPRET=1")
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_longnet_step_dispatches_no_more_operations_than_its_budget(causal, monkeypatch):
+    g = torch.Generator().manual_seed(5401 + causal)
+    q, k, v, dout = (torch.randn(1, 512, 8, 16, generator=g) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ops = _UncountedOps(write_into=True, own_strides=True)
+    launches = []
+
+    def launch(*args, **kwargs):  # the merges' Triton kernels: one launch each, outside the count
+        if ops.mode is None:
+            return merge_launch(*args, **kwargs)
+        launches.append(args[0])
+        return ops._quiet(merge_launch, *args, **kwargs)
+
+    merge_launch = merge.launch
+    monkeypatch.setattr(merge, "launch", launch)
+    kernel = CudnnKernel(ops)
+    for _ in range(2):  # plans, tables and views of this configuration made and cached
+        for x in leaves:
+            x.grad = None
+        dilated_attention(*leaves, SEGMENTS, RATES, causal=causal, kernel=kernel).backward(dout)
+    for x in leaves:
+        x.grad = None
+    ops.calls.clear()
+    with _Counted() as mode:
+        ops.mode = mode
+        out = dilated_attention(*leaves, SEGMENTS, RATES, causal=causal, kernel=kernel)
+        out.backward(dout)
+    ops.mode = None
+    # the counted step computes the right thing (the oracle: plain torch, float64)
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    want = dense_dilated_attention(*ref, SEGMENTS, RATES, causal=causal)
+    want.backward(dout.double())
+    for name, got, exp in (("out", out, want), *zip(("dq", "dk", "dv"), (x.grad for x in leaves),
+                                                     (x.grad for x in ref))):
+        assert_within_rule(name, got, exp, exp.float())  # (fp32: plain torch is the float64 oracle rounded)
+    total, calls = sum(mode.ops.values()), len(ops.calls) + len(launches)
+    most = ", ".join(f"{name} {n}" for name, n in mode.ops.most_common(8))
+    bound_ops, bound_calls = BUDGET[causal]
+    assert total <= bound_ops and calls <= bound_calls, (
+        f"one LongNet forward+backward dispatched {total} operations around {calls} kernel calls, over its budget "
+        f"of {bound_ops} around {bound_calls}; most: {most}")
