@@ -58,7 +58,8 @@ linearly from the last one beyond ``--memory-limit`` of the GPU), or the next si
 
 Results: ``<out>/model_<gpu>.{json,md,png}`` (``<gpu>`` as ``gpu_tag.py`` names it; ``cpu`` on CPU),
 written by rank 0 after every record. Runs with other GPU counts are kept in the same file (a record
-is replaced by one of the same variant, GPU count and length); ``--fresh`` starts the file anew.
+is replaced when a run measures the same variant, GPU count and length again, so several commands at one
+GPU count fill one file); ``--fresh`` starts the file anew.
 ``--plot-only JSON`` rewrites the ``.md`` and ``.png`` from a results file without running anything.
 """
 
@@ -501,14 +502,20 @@ def load(path: str) -> dict:
         return json.load(f)
 
 
-def merge(old: dict | None, meta: dict, k: int) -> dict:
-    """The results file with this run's meta under its GPU count; records of other GPU counts kept."""
+def merge(old: dict | None, meta: dict, k: int, cases: list[tuple[int, str]], searched: list[str]) -> dict:
+    """The results file with this run's meta under its GPU count. Of the old records, those this run measures
+    again (same GPU count, length and variant; same GPU count and variant for ``--find-max``) are dropped, the
+    rest kept: several commands at one GPU count fill one file. ``meta["commands"]`` lists them all."""
     data = {"runs": {}, "records": [], "skipped": [], "find_max": []}
+    again = {(k, n, v) for n, v in cases}
     if old:
-        data["runs"] = {key: v for key, v in old.get("runs", {}).items() if key != str(k)}
-        for key in ("records", "skipped", "find_max"):
-            data[key] = [r for r in old.get(key, []) if r.get("gpus") != k]
-    data["runs"][str(k)] = meta
+        data["runs"] = dict(old.get("runs", {}))
+        for key in ("records", "skipped"):
+            data[key] = [r for r in old.get(key, []) if (r.get("gpus"), r.get("seq_len"), r.get("variant")) not in again]
+        data["find_max"] = [f for f in old.get("find_max", []) if not (f.get("gpus") == k and f["variant"] in searched)]
+    before = data["runs"].get(str(k), {})
+    data["runs"][str(k)] = {**meta, "commands": before.get("commands", []) + [meta["command"]],
+                            "patterns": {**before.get("patterns", {}), **meta["patterns"]}}
     return data
 
 
@@ -681,17 +688,18 @@ def main(argv: list[str] | None = None) -> int:
                  "not counted",
         "notes": runner.state.setdefault("notes", []),
     }
+    cases = [(n, v) for n in args.seq_lens for v in args.variants]
     data = {"runs": {}, "records": [], "skipped": [], "find_max": []}
     if env.rank == 0:
         old = load(path) if os.path.exists(path) and not args.fresh else None
-        data = merge(old, meta, k)
+        data = merge(old, meta, k, cases, args.find_max)
+        meta = data["runs"][str(k)]
 
     def save() -> None:
         if env.rank == 0:
             os.makedirs(args.out, exist_ok=True)
             write_outputs(data, path)
 
-    cases = [(n, v) for n in args.seq_lens for v in args.variants]
     progress = tqdm(total=len(cases), disable=env.rank != 0, desc=f"model x{k}", dynamic_ncols=True)
     for n, variant in cases:
         progress.set_postfix_str(f"{variant} {n}")
