@@ -1,0 +1,742 @@
+"""Model benchmark: a Hugging Face Llama trained sequence parallel, dilated attention against dense peers.
+
+    python benchmarks/bench_model.py --seq-lens 32768,65536                  # one GPU: ours and sdpa
+    torchrun --standalone --nproc_per_node=4 benchmarks/bench_model.py --seq-lens 131072,524288
+    torchrun --standalone --nproc_per_node=4 benchmarks/bench_model.py --variants ours --seq-lens 524288 \\
+        --find-max ours --time-budget 420
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_model.py --tiny --device cpu   # CPU check
+
+Trains ``LlamaForCausalLM`` (transformers, random weights, synthetic learnable tokens) for
+``--warmup`` + ``--steps`` optimizer steps per variant and sequence length, and records the median
+of the timed steps (each step: forward, backward, gradient clipping, AdamW; timed on the host after a
+device sync, slowest rank). Default model: about 1.1B parameters (hidden 2048, 16 layers, 16 heads
+of 128, 8 KV heads, MLP 5632, vocab 32000). The training setup is what a user runs:
+
+- FSDP2 (``fully_shard`` per decoder layer, then the root) over the K ranks: float32 master weights,
+  gradients and AdamW state sharded; the layers compute in bfloat16 (``MixedPrecisionPolicy``: gathered
+  weights bf16, gradients reduced in fp32). ``--no-fsdp``: float32 weights on every rank under bf16 autocast,
+  gradients summed by hand. The output states which (``meta.training``).
+- per-layer activation checkpointing (``--no-checkpointing`` to keep activations; ``--offload-checkpoints``:
+  the layer inputs it keeps go to host memory), eager (no CUDA graphs, no compile).
+- sequence parallel: every rank holds a contiguous shard of every sequence (1/K of the tokens), fed at
+  its global positions; labels are shifted on the whole sequence before sharding; each rank's loss is its
+  share of the mean over the whole batch, computed in row tiles of ``--loss-chunk`` rows (DeepSpeed's
+  ``TiledFusedLogitsLoss`` where it imports, else a chunked cross-entropy recomputed in the backward) so
+  the logits never exist whole. ``dilated_attention.models.hf_training`` holds these pieces;
+  ``tests/models/test_train_parity.py`` checks that two ranks train exactly like one device.
+
+Variants (``--variants``):
+
+- ``ours``: dilated attention through the Hugging Face integration
+  (``register_dilated_attention(..., comm=)``), LongNet patterns ``w = [2048, 8192, 32768, ...]`` (x4)
+  while shorter than N, then N, with ``r = [1, 2, 4, ...]`` (x2); ``--first-segment``,
+  ``--segment-factor``, ``--rate-factor`` change them. Stated in ``meta.patterns`` per length.
+- ``sdpa``: transformers' dense causal ``sdpa`` attention, one GPU only.
+- ``ulysses``: dense causal attention, DeepSpeed Ulysses (all-to-all from sequence shards to head
+  groups around transformers' ``sdpa``): DeepSpeed's ``UlyssesSPAttentionHF`` (Arctic Long Sequence
+  Training's Hugging Face path) where it imports, else a plain all-to-all written here
+  (``--ulysses-impl``). Needs K to divide the heads.
+- ``torch_cp``: dense causal attention, PyTorch context parallel (``context_parallel``, cuDNN SDPA ring,
+  its load-balanced order of the tokens), GPUs only.
+
+A variant that does not import, does not apply (one GPU, CPU) or does not fit (out of memory) is
+recorded in ``skipped`` with the reason, and the run goes on.
+
+Measured per record: step time, global tokens/s, peak memory per GPU (largest rank, model state
+included), losses of every step, and model FLOPs utilization: FLOPs of the step / (time x K x
+``--peak-tflops``, default 989, an H100's dense bf16). FLOPs of the step: 6 per matrix weight per token
+(projections, MLP, LM head) plus 3 x 4 x head_dim per (query, key) pair each attention layer really scores
+(forward ``Q K^T`` and ``P V``, backward twice that): dense causal N (N + 1) / 2 pairs per head; for the
+dilated patterns, in each segment of w the m = w / r positions of the head's offset score m (m + 1) / 2
+pairs, summed over segments, heads and patterns (``attended_pairs``, tested against the masks).
+Recomputation (checkpointing, the tiled loss) is not counted.
+
+``--find-max V,...``: for each variant, the sequence length doubles (from ``--find-max-start``, default the
+largest ``--seq-lens``) until it runs out of memory, a size is predicted not to fit (its peak extrapolated
+linearly from the last one beyond ``--memory-limit`` of the GPU), or the next size would not finish within
+``--time-budget`` seconds of the search: one warm-up and one timed step per size.
+
+Results: ``<out>/model_<gpu>.{json,md,png}`` (``<gpu>`` as ``gpu_tag.py`` names it; ``cpu`` on CPU),
+written by rank 0 after every record. Runs with other GPU counts are kept in the same file (a record
+is replaced when a run measures the same variant, GPU count and length again, so several commands at one
+GPU count fill one file); ``--fresh`` starts the file anew.
+``--plot-only JSON`` rewrites the ``.md`` and ``.png`` from a results file without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_tag import gpu_tag, package_versions  # noqa: E402
+
+VARIANTS = ("ours", "sdpa", "ulysses", "torch_cp")
+DENSE = ("sdpa", "ulysses", "torch_cp")
+TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "mlp": 128, "vocab": 128,
+        "seq_lens": [256], "first_segment": 32, "warmup": 1, "steps": 2, "loss_chunk": 64}
+PENDING = "started but never finished: the job hung or crashed here (an out-of-memory on one rank while the " \
+          "others wait in a collective ends like this)"
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def variant_list(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in VARIANTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad}; choose from {','.join(VARIANTS)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int_list, default=[32768, 131072],
+                   help="tokens per sequence (global), comma-separated, e.g. 32768,131072,524288,1048576")
+    p.add_argument("--variants", type=variant_list, default=list(VARIANTS), help=f"of {','.join(VARIANTS)}")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
+    g = p.add_argument_group("model (default about 1.1B parameters)")
+    g.add_argument("--hidden", type=int, default=2048)
+    g.add_argument("--layers", type=int, default=16)
+    g.add_argument("--heads", type=int, default=16)
+    g.add_argument("--kv-heads", type=int, default=8)
+    g.add_argument("--head-dim", type=int, default=128)
+    g.add_argument("--mlp", type=int, default=5632)
+    g.add_argument("--vocab", type=int, default=32000)
+    g.add_argument("--tiny", action="store_true", help="a CPU-sized check: hidden 64, 2 layers, 4 heads of 16, "
+                   "2 KV heads, MLP 128, vocab 128, 256 tokens, first segment 32, 1 + 2 steps")
+    g = p.add_argument_group("dilated patterns of ours")
+    g.add_argument("--first-segment", type=int, default=2048)
+    g.add_argument("--segment-factor", type=int, default=4)
+    g.add_argument("--rate-factor", type=int, default=2)
+    g.add_argument("--kernel", default="auto", help="dilated_attention's kernel= (default auto)")
+    g = p.add_argument_group("training")
+    g.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    g.add_argument("--steps", type=int, default=3, help="timed steps (their median is the record)")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup", type=int, default=10, help="steps of linear learning-rate warmup")
+    g.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
+    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP2 with bf16 compute and fp32 master weights (default); --no-fsdp: fp32 weights "
+                        "on every rank under bf16 autocast")
+    g.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-layer activation checkpointing (default on)")
+    g.add_argument("--offload-checkpoints", action="store_true",
+                   help="checkpointed layer inputs go to pinned host memory (transformers' offload=True)")
+    g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="compute precision (auto: bf16 on GPUs, fp32 on CPU)")
+    g.add_argument("--loss-chunk", type=int, default=8192, help="rows per tile of the LM head and loss")
+    g.add_argument("--loss-impl", choices=["auto", "deepspeed", "chunked"], default="auto",
+                   help="the tiled loss: DeepSpeed's TiledFusedLogitsLoss (auto: where it imports) or chunked")
+    g.add_argument("--ulysses-impl", choices=["auto", "deepspeed", "plain"], default="auto",
+                   help="ulysses: DeepSpeed's UlyssesSPAttentionHF (auto: where it imports) or the plain all-to-all")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("longest sequence")
+    g.add_argument("--find-max", type=variant_list, default=[], metavar="VARIANTS",
+                   help="double the sequence length until out of memory, per variant (e.g. ours,ulysses)")
+    g.add_argument("--find-max-start", type=int, default=None, help="first length (default: the largest --seq-lens)")
+    g.add_argument("--time-budget", type=float, default=300.0, help="seconds for each variant's search")
+    g.add_argument("--memory-limit", type=float, default=0.95,
+                   help="a size whose extrapolated peak exceeds this share of the GPU is not launched")
+    g = p.add_argument_group("output")
+    g.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="peak bf16 dense TFLOP/s of one GPU for the FLOPs utilization (H100 SXM: 989)")
+    g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    g.add_argument("--out", default="benchmarks/results")
+    g.add_argument("--tag", default=None, help="file name model_<tag>.* (default: the GPU name, cpu on CPU)")
+    g.add_argument("--fresh", action="store_true", help="start the results file anew (default: merge into it)")
+    g.add_argument("--plot-only", default=None, metavar="JSON", help="rewrite the .md and .png of a results file")
+    a = p.parse_args(argv)
+    if a.plot_only:
+        return a
+    if a.tiny:
+        for key, value in TINY.items():
+            setattr(a, key, value)
+    for name in ("batch", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab", "steps",
+                 "first_segment", "loss_chunk"):
+        if getattr(a, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.heads % a.kv_heads:
+        p.error(f"--heads ({a.heads}) must be a multiple of --kv-heads ({a.kv_heads})")
+    if a.segment_factor < 2 or a.rate_factor < 1:
+        p.error("--segment-factor must be >= 2 and --rate-factor >= 1")
+    if not 0 < a.memory_limit <= 1:
+        p.error(f"--memory-limit must be in (0, 1], got {a.memory_limit}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    bad = [n for n in a.seq_lens if n % world]
+    if bad:
+        p.error(f"--seq-lens {bad} must be divisible by the number of ranks ({world})")
+    return a
+
+
+class Skip(Exception):
+    """A variant that cannot run here (not installed, not applicable): recorded with the reason."""
+
+
+# -- FLOPs -------------------------------------------------------------------------------------------
+
+
+def patterns(args, n: int) -> tuple[list[int], list[int]]:
+    from dilated_attention.models.hf_training import longnet_schedule
+
+    return longnet_schedule(n, args.first_segment, args.segment_factor, args.rate_factor)
+
+
+def step_flops(args, shape, variant: str, n: int) -> float:
+    """FLOPs of one training step at ``n`` tokens per sequence (``hf_training.model_flops``)."""
+    from dilated_attention.models.hf_training import attended_pairs, dense_causal_pairs, model_flops
+
+    if variant == "ours":
+        segs, rates = patterns(args, n)
+        pairs = attended_pairs(n, shape.heads, segs, rates, causal=True)
+    else:
+        pairs = dense_causal_pairs(n, shape.heads)
+    return model_flops(shape, args.batch * n, args.batch * pairs)
+
+
+# -- the attention of each variant -------------------------------------------------------------------
+
+
+def _no_mask(*args, **kwargs):
+    """Mask interface of the dense peers: causal attention with no mask tensor (SDPA's is_causal)."""
+    return None
+
+
+def _repeat_kv(x, groups: int):
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def plain_ulysses(group) -> Callable:
+    """Ulysses written out: all-to-all from sequence shards to head groups, SDPA causal on the whole sequence,
+    all-to-all back. An attention function of transformers' interface (q ``(B, H, L, D)`` -> ``(B, L, H, D)``)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.nn.functional import all_to_all_single
+
+    k = dist.get_world_size(group)
+
+    def to_heads(x):  # (B, h, L, D) -> (B, h/K, K L, D): head group j goes to rank j, sequence chunks come back
+        b, h, n, d = x.shape
+        x = x.reshape(b, k, h // k, n, d).transpose(0, 1).contiguous()
+        y = all_to_all_single(torch.empty_like(x), x, group=group)
+        return y.permute(1, 2, 0, 3, 4).reshape(b, h // k, k * n, d)
+
+    def to_sequence(x):  # (B, h/K, K L, D) -> (B, h, L, D)
+        b, hk, n, d = x.shape
+        x = x.reshape(b, hk, k, n // k, d).permute(2, 0, 1, 3, 4).contiguous()
+        y = all_to_all_single(torch.empty_like(x), x, group=group)
+        return y.transpose(0, 1).reshape(b, k * hk, n // k, d)
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        if key.shape[1] % k:  # fewer KV heads than ranks: every rank gets its query heads' own copies
+            key, value, groups = _repeat_kv(key, groups), _repeat_kv(value, groups), 1
+        q, kk, v = (to_heads(t) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+        return to_sequence(out).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def deepspeed_ulysses(shape, batch: int, group) -> Callable:
+    """DeepSpeed's ``UlyssesSPAttentionHF`` around transformers' ``sdpa`` (what its
+    ``register_with_transformers`` builds, registered under its own name instead of replacing ``sdpa``)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dilated_attention.comm.deepspeed import ensure_initialized
+
+    ensure_initialized()  # DeepSpeed's comm layer over torch's default group
+    uattn = UlyssesSPAttentionHF(
+        attn=sdpa_attention_forward, batch_size=batch, attn_head_count=shape.heads, attn_head_size=shape.head_dim,
+        kv_head_count=shape.kv_heads, num_hidden_layers=shape.layers, process_group=group,
+        seq_length_is_variable=True)
+    uattn.core_attn_implementation = "sdpa"
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        return uattn(module, query, key, value, None, *args, **kwargs)  # the mask is causal: none after the exchange
+
+    return attention
+
+
+def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """torch_cp's attention: causal SDPA on this rank's tokens (``context_parallel`` turns it into its ring);
+    KV heads repeated (the ring's SDPA ops take no enable_gqa)."""
+    import torch.nn.functional as F
+
+    groups = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(query, _repeat_kv(key, groups), _repeat_kv(value, groups), is_causal=True,
+                                         scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attention_for(variant: str, args, shape, n: int, env, comm, state: dict) -> tuple[str, str]:
+    """Register ``variant``'s attention with transformers: ``(attn_implementation name, what runs)``."""
+    import torch.distributed as dist
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    k = env.world_size
+    if variant == "ours":
+        from dilated_attention.integrations.huggingface import register_dilated_attention
+
+        segs, rates = patterns(args, n)
+        name = register_dilated_attention(segs, rates, comm=comm, kernel=args.kernel, name=f"dilated_{n}")
+        return name, f"dilated attention w={segs} r={rates}, kernel={args.kernel}" + (", ring over K" if comm else "")
+    if variant == "sdpa":
+        if k > 1:
+            raise Skip("dense attention on one process only: its sequence-parallel forms are ulysses and torch_cp")
+        return "sdpa", "transformers' sdpa, causal"
+    if k == 1:
+        raise Skip("one GPU: nothing to exchange (the one-GPU dense peer is sdpa)")
+    if variant == "ulysses":
+        if shape.heads % k:
+            raise Skip(f"Ulysses needs the ranks ({k}) to divide the heads ({shape.heads})")
+        impl = args.ulysses_impl
+        fn = None
+        if impl in ("auto", "deepspeed"):
+            try:
+                fn = deepspeed_ulysses(shape, args.batch, dist.group.WORLD)
+                how = "DeepSpeed UlyssesSPAttentionHF around transformers' sdpa"
+            except Exception as exc:  # not installed, or an API it no longer has
+                if impl == "deepspeed":
+                    raise Skip(f"DeepSpeed's UlyssesSPAttentionHF: {type(exc).__name__}: {exc}") from None
+                state.setdefault("notes", []).append(f"ulysses: DeepSpeed's UlyssesSPAttentionHF unavailable "
+                                                     f"({type(exc).__name__}: {exc}); the plain all-to-all ran")
+        if fn is None:
+            fn, how = plain_ulysses(dist.group.WORLD), "plain all-to-all around SDPA (this benchmark's)"
+        AttentionInterface.register("ulysses_bench", fn)
+        AttentionMaskInterface.register("ulysses_bench", _no_mask)
+        return "ulysses_bench", how
+    if variant == "torch_cp":
+        if env.device.type != "cuda":
+            raise Skip("torch_cp needs CUDA (its ring runs cuDNN/flash SDPA)")
+        try:
+            from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+        except ImportError as exc:
+            raise Skip(f"torch context parallel does not import: {exc}") from None
+        AttentionInterface.register("torch_cp_bench", cp_attention)
+        AttentionMaskInterface.register("torch_cp_bench", _no_mask)
+        return "torch_cp_bench", "torch context_parallel, cuDNN SDPA ring, load-balanced token order"
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+# -- one measurement ---------------------------------------------------------------------------------
+
+
+class Runner:
+    def __init__(self, args, env, comm, shape) -> None:
+        import torch
+
+        self.torch, self.args, self.env, self.comm, self.shape = torch, args, env, comm, shape
+        self.cuda = env.device.type == "cuda"
+        self.bf16 = args.precision == "bf16" or (args.precision == "auto" and self.cuda)
+        self.mesh = None
+        self.state: dict = {}
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def max_over_ranks(self, value: float) -> float:
+        import torch.distributed as dist
+
+        t = self.torch.tensor([value], dtype=self.torch.float64, device=self.env.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def agree(self, error: str | None) -> str | None:
+        import torch.distributed as dist
+
+        everyone: list = [None] * self.env.world_size
+        dist.all_gather_object(everyone, error)
+        return next((e for e in everyone if e is not None), None)
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def training(self) -> str:
+        a = self.args
+        prec = "bf16 compute" if self.bf16 else "fp32 compute"
+        how = (f"FSDP2 over {self.env.world_size} rank(s): fp32 master weights, gradients and AdamW state sharded, "
+               f"{prec}" + (" (MixedPrecisionPolicy param bf16, reduce fp32)" if self.bf16 else "")) if a.fsdp else \
+            (f"fp32 weights on every rank, {'bf16 autocast' if self.bf16 else 'fp32'}, gradients all-reduced")
+        ckpt = "per-layer activation checkpointing" + (" offloaded to host" if a.offload_checkpoints else "") \
+            if a.checkpointing else "no activation checkpointing"
+        return f"{how}; {ckpt}; eager; AdamW lr {a.lr} (warmup {a.lr_warmup}), clip {a.clip}"
+
+    def run(self, variant: str, n: int, warmup: int, steps: int) -> dict:
+        """Build the model with ``variant``'s attention, train ``warmup + steps`` steps at ``n`` tokens."""
+        import torch.distributed as dist
+
+        from dilated_attention.models.hf_training import (
+            SequenceParallelLoss,
+            build_llama,
+            learnable_tokens,
+            make_optimizer,
+            sequence_parallel_batch,
+            shard_model,
+            train_step,
+        )
+
+        torch, a, env, k = self.torch, self.args, self.env, self.env.world_size
+        name, how = attention_for(variant, a, self.shape, n, env, self.comm, self.state)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        group = dist.group.WORLD if k > 1 else None
+        grad_comm = self.comm if (k > 1 and not a.fsdp) else None
+        autocast = self.bf16 and not a.fsdp
+        cp = variant == "torch_cp"
+        times, losses = [], []
+        module = opt = sched = None
+        try:
+            lm = build_llama(self.shape, name, n, a.seed, device=env.device, checkpointing=a.checkpointing,
+                             offload=a.offload_checkpoints)
+            module = SequenceParallelLoss(lm, chunk_rows=a.loss_chunk, loss_impl=a.loss_impl)
+            del lm
+            if a.fsdp:
+                shard_model(module, bf16=self.bf16)
+            opt, sched = make_optimizer(module.parameters(), lr=a.lr, warmup_steps=a.lr_warmup,
+                                        total_steps=max(1000, warmup + steps))
+            for i in range(warmup + steps):
+                tokens = learnable_tokens(a.batch, n, self.shape.vocab, a.seed, i)
+                batch = sequence_parallel_batch(tokens, None if cp else self.comm, env.device)
+                self.sync()
+                dist.barrier()
+                t0 = time.perf_counter()
+                with self.cp_context(batch) if cp else _nullcontext():
+                    loss = train_step(module, opt, sched, batch, loss_group=group, grad_comm=grad_comm,
+                                      autocast_bf16=autocast, clip=a.clip)
+                self.sync()
+                times.append(self.max_over_ranks(time.perf_counter() - t0))
+                losses.append(loss)
+            state_gib = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
+            peak = self.max_over_ranks(torch.cuda.max_memory_allocated() / 2**30) if self.cuda else None
+        finally:
+            del module, opt, sched
+            self.free()
+        timed = times[warmup:]
+        step_s = statistics.median(timed)
+        flops = step_flops(a, self.shape, variant, n)
+        return {"variant": variant, "gpus": k, "seq_len": n, "tokens_per_gpu": n // k, "batch": a.batch,
+                "step_s": step_s, "step_times_s": times, "tokens_per_s": a.batch * n / step_s,
+                "peak_gib": peak, "state_gib": state_gib, "losses": losses, "step_tflop": flops / 1e12,
+                "mfu": flops / (step_s * k * a.peak_tflops * 1e12), "attention": how}
+
+    def cp_context(self, batch: dict):
+        """torch's context parallel over the world: shards the whole-sequence inputs in place (load-balanced
+        head-tail order, the same for tokens, positions and labels), SDPA inside runs its ring."""
+        import contextlib
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if self.mesh is None:
+            self.mesh = init_device_mesh("cuda", (self.env.world_size,))
+        bufs = [batch["input_ids"], batch["position_ids"], batch["labels"]]
+        stack = contextlib.ExitStack()
+        stack.enter_context(sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]))
+        stack.enter_context(context_parallel(self.mesh, buffers=bufs, buffer_seq_dims=[1, 1, 1],
+                                             no_restore_buffers=set(bufs)))
+        return stack
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def failure(exc: BaseException, limit: int = 300) -> str:
+    name = type(exc).__name__
+    if "OutOfMemory" in name or "out of memory" in str(exc).lower():
+        return f"OOM: {str(exc).splitlines()[0][:limit]}"
+    return f"{name}: {str(exc)[:limit]}"
+
+
+def guarded(runner: Runner, fn: Callable[[], dict]) -> tuple[dict | None, str | None]:
+    """``fn()`` on every rank; any rank's failure is every rank's ``(None, reason)``."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Skip as exc:
+        error = str(exc)
+    except Exception as exc:  # out of memory, a peer's API: data, not the end of the run
+        error = failure(exc)
+    runner.free()
+    error = runner.agree(error)
+    return (None, error) if error else (result, None)
+
+
+# -- results -----------------------------------------------------------------------------------------
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def merge(old: dict | None, meta: dict, k: int, cases: list[tuple[int, str]], searched: list[str]) -> dict:
+    """The results file with this run's meta under its GPU count. Of the old records, those this run measures
+    again (same GPU count, length and variant; same GPU count and variant for ``--find-max``) are dropped, the
+    rest kept: several commands at one GPU count fill one file. ``meta["commands"]`` lists them all."""
+    data = {"runs": {}, "records": [], "skipped": [], "find_max": []}
+    again = {(k, n, v) for n, v in cases}
+    if old:
+        data["runs"] = dict(old.get("runs", {}))
+        for key in ("records", "skipped"):
+            data[key] = [r for r in old.get(key, []) if (r.get("gpus"), r.get("seq_len"), r.get("variant")) not in again]
+        data["find_max"] = [f for f in old.get("find_max", []) if not (f.get("gpus") == k and f["variant"] in searched)]
+    before = data["runs"].get(str(k), {})
+    data["runs"][str(k)] = {**meta, "commands": before.get("commands", []) + [meta["command"]],
+                            "patterns": {**before.get("patterns", {}), **meta["patterns"]}}
+    return data
+
+
+def best_dense(records: list[dict], k: int, n: int) -> dict | None:
+    dense = [r for r in records if r["gpus"] == k and r["seq_len"] == n and r["variant"] in DENSE]
+    return max(dense, key=lambda r: r["tokens_per_s"]) if dense else None
+
+
+def render_md(data: dict) -> str:
+    lines = ["# Model benchmark: Llama trained sequence parallel, dilated attention vs dense peers", ""]
+    for k, meta in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
+        lines += [f"- {k} x {meta['gpu']}: {meta['model']}; {meta['training']}; timing: {meta['timing']}; "
+                  f"MFU against {meta['peak_tflops']} TFLOP/s per GPU ({meta['flops']}); "
+                  f"torch {meta['versions'].get('torch')}, transformers {meta['versions'].get('transformers')}, "
+                  f"deepspeed {meta['versions'].get('deepspeed')}. Patterns of ours: {meta['pattern_rule']}."]
+    lines += ["", "| GPUs | tokens/seq | variant | step s | tokens/s | vs best dense | MFU | peak GiB/GPU | loss first -> last |",
+              "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in sorted(data["records"], key=lambda r: (r["gpus"], r["seq_len"], VARIANTS.index(r["variant"]))):
+        ref = best_dense(data["records"], r["gpus"], r["seq_len"])
+        vs = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref and r["variant"] == "ours" else ""
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['variant']} | {r['step_s']:.3f} | "
+                     f"{r['tokens_per_s']:,.0f} | {vs} | {100 * r['mfu']:.1f}% | {peak} | "
+                     f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
+    if data["find_max"]:
+        lines += ["", "Longest trainable sequence (doubling until out of memory):", "",
+                  "| GPUs | variant | longest tokens/seq | its step s | stopped at | why |", "| ---: | --- | ---: | ---: | ---: | --- |"]
+        for f in data["find_max"]:
+            step = f"{f['step_s']:.2f}" if f.get("step_s") else "-"
+            longest = f"{f['max_seq_len']:,}" if f.get("max_seq_len") else "-"
+            stop = f"{f['stopped_at']:,}" if f.get("stopped_at") else "-"
+            lines.append(f"| {f['gpus']} | {f['variant']} | {longest} | {step} | {stop} | {f['why']} |")
+    if data["skipped"]:
+        lines += ["", "Not measured:", ""]
+        lines += [f"- {s['gpus']} GPU(s), {s['seq_len']:,} tokens, {s['variant']}: {s['reason']}" for s in data["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
+def render_png(data: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"ours": "o-", "sdpa": "s--", "ulysses": "^--", "torch_cp": "v--"}
+    for k in sorted({r["gpus"] for r in data["records"]}):
+        for v in VARIANTS:
+            rows = sorted((r for r in data["records"] if r["gpus"] == k and r["variant"] == v),
+                          key=lambda r: r["seq_len"])
+            if rows:
+                ax.plot([r["seq_len"] for r in rows], [r["tokens_per_s"] for r in rows], styles[v],
+                        label=f"{v} x{k}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per sequence")
+    ax.set_ylabel("training tokens/s (all GPUs)")
+    gpus = ", ".join(sorted({m["gpu"] for m in data["runs"].values()}))
+    ax.set_title(f"Llama training throughput, {gpus}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(data: dict, json_path: str) -> None:
+    """The JSON, then its table and plot (a failure there is reported, never the end of a run: --plot-only)."""
+    base = os.path.splitext(json_path)[0]
+    with open(json_path, "w") as f:
+        json.dump(data, f, indent=1)
+    try:
+        with open(base + ".md", "w") as f:
+            f.write(render_md(data))
+        if data["records"]:
+            render_png(data, base + ".png")
+    except Exception as exc:  # matplotlib missing (the bench extra), or a table bug: the JSON is written
+        print(f"bench_model: no table/plot ({type(exc).__name__}: {exc}); rerun with --plot-only {json_path}",
+              file=sys.stderr)
+
+
+# -- main --------------------------------------------------------------------------------------------
+
+
+def find_max(runner: Runner, variant: str, start: int, save: Callable[[], None], data: dict, progress) -> None:
+    """Double the length from ``start`` until out of memory, a predicted out of memory, or the time budget."""
+    a, k, torch = runner.args, runner.env.world_size, runner.torch
+    capacity = torch.cuda.get_device_properties(runner.env.device).total_memory / 2**30 if runner.cuda else None
+    entry = {"variant": variant, "gpus": k, "max_seq_len": None, "step_s": None, "peak_gib": None,
+             "stopped_at": None, "why": PENDING, "sizes": []}
+    data["find_max"].append(entry)
+    t_start, n, last = time.perf_counter(), start, None
+    while True:
+        if last is not None:
+            ratio = step_flops(a, runner.shape, variant, n) / step_flops(a, runner.shape, variant, last["seq_len"])
+            if capacity and last["peak_gib"] is not None:
+                predicted = last["state_gib"] + (last["peak_gib"] - last["state_gib"]) * n / last["seq_len"]
+                if predicted > a.memory_limit * capacity:
+                    entry.update(stopped_at=n, why=f"predicted OOM: {predicted:.0f} GiB > {a.memory_limit:.0%} of "
+                                                   f"{capacity:.0f} GiB")
+                    break
+            if time.perf_counter() - t_start + 2.5 * last["step_s"] * ratio > a.time_budget:
+                entry.update(stopped_at=n, why=f"time budget ({a.time_budget:.0f} s)")
+                break
+        if n % k:
+            entry.update(stopped_at=n, why=f"{n} tokens do not divide over {k} ranks")
+            break
+        progress.set_postfix_str(f"find-max {variant} {n}")
+        save()
+        res, err = guarded(runner, lambda: runner.run(variant, n, warmup=1, steps=1))
+        progress.update()
+        if err:
+            entry.update(stopped_at=n, why=err)
+            break
+        entry["sizes"].append({"seq_len": n, "step_s": res["step_s"], "peak_gib": res["peak_gib"],
+                               "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"]})
+        entry.update(max_seq_len=n, step_s=res["step_s"], peak_gib=res["peak_gib"], mfu=res["mfu"])
+        last = res
+        n *= 2
+    entry["seconds"] = time.perf_counter() - t_start
+    save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.plot_only:
+        data = load(args.plot_only)
+        write_outputs(data, args.plot_only)
+        print(f"wrote {os.path.splitext(args.plot_only)[0]}.md and .png")
+        return 0
+    # long sequences: less fragmentation (set before CUDA starts)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from dilated_attention.launch_utils import init_distributed
+
+    env = init_distributed(args.device, seed=args.seed, timeout=900)
+    import torch
+    from tqdm import tqdm
+
+    from dilated_attention.comm import get_backend
+    from dilated_attention.models.hf_training import LlamaShape, deepspeed_tiled_loss
+
+    k = env.world_size
+    comm = get_backend("collective") if k > 1 else None
+    shape = LlamaShape(args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim, args.mlp, args.vocab)
+    runner = Runner(args, env, comm, shape)
+    cuda = runner.cuda
+    device_name = torch.cuda.get_device_name(env.device) if cuda else "cpu"
+    tag = args.tag or (gpu_tag(device_name) if cuda else "cpu")
+    path = os.path.join(args.out, f"model_{tag}.json")
+    loss_impl = args.loss_impl if args.loss_impl != "auto" else \
+        ("deepspeed" if deepspeed_tiled_loss() is not None else "chunked")
+    meta = {
+        "gpu": device_name, "gpus": k, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                     "cuda": torch.version.cuda if cuda else None,
+                     **package_versions("transformers", "deepspeed", "flash-attn-4", "triton")},
+        "model": f"LlamaForCausalLM hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads of "
+                 f"{shape.head_dim}, {shape.kv_heads} KV heads, MLP {shape.mlp}, vocab {shape.vocab}: "
+                 f"{shape.params() / 1e6:,.1f}M parameters; batch {args.batch}",
+        "shape": dataclasses.asdict(shape),
+        "training": runner.training() + f"; loss in tiles of {args.loss_chunk} rows ({loss_impl})",
+        "timing": f"median of {args.steps} steps after {args.warmup} warm-up steps; a step is forward, backward, "
+                  "clip, AdamW, timed on the host between device syncs, slowest rank",
+        "pattern_rule": f"w = [{args.first_segment}, x{args.segment_factor}, ...] while shorter than N, then N; "
+                        f"r = [1, x{args.rate_factor}, ...]",
+        "patterns": {str(n): dict(zip(("segments", "rates"), patterns(args, n))) for n in args.seq_lens},
+        "peak_tflops": args.peak_tflops,
+        "flops": "6 x matrix weights x tokens + 12 x head_dim x scored (query, key) pairs per layer; recompute "
+                 "not counted",
+        "notes": runner.state.setdefault("notes", []),
+    }
+    cases = [(n, v) for n in args.seq_lens for v in args.variants]
+    data = {"runs": {}, "records": [], "skipped": [], "find_max": []}
+    if env.rank == 0:
+        old = load(path) if os.path.exists(path) and not args.fresh else None
+        data = merge(old, meta, k, cases, args.find_max)
+        meta = data["runs"][str(k)]
+
+    def save() -> None:
+        if env.rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            write_outputs(data, path)
+
+    progress = tqdm(total=len(cases), disable=env.rank != 0, desc=f"model x{k}", dynamic_ncols=True)
+    for n, variant in cases:
+        progress.set_postfix_str(f"{variant} {n}")
+        pending = {"variant": variant, "gpus": k, "seq_len": n, "reason": PENDING}
+        data["skipped"].append(pending)
+        save()
+        res, err = guarded(runner, lambda: runner.run(variant, n, args.warmup, args.steps))
+        data["skipped"].remove(pending)
+        if err:
+            data["skipped"].append({"variant": variant, "gpus": k, "seq_len": n, "reason": err})
+            if env.rank == 0:
+                progress.write(f"  {variant:8s} N={n:>9,d} x{k}: skipped: {err}")
+        else:
+            data["records"].append(res)
+            if env.rank == 0:
+                peak = f"{res['peak_gib']:.1f} GiB" if res["peak_gib"] is not None else "-"
+                progress.write(f"  {variant:8s} N={n:>9,d} x{k}: {res['step_s']:.3f} s/step, "
+                               f"{res['tokens_per_s']:,.0f} tokens/s, MFU {100 * res['mfu']:.1f}%, peak {peak}, "
+                               f"loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}")
+        save()
+        progress.update()
+    progress.close()
+    for variant in args.find_max:
+        start = args.find_max_start or max(args.seq_lens)
+        bar = tqdm(disable=env.rank != 0, desc=f"find-max {variant} x{k}", dynamic_ncols=True)
+        find_max(runner, variant, start, save, data, bar)
+        bar.close()
+    save()
+    if env.rank == 0:
+        print(f"wrote {path} (+ .md, .png): {len(data['records'])} records, {len(data['skipped'])} skipped")
+        for f in data["find_max"]:
+            if f["gpus"] == k:
+                print(f"  longest {f['variant']} x{k}: {f['max_seq_len']} tokens "
+                      f"({f['step_s'] or 0:.2f} s/step); stopped at {f['stopped_at']}: {f['why']}")
+    env.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""benchmarks/bench_model.py end to end on CPU: two gloo ranks, the tiny model, ours and the dense Ulysses
+peer; then ``--plot-only`` remakes the table from the JSON. Checks what the results file promises: a record
+per variant that ran (every step's loss finite, tokens/s from the median step), the one-GPU-only and
+CUDA-only peers listed with their reason, the longest-sequence search's entry, the table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from dilated_attention.testing.spawn import run_torchrun  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_model.py")
+
+
+def test_tiny_run_on_two_ranks(tmp_path):
+    proc = run_torchrun([SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,sdpa,ulysses,torch_cp",
+                         "--ulysses-impl", "plain", "--find-max", "ours", "--time-budget", "3", "--out",
+                         str(tmp_path)], cwd=ROOT, done="wrote", nproc=2, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    data = json.loads((tmp_path / "model_cpu.json").read_text())
+    assert set(data["runs"]) == {"2"} and "FSDP2 over 2 rank(s)" in data["runs"]["2"]["training"]
+    ran = {r["variant"]: r for r in data["records"]}
+    assert set(ran) == {"ours", "ulysses"}
+    for r in ran.values():
+        assert r["gpus"] == 2 and r["seq_len"] == 256 and len(r["losses"]) == 3
+        assert all(math.isfinite(x) for x in r["losses"])
+        assert r["tokens_per_s"] == pytest.approx(256 / statistics.median(r["step_times_s"][1:]))
+        assert r["step_tflop"] > 0
+    skipped = {s["variant"]: s["reason"] for s in data["skipped"]}
+    assert set(skipped) == {"sdpa", "torch_cp"} and "CUDA" in skipped["torch_cp"]
+    (search,) = data["find_max"]
+    assert search["variant"] == "ours" and search["max_seq_len"] >= 256 and search["why"]
+    md = (tmp_path / "model_cpu.md").read_text()
+    os.remove(tmp_path / "model_cpu.md")
+    done = subprocess.run([sys.executable, SCRIPT, "--plot-only", str(tmp_path / "model_cpu.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "model_cpu.md").read_text() == md and "| 2 | 256 | ours |" in md
