@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="how often each of key_padding_mask, cu_seqlens, an untiled length is used (default 0.3)")
     p.add_argument("--out", default="fuzz_repro", help="where the repro of a finding goes")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the library's warnings about the random calls (clamped segments, ...)")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device is visible", file=sys.stderr)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = a.cases if a.cases is not None or a.seconds is not None else 200
     common = dict(cases=cases, seconds=a.seconds, seed=a.seed, kernels=kernels, dtypes=dtypes,
                   invalid_fraction=a.invalid_fraction, out_dir=a.out, progress=not a.no_progress,
-                  option_rate=fuzz.OPTION_RATE if a.option_rate is None else a.option_rate)
+                  option_rate=fuzz.OPTION_RATE if a.option_rate is None else a.option_rate, quiet=not a.verbose)
     if max(a.world_sizes) > 1:
         res = fuzz.fuzz_spawned(a.world_sizes, backend=a.backend, **common)
     else:

@@ -1,6 +1,6 @@
 """Replay a captured dilated_attention call against the float64 oracle (forward and backward).
 
-  dilated-attention-repro show bad_call.json                 # what the file records
+  dilated-attention-repro show bad_call.json [--json]        # what the file records
   dilated-attention-repro replay bad_call.json               # one process (a multi-rank repro: CPU gloo ranks)
   dilated-attention-repro replay bad_call.json --device cuda --kernel fused
   torchrun --nproc_per_node=8 -m dilated_attention.tools.repro replay bad_call.rank0.json --backend deepspeed
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", default=None, help="override the recorded kernel (auto, fused, sdpa, reference, ...)")
     p.add_argument("--backend", default=None, choices=["collective", "fairscale", "deepspeed"],
                    help="backend for a multi-rank repro (default: the recorded one)")
+    p.add_argument("--json", action="store_true", help="show: the file's JSON as recorded, not the summary")
     a = p.parse_args(argv)
     try:
         spec = repro.load(a.file)
@@ -46,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot read {a.file}: {exc}", file=sys.stderr)
         return 2
     if a.what == "show":
-        print(json.dumps({k: v for k, v in spec.items() if not k.startswith("_")}, indent=1))
+        if a.json:
+            print(json.dumps({k: v for k, v in spec.items() if not k.startswith("_")}, indent=1))
+        else:
+            print("\n".join(repro.summary(spec, a.file)))
         return 0
     world = int(spec.get("world_size") or 1)
     recorded_cuda = str(spec["q"].get("device", "cpu")).startswith("cuda")
