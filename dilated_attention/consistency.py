@@ -26,6 +26,7 @@ import zlib
 
 import torch
 
+from . import misuse
 from .caches import capturing
 from .comm.base import CommBackend, PeerTimeoutError
 from .comm.stamps import fingerprint, flatten, verdict
@@ -83,8 +84,10 @@ def agree(comm: CommBackend, text: str, error: BaseException | None, like: torch
     device = comm.collective_device(like)
     what = f"call {comm.calls}: cross-rank check of the call signature"
     mine = torch.tensor([int(error is None), zlib.crc32(text.encode()), len(text)], dtype=torch.int64)
+    sample = misuse.data_sample(like if text not in comm.agreed else None)  # compared apart: may differ
     try:
-        table = comm.all_gather(torch.cat([mine.to(device), comm.ledger.pending(device)]), what).cpu().tolist()
+        table = comm.all_gather(torch.cat([mine.to(device), comm.ledger.pending(device), sample.to(device)]),
+                                what).cpu().tolist()
     except PeerTimeoutError as exc:
         if error is not None:  # the others took a cached path: our own error is the news
             raise error from exc
@@ -98,6 +101,7 @@ def agree(comm: CommBackend, text: str, error: BaseException | None, like: torch
     if failed:
         raise ValueError(f"dilated_attention: rank(s) {failed} rejected their inputs (see the error on those ranks)")
     if len({row[1] for row in table}) == 1:
+        misuse.check_identical_shards([row[-len(sample):] for row in table])
         comm.agreed.add(text)
         return
     # They differ: gather the signatures themselves so the message shows the values.

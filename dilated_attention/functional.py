@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 import zlib
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
@@ -25,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from . import caches, hooks, memory
+from . import caches, hooks, memory, misuse
 from . import custom_ops as _ops
 from .caches import typed
-from .callers import user_stacklevel
 from .comm import CommBackend, resolve_comm
 from .consistency import agree, call_signature, settle, signature_text
 from .head_parallel import (HeadSplit, HeadSwap, heads_to_sequence, heads_to_sequence_backward, member_rows,
@@ -413,19 +411,6 @@ def dilated_attention(
     return _Attention.apply(q, k, v, key_padding_mask, spec, call)[0]
 
 
-def _warn_if_heads_first(shape: torch.Size, seq_len: int, segment_lengths) -> None:
-    """Every segment clamped to a sequence shorter than the heads: most likely ``(B, H, N, D)`` passed."""
-    try:
-        shortest = min(int(w) for w in segment_lengths)
-    except (TypeError, ValueError):
-        return  # validated, with a clear error, by the pattern checks
-    if seq_len < shortest and seq_len < shape[2]:
-        warnings.warn(
-            f"q has shape {tuple(shape)}, read as (B, N, H, D): a sequence of {seq_len} tokens and {shape[2]} heads, "
-            f"so every segment (the shortest is {shortest}) is clamped to {seq_len}. If the heads come first "
-            f"(B, H, N, D), pass q.transpose(1, 2) (likewise k and v)", UserWarning, stacklevel=user_stacklevel())
-
-
 def _check_flags(causal, pad_to_segments, strategy, layout="contiguous") -> None:
     for name, flag in (("causal", causal), ("pad_to_segments", pad_to_segments)):
         if not isinstance(flag, bool):
@@ -452,7 +437,8 @@ def _schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend 
     zigzag = layout == "zigzag" and world > 1  # on one rank the zigzag order is the natural one
     if zigzag:
         zigzag_half(local)
-    _warn_if_heads_first(q.shape, local * world, segment_lengths)
+    misuse.check_shape(q.shape, local * world, segment_lengths, dilation_rates, pad=pad_to_segments,
+                       documents=cu_seqlens is not None)
     def auto() -> int:
         spans, dense = pattern_spans(segment_lengths, dilation_rates, local * world, local)
         whole = cu_seqlens is not None or not _ring_plans(segment_lengths, dilation_rates, local * world, local,

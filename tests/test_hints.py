@@ -17,13 +17,13 @@ def test_heads_first_layout_warns_at_the_callers_line():
     assert caught[0].filename == __file__
 
 
-def test_short_sequence_in_the_right_layout_does_not_warn():
+def test_short_sequence_in_the_right_layout_warns_of_the_clamp_only():
     torch.manual_seed(0)
     q = torch.randn(1, 8, 4, 8)  # 8 tokens, 4 heads: segments clamped, but the layout is plausible
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with pytest.warns(UserWarning, match="clamped") as caught:
         out = dilated_attention(q, q, q, [16, 32], [1, 2])
     assert out.shape == q.shape
+    assert not any("transpose" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("segments, rates, local", [([24], [1], 16), ([24], [1], 32), ([64], [4], 2)])

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import subprocess
@@ -36,14 +35,36 @@ from .health import ring_neighbours
 KERNELS = ("reference", "sdpa", "sdpa-cudnn", "fused", "cudnn", "cudnn-dkdv")
 
 
+# (distribution, what it enables): the optional dependencies, read from the installed metadata (no import: DeepSpeed
+# and flash-attn-4 take seconds to import, and a broken install still shows its version)
+OPTIONAL = (("einops", "required"), ("tqdm", "required"), ("triton", "kernel fused"),
+            ("fairscale", 'comm="fairscale"'), ("deepspeed", 'comm="deepspeed"'),
+            ("transformers", "Hugging Face integration"), ("nvidia-cudnn-frontend", "kernel cudnn-det"),
+            ("flash-attn-4", "kernels flash4, flash4-nondet"))
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a distribution (a pip package name), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def env_report() -> dict[str, str]:
-    info = {"python": platform.python_version(), "torch": torch.__version__,
+    """What to paste into a bug report: the library's and Python's versions, torch and its CUDA, each optional
+    dependency's version (or "not installed", with what it enables), the GPUs and the settings that matter."""
+    package = sys.modules[__name__.split(".")[0]]  # (imported: this module is part of it)
+    info = {"dilated_attention": f"{package.__version__} ({os.path.dirname(package.__file__)})",
+            "python": platform.python_version(), "torch": torch.__version__,
+            "torch CUDA / cuDNN": f"{torch.version.cuda or 'none (CPU build)'} / "
+                                  f"{torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else 'none'}",
             "cuda available": str(torch.cuda.is_available())}
-    for mod in ("triton", "deepspeed", "fairscale", "einops"):
-        try:
-            info[mod] = importlib.import_module(mod).__version__
-        except Exception as exc:  # a broken install is worth reporting, not raising
-            info[mod] = f"unavailable ({type(exc).__name__})"
+    for name, use in OPTIONAL:
+        found = installed_version(name)
+        info[name] = found if found is not None else f"not installed ({use})"
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)

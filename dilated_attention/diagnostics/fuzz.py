@@ -26,12 +26,14 @@ rank follows, so nothing waits for a peer that has left.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -39,6 +41,7 @@ from ..comm import get_backend
 from ..functional import dilated_attention
 from ..kernels.guard import STICKY
 from ..launch_utils import leave_process_group
+from ..misuse import MisuseWarning
 from ..patterns import hybrid_team_size, padded_length, validate_patterns
 from ..testing.compare import LAYOUTS, as_layout
 from ..testing.spawn import init_local_rank, run_spawned, write_result
@@ -350,15 +353,27 @@ def _progress(total: int | None, enabled: bool):
 
 def fuzz(cases: int | None = 100, seconds: float | None = None, *, seed: int = 0, kernels=CPU_KERNELS,
          dtypes=CPU_DTYPES, device: str = "cpu", invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
-         progress: bool = False, kernel_override: Any = None, option_rate: float = OPTION_RATE) -> FuzzResult:
+         progress: bool = False, kernel_override: Any = None, option_rate: float = OPTION_RATE,
+         quiet: bool = True) -> FuzzResult:
     """Single process: ``cases`` cases or ``seconds`` of them (whichever ends first), stop at the first failure.
 
     ``kernel_override``: run every valid case with this kernel object instead (used
     to show that the fuzzer finds a planted bug). ``option_rate``: how often each of
-    mask, documents and an untiled length is used (``OPTION_RATE``).
+    mask, documents and an untiled length is used (``OPTION_RATE``). ``quiet``: the library's warnings about
+    calls that run but may not be meant (``misuse.MisuseWarning``: clamped segments, ...), which random cases
+    raise by design, are not shown.
     """
-    return _loop(None, {1: None}, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
-                 progress, kernel_override, "collective", option_rate)
+    with _quieted(quiet):
+        return _loop(None, {1: None}, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
+                     progress, kernel_override, "collective", option_rate)
+
+
+@contextlib.contextmanager
+def _quieted(quiet: bool) -> Iterator[None]:
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.filterwarnings("ignore", category=MisuseWarning)
+        yield
 
 
 def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
@@ -489,7 +504,8 @@ def _spawn_worker(rank, world, port, kwargs, out_dir_results):
                 continue
             group = dist.new_group(list(range(w)))
             comms[w] = get_backend(backend, group) if rank < w else None
-        res = _loop(dist.group.WORLD, comms, backend=backend, **kwargs)
+        with _quieted(kwargs.pop("quiet")):
+            res = _loop(dist.group.WORLD, comms, backend=backend, **kwargs)
     except Exception as exc:
         res = FuzzResult(failure=f"fuzzer crashed on rank {rank}: {type(exc).__name__}: {exc}")
     write_result(out_dir_results, rank, asdict(res))
@@ -498,15 +514,17 @@ def _spawn_worker(rank, world, port, kwargs, out_dir_results):
 
 def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float | None = None, *, seed: int = 0,
                  kernels=CPU_KERNELS, dtypes=CPU_DTYPES, invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
-                 progress: bool = False, backend: str = "collective", option_rate: float = OPTION_RATE) -> FuzzResult:
-    """Fuzz over several world sizes on ``max(world_sizes)`` gloo ranks spawned on this machine (CPU)."""
+                 progress: bool = False, backend: str = "collective", option_rate: float = OPTION_RATE,
+                 quiet: bool = True) -> FuzzResult:
+    """Fuzz over several world sizes on ``max(world_sizes)`` gloo ranks spawned on this machine (CPU);
+    ``quiet`` as for ``fuzz``."""
     world_sizes = sorted(set(int(w) for w in world_sizes))
     if not world_sizes or world_sizes[0] < 1:
         raise ValueError(f"world_sizes must be positive ints, got {world_sizes}")
     kwargs = dict(world_sizes=world_sizes, cases=cases, seconds=seconds, seed=seed, kernels=tuple(kernels),
                   dtypes=tuple(dtypes), device="cpu", invalid_fraction=invalid_fraction,
                   out_dir=os.path.abspath(out_dir), progress=progress, kernel_override=None, backend=backend,
-                  option_rate=option_rate)
+                  option_rate=option_rate, quiet=quiet)
     res, *others = (FuzzResult(**x) for x in run_spawned(_spawn_worker, world_sizes[-1], kwargs))
     for other in others:
         if other.failure and not res.failure:

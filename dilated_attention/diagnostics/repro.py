@@ -23,10 +23,10 @@ Capture from user code::
     from dilated_attention.diagnostics import repro
     repro.capture(q, k, v, [2048, 4096], [1, 2], causal=True, key_padding_mask=pad, path="bad_call.json")
 
-Replay (``scripts/repro.py``)::
+Replay (``python -m dilated_attention.tools.repro``, installed as ``dilated-attention-repro``)::
 
-    python scripts/repro.py replay bad_call.json            # 1 process, or spawned CPU ranks
-    torchrun --nproc_per_node=8 scripts/repro.py replay bad_call.json   # the recorded world
+    dilated-attention-repro replay bad_call.json            # 1 process, or spawned CPU ranks
+    torchrun --nproc_per_node=8 -m dilated_attention.tools.repro replay bad_call.json   # the recorded world
 
 File versions: 1 had no ``key_padding_mask``/``cu_seqlens`` (read as none: such files
 replay as before); 2 adds them. ``load`` refuses a file newer than it knows (it would
@@ -185,6 +185,50 @@ def call_extras(key_padding_mask: Any = None, cu_seqlens: Any = None, *, rank: i
         extras["cu_seqlens"] = cu_seqlens if plain else repr(cu_seqlens)
         extras["cu_seqlens_dtype"] = "python"
     return extras
+
+
+def summary(spec: dict[str, Any], path: str | None = None) -> list[str]:
+    """A repro file as aligned lines for a person: the call, each tensor's layout, masks, the error, and the
+    command that replays it (``repro show``; ``--json`` prints the file itself)."""
+    rows: list[tuple[str, str]] = []
+    world, rank = int(spec.get("world_size") or 1), int(spec.get("rank") or 0)
+    if path is not None:
+        rows.append(("file", path))
+    rows.append(("call", f"dilated_attention(q, k, v, segment_lengths={spec.get('segment_lengths')}, "
+                         f"dilation_rates={spec.get('dilation_rates')})"))
+    options = {name: spec[name] for name in ("mode", "causal", "softmax_scale", "kernel") if name in spec}
+    options.update(spec.get("kwargs") or {})
+    rows.append(("options", ", ".join(f"{name}={value!r}" for name, value in options.items()) or "none"))
+    rows.append(("ranks", "one process" if world == 1 else f"rank {rank} of {world}, backend {spec.get('backend')}"))
+    for name in ("q", "k", "v"):
+        t = spec.get(name) or {}
+        if not t:
+            continue
+        shape = "x".join(str(x) for x in t.get("shape", []))
+        layout = f"stride {tuple(t.get('stride', []))}, offset {t.get('storage_offset', 0)}"
+        address = t.get("data_ptr_mod_16")
+        rows.append((name, f"{shape} {t.get('dtype')} on {t.get('device')}, {layout}"
+                           + ("" if address in (None, 0) else f", address {address} bytes past 16-byte alignment")
+                           + (", requires_grad" if t.get("requires_grad") else "")))
+    mask = spec.get("key_padding_mask")
+    if mask:
+        rows.append(("key_padding_mask", f"{'x'.join(map(str, mask.get('shape', [])))} {mask.get('dtype', '')}, "
+                                         f"{100 * mask.get('density', 0):.1f}% padded"))
+    docs = spec.get("cu_seqlens")
+    if docs is not None:
+        if isinstance(docs, list) and len(docs) > 1:
+            lengths = [b - a for a, b in zip(docs, docs[1:])] if all(isinstance(x, int) for x in docs) else docs
+            rows.append(("cu_seqlens", f"{len(docs) - 1} documents, lengths {lengths}"))
+        else:
+            rows.append(("cu_seqlens", repr(docs)))
+    if spec.get("tensors"):
+        rows.append(("tensors", f"saved in {spec['tensors']}"))
+    rows.append(("error", spec.get("error") or "none recorded"))
+    rows.append(("replay", f"dilated-attention-repro replay {path or 'FILE'}"
+                           + ("" if world == 1 else f"  (or torchrun --nproc_per_node={world} "
+                                                    f"-m dilated_attention.tools.repro replay ...)")))
+    width = max(len(name) for name, _ in rows)
+    return [f"{name:>{width}s}  {text}" for name, text in rows]
 
 
 def write(spec: dict[str, Any], *, directory: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
