@@ -401,7 +401,10 @@ class CommBackend(ABC):
                 raise ValueError(f"all_to_all needs contiguous tensors with dim 0 = {len(ranks)} ranks, "
                                  f"got shape {tuple(x.shape)}")
         got = [torch.empty_like(x) for x in sends]
-        if stamp is not None and stamp_room and self.ledger.deferred(sends[0].device):  # (host: exchange's handshake)
+        collective = sends[0].is_cuda if self.collective_all_to_all is None else self.collective_all_to_all
+        by_exchange = ranks != tuple(range(self.world_size)) or not collective
+        # (on the host an exchange swaps the stamps before the data: stamps.handshake)
+        if stamp is not None and stamp_room and not (by_exchange and not self.ledger.deferred(sends[0].device)):
             return got, self._stamped_inside(sends, got, ranks, what, stamp)
         return got, self._post_all_to_all(sends, got, ranks, what, stamp)
 
