@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from . import caches
 from .caches import remember, typed
 
@@ -124,10 +126,18 @@ def _with_local_segment(plan: PatternPlan, rows: int) -> PatternPlan:
 
 
 def _check_int_list(name: str, values: Sequence[int]) -> list[int]:
+    """``values`` as a list of ints; a ``torch.SymInt`` is specialized to its value.
+
+    Under ``torch.compile`` a length taken from a tensor's shape (``[16, q.shape[1]]``) reaches the custom op's
+    fake implementation as a symbol once the shape is dynamic. Plans need concrete lengths, so ``int()``
+    specializes it: torch guards the compiled graph on that value and recompiles for another one.
+    """
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     out = []
     for i, x in enumerate(values):
+        if isinstance(x, torch.SymInt):
+            x = int(x)  # a guard on the symbol's value (torch.compile recompiles when it changes)
         if isinstance(x, bool) or not isinstance(x, int):
             raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__} ({x!r})")
         out.append(int(x))

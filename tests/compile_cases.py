@@ -309,3 +309,84 @@ def test_opcheck_custom_ops():
         out, saved = forward(*args)
         torch.library.opcheck(backward.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), *extra,
                                                  out.detach(), [t.detach() for t in saved], *common))
+
+
+# -- shapes that change between calls (torch's automatic dynamic shapes) ------------------------------
+
+
+def _longest_segment_is_the_length(q, k, v):
+    """LongNet's usual setting: the largest segment is the sequence, whatever its length."""
+    return dilated_attention(q, k, v, [16, q.shape[1]], [1, 2], causal=True)
+
+
+def _grads(fn, leaves: list[torch.Tensor], *args) -> list[torch.Tensor]:
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    out = fn(*leaves, *args)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(11), dtype=out.dtype)
+    return [out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)]
+
+
+def test_changing_lengths_recompile_where_a_segment_follows_the_length():
+    """Plain ``torch.compile`` (dynamic shapes after the first change): a segment taken from ``q.shape`` reaches
+    the op as a symbol; it is specialised (a guard on its value), so each length gets a graph, bitwise eager."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(_longest_segment_is_the_length, backend=counter)
+    for n in (32, 48, 32, 64):
+        g = torch.Generator().manual_seed(n)
+        qkv = [torch.randn(2, n, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+        got, want = _grads(compiled, qkv), _grads(_longest_segment_is_the_length, qkv)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+    assert counter.frame_count == 3  # 32, 48, 64 (32 again: its graph is reused)
+
+
+def test_changing_lengths_equal_the_oracle_under_inductor():
+    from dilated_attention.testing.oracle import dense_dilated_attention
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_longest_segment_is_the_length)
+    with torch._inductor.config.patch(compile_threads=1):
+        for n in (32, 48):
+            g = torch.Generator().manual_seed(n)
+            qkv = [torch.randn(1, n, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+            got = _grads(compiled, qkv)
+            want = _grads(lambda q, k, v: dense_dilated_attention(q, k, v, [16, n], [1, 2], causal=True), qkv)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_model_at_changing_lengths_equals_eager():
+    """The module path: fixed segments, lengths that change (96 is padded internally), a key padding mask."""
+    model = _model(True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counter)
+    for n in (64, 96):
+        x, mask = _inputs(n, n)
+        got, want = _run(compiled, x, mask), _run(model, x, mask)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_compiled_hugging_face_attention_at_changing_lengths_equals_eager():
+    """The Hugging Face path: the callable ``register_dilated_attention`` registers, called as a transformers layer
+    calls it (``(B, H, N, D)``, a padding mask, the layer's scale), compiled, at lengths that change: output and
+    q/k/v gradients bitwise those of the eager call. (tests/integrations checks the whole models against sdpa.)"""
+    pytest.importorskip("transformers")
+    from dilated_attention.integrations.huggingface import DilatedAttentionForTransformers
+
+    attention = DilatedAttentionForTransformers([8, 4096], [1, 2], None, {})  # 4096: clamped to each length
+    layer = nn.Module()
+    layer.is_causal = True
+
+    def call(q, k, v, mask):
+        return attention(layer, q, k, v, mask, scaling=0.25)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="aot_eager")
+    for n in (32, 48, 64):
+        g = torch.Generator().manual_seed(n)
+        qkv = [torch.randn(2, h, n, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+        mask = (torch.rand(2, n, generator=g) > 0.2).long()  # transformers: 1 = attend
+        got, want = _grads(compiled, qkv, mask), _grads(call, qkv, mask)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), n

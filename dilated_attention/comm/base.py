@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..caches import Table, capturing, register
-from .stamps import STAMP_BYTES, Ledger, Stamp, block_tail, verdict
+from .stamps import STAMP_BYTES, WORDS, Ledger, Stamp, block_tail, handshake, verdict
 
 SCHEDULES_KEPT = 256  # configurations a backend remembers (a table that fills up starts over)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # backends alive, for cache_info and clear_caches (weakly held)
@@ -330,12 +330,16 @@ class CommBackend(ABC):
                     raise ValueError(f"{what}: the {kind} rank {r} is not contiguous (shape {tuple(x.shape)}, stride "
                                      f"{x.stride()}): transfers move whole tensors; pack ring buffers with "
                                      "views.pack_kv or pass x.contiguous()")
+        rows, host_stamped = None, stamp is not None and bool(sends or recvs) and \
+            not self.ledger.deferred((sends or recvs)[0][0].device)
+        if host_stamped:  # stamps first: data only between ranks in the same call (stamps.handshake)
+            sends, recvs = handshake(self, stamp, list(sends), list(recvs), what)
+            rows = torch.zeros(0, WORDS, dtype=torch.int32)  # (checked: a failed wait raises a mismatch found)
         to = list(dict.fromkeys(r for _, r in sends))
         of = list(dict.fromkeys(r for _, r in recvs))
         out_ops = [(x, self.global_rank(r)) for x, r in sends]
         in_ops = [(x, self.global_rank(r)) for x, r in recvs]
-        rows = None
-        if stamp is not None and (to or of):
+        if stamp is not None and (to or of) and not host_stamped:
             device = (sends or recvs)[0][0].device
             rows = self.ledger.landing(stamp, len(of), device)
             header = stamp.header(device)
@@ -347,7 +351,7 @@ class CommBackend(ABC):
         else:
             peers = f"the exchange with ranks {of} (receive) and {to} (send)"
         waiting = self._waiting(works, peers, what)
-        return waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=True)
+        return waiting if rows is None else _Stamped(waiting, self.ledger, stamp, rows, logged=not host_stamped)
 
     def _waiting(self, works: Any, peers: str, what: str) -> _Waiting:
         return _Waiting(self._handles(works), self.timeout, self.host_waits, self.rank, peers, what)
@@ -397,7 +401,10 @@ class CommBackend(ABC):
                 raise ValueError(f"all_to_all needs contiguous tensors with dim 0 = {len(ranks)} ranks, "
                                  f"got shape {tuple(x.shape)}")
         got = [torch.empty_like(x) for x in sends]
-        if stamp is not None and stamp_room:
+        collective = sends[0].is_cuda if self.collective_all_to_all is None else self.collective_all_to_all
+        by_exchange = ranks != tuple(range(self.world_size)) or not collective
+        # (on the host an exchange swaps the stamps before the data: stamps.handshake)
+        if stamp is not None and stamp_room and not (by_exchange and not self.ledger.deferred(sends[0].device)):
             return got, self._stamped_inside(sends, got, ranks, what, stamp)
         return got, self._post_all_to_all(sends, got, ranks, what, stamp)
 

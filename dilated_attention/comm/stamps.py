@@ -30,8 +30,13 @@ Where the comparison happens:
   row it gathers anyway, so every rank of the group raises the same ``ValueError`` there;
   ``CommBackend.verify()`` asks for that verdict at any point every rank reaches.
 
-Configurations whose exchanged buffers differ in size fail in the transport before any stamp is
-read (gloo aborts with "Received data size doesn't match expected size"; NCCL times out).
+Configurations whose exchanged buffers differ in size must not meet in the transport: gloo aborts the process
+("Received data size doesn't match expected size", in a thread of its own, before Python sees anything). So
+on the host (CPU tensors) an exchange first swaps stamps with each of its peers, both ways (``handshake``), and
+moves data only between ranks whose stamps name the same configuration, call and direction (then its buffers
+have the same sizes on both sides); each side of a link decides alike, so no transfer is left without its
+partner. On GPUs the data moves with the stamps in one batch (no host sync): a size mismatch there times out
+on NCCL's watchdog, and same-sized drifts raise at the verdict.
 """
 
 from __future__ import annotations
@@ -293,3 +298,33 @@ def verdict(comm, counts: list[int], device: torch.device, what: str, when: str)
                                   f"not match (found by {when})"))
     text = found[0][1].describe(comm.ledger.signatures)
     return ValueError(explain(f"{text} (found by {when}; rank(s) {[r for r, _ in found]} received such data)"))
+
+
+def handshake(comm, stamp: Stamp, sends: list, recvs: list, what: str) -> tuple[list, list]:
+    """Host path of ``CommBackend.exchange``: swap stamps with every peer of the exchange, both ways, wait, and
+    compare them (the ledger records a mismatch, raised when the call settles); returns the ``(tensor, group
+    rank)`` sends and receives to post: those with peers whose stamp names this rank's configuration, call and
+    direction. A receive left out is zeroed (the call goes on to its end, so that its other peers hear of the
+    mismatch through poisoned stamps, and computes on zeros, never on stale memory)."""
+    peers = sorted({r for _, r in sends} | {r for _, r in recvs})
+    device = (sends or recvs)[0][0].device
+    rows = comm.ledger.landing(stamp, len(peers), device)
+    header = stamp.header(device)
+    works = comm._batch_p2p([(header, comm.global_rank(r)) for r in peers],
+                            [(rows[i], comm.global_rank(r)) for i, r in enumerate(peers)])
+    try:
+        comm._waiting(works, f"the stamps of ranks {peers}", what).wait()
+    except (TimeoutError, RuntimeError) as exc:  # a peer in another call made other exchanges
+        comm.ledger.landed(stamp, rows, logged=False)
+        known = comm.ledger.error()
+        if known is not None:
+            raise known from exc
+        raise
+    comm.ledger.landed(stamp, rows, logged=False)
+    own = (stamp.fingerprint, stamp.call, stamp.direction)
+    # the same test on both sides of a link (poisoned and rank bits left out): both move its data, or neither
+    agreed = {r for r, word in zip(peers, rows.tolist()) if (word[0], word[1], word[2] & 0xFF) == own}
+    for x, r in recvs:
+        if r not in agreed:
+            x.zero_()
+    return [(x, r) for x, r in sends if r in agreed], [(x, r) for x, r in recvs if r in agreed]
