@@ -1004,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from dilated_attention import memory, ring, set_memory_bound
+    from dilated_attention import causal_share, memory, ring_swaps, set_memory_bound
     from dilated_attention.comm import get_backend
 
     if args.memory_bound is not None:
@@ -1030,9 +1030,9 @@ def main(argv: list[str] | None = None) -> int:
         "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
         "memory_bound": [memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR],  # head chunks: set_memory_bound's rule
-        "share_min_rows": ring.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
-        # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring._Swapped)
-        "swap_compact": [ring.SWAP_COMPACT[False], ring.SWAP_COMPACT[True]],
+        "share_min_rows": causal_share.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
+        # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring_swaps.py)
+        "swap_compact": [ring_swaps.swaps_rings(False), ring_swaps.swaps_rings(True)],
         "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,
         "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock")
                   + (f"; an iteration is the mean of {args.pipelined} steps run back to back" if args.pipelined

@@ -59,7 +59,7 @@ def scratch_bytes(plans: Sequence[PatternPlan], leaves_part: Callable[[PatternPl
 
     ``leaves_part(plan)``: whether that pattern's gradients are compact parts (a local pattern on a kernel
     with parts, or a ring on compact rows: ``ring.leaves_part``); any other accumulates into fp32 tensors of the
-    full shape. ``causal``: rings on the full rows share their cross blocks (``ring._Share``); the first rank of a
+    full shape. ``causal``: rings on the full rows share their cross blocks (``causal_share.py``); the first rank of a
     ring of ``G`` holds ``G - 1`` later ranks' half rows (q, out, dout; lse and dQ in fp32) and its own K/V block
     packed again."""
     per_row = (heads + 2 * kv_heads) * dim  # dq, dk, dv elements of one row

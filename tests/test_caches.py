@@ -50,7 +50,7 @@ def test_every_cache_is_listed_with_its_bound():
         assert bound is None or 0 <= size <= bound, (name, size, bound)
     held = {name for name, i in info.items() if i.bound is None}  # never emptied: what refers to them lives on
     assert "custom_ops.objects" in held and held <= {"custom_ops.objects", "models.lm.data_parallel_groups",
-                                                   "ring.side_streams", "huggingface.mask_codes", "caches.held_for_graphs",
+                                                   "side_streams.pools", "huggingface.mask_codes", "caches.held_for_graphs",
                                                    "caches.kept_pools"}, held
 
 
