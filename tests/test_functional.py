@@ -271,16 +271,16 @@ def test_clamped_segment_is_named_as_clamped():
 
 
 def test_a_schedule_is_reused_only_for_the_same_call(monkeypatch):
-    """Repeated single-device calls reuse their validated plan (``_prepare`` is host time on every step), but
+    """Repeated single-device calls reuse their validated plan (``planning.prepare`` is host time on every step), but
     only where everything the checks read is the same: a valid call planned first must not let an invalid
     one through (``True`` equals ``1``, a misaligned view has the shape of an aligned one)."""
-    import dilated_attention.functional as fn
+    import dilated_attention.planning as fn
 
-    monkeypatch.setattr(fn, "_SCHEDULES", {})
+    monkeypatch.setattr(fn, "SCHEDULES", {})
     monkeypatch.delenv("DILATED_ATTENTION_NONDETERMINISTIC", raising=False)
     planned = []
-    real = fn._schedule
-    monkeypatch.setattr(fn, "_schedule", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    real = fn.schedule
+    monkeypatch.setattr(fn, "schedule", lambda *a, **kw: planned.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 8, 2, 4, generator=gen) for _ in range(3))
     first = dilated_attention(q, k, v, [4, 8], [1, 2])
