@@ -285,7 +285,7 @@ def schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tup
     try:
         key = (typed(segment_lengths), typed(dilation_rates), *map(layout_key, (q, k, v)),
                *((name, typed(value)) for name, value in options.items()),
-               *(os.environ.get(name) for name in KERNEL_CHOICE_ENV), memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR)
+               *(os.environ.get(name) for name in KERNEL_CHOICE_ENV), memory.BOUND.key)
         hash(key)
     except TypeError:  # not iterable, or an unhashable kernel object: plan it every time
         return None

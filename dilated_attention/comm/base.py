@@ -44,10 +44,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..caches import capturing
+from ..caches import capturing, register
 from .stamps import STAMP_BYTES, Ledger, Stamp, block_tail, verdict
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # backends alive (weakly held), for ``live_backend``
+register("comm.live_backends", _LIVE.__len__)  # held weakly: each goes with its backend
 
 
 def live_backend(ident: int) -> "CommBackend | None":

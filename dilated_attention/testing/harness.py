@@ -286,9 +286,9 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
         masks["key_padding_mask"] = masks["key_padding_mask"][:, rows].to(device)
     if "cu_seqlens" in masks:
         masks["cu_seqlens"] = masks["cu_seqlens"].to(device)
-    rule = memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR, causal_share.SHARE_MIN_ROWS
+    rule = memory.BOUND.key, causal_share.SHARE_MIN_ROWS
     if case.head_chunks:
-        memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR = 0.0, 0
+        memory.set_memory_bound(0.0, 0)
     if case.shared:
         causal_share.SHARE_MIN_ROWS = 0
     try:
@@ -297,7 +297,8 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
                                 layout=case.shards, **masks)
         grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
     finally:
-        memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR, causal_share.SHARE_MIN_ROWS = rule
+        memory.set_memory_bound(*rule[0])
+        causal_share.SHARE_MIN_ROWS = rule[1]
     got = [t.detach().cpu() for t in (out, *grads)]
     errors = {n: rel_err(g, o[:, rows]) for n, g, o in zip(names, got, oracle)}
     ok = all(errors[n] <= tol[n] for n in names) and all(torch.isfinite(g).all().item() for g in got)

@@ -67,9 +67,9 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from .patterns import hybrid_team_size, longnet_offsets
-from .causal_share import SHARE_MAX_RANKS, SHARE_MIN_ROWS
-from .ring_swaps import swaps_rings
+from dilated_attention.causal_share import SHARE_MAX_RANKS, SHARE_MIN_ROWS
+from dilated_attention.patterns import hybrid_team_size, longnet_offsets
+from dilated_attention.ring_swaps import swaps_rings
 
 STRATEGIES = ("ring", "head", "hybrid")
 LONGNET_SEGMENTS = (2048, 8192, 32768, 131072)  # followed by N itself
@@ -468,7 +468,7 @@ def single_gpu_ms(p: Problem, hw: Hardware) -> float:
 
 
 def hybrid_team(gpus: int, heads: int, hw: Hardware) -> int | None:
-    """The hybrid's all-to-all team size, as ``functional._team_size`` picks it: a node when
+    """The hybrid's all-to-all team size, as ``planning.team_size`` picks it: a node when
     the job spans nodes and a node's GPUs divide the heads, else the largest proper divisor
     of ``gpus`` that divides the heads; None when there is none (then it is not a hybrid)."""
     return hybrid_team_size(gpus, heads, hw.gpus_per_node)
