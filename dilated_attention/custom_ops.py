@@ -3,8 +3,8 @@
 Under ``torch.compile`` a call is one opaque op, ``dilated_attention::attend``, whose arguments are
 tensors and primitives, and its gradient a second one, ``dilated_attention::attend_backward``
 (``torch.library.register_autograd``). Both are thin wrappers around the one code path of an eager call
-(``planning.prepare``, ``execution.forward`` / ``backward``). At run time they plan the call, agree on it across ranks, gather key masks and run the rings and all-to-alls, none of which
-enters the traced graph.
+(``planning.prepare``, ``execution.forward`` / ``backward``). At run time they plan the call, agree on it
+across ranks, gather key masks and run the rings and all-to-alls, none of which enters the traced graph.
 Their fake implementations plan from shapes alone (so invalid shapes raise while tracing) and
 return empty tensors.
 

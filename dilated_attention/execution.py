@@ -41,7 +41,7 @@ def attend(spec: Schedule, call: int, q, k, v, key_mask) -> tuple[torch.Tensor, 
     if spec.batches is None:
         return forward_by_heads(spec.heads, spec.rings(call), q, k, v, key_mask)
     runs = [forward_by_heads(spec.heads, spec.rings(call, b), batch_rows(q, b), batch_rows(k, b), batch_rows(v, b),
-                              run_mask(key_mask, b, q)) for b in spec.batches]
+                             run_mask(key_mask, b, q)) for b in spec.batches]
     bsz, n = q.shape[:2]
     return (caller_rows([o for o, _ in runs], spec.batches, n, bsz, copy=True),
             caller_rows([lse for _, lse in runs], spec.batches, n, bsz))
@@ -52,8 +52,9 @@ def attend_backward(spec: Schedule, call: int, q, k, v, key_mask, out, lse, dout
     stands in for them: their ``dout`` is 0, so they add nothing either way."""
     if spec.batches is None:
         return backward_by_heads(spec.heads, spec.rings(call), q, k, v, key_mask, out, lse, dout)
-    grads = [backward_by_heads(spec.heads, spec.rings(call, b), batch_rows(q, b), batch_rows(k, b), batch_rows(v, b),
-                                run_mask(key_mask, b, q), batch_rows(out, b), batch_rows(lse, b, float("-inf")), batch_rows(dout, b))
+    grads = [backward_by_heads(spec.heads, spec.rings(call, b), batch_rows(q, b), batch_rows(k, b),
+                               batch_rows(v, b), run_mask(key_mask, b, q), batch_rows(out, b),
+                               batch_rows(lse, b, float("-inf")), batch_rows(dout, b))
              for b in spec.batches]
     bsz, n = q.shape[:2]
     return tuple(caller_rows([g[i] for g in grads], spec.batches, n, bsz) for i in range(3))

@@ -5,7 +5,7 @@ gives each rank the team's whole block of ``A * L`` rows for ``H / A`` of the
 query heads (and the kv heads those need), the attention runs on that block
 (locally, or as a ring across teams: the hybrid strategy), and a second
 all-to-all brings the output rows home. Each swap's gradient is the reverse swap
-(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each tensor of a swap is one
+(``*_backward``; ``execution.py`` pairs them), so gradients are exact. Each tensor of a swap is one
 all-to-all (``CommBackend.all_to_all``: a collective over the whole group on GPUs, else a batch of
 transfers), the first carrying the call's stamp (``comm/stamps.py``). Going to heads, each transfer starts
 as soon as its blocks are laid out (the next tensor's layout copy overlaps it); the gradients going home
@@ -29,7 +29,7 @@ heads read; otherwise kv heads are expanded to one per query head first.
 Head chunks (``memory.py``): a swap of one ``HeadRange`` (``part``) moves only those local heads of every
 member, and the swaps back write them into head slices of the sequence-layout result (``into``), so a call in
 chunks holds one chunk's head-layout tensors at a time, the backward swapping q, k, v and out again
-(``functional._forward``/``_backward``).
+(``execution.forward``/``backward``).
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     ``(out, lse)`` views (a head range of the caller's result) to write them to.
 
     ``key_mask``: ``None`` or bool ``(B, blocks * L)`` over the whole sequence, ``True`` = excluded key.
-    Not differentiable itself: ``ring_backward`` is its exact gradient (``functional.py`` pairs them).
+    Not differentiable itself: ``ring_backward`` is its exact gradient (``execution.py`` pairs them).
     """
     comm, layout = ring.comm, ring.layout
     own = block_mask(key_mask, comm.rank // layout.stride if comm is not None else 0, q.shape[1])

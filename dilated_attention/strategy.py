@@ -27,7 +27,7 @@ while a captured step, or one whose host runs ahead of the GPU inside a model, c
 choose otherwise gets its own table by the device's name (``MEASURED_ON``).
 
 A job whose ranks see different GPU models may resolve ``"auto"`` differently: the cross-rank agreement
-compares the resolved team (``functional.py``), so every rank raises instead of exchanging mismatched
+compares the resolved team (``planning.py``), so every rank raises instead of exchanging mismatched
 blocks.
 A tie goes to the ring, the simpler strategy (no all-to-all, no condition on the heads, no
 change of layout), unless the other holds clearly less memory: on full attention the ring peaks

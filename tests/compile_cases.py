@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) and torch.func through dilated_attention (custom_ops.py, functional._Attention).
+"""torch.compile(fullgraph=True) and torch.func through dilated_attention (custom_ops.py, execution.Attention).
 
 Compiled models are checked against the same model run eagerly: outputs and every gradient bitwise
 equal under ``aot_eager`` (Dynamo + AOTAutograd, the part the library is responsible for: no graph

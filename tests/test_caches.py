@@ -49,10 +49,10 @@ def test_every_cache_is_listed_with_its_bound():
         assert bound is None or (isinstance(bound, int) and bound > 0), (name, bound)
         assert bound is None or 0 <= size <= bound, (name, size, bound)
     held = {name for name, i in info.items() if i.bound is None}  # never emptied: what refers to them lives on
-    assert "custom_ops.objects" in held and held <= {"custom_ops.objects", "models.lm.data_parallel_groups",
-                                                   "side_streams.pools", "huggingface.mask_codes", "caches.held_for_graphs",
-                                                   "caches.kept_pools", "comm.live_backends",
-                                                   "comm.named_backends", "fairscale.announced"}, held
+    assert "custom_ops.objects" in held and held <= {
+        "custom_ops.objects", "models.lm.data_parallel_groups", "side_streams.pools", "huggingface.mask_codes",
+        "caches.held_for_graphs", "caches.kept_pools", "comm.live_backends", "comm.named_backends",
+        "fairscale.announced"}, held
 
 
 def test_a_capture_holds_the_cached_tables_it_reads(monkeypatch):

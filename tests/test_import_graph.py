@@ -94,7 +94,8 @@ def _edges(source: str, text: str | None = None) -> list[Edge]:
                 edges.extend(Edge(source, t, child.lineno, in_function, conditional) for t in _targets(child, source))
             function = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.If):  # only the body of an ``if`` on the environment is on request
-                visit(ast.Module(body=child.body, type_ignores=[]), function, conditional or _on_environment(child.test))
+                asked = conditional or _on_environment(child.test)
+                visit(ast.Module(body=child.body, type_ignores=[]), function, asked)
                 visit(ast.Module(body=child.orelse, type_ignores=[]), function, conditional)
             else:
                 visit(child, function, conditional)

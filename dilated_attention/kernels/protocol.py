@@ -42,7 +42,7 @@ drives it chunk by chunk on strided views. A kernel that changes another one
 * A *padding mask* is a ``key_mask`` of one form, on local patterns (``packed=False``): in each
   batch row, the excluded keys are the rows from some position on, and those rows are padding
   whose results the caller discards (packed documents and segment padding, which the library
-  makes itself: ``functional.py``). Every dilated view of such a mask keeps a prefix of its keys,
+  makes itself: ``batching.py``). Every dilated view of such a mask keeps a prefix of its keys,
   so a kernel can take it as per-view lengths. A kernel with ``key_masks = False`` may set
   ``padding_masks = True`` (optional, read as ``key_masks`` where absent) to take padding masks
   only; it may leave the padding rows' results (out, lse, gradients) unspecified.
