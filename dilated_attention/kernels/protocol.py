@@ -155,11 +155,13 @@ class PatternKernel(Protocol):
 
 def causal_block(kernel, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
     """The ``causal_block`` (module doc) of the kernel that runs ``plan``'s causal calls in ``direction``; 0: none.
-    A kernel that routes calls (``wrapper.KernelWrapper``) answers through ``split_block``."""
+    A kernel's own where it sets one; else a kernel that routes calls (``wrapper.KernelWrapper``) answers
+    through ``split_block``."""
+    block = getattr(kernel, "causal_block", None)
+    if block is not None:
+        return block
     routed = getattr(kernel, "split_block", None)
-    if routed is not None:
-        return routed(direction, plan, q, k)
-    return getattr(kernel, "causal_block", 0) or 0
+    return routed(direction, plan, q, k) if routed is not None else 0
 
 
 def takes_padding_masks(kernel) -> bool:

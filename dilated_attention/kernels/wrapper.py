@@ -10,8 +10,8 @@ A kernel that changes another one states only what it changes:
 * or the methods themselves, where each needs its own handling (debug mode's checks, ``ChunkLoop``).
 
 ``name``, ``key_masks``, ``padding_masks`` and ``deterministic_backward`` are ``inner``'s unless set otherwise, and
-``split_block`` answers ``protocol.causal_block`` with the wrapper's own ``causal_block`` if it sets one, else
-with its target's: what a strategy asks of a kernel, it asks the wrapper, which never needs unwrapping.
+``split_block`` answers ``protocol.causal_block`` for a wrapper that sets no ``causal_block`` of its own with its
+target's: what a strategy asks of a kernel, it asks the wrapper, which never needs unwrapping.
 """
 
 from __future__ import annotations
@@ -43,10 +43,7 @@ class KernelWrapper:
         return self.inner
 
     def split_block(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
-        """``protocol.causal_block``: this wrapper's own ``causal_block`` where it sets one, else its target's."""
-        own = getattr(self, "causal_block", None)
-        if own is not None:
-            return own
+        """``protocol.causal_block`` of a wrapper without a ``causal_block`` of its own: its target's."""
         return causal_block(self.target(direction, plan, True, q, k, False), direction, plan, q, k)
 
     def call(self, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
