@@ -403,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tag", default=None, help="file name: scaling_<tag>_x<K>.json (default: the GPU name)")
     p.add_argument("--smoke", action="store_true", help="CPU gloo, tiny sizes (overrides sizes, no peers)")
     a = p.parse_args(argv)
-    from dilated_attention.cost_model import LONGNET_RATES, LONGNET_SEGMENTS  # after --help: it loads torch
+    from cost_model_lib import LONGNET_RATES, LONGNET_SEGMENTS  # after --help: it loads torch
 
     a.longnet_segments = list(LONGNET_SEGMENTS) if a.longnet_segments is None else a.longnet_segments
     a.longnet_rates = list(LONGNET_RATES) if a.longnet_rates is None else a.longnet_rates
@@ -551,7 +551,7 @@ class Bench:
 
 
 def patterns_for(args, config: str, n: int) -> tuple[list[int], list[int]]:
-    from dilated_attention.cost_model import config_patterns
+    from cost_model_lib import config_patterns
 
     pats = config_patterns(config, n, args.longnet_segments, args.longnet_rates)
     return [w for w, _ in pats], [r for _, r in pats]
@@ -1017,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from dilated_attention import memory, ring, set_memory_bound
+    from dilated_attention import causal_share, memory, ring_swaps, set_memory_bound
     from dilated_attention.comm import get_backend
 
     if args.memory_bound is not None:
@@ -1042,10 +1042,10 @@ def main(argv: list[str] | None = None) -> int:
         "compile": args.compile,  # records of impl ours+compiled
         "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
-        "memory_bound": [memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR],  # head chunks: set_memory_bound's rule
-        "share_min_rows": ring.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
-        # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring._Swapped)
-        "swap_compact": [ring.SWAP_COMPACT[False], ring.SWAP_COMPACT[True]],
+        "memory_bound": list(memory.BOUND.key),  # head chunks: set_memory_bound's rule
+        "share_min_rows": causal_share.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
+        # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring_swaps.py)
+        "swap_compact": [ring_swaps.swaps_rings(False), ring_swaps.swaps_rings(True)],
         "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,
         "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock")
                   + (f"; an iteration is the mean of {args.pipelined} steps run back to back" if args.pipelined

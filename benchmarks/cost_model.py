@@ -1,4 +1,4 @@
-"""The cost model (``dilated_attention.cost_model``) from the command line: predict, validate, fit, calibrate.
+"""The cost model (``cost_model_lib.py`` beside this script) from the command line: predict, validate, fit, calibrate.
 
 Predictions: forward+backward time, exposed communication, efficiency and memory per GPU count and
 strategy, for a LongNet or full-attention problem. ``--validate``: predicted vs measured efficiency
@@ -33,8 +33,9 @@ from dataclasses import replace
 from typing import Sequence
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dilated_attention.cost_model import (  # noqa: E402
+from cost_model_lib import (  # noqa: E402
     _FITTED, FIT_NAMES, IMPLS, LONGNET_RATES, LONGNET_SEGMENTS, PLAUSIBLE, PRESETS, STRATEGIES, Hardware, Prediction,
     Problem, calibrate, config_patterns, fit, graph_replay, predict, validate,
 )

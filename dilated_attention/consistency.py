@@ -5,7 +5,7 @@ follows, ...) would otherwise pair up wrong messages and hang or compute
 garbage. Before its first exchange a call gathers a small signature from every
 rank; every rank then raises the same verdict, naming the differing values.
 
-Agreed signatures are cached on the backend (``check_calls=True``): a steady
+Agreed signatures are kept per backend by the call layer (``planning.CallState``; ``check_calls=True``): a steady
 training loop repeats one configuration and pays nothing after the first call.
 A rank whose own inputs are invalid always joins the gather (and raises its
 own error); if the others skip it because their configuration is cached, the
@@ -60,31 +60,34 @@ def signature_text(sig: dict) -> str:
     return json.dumps(sig, sort_keys=True)
 
 
-def agree(comm: CommBackend, text: str, error: BaseException | None, like: torch.Tensor) -> None:
+def agree(comm: CommBackend, state, text: str, error: BaseException | None, like: torch.Tensor) -> None:
     """Raise the same verdict on every rank for the call whose signature is ``text`` (``signature_text``):
-    this rank's own error, a peer's failure, ranks out of step since the last verdict, or a disagreement."""
-    comm.ledger.begin(comm.calls, fingerprint(text), text)  # the forward's stamps carry its fingerprint
-    due = comm.ledger.deferred(like.device) and comm.calls % comm.check_every == 0
-    if error is None and comm.check_calls is True and text in comm.agreed and not due:
+    this rank's own error, a peer's failure, ranks out of step since the last verdict, or a disagreement.
+    ``state``: the backend's calls (``state.calls``, this one's number) and agreed signatures (``state.agreed``),
+    which the call layer keeps (``planning.CallState``)."""
+    calls = state.calls
+    comm.ledger.begin(calls, fingerprint(text), text)  # the forward's stamps carry its fingerprint
+    due = comm.ledger.deferred(like.device) and calls % comm.check_every == 0
+    if error is None and comm.check_calls is True and text in state.agreed and not due:
         return
     if capturing():  # a CUDA graph capture: the gather reads the device on the host, which a capture forbids
         if error is not None:
             raise error
-        if comm.check_calls is True and text in comm.agreed:
+        if comm.check_calls is True and text in state.agreed:
             return  # the periodic verdict waits for the next call outside a capture
         if comm.check_calls == "always":
             raise ValueError(
-                f"dilated_attention call {comm.calls} is being captured into a CUDA graph with check_calls='always', "
+                f"dilated_attention call {calls} is being captured into a CUDA graph with check_calls='always', "
                 "which checks every call across ranks on the host: pass check_calls=True (checked once per "
                 "configuration, before the capture) or False to get_backend")
         raise ValueError(
-            f"dilated_attention call {comm.calls} is being captured into a CUDA graph before its configuration was "
+            f"dilated_attention call {calls} is being captured into a CUDA graph before its configuration was "
             "checked across ranks: run the same call once outside the capture first (the warm-up "
             "torch.cuda.graph needs anyway), or pass check_calls=False to get_backend")
     device = comm.collective_device(like)
-    what = f"call {comm.calls}: cross-rank check of the call signature"
+    what = f"call {calls}: cross-rank check of the call signature"
     mine = torch.tensor([int(error is None), zlib.crc32(text.encode()), len(text)], dtype=torch.int64)
-    sample = misuse.data_sample(like if text not in comm.agreed else None)  # compared apart: may differ
+    sample = misuse.data_sample(like if text not in state.agreed else None)  # compared apart: may differ
     try:
         table = comm.all_gather(torch.cat([mine.to(device), comm.ledger.pending(device), sample.to(device)]),
                                 what).cpu().tolist()
@@ -92,7 +95,7 @@ def agree(comm: CommBackend, text: str, error: BaseException | None, like: torch
         if error is not None:  # the others took a cached path: our own error is the news
             raise error from exc
         raise
-    out_of_step = verdict(comm, [row[3] for row in table], device, what, f"the cross-rank check of call {comm.calls}")
+    out_of_step = verdict(comm, [row[3] for row in table], device, what, f"the cross-rank check of call {calls}")
     if error is not None:
         raise error
     if out_of_step is not None:
@@ -102,7 +105,7 @@ def agree(comm: CommBackend, text: str, error: BaseException | None, like: torch
         raise ValueError(f"dilated_attention: rank(s) {failed} rejected their inputs (see the error on those ranks)")
     if len({row[1] for row in table}) == 1:
         misuse.check_identical_shards([row[-len(sample):] for row in table])
-        comm.agreed.add(text)
+        state.agreed.add(text)
         return
     # They differ: gather the signatures themselves so the message shows the values.
     width = max(row[2] for row in table)

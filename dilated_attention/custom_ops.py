@@ -2,11 +2,9 @@
 
 Under ``torch.compile`` a call is one opaque op, ``dilated_attention::attend``, whose arguments are
 tensors and primitives, and its gradient a second one, ``dilated_attention::attend_backward``
-(``torch.library.register_autograd``). Both are thin wrappers around ``functional``'s one code path
-(``_prepare`` / ``_forward`` / ``_backward``), which ``functional`` hands over when it loads (``bind``):
-so the entry point imports the ops and the ops import nothing of the call path. At run time they plan
-the call, agree on it across ranks, gather key masks and run the rings and all-to-alls, none of which
-enters the traced graph.
+(``torch.library.register_autograd``). Both are thin wrappers around the one code path of an eager call
+(``planning.prepare``, ``execution.forward`` / ``backward``). At run time they plan the call, agree on it
+across ranks, gather key masks and run the rings and all-to-alls, none of which enters the traced graph.
 Their fake implementations plan from shapes alone (so invalid shapes raise while tracing) and
 return empty tensors.
 
@@ -33,13 +31,15 @@ torch 2.13 (before it, pass a kernel name).
 """
 
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import torch
 
 from . import caches
 from .comm import CommBackend, resolve_comm
 from .comm.base import live_backend
+from .execution import backward, forward, saved_like
+from .planning import prepare, schedule
+from .validation import check_flags, check_scale_type
 
 # torch.library.custom_op and register_autograd arrived in torch 2.4; without them a compiled call
 # runs the eager path (graph breaks around it).
@@ -53,16 +53,6 @@ _OBJECTS: dict[str, object] = {}
 _CALL_NUMBERS = caches.table("custom_ops.call_numbers", 4096)
 # kept for the life of the process (a compiled graph refers to its entries): listed, never emptied
 caches.register("custom_ops.objects", _OBJECTS.__len__)
-# functional's call path (``bind``)
-_f = SimpleNamespace()
-
-
-def bind(**call_path) -> None:
-    """The functions the ops run: ``functional``'s ``check_flags``, ``check_scale_type``, ``prepare``,
-    ``forward``, ``backward``, ``schedule`` and ``saved_like`` (called once, when it loads)."""
-    vars(_f).update(call_path)
-
-
 def _object_key(obj) -> str:
     """``obj``'s registry key, ``obj`` registered under it."""
     key = f"#{type(obj).__name__}@{id(obj):x}"
@@ -137,8 +127,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, d
            kernel, layout: str) -> torch.Tensor:
     """``dilated_attention`` under ``torch.compile``: the op call (traced), everything else inside it."""
     # Type errors the op's schema would blur (a bool is not a scale; an int is not a flag), as eager raises them.
-    _f.check_flags(causal, pad_to_segments, strategy, layout)
-    _f.check_scale_type(softmax_scale)
+    check_flags(causal, pad_to_segments, strategy, layout)
+    check_scale_type(softmax_scale)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)
     for name, t in (("key_padding_mask", key_padding_mask), ("cu_seqlens", cu_seqlens)):
         if t is not None and not isinstance(t, torch.Tensor):
@@ -161,8 +151,8 @@ def _attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
     options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
                        key_padding_mask, cu_seqlens)
     backend = resolve_comm(_lookup(comm))
-    spec, call = _f.prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
-    out, saved = _f.forward(spec, call, q, k, v, key_padding_mask)
+    spec, call = prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
+    out, saved = forward(spec, call, q, k, v, key_padding_mask)
     number = torch.full((), call, dtype=torch.int64, device=q.device)
     _CALL_NUMBERS[number.data_ptr()] = call
     # Contiguous, as the fake implementation promises (inductor asserts output strides).
@@ -173,9 +163,9 @@ def _attend_fake(q, k, v, key_padding_mask, cu_seqlens, segment_lengths, dilatio
                  softmax_scale, pad_to_segments, head_offsets, comm, strategy, kernel, layout, requires_grad):
     options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
                        key_padding_mask, cu_seqlens)
-    spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
-                        shapes_only=True, **options)
-    saved = _f.saved_like(spec, q, k, key_padding_mask)
+    spec = schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
+                    shapes_only=True, **options)
+    saved = saved_like(spec, q, k, key_padding_mask)
     return q.new_empty(q.shape), saved + [torch.empty((), dtype=torch.int64, device=q.device)]
 
 
@@ -188,9 +178,9 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
                        key_padding_mask, cu_seqlens)
     # The forward planned this call successfully: the same plan (no new agreement, no debug record).
-    spec = _f.schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
-                        record=False, **options)
-    grads = _f.backward(spec, _call_number(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
+    spec = schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
+                    record=False, **options)
+    grads = backward(spec, _call_number(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
     return tuple(g.contiguous() for g in grads)
 
 

@@ -5,7 +5,7 @@ gives each rank the team's whole block of ``A * L`` rows for ``H / A`` of the
 query heads (and the kv heads those need), the attention runs on that block
 (locally, or as a ring across teams: the hybrid strategy), and a second
 all-to-all brings the output rows home. Each swap's gradient is the reverse swap
-(``*_backward``; ``functional.py`` pairs them), so gradients are exact. Each tensor of a swap is one
+(``*_backward``; ``execution.py`` pairs them), so gradients are exact. Each tensor of a swap is one
 all-to-all (``CommBackend.all_to_all``: a collective over the whole group on GPUs, else a batch of
 transfers), the first carrying the call's stamp (``comm/stamps.py``). Going to heads, each transfer starts
 as soon as its blocks are laid out (the next tensor's layout copy overlaps it); the gradients going home
@@ -29,18 +29,21 @@ heads read; otherwise kv heads are expanded to one per query head first.
 Head chunks (``memory.py``): a swap of one ``HeadRange`` (``part``) moves only those local heads of every
 member, and the swaps back write them into head slices of the sequence-layout result (``into``), so a call in
 chunks holds one chunk's head-layout tensors at a time, the backward swapping q, k, v and out again
-(``functional._forward``/``_backward``).
+(``execution.forward``/``backward``).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
-from .comm.base import CommBackend, Pending
+from .comm.base import Blocks, CommBackend, Pending
 from .memory import HeadRange
+from .views import ALIGN_BYTES
 
 
 @dataclass(frozen=True)
@@ -80,21 +83,30 @@ class HeadSplit:
 
 
 def _member_heads(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
-    """``(B, L, A h, D)`` -> the ``(B, L, A, h1 - h0, D)`` view of every member's local heads ``[h0, h1)``."""
+    """``(B, L, A h, ...)`` -> the ``(B, L, A, h1 - h0, ...)`` view of every member's local heads ``[h0, h1)``."""
     return x.unflatten(2, (a, x.shape[2] // a))[:, :, :, h0:h1]
 
 
+def _head_blocks(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
+    """``(B, L, A h, ...)`` -> the ``(A, B, L, h1 - h0, ...)`` view: block ``m`` is member ``m``'s local heads."""
+    return _member_heads(x, a, h0, h1).movedim(2, 0)
+
+
 def _by_member_heads(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
-    """``(B, L, A h, D)`` -> ``(A, B, L, h1 - h0, D)``: block ``m`` holds member ``m``'s local heads ``[h0, h1)``
-    (one copy)."""
-    return _member_heads(x, a, h0, h1).permute(2, 0, 1, 3, 4).contiguous()
+    """``_head_blocks`` as a new contiguous tensor (one copy)."""
+    return _head_blocks(x, a, h0, h1).contiguous()
+
+
+def _row_blocks(x: torch.Tensor, a: int) -> torch.Tensor:
+    """``(B, A L, ...)`` the team's rows -> the ``(A, B, L, ...)`` view: block ``m`` is member ``m``'s rows."""
+    return x.unflatten(1, (a, x.shape[1] // a)).movedim(1, 0)
 
 
 def _by_member_rows(x: torch.Tensor, a: int, zigzag: bool = False) -> torch.Tensor:
     """``(B, A L, h, D)`` the team's rows -> ``(A, B, L, h, D)``: block ``m`` holds member ``m``'s rows (a view
     at batch 1; ``zigzag``: one copy). The inverse of ``member_rows``."""
     if not zigzag:
-        return x.unflatten(1, (a, x.shape[1] // a)).transpose(0, 1).contiguous()
+        return _row_blocks(x, a).contiguous()
     bsz, rows, *rest = x.shape
     n = rows // a
     half = n // 2
@@ -121,12 +133,11 @@ def member_rows(recv: torch.Tensor, zigzag: bool = False) -> torch.Tensor:
 
 def _merge_heads(recv: torch.Tensor, into: torch.Tensor | None = None, h0: int = 0, h1: int | None = None
                  ) -> torch.Tensor:
-    """``(A, B, L, h, D)`` with member ``m``'s heads in block ``m`` -> ``(B, L, A h, D)`` (one copy); ``into``:
+    """``(A, B, L, h, ...)`` with member ``m``'s heads in block ``m`` -> ``(B, L, A h, ...)`` (one copy); ``into``:
     written into every member's local heads ``[h0, h1)`` of ``into``, which is returned."""
     if into is None:
-        a, bsz, n, h, dim = recv.shape
-        return recv.permute(1, 2, 0, 3, 4).reshape(bsz, n, a * h, dim)
-    _member_heads(into, recv.shape[0], h0, h1).copy_(recv.permute(1, 2, 0, 3, 4))
+        return recv.movedim(0, 2).flatten(2, 3)
+    _member_heads(into, recv.shape[0], h0, h1).copy_(recv.movedim(0, 2))
     return into
 
 
@@ -235,3 +246,69 @@ def heads_to_sequence_backward(dout: torch.Tensor, swap: HeadSwap) -> torch.Tens
     (got,) = _swap([_by_member_heads(dout, len(swap.team))], swap, "backward",
                    "backward of heads-to-sequence all-to-all")
     return member_rows(got, swap.zigzag)
+
+
+class PackedSwap:
+    """A swap of several tensors in one all-to-all: each member's blocks of every tensor packed into one buffer
+    row, the call's stamp in its last 16 bytes (one transfer per peer and direction: each all-to-all costs the
+    host a launch). The ring's swapped patterns (``ring_swaps.py``) send compact rows of every head out
+    (``post``), compute the whole segment on ``1 / G`` of the heads (``heads``) and send the results home
+    (``send_home``, ``home``); the layouts are the head strategy's (``_head_blocks``, ``member_rows``,
+    ``_row_blocks``, ``_merge_heads``), for tensors of any trailing dims."""
+
+    def __init__(self, comm: CommBackend, members: tuple[int, ...], call: int, direction: str, what: str) -> None:
+        """``what``: the call, direction and pattern, as timeout messages name them."""
+        self.comm, self.members, self.direction = comm, members, direction
+        self.what = f"{what}, head swap of ranks {list(members)}"
+        self.stamp = comm.stamp(call, direction)
+        self.pending = None
+
+    def post(self, sends: list[torch.Tensor]) -> None:
+        """The first all-to-all, of ``sends``: ``(B, rows, heads, ...)`` tensors, heads divisible by ``G``."""
+        g = len(self.members)
+        self._post([_head_blocks(x, g) for x in sends], "rows out")
+
+    def _post(self, blocks: list[torch.Tensor], what: str) -> None:
+        """An all-to-all of ``blocks`` (each ``(G, ...)``, any strides: block ``m`` to member ``m``), packed."""
+        sizes = [-(-x[0].numel() * x.element_size() // ALIGN_BYTES) * ALIGN_BYTES for x in blocks]
+        # (each member's block, the stamp after it: one transfer per peer, stamp included)
+        buffer = Blocks((len(self.members), sum(sizes)), torch.uint8, blocks[0].device).raw
+        self.views = []
+        for x, at in zip(blocks, itertools.accumulate([0, *sizes[:-1]])):
+            view = buffer[:, at:at + x[0].numel() * x.element_size()].view(x.dtype).unflatten(1, x.shape[1:])
+            view.copy_(x)
+            self.views.append((at, view.shape, x.dtype))
+        blocks.clear()  # packed: each goes before the receiving buffer comes (its caller holds none)
+        (self.got,), self.pending = self.comm.all_to_all([buffer], self.members, f"{self.what}, {what}",
+                                                         stamp=self.stamp, stamp_room=True)
+
+    def land(self) -> None:
+        """Orders the caller's stream after the posted all-to-all (no host sync) and lets go of the sent buffer,
+        which the wait holds: called early where that stream has nothing else to run meanwhile."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def _received(self) -> list[torch.Tensor]:
+        """The landed blocks, views of the receiving buffer, which the swap lets go of: the rows' copies that
+        ``heads`` and ``home`` make free it, not the swap's end."""
+        self.land()
+        got, self.got = self.got, None
+        return [got[:, at:at + math.prod(shape[1:]) * dtype.itemsize].view(dtype).unflatten(1, shape[1:])
+                for at, shape, dtype in self.views]
+
+    def heads(self) -> list[torch.Tensor]:
+        """The team's rows of this rank's heads, ``(B, G rows, heads / G, ...)`` each (waits for them)."""
+        return [member_rows(x) for x in self._received()]
+
+    def send_home(self, results: list[torch.Tensor]) -> None:
+        """Results ``(B, G rows, heads / G, ...)`` of ``heads()``' rows, each member's rows to it. ``results``
+        is emptied: each result is freed once packed."""
+        g = len(self.members)
+        blocks = [_row_blocks(x, g) for x in results]
+        results.clear()
+        self._post(blocks, "results home")
+
+    def home(self) -> list[torch.Tensor]:
+        """This rank's rows of the results, every head (waits for them)."""
+        return [_merge_heads(x) for x in self._received()]

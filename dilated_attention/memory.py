@@ -9,9 +9,9 @@ smaller kernel calls and ring messages, which is why short calls run whole. The 
 count as scratch too (its head-layout tensors): in chunks they move one chunk's heads at a time, and the
 backward swaps the chunk's q, k, v, out again rather than keeping them (``head_parallel.py``).
 
-Rule: a call whose own bytes reach ``SCRATCH_FLOOR`` runs in the fewest chunks (a divisor of its kv
+Rule: a call whose own bytes reach ``BOUND.floor`` runs in the fewest chunks (a divisor of its kv
 heads: a chunk holds whole kv groups, so each kv head's gradient comes from one chunk) whose estimated
-scratch is at most ``SCRATCH_SHARE`` of its own bytes. The estimate depends on shapes and patterns only,
+scratch is at most ``BOUND.share`` of its own bytes. The estimate depends on shapes and patterns only,
 so every rank of a job chooses the same chunks (the cross-rank agreement compares the count).
 ``set_memory_bound`` moves both, process-wide: memory first below the floor, at the cost measured in
 docs/performance.md.
@@ -31,8 +31,20 @@ DEFAULT_SCRATCH_SHARE = 0.4  # peak memory target: 1.4 x the call's own bytes
 # 32768 tokens are small enough to be bound by launches, so two chunks cost 7-30% there on one H100 (1.6-1.9x on
 # a 2-GPU ring), 1-2% at 131072; full attention's 2-head chunks cost 8% / 40% (non-causal / causal, 2 x H100)
 DEFAULT_SCRATCH_FLOOR = 1 << 32
-SCRATCH_SHARE, SCRATCH_FLOOR = DEFAULT_SCRATCH_SHARE, DEFAULT_SCRATCH_FLOOR  # (``set_memory_bound``)
 ACCUM_BYTES = 4  # fp32 accumulators (merge.accum_dtype)
+
+
+class MemoryBound:
+    """The head-chunk rule's settings, process-wide (``set_memory_bound``): ``share`` of a call's own bytes in
+    scratch, for calls whose own bytes reach ``floor``. ``key`` is both, as planning's schedule keys read it."""
+
+    __slots__ = ("share", "floor", "key")
+
+    def __init__(self, share: float, floor: int) -> None:
+        self.share, self.floor, self.key = share, floor, (share, floor)
+
+
+BOUND = MemoryBound(DEFAULT_SCRATCH_SHARE, DEFAULT_SCRATCH_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,7 @@ def scratch_bytes(plans: Sequence[PatternPlan], leaves_part: Callable[[PatternPl
 
     ``leaves_part(plan)``: whether that pattern's gradients are compact parts (a local pattern on a kernel
     with parts, or a ring on compact rows: ``ring.leaves_part``); any other accumulates into fp32 tensors of the
-    full shape. ``causal``: rings on the full rows share their cross blocks (``ring._Share``); the first rank of a
+    full shape. ``causal``: rings on the full rows share their cross blocks (``causal_share.py``); the first rank of a
     ring of ``G`` holds ``G - 1`` later ranks' half rows (q, out, dout; lse and dQ in fp32) and its own K/V block
     packed again."""
     per_row = (heads + 2 * kv_heads) * dim  # dq, dk, dv elements of one row
@@ -84,14 +96,13 @@ def set_memory_bound(scratch_share: float = DEFAULT_SCRATCH_SHARE, from_bytes: i
     exceeds the share, at more, smaller kernel calls (2 x H100, 32768 tokens per GPU, ``(0.4, 0)``: the
     non-causal full-attention ring 4.0x -> 1.42x own for 7% more time; causal rings and LongNet pay 2.7-3.2x;
     the head strategy's swaps are chunked too, its backward swapping q, k, v, out again: docs/performance.md). The defaults restore the speed-first rule."""
-    global SCRATCH_SHARE, SCRATCH_FLOOR
     if isinstance(scratch_share, bool) or not isinstance(scratch_share, (int, float)) or not scratch_share >= 0:
         raise ValueError(f"scratch_share must be a number >= 0 (a fraction of the call's own bytes, e.g. 0.4), "
                          f"got {scratch_share!r}")
     if isinstance(from_bytes, bool) or not isinstance(from_bytes, int) or from_bytes < 0:
         raise ValueError(f"from_bytes must be an int >= 0 (0: every call), got {from_bytes!r}")
-    previous = (SCRATCH_SHARE, SCRATCH_FLOOR)
-    SCRATCH_SHARE, SCRATCH_FLOOR = float(scratch_share), from_bytes
+    previous = BOUND.key
+    BOUND.__init__(float(scratch_share), from_bytes)
     return previous
 
 
@@ -104,12 +115,12 @@ def head_ranges(scratch: int | Callable[[], int], own: int, heads: int, kv_heads
     """The head chunks of a call whose scratch and own bytes are ``scratch`` and ``own`` (the module's rule);
     ``scratch`` may be a function, asked only when ``own`` reaches the floor."""
     chunks = 1
-    if own >= SCRATCH_FLOOR:
+    if own >= BOUND.floor:
         scratch = scratch() if callable(scratch) else scratch
         counts = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
-        chunks = next((c for c in counts if scratch <= SCRATCH_SHARE * own * c), counts[-1])
+        chunks = next((c for c in counts if scratch <= BOUND.share * own * c), counts[-1])
     group, kv = heads // kv_heads, kv_heads // chunks
     return tuple(HeadRange(i * kv * group, (i + 1) * kv * group, i * kv, (i + 1) * kv) for i in range(chunks))
 
 
-__all__ = ["HeadRange", "SCRATCH_FLOOR", "SCRATCH_SHARE", "head_ranges", "own_bytes", "scratch_bytes", "set_memory_bound"]
+__all__ = ["BOUND", "HeadRange", "MemoryBound", "head_ranges", "own_bytes", "scratch_bytes", "set_memory_bound"]

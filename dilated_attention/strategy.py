@@ -27,7 +27,7 @@ while a captured step, or one whose host runs ahead of the GPU inside a model, c
 choose otherwise gets its own table by the device's name (``MEASURED_ON``).
 
 A job whose ranks see different GPU models may resolve ``"auto"`` differently: the cross-rank agreement
-compares the resolved team (``functional.py``), so every rank raises instead of exchanging mismatched
+compares the resolved team (``planning.py``), so every rank raises instead of exchanging mismatched
 blocks.
 A tie goes to the ring, the simpler strategy (no all-to-all, no condition on the heads, no
 change of layout), unless the other holds clearly less memory: on full attention the ring peaks
@@ -48,7 +48,7 @@ from .patterns import hybrid_team_size
 # (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest (the table above).
 MEASURED = {
     (False, False, "contiguous"): "ring",
-    (False, True, "contiguous"): "ring",  # spanning pattern head-swapped (ring._swaps); 1.30x head's speed in a graph
+    (False, True, "contiguous"): "ring",  # spanning pattern head-swapped (ring_swaps.py); 1.30x head's speed in a graph
     (True, False, "contiguous"): "head",  # within 3% of the ring, at half its peak memory
     (True, True, "contiguous"): "head",  # the contiguous causal ring waits on its last rank
     (False, False, "zigzag"): "head",  # zigzag turns mid-length segments into rings

@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) and torch.func through dilated_attention (custom_ops.py, functional._Attention).
+"""torch.compile(fullgraph=True) and torch.func through dilated_attention (custom_ops.py, execution.Attention).
 
 Compiled models are checked against the same model run eagerly: outputs and every gradient bitwise
 equal under ``aot_eager`` (Dynamo + AOTAutograd, the part the library is responsible for: no graph
@@ -19,6 +19,7 @@ from torch import nn
 from dilated_attention import MultiheadDilatedAttention, custom_ops, dilated_attention
 from dilated_attention.kernels.chunk_loop import ChunkLoop
 from dilated_attention.kernels.reference import ReferenceKernel
+from dilated_attention.planning import call_state
 from dilated_attention.testing.graphs import op_runs
 from dilated_attention.testing.spawn import spawn_ranks
 
@@ -204,7 +205,7 @@ def _spawned(rank: int, world: int) -> dict:
                                            ("ring", True, None, "zigzag")):
         # a backend name, and a backend object (the op gets it by registry key)
         model = _model(causal, comm=name or comm, strategy=strategy, layout=layout)
-        counted = resolve_comm(name or comm)  # the object the calls go through
+        counted = call_state(resolve_comm(name or comm))  # the calls of the backend they go through
         x, mask = _inputs(10 + rank, 32)  # this rank's rows
         before = counted.calls
         got = _run(_compiled(model), x, mask)

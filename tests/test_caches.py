@@ -24,7 +24,7 @@ def test_a_call_fills_caches_that_clear_caches_empties_and_the_next_call_refills
     q, k, v = _inputs()
     first = _run(q, k, v)
     filled = cache_info()
-    for name in ("functional.schedules", "patterns.plans", "dispatch.kernels"):
+    for name in ("planning.schedules", "patterns.plans", "dispatch.kernels"):
         assert filled[name].size >= 1, (name, filled[name])
     clear_caches()
     emptied = cache_info()
@@ -33,25 +33,26 @@ def test_a_call_fills_caches_that_clear_caches_empties_and_the_next_call_refills
     again = _run(q, k, v)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
-    assert cache_info()["functional.schedules"].size >= 1
+    assert cache_info()["planning.schedules"].size >= 1
 
 
 def test_every_cache_is_listed_with_its_bound():
     info = cache_info()
     assert dilated_attention.cache_info is cache_info and dilated_attention.clear_caches is clear_caches
-    expected = {"functional.schedules", "patterns.plans", "patterns.head_offsets", "merge.launch_plans",
+    expected = {"planning.schedules", "patterns.plans", "patterns.head_offsets", "merge.launch_plans",
                 "merge.combine_tables", "triton_support.jitted", "fused.head_tables", "fused.shared_memory_reason",
                 "cudnn.forward_calls", "cudnn.backward_calls", "cudnn.refused", "dispatch.kernels",
                 "dispatch.auto_kernels", "guard.fallen_back", "guard.proven", "custom_ops.objects", "custom_ops.call_numbers",
-                "comm.schedules", "caches.kept_pools", "caches.pools_nest"}
+                "planning.backend_schedules", "caches.kept_pools", "caches.pools_nest"}
     assert expected <= set(info), sorted(expected - set(info))
     for name, (size, bound) in info.items():
         assert bound is None or (isinstance(bound, int) and bound > 0), (name, bound)
         assert bound is None or 0 <= size <= bound, (name, size, bound)
     held = {name for name, i in info.items() if i.bound is None}  # never emptied: what refers to them lives on
-    assert "custom_ops.objects" in held and held <= {"custom_ops.objects", "models.lm.data_parallel_groups",
-                                                   "ring.side_streams", "huggingface.mask_codes", "caches.held_for_graphs",
-                                                   "caches.kept_pools"}, held
+    assert "custom_ops.objects" in held and held <= {
+        "custom_ops.objects", "models.lm.data_parallel_groups", "side_streams.pools", "huggingface.mask_codes",
+        "caches.held_for_graphs", "caches.kept_pools", "comm.live_backends", "comm.named_backends",
+        "fairscale.announced"}, held
 
 
 def test_a_capture_holds_the_cached_tables_it_reads(monkeypatch):

@@ -3,21 +3,24 @@ and its predictions against the committed multi-GPU measurements (no timing anyw
 
 import json
 import os
+import sys
 from dataclasses import replace
 
 import pytest
 
-from dilated_attention import ring
+from dilated_attention import ring_swaps
+from dilated_attention.testing.scripts import load_script
 
-from dilated_attention.cost_model import (
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the cost model lives beside the benchmarks it serves
+
+from cost_model_lib import (  # noqa: E402
     H100, H200, PRESETS, Hardware, Problem, _single_terms, _Timeline, accumulator_terms, alltoall_ms, best, calibrate, causal_factor,
     combine_terms, config_patterns, fit, graph_replay, hybrid_team, kernel_bwd_ms, kernel_fwd_ms, key_factor, longnet_patterns,
     merge_terms, offset_runs, packed_pairs, pass_ms, pattern_flops, predict, rank_ms, single_gpu_ms, transfer_ms,
     validate,
 )
-from dilated_attention.testing.scripts import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The scaling measurements the presets were fitted on, kept here so that a new benchmark run in
 # benchmarks/results/ does not move the tests' ground.
 DATA = os.path.join(ROOT, "tests", "data")
@@ -370,7 +373,7 @@ def test_validate_round_trip(tmp_path):
     records.append({"impl": "torch_cp", "strategy": "ring", "config": "full", "causal": True, "gpus": 4,
                     "tokens_per_gpu": 4096, "ms": 1.0, "efficiency": 0.5, "peak_gib": 1.0})
     path = tmp_path / "scaling_test_x4.json"
-    swap = [ring.SWAP_COMPACT[False], ring.SWAP_COMPACT[True]]  # what predict() models: the code's own rings
+    swap = [ring_swaps.swaps_rings(False), ring_swaps.swaps_rings(True)]  # what predict() models
     path.write_text(json.dumps({"meta": {"heads": 16, "head_dim": 128, "batch": 1, "waits": "stream",
                                          "swap_compact": swap}, "records": records}))
     rows = validate([str(path)], hw)
@@ -418,7 +421,7 @@ def test_cli_validate_and_calibrate(capsys, tmp_path):
 
 
 def test_swapped_causal_rings_are_balanced_where_the_ranks_divide_the_heads():
-    """``ring._Swapped`` in the model: a causal dilated ring whose ranks divide the heads computes the segment
+    """``ring_swaps.py`` in the model: a causal dilated ring whose ranks divide the heads computes the segment
     for ``1/G`` of the heads on every rank, so the replayed last rank is faster than its unbalanced ring; where
     the ranks do not divide the heads, or the ring is not causal, nothing changes."""
     hw = graph_replay(H100)

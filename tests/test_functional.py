@@ -271,16 +271,16 @@ def test_clamped_segment_is_named_as_clamped():
 
 
 def test_a_schedule_is_reused_only_for_the_same_call(monkeypatch):
-    """Repeated single-device calls reuse their validated plan (``_prepare`` is host time on every step), but
+    """Repeated single-device calls reuse their validated plan (``planning.prepare`` is host time on every step), but
     only where everything the checks read is the same: a valid call planned first must not let an invalid
     one through (``True`` equals ``1``, a misaligned view has the shape of an aligned one)."""
-    import dilated_attention.functional as fn
+    import dilated_attention.planning as fn
 
-    monkeypatch.setattr(fn, "_SCHEDULES", {})
+    monkeypatch.setattr(fn, "SCHEDULES", {})
     monkeypatch.delenv("DILATED_ATTENTION_NONDETERMINISTIC", raising=False)
     planned = []
-    real = fn._schedule
-    monkeypatch.setattr(fn, "_schedule", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    real = fn.schedule
+    monkeypatch.setattr(fn, "schedule", lambda *a, **kw: planned.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 8, 2, 4, generator=gen) for _ in range(3))
     first = dilated_attention(q, k, v, [4, 8], [1, 2])
@@ -318,10 +318,10 @@ def test_a_kernel_named_by_string_is_one_instance():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams are CUDA streams")
 @pytest.mark.parametrize("kernel", ["auto", "fused"])
 def test_causal_side_streams_change_no_bit(monkeypatch, kernel):
-    """Causal local patterns run on side streams (``ring._SideStreams``): each writes tensors of its own, so
+    """Causal local patterns run on side streams (``side_streams.py``): each writes tensors of its own, so
     forward and gradients must equal the one-stream run bitwise, run after run, also when the caller's
     stream is not the default one and allocates right after the call."""
-    import dilated_attention.ring as ring_mod
+    import dilated_attention.side_streams as side_streams
 
     gen = torch.Generator(device="cuda").manual_seed(9)
     q, k, v, g = (torch.randn(2, 4096, 8, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -329,8 +329,8 @@ def test_causal_side_streams_change_no_bit(monkeypatch, kernel):
     segs, rates = [512, 1024, 2048, 4096], [1, 2, 4, 8]
     runs = []
     for streams in (1, 2, 1, 2):
-        monkeypatch.setattr(ring_mod, "CAUSAL_PART_STREAMS", streams)
-        monkeypatch.setattr(ring_mod, "_STREAM_POOLS", {})
+        monkeypatch.setattr(side_streams, "CAUSAL_PART_STREAMS", streams)
+        monkeypatch.setattr(side_streams, "_STREAM_POOLS", {})
         caller = torch.cuda.Stream()
         caller.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(caller):

@@ -1,4 +1,5 @@
-"""The head swap's layouts (head_parallel.py): where received rows are read in place, and the inverses."""
+"""The head swap's layouts (head_parallel.py): where received rows are read in place, the inverses, and which kv
+heads each member receives (against GQA's rule written out here: query head ``h`` reads kv head ``h // group``)."""
 
 import pytest
 import torch
@@ -56,3 +57,18 @@ def test_kv_heads_each_member_reads(heads, kv_heads, team):
     assert blocks.shape[3] == split.local_kv_heads
     for m in range(team):
         assert torch.equal(blocks[m], k[:, :, split.kv_sources(m)])
+
+
+@pytest.mark.parametrize("heads, kv_heads, team", [(8, 4, 2), (8, 2, 4), (6, 2, 3), (12, 3, 2), (6, 3, 3), (4, 1, 2)])
+def test_each_members_query_heads_get_the_kv_heads_gqa_assigns_them(heads, kv_heads, team):
+    """Member ``m`` computes query heads ``[m H / A, (m + 1) H / A)``; its local query head ``j`` reads local kv head
+    ``j // (local heads / local kv heads)``, which must hold global kv head ``(m H / A + j) // (H / Hkv)``."""
+    split = HeadSplit(heads, kv_heads, team)
+    k = _x(2, 3, kv_heads, 4, seed=5)
+    blocks = _kv_by_member(k, split)
+    local, local_kv = heads // team, split.local_kv_heads
+    assert local % local_kv == 0
+    for m in range(team):
+        for j in range(local):
+            want = (m * local + j) // (heads // kv_heads)
+            assert torch.equal(blocks[m][:, :, j // (local // local_kv)], k[:, :, want]), (m, j)

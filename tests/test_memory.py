@@ -11,10 +11,18 @@ from dilated_attention.testing.oracle import dense_dilated_attention
 
 
 @pytest.fixture
-def forced(monkeypatch):
+def bound():
+    """``set_memory_bound`` as a test sets it, restored after the test."""
+    previous = memory.BOUND.key
+    yield set_memory_bound
+    set_memory_bound(*previous)
+
+
+@pytest.fixture
+def forced(bound):
     """Every call chunked as finely as its kv heads allow."""
-    monkeypatch.setattr(memory, "SCRATCH_SHARE", 0.0)
-    monkeypatch.setattr(memory, "SCRATCH_FLOOR", 0)
+    bound(0.0, 0)
+    return bound
 
 
 def test_ranges_hold_whole_kv_groups_and_cover_every_head(forced):
@@ -23,8 +31,8 @@ def test_ranges_hold_whole_kv_groups_and_cover_every_head(forced):
     assert head_ranges(10, 1, heads=6, kv_heads=1) == (HeadRange(0, 6, 0, 1),)  # MQA: one kv group, one range
 
 
-def test_fewest_chunks_within_the_share(monkeypatch):
-    monkeypatch.setattr(memory, "SCRATCH_FLOOR", 0)
+def test_fewest_chunks_within_the_share(bound):
+    bound(memory.DEFAULT_SCRATCH_SHARE, 0)
     own = 1000
     assert len(head_ranges(400, own, 16, 16)) == 1  # 0.4 of own: whole
     assert len(head_ranges(401, own, 16, 16)) == 2
@@ -34,9 +42,9 @@ def test_fewest_chunks_within_the_share(monkeypatch):
 
 
 def test_small_calls_run_whole():
-    assert memory.SCRATCH_FLOOR > 0
-    assert len(head_ranges(10**12, memory.SCRATCH_FLOOR - 1, 16, 16)) == 1
-    assert len(head_ranges(10**12, memory.SCRATCH_FLOOR, 16, 16)) == 16
+    assert memory.BOUND.floor > 0
+    assert len(head_ranges(10**12, memory.BOUND.floor - 1, 16, 16)) == 1
+    assert len(head_ranges(10**12, memory.BOUND.floor, 16, 16)) == 16
 
 
 def test_scratch_estimate_counts_running_parts_and_ring():
@@ -98,7 +106,7 @@ def test_chunked_call_matches_oracle(forced, monkeypatch, causal, config, kernel
         seen.append(q_.shape[2])
         return real(q_, *args, **kwargs)
 
-    monkeypatch.setattr("dilated_attention.functional.ring_forward", spy)
+    monkeypatch.setattr("dilated_attention.execution.ring_forward", spy)
     got = _run(dilated_attention, q, k, v, dout, kernel=kernel, **kw)
     assert seen == [heads // kv_heads] * kv_heads  # one ring_forward per kv group, on its query heads
     want = _run(dense_dilated_attention, q, k, v, dout, **kw)
@@ -112,14 +120,14 @@ def test_chunked_packed_documents_match_whole(forced):
     docs = torch.tensor([0, 9, 24, 40], dtype=torch.int32)
     kw = dict(segment_lengths=[4, 16], dilation_rates=[1, 2], causal=True, cu_seqlens=docs)
     chunked = _run(dilated_attention, q, k, v, dout, **kw)
-    memory.SCRATCH_FLOOR = 1 << 62  # (restored by the fixture) whole again
+    forced(0.0, 1 << 62)  # (restored by the fixture) whole again
     whole = _run(dilated_attention, q, k, v, dout, **kw)
     for name, c, w in zip(("out", "dq", "dk", "dv"), chunked, whole):
         torch.testing.assert_close(c, w, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_set_memory_bound_moves_the_rule_and_checks_its_arguments():
-    default = (memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR)
+    default = memory.BOUND.key
     assert default == (memory.DEFAULT_SCRATCH_SHARE, memory.DEFAULT_SCRATCH_FLOOR)
     try:
         assert memory.set_memory_bound(0.0, 0) == default

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..caches import register
 from .base import TIMEOUT_ENV, CommBackend, PeerTimeoutError
 
 BACKEND_NAMES = ("collective", "fairscale", "deepspeed")
@@ -30,7 +31,8 @@ def get_backend(name: str, group: dist.ProcessGroup | None = None, *, timeout: f
     return backend(group, timeout=timeout, check_calls=check_calls, check_every=check_every)
 
 
-_by_name: dict[str, tuple[object, CommBackend]] = {}
+_by_name: dict[str, tuple[object, CommBackend]] = {}  # name -> (the process group set-up, its backend)
+register("comm.named_backends", _by_name.__len__)  # held: a name keeps its backend's agreed calls
 
 
 @atexit.register

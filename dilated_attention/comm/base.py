@@ -44,23 +44,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..caches import Table, capturing, register
+from ..caches import capturing, register
 from .stamps import STAMP_BYTES, WORDS, Ledger, Stamp, block_tail, handshake, verdict
 
-SCHEDULES_KEPT = 256  # configurations a backend remembers (a table that fills up starts over)
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # backends alive, for cache_info and clear_caches (weakly held)
-
-
-def _fullest_schedules() -> int:
-    return max((len(backend.schedules) for backend in list(_LIVE)), default=0)
-
-
-def _clear_schedules() -> None:
-    for backend in list(_LIVE):
-        backend.schedules.clear()
-
-
-register("comm.schedules", _fullest_schedules, SCHEDULES_KEPT, _clear_schedules)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # backends alive (weakly held), for ``live_backend``
+register("comm.live_backends", _LIVE.__len__)  # held weakly: each goes with its backend
 
 
 def live_backend(ident: int) -> "CommBackend | None":
@@ -240,11 +228,6 @@ class CommBackend(ABC):
         # Host-side timed waits cost a sync per exchange on GPUs: only when asked for, or on CPU (gloo).
         asked = timeout is not None or bool(os.environ.get(TIMEOUT_ENV))
         self.host_waits = asked or "nccl" not in str(dist.get_backend(self._group))
-        self.calls = 0  # calls made through this backend: names the call in timeout messages
-        self.agreed: set = set()  # call signatures every rank has agreed on (consistency.py)
-        # calls' (schedule, signature text), reused by functional._prepare: kept here, not in a module-level
-        # cache, so that they, and through them this process group, go with the backend
-        self.schedules = Table(SCHEDULES_KEPT)
         _LIVE.add(self)
         self.ledger = Ledger()  # stamps received (stamps.py)
 
@@ -306,9 +289,10 @@ class CommBackend(ABC):
         CPU tensors mismatches raise at once; on GPUs the agreement gathers this verdict every
         ``check_every`` calls, so call it where a mismatch must not wait for that."""
         device = self.collective_device(torch.empty(0))
-        what = f"after call {self.calls}: cross-rank check of the call stamps"
+        call = self.ledger.call
+        what = f"after call {call}: cross-rank check of the call stamps"
         counts = self.all_gather(self.ledger.pending(device), what).cpu().view(-1).tolist()
-        error = verdict(self, counts, device, what, f"verify() after call {self.calls}")
+        error = verdict(self, counts, device, what, f"verify() after call {call}")
         if error is not None:
             raise error
 

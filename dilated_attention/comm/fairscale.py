@@ -20,11 +20,13 @@ import warnings
 
 import torch.distributed as dist
 
+from ..caches import register
 from ..callers import user_stacklevel
 from .base import group_timeout, without_setup_prints
 from .collective import CollectiveBackend
 
-_announced = False  # say once per process that we initialised fairscale ourselves
+_announced: set[str] = set()  # said once per process: that we initialised fairscale ourselves
+register("fairscale.announced", _announced.__len__)  # held: once per process
 
 
 def _fairscale_mp():
@@ -37,15 +39,14 @@ def _fairscale_mp():
 
 def sequence_parallel_group() -> dist.ProcessGroup:
     """fairscale's model-parallel group, initialising model parallel over the world if needed."""
-    global _announced
     mp = _fairscale_mp()
     if not mp.model_parallel_is_initialized():
         world = dist.get_world_size()
         with without_setup_prints("> initializing "):  # fairscale's rank-0 lines; our warning below says it
             mp.initialize_model_parallel(world)
         _inherit_world_timeout(mp.get_model_parallel_group(), mp.get_data_parallel_group())
-        if not _announced:
-            _announced = True
+        if "initialised" not in _announced:
+            _announced.add("initialised")
             if dist.get_rank() == 0:  # every rank initialises; one message per job
                 warnings.warn(
                     f"comm='fairscale': fairscale model parallel was not initialised; initialised it with "

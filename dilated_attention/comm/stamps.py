@@ -177,6 +177,11 @@ class Ledger:
             self._templates[key] = made
         return made
 
+    @property
+    def call(self) -> int:
+        """The number of the call agreed last (``begin``)."""
+        return self._current[0]
+
     def begin(self, call: int, fp: int, text: str) -> None:
         """The call about to run has configuration ``text`` (fingerprint ``fp``)."""
         self._current = (call, fp)

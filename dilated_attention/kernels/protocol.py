@@ -42,7 +42,7 @@ drives it chunk by chunk on strided views. A kernel that changes another one
 * A *padding mask* is a ``key_mask`` of one form, on local patterns (``packed=False``): in each
   batch row, the excluded keys are the rows from some position on, and those rows are padding
   whose results the caller discards (packed documents and segment padding, which the library
-  makes itself: ``functional.py``). Every dilated view of such a mask keeps a prefix of its keys,
+  makes itself: ``batching.py``). Every dilated view of such a mask keeps a prefix of its keys,
   so a kernel can take it as per-view lengths. A kernel with ``key_masks = False`` may set
   ``padding_masks = True`` (optional, read as ``key_masks`` where absent) to take padding masks
   only; it may leave the padding rows' results (out, lse, gradients) unspecified.
@@ -55,10 +55,10 @@ drives it chunk by chunk on strided views. A kernel that changes another one
   the caller owns: the combine may write the call's result over a rate-1 part (``merge._reused``).
 * ``causal_block`` (optional, read as 0 where absent, so kernels written without it keep working): a
   kernel whose causal calls are slow on long squares sets it to ``b > 0``, and the strategy then splits a
-  causal square of more than ``ring.WHOLE_BLOCKS * b`` dilated rows into one causal call of its diagonal blocks
-  (at most ``b`` rows each) and
-  non-causal calls of the rectangles below them (``ring._causal_split``), each an ordinary call on views.
-  A wrapper without its own answers with its target's (``ring._split_block``).
+  causal square of more than ``causal_split.WHOLE_BLOCKS * b`` dilated rows into one causal call of its diagonal
+  blocks (at most ``b`` rows each) and non-causal calls of the rectangles below them (``causal_split.py``), each an
+  ordinary call on views. Strategies read it through ``causal_block(kernel, ...)``, which asks a wrapper
+  (``split_block``: its own ``causal_block``, else its target's for that pattern and direction).
 """
 
 from __future__ import annotations
@@ -151,6 +151,17 @@ class PatternKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This local pattern's ``(dq, dk, dv)`` in compact layout ``(B, L // r, heads, D)`` (kv heads for dk/dv),
         in the inputs' dtype; called only where ``parts("bwd", ...)`` said yes (others raise ``ValueError``)."""
+
+
+def causal_block(kernel, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
+    """The ``causal_block`` (module doc) of the kernel that runs ``plan``'s causal calls in ``direction``; 0: none.
+    A kernel's own where it sets one; else a kernel that routes calls (``wrapper.KernelWrapper``) answers
+    through ``split_block``."""
+    block = getattr(kernel, "causal_block", None)
+    if block is not None:
+        return block
+    routed = getattr(kernel, "split_block", None)
+    return routed(direction, plan, q, k) if routed is not None else 0
 
 
 def takes_padding_masks(kernel) -> bool:

@@ -9,7 +9,9 @@ A kernel that changes another one states only what it changes:
   around each call (the guard, the runtime audit);
 * or the methods themselves, where each needs its own handling (debug mode's checks, ``ChunkLoop``).
 
-``name``, ``key_masks``, ``padding_masks`` and ``deterministic_backward`` are ``inner``'s unless set otherwise.
+``name``, ``key_masks``, ``padding_masks`` and ``deterministic_backward`` are ``inner``'s unless set otherwise, and
+``split_block`` answers ``protocol.causal_block`` for a wrapper that sets no ``causal_block`` of its own with its
+target's: what a strategy asks of a kernel, it asks the wrapper, which never needs unwrapping.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from ..patterns import PatternPlan
-from .protocol import DIRECTION, PatternKernel, takes_padding_masks
+from .protocol import DIRECTION, PatternKernel, causal_block, takes_padding_masks
 
 
 class KernelWrapper:
@@ -39,6 +41,10 @@ class KernelWrapper:
                masked: bool) -> PatternKernel:
         """The kernel that runs this pattern in ``direction`` (``"fwd"``/``"bwd"``): ``inner``."""
         return self.inner
+
+    def split_block(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
+        """``protocol.causal_block`` of a wrapper without a ``causal_block`` of its own: its target's."""
+        return causal_block(self.target(direction, plan, True, q, k, False), direction, plan, q, k)
 
     def call(self, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run ``op`` on ``target``: ``args`` are the method's positional arguments (q, k, v, plan, ...)."""

@@ -38,7 +38,7 @@ def op_runs() -> Iterator[Counter]:
     """Counts, under ``"forward"`` and ``"backward"``, the runs of the compiled ops' bodies (``custom_ops``): a
     call that a cudagraph tree replays runs neither."""
     runs: Counter = Counter()
-    saved = {name: getattr(custom_ops._f, name) for name in ("forward", "backward")}
+    saved = {name: getattr(custom_ops, name) for name in ("forward", "backward")}
 
     def counted(name: str, fn: Callable) -> Callable:
         def run(*args, **kwargs):
@@ -47,12 +47,12 @@ def op_runs() -> Iterator[Counter]:
         return run
 
     for name, fn in saved.items():
-        setattr(custom_ops._f, name, counted(name, fn))
+        setattr(custom_ops, name, counted(name, fn))
     try:
         yield runs
     finally:
         for name, fn in saved.items():
-            setattr(custom_ops._f, name, fn)
+            setattr(custom_ops, name, fn)
 
 
 def eager_and_compiled(layer: Callable, compiled: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

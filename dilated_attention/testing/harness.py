@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import memory, ring
+from .. import causal_share, memory
 from ..comm import get_backend
 from ..comm.base import CommBackend
 from ..distributed import shard_indices
@@ -68,7 +68,7 @@ class Case:
     docs: tuple[int, ...] | None = None  # cu_seqlens over the global sequence (batch 1)
     shards: str = "contiguous"  # the shard layout (dilated_attention's layout=): which rows each rank holds
     head_chunks: bool = False  # run the heads in as many chunks as there are kv heads (memory.py's rule forced)
-    shared: bool = False  # causal rings share their cross blocks at any length (ring.SHARE_MIN_ROWS = 0)
+    shared: bool = False  # causal rings share their cross blocks at any length (causal_share.SHARE_MIN_ROWS = 0)
 
     @property
     def seq_len(self) -> int:
@@ -288,18 +288,19 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
         masks["key_padding_mask"] = masks["key_padding_mask"][:, rows].to(device)
     if "cu_seqlens" in masks:
         masks["cu_seqlens"] = masks["cu_seqlens"].to(device)
-    rule = memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR, ring.SHARE_MIN_ROWS
+    rule = memory.BOUND.key, causal_share.SHARE_MIN_ROWS
     if case.head_chunks:
-        memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR = 0.0, 0
+        memory.set_memory_bound(0.0, 0)
     if case.shared:
-        ring.SHARE_MIN_ROWS = 0
+        causal_share.SHARE_MIN_ROWS = 0
     try:
         out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode,
                                 causal=case.causal, comm=comm, kernel=case.kernel, strategy=case.strategy,
                                 layout=case.shards, **masks)
         grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
     finally:
-        memory.SCRATCH_SHARE, memory.SCRATCH_FLOOR, ring.SHARE_MIN_ROWS = rule
+        memory.set_memory_bound(*rule[0])
+        causal_share.SHARE_MIN_ROWS = rule[1]
     got = [t.detach().cpu() for t in (out, *grads)]
     errors = {n: rel_err(g, o[:, rows]) for n, g, o in zip(names, got, oracle)}
     ok = all(errors[n] <= tol[n] for n in names) and all(torch.isfinite(g).all().item() for g in got)
@@ -450,8 +451,8 @@ def drifts(world: int) -> list[Drift]:
     """Each case keeps every exchange the same size (so without stamps it is a silent wrong result). Not mode
     under hybrid: there grouped mode leaves a lane without the ring longnet runs, so a peer waits (a timeout).
     (The causal flag keeps them the same here, with one kv head: long causal rings share their cross blocks,
-    ``ring._Share``, and causal rings on compact rows whose ranks divide the heads run head-parallel,
-    ``ring._Swapped``, both with exchanges of their own, so ranks that drift between such a call and another
+    ``causal_share.Share``, and causal rings on compact rows whose ranks divide the heads run head-parallel,
+    ``ring_swaps.py``, both with exchanges of their own, so ranks that drift between such a call and another
     fail loudly, a gloo error or the process group's timeout, not with the stamps' ``ValueError``.)"""
     n, m = 16 * world, 24 * world
     base = {"segment_lengths": (8, n), "dilation_rates": (1, 2)}

@@ -101,3 +101,13 @@ def dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, mode="l
         mask = torch.cat([kpm[:, a:b], kpm.new_ones((kpm.shape[0], grow))], 1)
         pieces.append(_dense(*parts, *args, mask)[:, :n])
     return torch.cat(pieces, 1)
+
+
+def oracle_rows(q, k, v, dout, rank: int, world: int, segment_lengths, dilation_rates, **options):
+    """``[out, dq, dk, dv]`` of the oracle on the whole ``(B, N, H, D)`` inputs, each cut to rank ``rank``'s rows
+    of ``world`` contiguous shards: what a sequence-parallel call on that rank's shard must return."""
+    x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = dense_dilated_attention(*x, segment_lengths, dilation_rates, **options)
+    grads = torch.autograd.grad(out, x, dout)
+    rows = q.shape[1] // world
+    return [t[:, rank * rows:(rank + 1) * rows].detach() for t in (out, *grads)]

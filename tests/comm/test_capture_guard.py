@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dilated_attention import consistency, dilated_attention
 from dilated_attention.comm import base, get_backend
 from dilated_attention.testing.spawn import spawn_ranks
+from dilated_attention.planning import call_state
 
 WORLD = 2
 L = 16
@@ -54,14 +55,14 @@ def _scenarios(rank: int, world_size: int) -> dict:
         comm = get_backend("collective", group, check_every=1, timeout=30)
         comm.ledger.defer = True  # the device path of the stamps (a log and a periodic verdict), on CPU
         eager = dilated_attention(q, k, v, SEGS, RATES, comm=comm, strategy=strategy)
-        logged, calls, gathers = len(comm.ledger._expect), comm.calls, []
+        logged, calls, gathers = len(comm.ledger._expect), call_state(comm).calls, []
         gather = comm.all_gather
         comm.all_gather = lambda *a, **kw: gathers.append(1) or gather(*a, **kw)
         got, err = _captured(lambda: dilated_attention(q, k, v, SEGS, RATES, comm=comm, strategy=strategy))
         comm.all_gather = gather
         out[f"{strategy}-captured"] = {"error": err, "same": got is not None and torch.equal(got, eager),
                                        "new_log_rows": len(comm.ledger._expect) - logged, "gathers": len(gathers),
-                                       "calls": comm.calls - calls, "host_waits": comm.host_waits}
+                                       "calls": call_state(comm).calls - calls, "host_waits": comm.host_waits}
         out[f"{strategy}-after"] = torch.equal(dilated_attention(q, k, v, SEGS, RATES, comm=comm, strategy=strategy),
                                                eager)  # the next eager call still checks and matches
 

@@ -1,7 +1,7 @@
 """Calls with ``comm`` reuse their schedule and signature text (gloo ranks).
 
 Planning a call with ``comm`` costs host time a LongNet forward cannot hide, so a repeated call
-reuses it (``functional._prepare``). What the signature reads besides the schedule (grad mode,
+reuses it (``planning.prepare``). What the signature reads besides the schedule (grad mode,
 which inputs require grad) is part of the key: a call that differs there is planned and signed
 anew, so the cross-rank agreement still sees it. Each backend keeps its own table, so nothing
 of the library's holds a backend (and its process group) after the caller drops it.
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dilated_attention import dilated_attention, functional
+from dilated_attention import dilated_attention, planning
 from dilated_attention.comm import get_backend
 from dilated_attention.testing.spawn import spawn_ranks
 
@@ -29,9 +29,9 @@ def _scenarios(rank: int, world_size: int) -> dict:
     g = torch.Generator().manual_seed(700 + rank)
     q, k, v, dout = (torch.randn(1, L, 4, 8, generator=g, dtype=torch.float64) for _ in range(4))
     planned, texts = [], []
-    schedule, agree = functional._schedule, functional.agree
-    functional._schedule = lambda *a, **kw: planned.append(1) or schedule(*a, **kw)
-    functional.agree = lambda comm, text, *a: texts.append(text) or agree(comm, text, *a)
+    schedule, agree = planning.schedule, planning.agree
+    planning.schedule = lambda *a, **kw: planned.append(1) or schedule(*a, **kw)
+    planning.agree = lambda comm, state, text, *a: texts.append(text) or agree(comm, state, text, *a)
     out = {}
     try:
         for strategy in ("ring", "head"):
@@ -57,7 +57,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
             out[f"{strategy}-released"] = gone() is None
             gc.collect()
     finally:
-        functional._schedule, functional.agree = schedule, agree
+        planning.schedule, planning.agree = schedule, agree
     return out
 
 

@@ -1,5 +1,5 @@
 """Long causal squares split into one causal call of their diagonal blocks and non-causal rectangles
-(``ring._causal_split``, a kernel's ``causal_block``), forced on at small sizes (segments of 64 rows, blocks
+(``causal_split.py``, a kernel's ``causal_block``), forced on at small sizes (segments of 64 rows, blocks
 of 4), against the float64 oracle: forward and backward through the public API and the ring functions.
 
 Kernels: ``flash4`` on the float64 stand-in ``FakeFA4`` (``test_flash4.py``; the real one where it runs), the
@@ -25,7 +25,8 @@ from dilated_attention.kernels.cudnn import CudnnKernel
 from dilated_attention.kernels.flash4 import CAUSAL_BLOCK, Flash4Kernel
 from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.patterns import plan_patterns
-from dilated_attention.ring import WHOLE_BLOCKS, RingCall, RingLayout, _causal_split, ring_backward, ring_forward
+from dilated_attention.causal_split import WHOLE_BLOCKS, causal_split
+from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward
 from dilated_attention.testing.compare import as_layout, assert_within_rule
 from dilated_attention.testing.oracle import dense_dilated_attention
 
@@ -54,7 +55,7 @@ class Recorder(KernelWrapper):
 
 def expected(segs, rates, block, batch=1) -> dict[tuple[int, bool], int]:
     """The calls a causal pattern set splits into, per (segment rows, causal), written out independently of
-    ``_causal_split``: a square of ``M <= WHOLE_BLOCKS * block`` dilated rows whole; else blocks of
+    ``causal_split``: a square of ``M <= WHOLE_BLOCKS * block`` dilated rows whole; else blocks of
     ``b = M / 2^j`` dilated rows (the least ``j`` with ``b <= block``), one causal call of the diagonal, then one
     rectangle of ``t / 2`` rows for each span ``t = M, M/2, ..., 2b``. ``batch``: batch rows whose spans do not
     fold into one batch dim (one call per row where a piece has several spans)."""
@@ -84,7 +85,7 @@ def test_pieces_cover_the_causal_square_once(m, block, r):
     """Every (query, key) pair with key <= query in exactly one piece, no other pair in any; every causal
     piece at most ``block`` rows; one causal call and one rectangle per halving level."""
     (plan,) = plan_patterns([m * r], [r], seq_len=m * r, local_len=m * r, num_heads=r, num_kv_heads=r)
-    pieces = _causal_split(plan, block)
+    pieces = causal_split(plan, block)
     seen = torch.zeros(m, m, dtype=torch.int64)
     for p in pieces:
         assert p.plan.local_segment % r == 0 and p.plan.dilation == r
@@ -109,7 +110,7 @@ def test_no_split_where_the_rule_says_so(m, block):
     block: one call."""
     assert WHOLE_BLOCKS == 4
     (plan,) = plan_patterns([m], [1], seq_len=m, local_len=m, num_heads=2, num_kv_heads=2)
-    assert _causal_split(plan, block) == ()
+    assert causal_split(plan, block) == ()
 
 
 def test_causal_block_is_validated_and_chosen_per_instance():
@@ -256,7 +257,7 @@ class _OneRank:
 def test_ring_own_block_splits(fa4, kernel, dtype, bsz, layout, r):
     """A ring's causal own-block call (packed K/V) split like a local square: ``ring_forward``/``ring_backward``
     on a one-rank zigzag ring (a segment of two chunks, ring size 2, one member) against the float64 oracle.
-    At rate 2 the ring runs on compact rows (``ring._dense_view``: a dense square of ``N / 2`` rows, whose
+    At rate 2 the ring runs on compact rows (``ring_steps.dense_view``: a dense square of ``N / 2`` rows, whose
     query-side copies fold into the batch dim in every layout); at rate 1 on the caller's rows."""
     heads, kv_heads = 4, 2
     seed = seeded("causal-split-ring", kernel, dtype, bsz, layout)

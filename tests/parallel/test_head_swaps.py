@@ -3,8 +3,8 @@ the gradients going home one at a time.
 
 Spawned gloo ranks wrap ``CommBackend.all_to_all`` to see every all-to-all a head call starts: what it names,
 whether it carries the stamp, and how many received gradients of the same swap are still alive when the next
-one starts (the peak of a head call holds one). The harness (``tests/comm/test_backends.py``) checks the
-results of such calls against the float64 oracle.
+one starts (the peak of a head call holds one), and compare each call's rows and gradients with the float64
+oracle's on the whole sequence (kv heads split, and expanded to one per query head).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def _swaps(rank: int, world: int) -> dict:
     from dilated_attention import dilated_attention
     from dilated_attention.comm import get_backend
     from dilated_attention.comm.base import CommBackend
+    from dilated_attention.testing.oracle import oracle_rows
 
     comm = get_backend("collective")
     original = CommBackend.all_to_all
@@ -39,24 +40,30 @@ def _swaps(rank: int, world: int) -> dict:
                 received.extend(weakref.ref(g) for g in got)
             return got, pending
 
-        gen = torch.Generator().manual_seed(10 * rank + heads)
-        q = torch.randn(1, 16, heads, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-        k, v = (torch.randn(1, 16, kv_heads, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-                for _ in range(2))
+        gen = torch.Generator().manual_seed(heads)  # the whole sequence, the same on every rank
+        n, segs, rates = 16 * world, [8, 16 * world], [1, 2]
+        full = [torch.randn(1, n, h, 8, generator=gen, dtype=torch.float64) for h in (heads, kv_heads, kv_heads, heads)]
+        q, k, v, dout = (t[:, rank * 16:(rank + 1) * 16] for t in full)
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
         CommBackend.all_to_all = tracking
         try:
-            out = dilated_attention(q, k, v, [8, 16 * world], [1, 2], comm=comm, strategy="head")
-            out.backward(torch.randn(out.shape, generator=gen, dtype=out.dtype))
+            out = dilated_attention(*x, segs, rates, comm=comm, strategy="head", causal=True)
+            out.backward(dout)
         finally:
             CommBackend.all_to_all = original
-        results[f"{heads}/{kv_heads}"] = started
+        want = oracle_rows(*full, rank, world, segs, rates, causal=True)
+        got = [out.detach(), *(t.grad for t in x)]
+        results[f"{heads}/{kv_heads}"] = {"started": started, "close": [
+            torch.allclose(a, b, rtol=1e-10, atol=1e-10) for a, b in zip(got, want)]}
     return results
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_all_to_all_per_tensor_and_gradients_home_one_at_a_time(world):
-    for res in spawn_ranks(_swaps, world):
-        for name, started in res.items():
+    for rank, res in enumerate(spawn_ranks(_swaps, world)):
+        for name, r in res.items():
+            assert r["close"] == [True] * 4, (world, rank, name, "out, dq, dk, dv against the oracle", r["close"])
+            started = r["started"]
             what = [w for w, _, _, _ in started]
             assert what == ["sequence-to-heads all-to-all"] * 3 + ["heads-to-sequence all-to-all"] + \
                 ["backward of heads-to-sequence all-to-all"] + [f"{HOME} all-to-all"] * 3, (name, what)

@@ -1,11 +1,12 @@
-"""Causal rings on contiguous blocks share their cross blocks (``ring._Share``).
+"""Causal rings on contiguous blocks share their cross blocks (``causal_share.py``).
 
 Without sharing, ring position ``p`` computes ``p`` earlier blocks whole and the last rank does all the cross
 work. Shared, each rank computes the first half of its rows against earlier blocks and the second half of every
 later rank's rows against its own K/V. The schedule's balance is checked without ranks; spawned gloo ranks run
 causal cases (full attention, key padding, GQA, LongNet's compact rings) with sharing on and off against the float64
 oracle, and count the exchanges that carry the shared rows (sharing forced at these short lengths:
-``ring.SHARE_MIN_ROWS``, ``ring.SHARE_MIN_COMPACT_ROWS``). The harness battery in ``tests/comm/test_backends.py`` runs shared rings at
+``causal_share.SHARE_MIN_ROWS``, ``causal_share.SHARE_MIN_COMPACT_ROWS``).
+The harness battery in ``tests/comm/test_backends.py`` runs shared rings at
 ``K = 2..4`` on every backend, bitwise across them.
 """
 
@@ -14,9 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilated_attention import ring
+from dilated_attention import causal_share, ring_swaps
 from dilated_attention.patterns import plan_patterns
-from dilated_attention.ring import RingLayout, _half_calls, _share, _step_calls
+from dilated_attention.causal_share import plan_share
+from dilated_attention.ring_steps import RingLayout, dense_view, half_calls, step_calls
 from dilated_attention.testing.spawn import spawn_ranks
 
 
@@ -27,20 +29,20 @@ def _work(calls) -> float:
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 def test_shared_causal_ring_is_balanced(world, monkeypatch):
-    monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 0)
-    monkeypatch.setattr(ring, "SHARE_MAX_RANKS", world)
+    monkeypatch.setattr(causal_share, "SHARE_MIN_ROWS", 0)
+    monkeypatch.setattr(causal_share, "SHARE_MAX_RANKS", world)
     local = 16
     (plan,) = plan_patterns([local * world], [1], seq_len=local * world, local_len=local, num_heads=2, num_kv_heads=2)
     members = tuple(range(world))
     work, unshared = [], []
     for rank in range(world):
-        share = _share(plan, RingLayout(), True, members, rank, local)
+        share = plan_share(plan, RingLayout(), True, members, rank, local)
         assert share is not None and share.half == local // 2
         assert share.helpers == members[:rank] and share.guests == members[rank + 1:]
-        steps = [_step_calls(plan, RingLayout(), rank, src, world, local, True, True) for src in range(world)]
-        helping = len(share.guests) * _work(_half_calls(plan, rank, local))
+        steps = [step_calls(plan, RingLayout(), rank, src, world, local, True, True) for src in range(world)]
+        helping = len(share.guests) * _work(half_calls(plan, rank, local))
         work.append(sum(_work(s) for s in steps) + helping)
-        unshared.append(sum(_work(_step_calls(plan, RingLayout(), rank, src, world, local, True))
+        unshared.append(sum(_work(step_calls(plan, RingLayout(), rank, src, world, local, True))
                             for src in range(world)))
     # its own causal block, then half a block for each other rank: the same on every rank
     assert work == [local * local / 2 + (world - 1) * local * local / 2] * world
@@ -51,21 +53,22 @@ def test_shared_causal_ring_is_balanced(world, monkeypatch):
 def test_share_applies_to_long_causal_contiguous_rings_on_the_callers_rows(monkeypatch):
     (plan,) = plan_patterns([64], [4], seq_len=64, local_len=32, num_heads=4, num_kv_heads=4)
     ranks = (0, 1)
-    monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 0)
-    assert _share(plan, RingLayout(), True, ranks, 1, 32) is not None
-    assert _share(plan, RingLayout(), False, ranks, 1, 32) is None  # non-causal rings are balanced already
-    assert _share(plan, RingLayout(zigzag=True), True, ranks, 1, 32) is None  # zigzag balances by its layout
-    assert _share(plan, RingLayout(), True, (1,), 1, 32) is None  # a ring of one rank
-    assert _share(plan, RingLayout(), True, tuple(range(ring.SHARE_MAX_RANKS + 1)), 1, 32) is None  # a long ring
-    assert _share(plan, RingLayout(), True, ranks, 1, 36) is None  # half a block is not whole dilated rows
-    monkeypatch.setattr(ring, "SHARE_MIN_ROWS", 64)
-    assert _share(plan, RingLayout(), True, ranks, 1, 32) is None  # a short block: not worth it
-    assert _share(plan, RingLayout(), True, ranks, 1, 64) is not None
+    monkeypatch.setattr(causal_share, "SHARE_MIN_ROWS", 0)
+    assert plan_share(plan, RingLayout(), True, ranks, 1, 32) is not None
+    assert plan_share(plan, RingLayout(), False, ranks, 1, 32) is None  # non-causal rings are balanced already
+    assert plan_share(plan, RingLayout(zigzag=True), True, ranks, 1, 32) is None  # zigzag balances by its layout
+    assert plan_share(plan, RingLayout(), True, (1,), 1, 32) is None  # a ring of one rank
+    long_ring = tuple(range(causal_share.SHARE_MAX_RANKS + 1))
+    assert plan_share(plan, RingLayout(), True, long_ring, 1, 32) is None  # a long ring
+    assert plan_share(plan, RingLayout(), True, ranks, 1, 36) is None  # half a block is not whole dilated rows
+    monkeypatch.setattr(causal_share, "SHARE_MIN_ROWS", 64)
+    assert plan_share(plan, RingLayout(), True, ranks, 1, 32) is None  # a short block: not worth it
+    assert plan_share(plan, RingLayout(), True, ranks, 1, 64) is not None
     # LongNet's compact rows: their own length, read on the dense view (whole rows at any even count)
-    dense = ring._dense_view(plan)
-    monkeypatch.setattr(ring, "SHARE_MIN_COMPACT_ROWS", 10)
-    assert _share(dense, RingLayout(), True, ranks, 1, 10, compact=True) is not None
-    assert _share(dense, RingLayout(), True, ranks, 1, 8, compact=True) is None
+    dense = dense_view(plan)
+    monkeypatch.setattr(causal_share, "SHARE_MIN_COMPACT_ROWS", 10)
+    assert plan_share(dense, RingLayout(), True, ranks, 1, 10, compact=True) is not None
+    assert plan_share(dense, RingLayout(), True, ranks, 1, 8, compact=True) is None
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -82,20 +85,19 @@ def _worker(rank: int, world: int) -> dict:
              Case("longnet", world, (8, 16, n), (1, 2, 4), causal=True),  # compact rings
              Case("longnet-gqa", world, (8, n), (2, 4), causal=True, heads=8, kv_heads=2, dim=16)]
     res: dict = {}
-    kept = ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS, dict(ring.SWAP_COMPACT)
-    ring.SWAP_COMPACT[True] = False  # compact rings stay rings (tests/parallel/test_swapped_ring.py swaps them)
+    kept = causal_share.SHARE_MIN_ROWS, causal_share.SHARE_MIN_COMPACT_ROWS, ring_swaps.SWAPPED_RINGS
+    ring_swaps.SWAPPED_RINGS = "none"  # compact rings stay rings (tests/parallel/test_swapped_ring.py swaps them)
     try:
         with recorded_exchanges("shared cross blocks") as shared:
             for on in (True, False):
-                ring.SHARE_MIN_ROWS = ring.SHARE_MIN_COMPACT_ROWS = 0 if on else 1 << 30
+                causal_share.SHARE_MIN_ROWS = causal_share.SHARE_MIN_COMPACT_ROWS = 0 if on else 1 << 30
                 for i, case in enumerate(cases):
                     before = len(shared)
                     got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 900 + i)
                     res[f"{case.name}-{'shared' if on else 'unshared'}"] = (got.ok, got.message,
                                                                             len(shared) - before)
     finally:
-        ring.SHARE_MIN_ROWS, ring.SHARE_MIN_COMPACT_ROWS = kept[:2]
-        ring.SWAP_COMPACT.update(kept[2])
+        causal_share.SHARE_MIN_ROWS, causal_share.SHARE_MIN_COMPACT_ROWS, ring_swaps.SWAPPED_RINGS = kept
     return res
 
 

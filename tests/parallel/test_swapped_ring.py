@@ -1,4 +1,4 @@
-"""Rings on compact rows run head-parallel where their ranks divide the heads (``ring._Swapped``).
+"""Rings on compact rows run head-parallel where their ranks divide the heads (``ring_swaps.py``).
 
 A spanning dilated pattern (every LongNet pattern longer than a rank's block) is dense attention on its compact
 rows. Where the ring's ``G`` ranks divide the query and kv heads, one all-to-all gives each rank the whole
@@ -14,52 +14,53 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilated_attention import ring
+from dilated_attention import ring, ring_swaps
+from dilated_attention.ring_steps import RingCall, RingLayout, dense_ring
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.spawn import spawn_ranks
 
 
 class _Fake:
-    """What ``_swap_members`` reads of a backend."""
+    """What ``swap_members`` reads of a backend."""
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world_size = rank, world
 
 
-def _call(causal: bool, world: int, rank: int, layout: ring.RingLayout = ring.RingLayout()) -> ring.RingCall:
-    return ring.RingCall((), _Fake(rank, world), layout, 0, None, causal, 1.0)
+def _call(causal: bool, world: int, rank: int, layout: RingLayout = RingLayout()) -> RingCall:
+    return RingCall((), _Fake(rank, world), layout, 0, None, causal, 1.0)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_swap_applies_to_compact_rings_whose_ranks_divide_the_heads(causal, monkeypatch):
     q, k = torch.empty(1, 16, 4, 8), torch.empty(1, 16, 2, 8)
     (local, spanning) = plan_patterns([16, 32], [1, 2], seq_len=32, local_len=16, num_heads=4, num_kv_heads=2)
-    assert (ring._swap_members(spanning, False, _call(causal, 2, 1), q, k) is not None) == causal  # the default
-    monkeypatch.setitem(ring.SWAP_COMPACT, causal, True)
-    assert ring._swap_members(spanning, False, _call(causal, 2, 1), q, k) == (0, 1)
-    assert ring._swap_members(local, False, _call(causal, 2, 1), q, k) is None  # a local pattern
-    assert ring._swap_members(spanning, True, _call(causal, 2, 1), q, k) is None  # a key mask: the ring
-    assert ring._swap_members(spanning, False, _call(causal, 2, 1, ring.RingLayout(zigzag=True)), q, k) is None
+    assert (ring_swaps.swap_members(spanning, False, _call(causal, 2, 1), q, k) is not None) == causal  # the default
+    monkeypatch.setattr(ring_swaps, "SWAPPED_RINGS", "all")
+    assert ring_swaps.swap_members(spanning, False, _call(causal, 2, 1), q, k) == (0, 1)
+    assert ring_swaps.swap_members(local, False, _call(causal, 2, 1), q, k) is None  # a local pattern
+    assert ring_swaps.swap_members(spanning, True, _call(causal, 2, 1), q, k) is None  # a key mask: the ring
+    assert ring_swaps.swap_members(spanning, False, _call(causal, 2, 1, RingLayout(zigzag=True)), q, k) is None
     (odd,) = plan_patterns([48], [2], seq_len=48, local_len=16, num_heads=4, num_kv_heads=2)
-    assert ring._swap_members(odd, False, _call(causal, 3, 0), q, k) is None  # 3 ranks do not divide 4 heads
+    assert ring_swaps.swap_members(odd, False, _call(causal, 3, 0), q, k) is None  # 3 ranks do not divide 4 heads
     (full,) = plan_patterns([32], [1], seq_len=32, local_len=16, num_heads=4, num_kv_heads=2)
-    assert ring._swap_members(full, False, _call(causal, 2, 0), q, k) is None  # rate 1: the caller's rows
+    assert ring_swaps.swap_members(full, False, _call(causal, 2, 0), q, k) is None  # rate 1: the caller's rows
     # grouped mode: heads 3-5 only, reading both kv heads, whose other query heads it does not read
     grouped = plan_patterns([8, 32, 32], [1, 2, 4], seq_len=32, local_len=16, num_heads=8, num_kv_heads=2,
                             mode="grouped")[1]
     q8 = torch.empty(1, 16, 8, 8)
-    assert ring._dense_ring(grouped, False, ring.RingLayout(), q8, k) is not None
-    assert ring._swap_members(grouped, False, _call(causal, 2, 0), q8, k) is None
+    assert dense_ring(grouped, False, RingLayout(), q8, k) is not None
+    assert ring_swaps.swap_members(grouped, False, _call(causal, 2, 0), q8, k) is None
 
 
 def test_swapped_patterns_run_where_the_schedule_says(monkeypatch):
-    monkeypatch.setattr(ring, "SWAP_AFTER", 1)
+    monkeypatch.setattr(ring_swaps, "SWAP_AFTER", 1)
     swaps = {2: None}
-    assert ring._swap_order(3, swaps) == [0, 2, 1]
-    assert ring._swap_order(3, swaps, [1, 0, 2]) == [1, 2, 0]
-    assert ring._swap_order(1, {0: None}) == [0]
-    monkeypatch.setattr(ring, "SWAP_AFTER", 1 << 30)
-    assert ring._swap_order(3, {0: None}) == [1, 2, 0]
+    assert ring_swaps.swap_order(3, swaps) == [0, 2, 1]
+    assert ring_swaps.swap_order(3, swaps, [1, 0, 2]) == [1, 2, 0]
+    assert ring_swaps.swap_order(1, {0: None}) == [0]
+    monkeypatch.setattr(ring_swaps, "SWAP_AFTER", 1 << 30)
+    assert ring_swaps.swap_order(3, {0: None}) == [1, 2, 0]
 
 
 def _schedules(rank: int, world: int) -> dict:
@@ -72,21 +73,21 @@ def _schedules(rank: int, world: int) -> dict:
     comm = get_backend("collective")
     gen = torch.Generator().manual_seed(rank)
     q, k, v, dout = (torch.randn(2, 16, 4, 8, generator=gen, dtype=torch.float64) for _ in range(4))
-    results, kept, computed = [], (ring.SWAP_AFTER, ring._at_turn), []
-    original = ring._swap_forward
-    ring._swap_forward = lambda swap: (computed.append(swap.plan.index), original(swap))[1]
+    results, kept, computed = [], (ring_swaps.SWAP_AFTER, ring_swaps.at_turn), []
+    original = ring.swap_forward
+    ring.swap_forward = lambda swap: (computed.append(swap.plan.index), original(swap))[1]
     try:
         for after in (0, 1, 1 << 30):
             for at_turn in (False, True):
-                ring.SWAP_AFTER, ring._at_turn = after, lambda sides, at_turn=at_turn: at_turn
+                ring_swaps.SWAP_AFTER, ring_swaps.at_turn = after, lambda sides, at_turn=at_turn: at_turn
                 x = [t.clone().requires_grad_() for t in (q, k, v)]
                 out = dilated_attention(*x, [8, 16, 16 * world], [1, 1, 2], causal=True, comm=comm,
                                         strategy="ring")
                 out.backward(dout)
                 results.append([out.detach(), *(t.grad for t in x)])
     finally:
-        ring._swap_forward = original
-        ring.SWAP_AFTER, ring._at_turn = kept
+        ring.swap_forward = original
+        ring_swaps.SWAP_AFTER, ring_swaps.at_turn = kept
     return {"equal": all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r)),
             "swapped": computed}
 
@@ -117,11 +118,11 @@ def _worker(rank: int, world: int) -> dict:
     if world == 4:  # a pattern spanning 2 of the 4 ranks beside one spanning all 4
         cases.append(Case("two-rings", world, (8, 32, n), (1, 2, 4), causal=True))
     res: dict = {}
-    kept = dict(ring.SWAP_COMPACT)
+    kept = ring_swaps.SWAPPED_RINGS
     try:
         with recorded_exchanges("head swap", packed) as swapped:
             for on in (True, False):
-                ring.SWAP_COMPACT.update({False: on, True: on})
+                ring_swaps.SWAPPED_RINGS = "all" if on else "none"
                 for i, case in enumerate(cases):
                     before = len(swapped)
                     got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 950 + i)
@@ -136,7 +137,7 @@ def _worker(rank: int, world: int) -> dict:
                     res[f"{case.name}, swap {'on' if on else 'off'}"] = (got.ok, got.message,
                                                                          len(swapped) - before, 4 * chunks * swaps)
     finally:
-        ring.SWAP_COMPACT.update(kept)
+        ring_swaps.SWAPPED_RINGS = kept
     return res
 
 
@@ -159,7 +160,7 @@ def test_travelling_results_are_awaited_once_the_next_pattern_is_issued():
         def land(self):
             landed.append(self.name)
 
-    travelling, a, b = ring._Travelling(), Swap("a"), Swap("b")
+    travelling, a, b = ring_swaps.Travelling(), Swap("a"), Swap("b")
     for swap in (None, a, b):  # a pattern, then two swaps: nothing awaited yet
         travelling.turn(swap)
     assert landed == []

@@ -14,7 +14,7 @@ import torch
 from dilated_attention import DilatedAttention, dilated_attention
 from dilated_attention.distributed import shard_indices, shard_sequence
 from dilated_attention.patterns import plan_patterns
-from dilated_attention.ring import RingLayout, _step_calls
+from dilated_attention.ring_steps import RingLayout, dense_ring, step_calls
 from dilated_attention.testing.harness import zigzag_cases
 from dilated_attention.testing.spawn import spawn_ranks
 
@@ -119,13 +119,13 @@ def test_full_causal_ring_is_balanced(world):
     layout = RingLayout(zigzag=True)
     for rank in range(world):
         assert layout.members(rank, plan.ring_size, world) == tuple(range(world))
-        steps = [_step_calls(plan, layout, rank, src, world, local, True) for src in range(world)]
+        steps = [step_calls(plan, layout, rank, src, world, local, True) for src in range(world)]
         assert _work(steps[rank], local) == local * local / 2  # its own block: one causal call
         assert len(steps[rank]) == 1 and steps[rank][0].causal
         for src in range(world):
             if src != rank:
                 assert _work(steps[src], local) == local * local / 2
-    contiguous = [sum(_work(_step_calls(plan.with_local_segment(local), RingLayout(), rank, src, world, local, True),
+    contiguous = [sum(_work(step_calls(plan.with_local_segment(local), RingLayout(), rank, src, world, local, True),
                             local) for src in range(world)) for rank in range(world)]
     assert contiguous[-1] > contiguous[0]  # what zigzag fixes
 
@@ -201,7 +201,7 @@ def _ring_order_worker(rank: int, world: int) -> dict:
     finally:
         ring.RING_AFTER = kept
     plans = plan_patterns([8, 16, 64], [1, 2, 4], seq_len=64, local_len=32, num_heads=4, num_kv_heads=4)
-    return {"compact_rings": sum(ring._dense_ring(p, False, RingLayout(), q, k) is not None for p in plans),
+    return {"compact_rings": sum(dense_ring(p, False, RingLayout(), q, k) is not None for p in plans),
             "equal": all(torch.equal(a, b) for (at, c), got in grads.items()
                          for a, b in zip(got, grads[(1 << 30, c)])),
             "nonzero": all(bool(t.abs().sum() > 0) for got in grads.values() for t in got)}

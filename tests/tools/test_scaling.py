@@ -14,7 +14,7 @@ import bench_scaling  # noqa: E402
 import gpu_tag  # noqa: E402
 import plot_scaling  # noqa: E402
 
-from dilated_attention.cost_model import validate  # noqa: E402
+from cost_model_lib import validate  # noqa: E402
 from dilated_attention.testing.spawn import run_torchrun  # noqa: E402
 
 RECORD_KEYS = {"impl", "strategy", "config", "causal", "gpus", "tokens_per_gpu", "layout", "ms", "efficiency",

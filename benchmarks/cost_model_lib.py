@@ -40,9 +40,9 @@ streams (compute, communication) and a host thread (``_Timeline``):
   the transfer ends, and work it then issues to an idle GPU starts ``dispatch_us`` later. A
   scaling JSON says which mode it measured (``meta.waits``; files without it were host-timed).
 - **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
-  the zigzag order, and on rings of full rows of at least ``ring.SHARE_MIN_ROWS`` and at most
-  ``ring.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half
-  a block; causal dilated rings whose ranks divide the heads run head-parallel, ``ring._Swapped``: the
+  the zigzag order, and on rings of full rows of at least ``causal_share.SHARE_MIN_ROWS`` and at most
+  ``causal_share.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half
+  a block; causal dilated rings whose ranks divide the heads run head-parallel, ``ring_swaps.py``: the
   segment's compact rows of ``1/G`` of the heads gathered by one all-to-all, computed whole, sent home),
   head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
   heads), hybrid (all-to-all inside teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
@@ -67,8 +67,9 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from .patterns import hybrid_team_size, longnet_offsets
-from .ring import SHARE_MAX_RANKS, SHARE_MIN_ROWS, SWAP_COMPACT
+from dilated_attention.causal_share import SHARE_MAX_RANKS, SHARE_MIN_ROWS
+from dilated_attention.patterns import hybrid_team_size, longnet_offsets
+from dilated_attention.ring_swaps import swaps_rings
 
 STRATEGIES = ("ring", "head", "hybrid")
 LONGNET_SEGMENTS = (2048, 8192, 32768, 131072)  # followed by N itself
@@ -367,7 +368,7 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
         heads_range = (lay.head0, lay.head0 + lay.heads)
         pairs = packed_pairs(p.heads, p.hkv, r, heads_range)
         if swap[p.causal] and r > 1 and not balanced and pairs == lay.kv_heads \
-                and lay.heads % g == 0 and lay.kv_heads % g == 0:  # ring._swap_members
+                and lay.heads % g == 0 and lay.kv_heads % g == 0:  # ring_swaps.swap_members
             _swapped(tl, p, lay, hw, direction, g, m)
             continue
         half = b * m * pairs * d  # elements of K (or V) of a block
@@ -376,7 +377,7 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
         block_flops = pattern_flops(m, m, 1, heads=lay.heads, head_dim=d, batch=b)
         tl.run(pass_ms(2 * half * 2 * e, 2 * runs, hw))  # pack_kv: read + write both halves
         pos = g - 1  # the last rank of the ring: sees every earlier block when causal
-        shared = share_rows is not None and r == 1 and lay.rows >= share_rows and g <= SHARE_MAX_RANKS  # ring._share
+        shared = share_rows is not None and r == 1 and lay.rows >= share_rows and g <= SHARE_MAX_RANKS  # causal_share.plan_share
         seen, grads_end = 0, None
         for step in range(g):
             kv_end = tl.send(transfer_ms(2 * half * e, link, hw)) if step < g - 1 else None
@@ -412,7 +413,7 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
 
 
 def _swapped(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, g: int, m: float) -> None:
-    """A ring pattern run head-parallel (``ring._Swapped``) on ``g`` ranks of ``m`` compact rows each: its compact
+    """A ring pattern run head-parallel (``ring_swaps.py``) on ``g`` ranks of ``m`` compact rows each: its compact
     q, k, v (backward: and out, dO) packed and sent, the whole segment computed for ``1/g`` of the heads, the
     results packed and sent home (lse left out: ``1/D`` of a tensor)."""
     d, e, b = p.head_dim, p.dtype_bytes, p.batch
@@ -443,7 +444,7 @@ def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = 
     """(ms, compute-stream busy ms) of one forward+backward on the slowest rank: all-to-all inside
     teams of ``team`` ranks (1: none), then every pattern locally or as a ring across teams."""
     tl = _Timeline(hw, host_waits)
-    swap = (SWAP_COMPACT[False], SWAP_COMPACT[True]) if swap is None else swap
+    swap = (swaps_rings(False), swaps_rings(True)) if swap is None else swap
     local = p.tokens / gpus
     hl, hk = p.heads // team, _local_kv_heads(p, team)
     lay = _Layout(local * team, hl, hk, head0=(team - 1) * hl, stride=team)  # last lane of the last team
@@ -467,7 +468,7 @@ def single_gpu_ms(p: Problem, hw: Hardware) -> float:
 
 
 def hybrid_team(gpus: int, heads: int, hw: Hardware) -> int | None:
-    """The hybrid's all-to-all team size, as ``functional._team_size`` picks it: a node when
+    """The hybrid's all-to-all team size, as ``planning.team_size`` picks it: a node when
     the job spans nodes and a node's GPUs divide the heads, else the largest proper divisor
     of ``gpus`` that divides the heads; None when there is none (then it is not a hybrid)."""
     return hybrid_team_size(gpus, heads, hw.gpus_per_node)
@@ -485,10 +486,10 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = H200,
     """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
 
     ``balanced``: causal rings in zigzag order (``layout="zigzag"``: every step half a block).
-    ``share_rows``: causal rings on full rows of at least this many share their cross blocks (``ring._Share``;
+    ``share_rows``: causal rings on full rows of at least this many share their cross blocks (``causal_share.Share``;
     ``None``: none do, the code before sharing).
     ``swap``: (non-causal, causal) whether dilated rings whose ranks divide the heads run head-parallel
-    (``ring._Swapped``); ``None``: as ``ring.SWAP_COMPACT`` says.
+    (``ring_swaps.py``); ``None``: as ``ring_swaps.SWAPPED_RINGS`` says.
     ``host_waits``: every exchange waited for on the host; default stream-ordered (module doc).
     """
     if strategy not in STRATEGIES:
@@ -674,13 +675,13 @@ def file_host_waits(meta: dict) -> bool:
 
 
 def file_share_rows(meta: dict) -> int | None:
-    """The ``ring.SHARE_MIN_ROWS`` a scaling JSON was measured with (``meta.share_min_rows``); files without it
+    """The ``causal_share.SHARE_MIN_ROWS`` a scaling JSON was measured with (``meta.share_min_rows``); files without it
     were measured before causal rings shared their cross blocks: ``None``."""
     return meta.get("share_min_rows")
 
 
 def file_swap(meta: dict) -> tuple[bool, bool]:
-    """The ``ring.SWAP_COMPACT`` (non-causal, causal) a scaling JSON was measured with (``meta.swap_compact``);
+    """The ``ring_swaps.SWAPPED_RINGS`` (non-causal, causal) a scaling JSON was measured with (``meta.swap_compact``);
     files without it were measured before dilated rings ran head-parallel: neither."""
     return tuple(meta.get("swap_compact", (False, False)))
 

@@ -1,0 +1,352 @@
+"""Planning: a call's schedule, decided before touching data, and agreed across ranks once per configuration.
+
+``schedule`` validates a call (``validation.py``) and decides everything but the data: the strategy's team size
+``A`` (``"ring"`` is ``A = 1``, ``"head"`` is ``A = P``, ``"hybrid"`` in between, ``"auto"`` what
+``strategy.py`` measured fastest), how heads are dealt over a team (``head_parallel.HeadSplit``), the pattern
+plans (of the rings across teams, or of the whole sequence's batches: ``batching.py``), the kernel, and the
+head chunks that bound its memory (``memory.py``). ``prepare`` adds, with ``comm``, the call's number and the
+cross-rank agreement (``consistency.agree``); a repeated call reuses its schedule (``schedule_key``) and its
+signature's text. What it keeps per backend is ``CallState``.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+import zlib
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from . import caches, hooks, memory, misuse
+from .batching import Batch, pads, whole_batches
+from .caches import typed
+from .comm.base import CommBackend
+from .consistency import agree, call_signature, signature_text
+from .head_parallel import HeadSplit, HeadSwap
+from .kernels.dispatch import select_kernel
+from .kernels.guard import guard_kernel
+from .kernels.protocol import PatternKernel
+from .memory import HeadRange, head_ranges, own_bytes, scratch_bytes
+from .patterns import PatternPlan, hybrid_team_size, plan_patterns, zigzag_half
+from .ring import leaves_part
+from .ring_steps import RingCall, RingLayout
+from .strategy import auto_team_size, pattern_spans
+from .validation import check_cu_seqlens, check_flags, check_key_padding_mask, check_scale, check_tensors
+from .views import layout_key
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What a call decided before touching data: strategy, plans and kernel, for forward and backward."""
+
+    backend: CommBackend | None
+    strategy: str
+    team: int  # ranks that swap sequence for heads (1: no swap)
+    split: HeadSplit
+    batches: tuple[Batch, ...] | None  # the whole sequence on this rank (team == world)
+    plans: tuple[tuple[PatternPlan, ...], ...] | None  # else this rank's block of rings across teams (per head range)
+    docs: tuple[int, ...] | None
+    kernel: PatternKernel | None  # None when planned for shapes only
+    causal: bool
+    scale: float
+    zigzag: bool = False  # the shards are in the zigzag layout (ring.RingLayout), over more than one rank
+    heads: tuple[HeadRange, ...] = ()  # the head chunks run one after another (``memory.py``); () = all at once
+
+    def rings(self, call: int, batch: Batch | None = None) -> tuple[RingCall, ...]:
+        """Per head range: rings across teams, or (a whole-sequence ``batch``) every pattern local."""
+        if batch is not None:
+            return tuple(RingCall(p, None, RingLayout(), 0, self.kernel, self.causal, self.scale)
+                         for p in batch.plans)
+        return tuple(RingCall(p, self.backend, RingLayout(self.team, self.zigzag), call, self.kernel, self.causal,
+                              self.scale) for p in self.plans)
+
+    def chunk(self, i: int) -> Schedule:
+        """Head chunk ``i`` alone, on tensors holding only its heads (a head strategy's chunked swap)."""
+        batches = None if self.batches is None else tuple(replace(b, plans=(b.plans[i],)) for b in self.batches)
+        plans = None if self.plans is None else (self.plans[i],)
+        return replace(self, batches=batches, plans=plans, heads=())
+
+    def swap(self, call: int) -> HeadSwap:
+        first = self.backend.rank - self.backend.rank % self.team
+        return HeadSwap(self.backend, tuple(range(first, first + self.team)), self.split,
+                        f"call {call}, strategy {self.strategy!r} (team of {self.team})", call, self.zigzag)
+
+
+
+
+def team_size(strategy: str, world: int, heads: int, auto: Callable[[], int]) -> int:
+    """Ranks that swap sequence for heads (``A``): 1 for ``"ring"``, the world for ``"head"``, ``auto()``
+    (``strategy.py``: what the scaling benchmark measured fastest) for ``"auto"``. ``hybrid``: a2a
+    inside a node (``LOCAL_WORLD_SIZE`` ranks) and the ring across nodes when that divides the heads,
+    else the largest proper divisor of the world that divides the heads.
+    """
+    if strategy == "ring" or world == 1:
+        return 1
+    if strategy == "head":
+        return world
+    if strategy == "auto":
+        return auto()
+    team = hybrid_team_size(world, heads, local_world())
+    if team is None:
+        raise ValueError(f'strategy="hybrid" needs a team size that divides both the world size ({world}) and the '
+                         f"number of query heads ({heads}); none exists")
+    return team
+
+
+@caches.memoize("planning.gpu_model", 16)  # asked per call with comm; a process sees few devices
+def gpu_model(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+
+
+def ring_plans(segment_lengths, dilation_rates, n: int, local: int, heads: int, kv_heads: int, layout: str) -> bool:
+    """Whether the patterns tile shards of ``local`` rows so that rings can run them (else only
+    head-parallel, which holds the whole sequence, pads and runs documents)."""
+    try:
+        plan_patterns(segment_lengths, dilation_rates, seq_len=n, local_len=local, num_heads=heads,
+                      num_kv_heads=kv_heads, layout=layout)
+    except ValueError:
+        return False
+    return True
+
+
+
+def schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend | None, mode, causal,
+              softmax_scale, key_padding_mask, cu_seqlens, pad_to_segments, head_offsets, strategy, kernel,
+              layout: str = "contiguous", shapes_only: bool = False, record: bool = True) -> Schedule:
+    """Validate a call and decide everything but the data: raises ``ValueError``/``TypeError``.
+
+    ``shapes_only``: what output shapes need, from shapes alone (no ``cu_seqlens`` values, no kernel):
+    a custom op's fake implementation. ``record``: kernel hooks may record the call (once per call, not
+    again when a compiled backward plans it anew).
+    """
+    world = backend.world_size if backend is not None else 1
+    check_tensors(q, k, v)
+    check_flags(causal, pad_to_segments, strategy, layout)
+    scale = check_scale(softmax_scale, q.shape[-1], q.dtype)
+    bsz, local, heads, _ = q.shape
+    zigzag = layout == "zigzag" and world > 1  # on one rank the zigzag order is the natural one
+    if zigzag:
+        zigzag_half(local)
+    misuse.check_shape(q.shape, local * world, segment_lengths, dilation_rates, pad=pad_to_segments,
+                       documents=cu_seqlens is not None)
+    def auto() -> int:
+        spans, dense = pattern_spans(segment_lengths, dilation_rates, local * world, local)
+        whole = cu_seqlens is not None or not ring_plans(segment_lengths, dilation_rates, local * world, local,
+                                                          heads, k.shape[2], layout)
+        return auto_team_size(world, heads, k.shape[2], causal=causal, spans=spans, dense=dense,
+                              local_world=local_world(), layout=layout, whole_sequence=whole,
+                              gpu=gpu_model(q.device.index) if q.is_cuda else None)
+
+    team = team_size(strategy, world, heads, auto)
+    split = HeadSplit(heads, k.shape[2], team)
+    reason = split.check()
+    if reason is not None:
+        raise ValueError(f"strategy={strategy!r}: {reason}")
+    lane = backend.rank % team if backend is not None else 0
+    key_mask = check_key_padding_mask(key_padding_mask, q)
+    docs = check_cu_seqlens(cu_seqlens, q, local * world, read=not shapes_only)
+
+    def plan(length: int, local_len: int | None = None, shards: str = "contiguous", part: HeadRange | None = None
+             ) -> tuple[PatternPlan, ...]:
+        """The plans of this rank's local heads, or of the head range ``part`` of them."""
+        part = part or HeadRange(0, split.local_heads, 0, split.local_kv_heads)
+        return plan_patterns(
+            segment_lengths, dilation_rates, seq_len=length, local_len=local_len or length,
+            num_heads=part.h1 - part.h0, num_kv_heads=part.k1 - part.k0, mode=mode, head_offsets=head_offsets,
+            head_start=lane * split.local_heads + part.h0, total_heads=heads, layout=shards,
+        )
+
+    batches = plans = None
+    if team == world:  # the whole sequence on this rank: padding and documents are local matters
+        batches = whole_batches(segment_lengths, dilation_rates, local * world, docs, pad_to_segments, plan)
+    elif cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens with comm needs each rank to hold whole documents: strategy='head' (or "
+                         f"'auto' with the {heads} heads divisible by the {world} ranks); got "
+                         f"strategy={strategy!r} with a ring over {world // team} shards")
+    else:  # rings across teams; a team's rows are in the shards' layout (head_parallel.member_rows)
+        plans = (plan(local * world, local * team, layout),)
+    if backend is not None:
+        for name, t in (("q", q), ("k", k), ("v", v), ("key_padding_mask", key_mask)):
+            reason = backend.check_device(name, t) if t is not None else None
+            if reason is not None:
+                raise ValueError(reason)
+    chosen, ranges = None, ()
+    if not shapes_only:
+        masked = key_mask is not None or (batches is not None and any(pads(b, local * world) for b in batches))
+        # without a key_padding_mask, the only masks are the padding ``_run_mask`` adds
+        chosen = select_kernel(kernel, q, k, masked, padding_only=key_mask is None)
+        meta = {}
+        if hooks.active():  # none by default (debug mode, the runtime audit): one module-global check
+            options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+                           cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
+                           strategy=strategy, kernel=kernel, layout=layout)
+            call = hooks.Call(q, k, v, segment_lengths, dilation_rates, backend, options, record, meta)
+            chosen = hooks.apply_kernel_hooks(chosen, call)
+        chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
+        ranges = head_chunks(chosen, q, k, split, batches, plans, local * team, causal, masked)
+        if ranges:  # re-planned per head range
+            if batches is not None:
+                batches = tuple(replace(b, plans=tuple(plan(b.length, part=r) for r in ranges)) for b in batches)
+            else:
+                plans = tuple(plan(local * world, local * team, layout, r) for r in ranges)
+    return Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale, zigzag, ranges)
+
+
+def head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, rows: int, causal: bool,
+                 masked: bool) -> tuple[HeadRange, ...]:
+    """The head ranges a call runs in (``memory.py``'s rule, from its whole-heads plans); () for all at once."""
+    length = rows
+    if batches is not None:  # the largest batch: documents of one padded length run as batch rows
+        batch = max(batches, key=lambda b: b.length * (len(b.spans) if b.spans else 1))
+        plans, length, rows = batch.plans[0], batch.length, batch.length * (len(batch.spans) if batch.spans else 1)
+    else:
+        plans = plans[0]
+    rows *= q.shape[0]
+    shape = (split.local_heads, split.local_kv_heads, q.shape[-1], q.element_size())
+    own = own_bytes(rows, *shape)
+    # stand-ins for the tensors the attention reads (the head layout where a team swaps): their shapes, dtype, device
+    q, k = (x.new_empty(()).expand(1, length, heads, x.shape[-1]) for x, heads in ((q, shape[0]), (k, shape[1])))
+
+    def scratch() -> int:  # (asked only of calls long enough to chunk: it asks the kernel about every pattern)
+        attend = scratch_bytes(plans, lambda p: leaves_part(kernel, causal, "bwd", p, q, k, masked), rows, *shape,
+                               causal=causal)
+        # the head strategy's swaps: the head-layout q, k, v, out, dout and gradients, own bytes' worth
+        return attend + (own if split.team > 1 else 0)
+
+    ranges = head_ranges(scratch, own, split.local_heads, split.local_kv_heads)
+    return ranges if len(ranges) > 1 else ()
+
+
+SCHEDULES = caches.table("planning.schedules", 256)
+# environment the kernel choice reads (auto's nondeterministic entries; the fused kernel on CPU tensors)
+KERNEL_CHOICE_ENV = ("DILATED_ATTENTION_NONDETERMINISTIC", "TRITON_INTERPRET")
+
+
+SCHEDULES_KEPT = 256  # configurations a backend's calls remember (a table that fills up starts over)
+
+
+class CallState:
+    """What the call layer keeps per backend: the calls made through it (their numbers name them in stamps and
+    timeout messages), the call signatures every rank has agreed on (``consistency.agree``) and the calls'
+    ``(schedule, signature text)`` (``prepare``). Held here, not by the backend, which only moves bytes; keyed by
+    the backend's identity and dropped with it (``call_state``), so that nothing keeps its process group alive."""
+
+    __slots__ = ("calls", "agreed", "schedules")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.agreed: set[str] = set()
+        self.schedules = caches.Table(SCHEDULES_KEPT)
+
+
+_STATES: dict[int, CallState] = {}  # by id(backend); an entry goes with its backend (weakref.finalize)
+
+
+def call_state(backend: CommBackend) -> CallState:
+    """``backend``'s call state, made at its first call."""
+    state = _STATES.get(id(backend))
+    if state is None:
+        state = _STATES[id(backend)] = CallState()
+        weakref.finalize(backend, _STATES.pop, id(backend), None)
+    return state
+
+
+def _fullest_schedules() -> int:
+    return max((len(state.schedules) for state in list(_STATES.values())), default=0)
+
+
+def _clear_schedules() -> None:
+    for state in list(_STATES.values()):
+        state.schedules.clear()
+
+
+caches.register("planning.backend_schedules", _fullest_schedules, SCHEDULES_KEPT, _clear_schedules)
+
+
+def schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tuple | None:
+    """Everything a single-device call's ``schedule`` reads, as a key, or ``None`` where it reads more (a key
+    mask or documents: their values; a kernel hook: it may record each call). Validating and planning a call costs
+    about 0.2 ms of host time (0.6 ms with ``comm``, and 0.2 more for the signature), and a LongNet forward is
+    host-bound: a training loop's repeated calls reuse the schedule (``prepare`` adds what a call with ``comm``
+    reads besides). Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
+    property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment), and
+    the environment variables the kernel choice reads, and the head-chunk rule's settings (``memory.py``)."""
+    if options["key_padding_mask"] is not None or options["cu_seqlens"] is not None or hooks.active():
+        return None
+    # (tensor subclasses and torch.func's wrapped tensors, which have no storage: planned every time)
+    if not all(type(t) is torch.Tensor for t in (q, k, v)) or torch._C._are_functorch_transforms_active():
+        return None
+    try:
+        key = (typed(segment_lengths), typed(dilation_rates), *map(layout_key, (q, k, v)),
+               *((name, typed(value)) for name, value in options.items()),
+               *(os.environ.get(name) for name in KERNEL_CHOICE_ENV), memory.BOUND.key)
+        hash(key)
+    except TypeError:  # not iterable, or an unhashable kernel object: plan it every time
+        return None
+    return key
+
+
+def prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | None,
+            requires_grad: list[bool] | None, **options) -> tuple[Schedule, int]:
+    """Plan the call and, with ``comm``, count it and agree on it across ranks: ``(schedule, call number)``.
+
+    With ``comm`` a rank's own invalid inputs are raised in the agreement, so every rank raises together.
+    ``requires_grad``: what the caller's inputs had (a compiled graph's op sees detached tensors).
+    A repeated call reuses its schedule and, with ``comm``, its signature's text (``schedule_key``).
+    """
+    key = schedule_key(q, k, v, segment_lengths, dilation_rates, options)
+    if backend is None:
+        spec = SCHEDULES.get(key) if key is not None else None
+        if spec is None:
+            spec = schedule(q, k, v, segment_lengths, dilation_rates, backend=None, **options)
+            if key is not None:
+                SCHEDULES[key] = spec
+        return spec, 0
+    if key is not None:  # the signature also reads whether a backward follows (the table is the backend's)
+        grads = tuple(requires_grad) if requires_grad is not None else tuple(t.requires_grad for t in (q, k, v))
+        key = (*key, torch.is_grad_enabled(), grads)
+    state = call_state(backend)
+    cached = state.schedules.get(key) if key is not None else None
+    spec = text = error = None
+    if cached is not None:
+        spec, text = replace(cached[0], backend=backend), cached[1]
+    else:
+        try:
+            spec = schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)
+        except (ValueError, TypeError) as exc:
+            error = exc
+    state.calls += 1
+    if backend.check_calls:
+        if text is None:  # (an entry made with check_calls=False has none yet)
+            text = signature_text_of(q, k, v, segment_lengths, dilation_rates, spec, options, requires_grad)
+        agree(backend, state, text, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
+    elif error is not None:
+        raise error
+    if key is not None and error is None and (cached is None or cached[1] is not text):
+        state.schedules[key] = (replace(spec, backend=None), text)  # (no cycle holding the process group)
+    return spec, state.calls
+
+
+def signature_text_of(q, k, v, segment_lengths, dilation_rates, spec: Schedule | None, options: dict,
+                      requires_grad: list[bool] | None) -> str:
+    """What every rank must agree on for this call (``consistency.call_signature``), as the text compared."""
+    kernel, docs = options["kernel"], spec.docs if spec is not None else None
+    same = {name: options[name] for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
+                                             "pad_to_segments", "layout")}
+    sig = call_signature(q, k, v, segment_lengths, dilation_rates, **same,
+                         kernel=kernel if isinstance(kernel, str) else type(kernel).__name__,
+                         key_padding_mask=options["key_padding_mask"] is not None,
+                         cu_seqlens=None if docs is None else
+                         f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
+    if requires_grad is not None:
+        sig["requires_grad"] = dict(zip("qkv", requires_grad))
+    # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (strategy.py)
+    sig["strategy's team (1: ring, the world: head)"] = spec.team if spec is not None else None
+    sig["head chunks (set_memory_bound)"] = max(1, len(spec.heads)) if spec is not None else None
+    return signature_text(sig)
