@@ -45,3 +45,11 @@ def kernel_launches(step: Callable[[], None]) -> int:
 
 
 __all__ = ["issue_ms", "kernel_launches"]
+
+
+if __name__ == "__main__":  # a module the benchmarks import; run alone it only explains itself
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Imported by bench_kernel.py, "
+                            "bench_scaling.py and profile_pipeline.py; nothing to run on its own.").parse_args()
+    print(__doc__)
