@@ -858,3 +858,12 @@ def fit(paths: Sequence[str], base: Hardware = H200, names: Sequence[str] = FIT_
                "model_efficiency": None if e_eff is None else s["efficiency"] * (1 + e_eff)}
               for s, (e_ms, e_eff) in zip(samples, _fit_errors(samples, hw))]
     return hw, report
+
+
+if __name__ == "__main__":  # the model itself; its command line is cost_model.py
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                            epilog="The cost model's library; run benchmarks/cost_model.py for predictions, "
+                                   "validation and fits.").parse_args()
+    print(__doc__.split("\n")[0] + ": run benchmarks/cost_model.py --help")
