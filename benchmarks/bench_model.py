@@ -9,7 +9,7 @@
 Trains ``LlamaForCausalLM`` (transformers, random weights, synthetic learnable tokens) for
 ``--warmup`` + ``--steps`` optimizer steps per variant and sequence length, and records the median
 of the timed steps (each step: forward, backward, gradient clipping, AdamW; timed on the host after a
-device sync, slowest rank). Default model: about 1.1B parameters (hidden 2048, 16 layers, 16 heads
+device sync, slowest rank). Default model: about 0.9B parameters (886M) (hidden 2048, 16 layers, 16 heads
 of 128, 8 KV heads, MLP 5632, vocab 32000). The training setup is what a user runs:
 
 - FSDP2 (``fully_shard`` per decoder layer, then the root) over the K ranks: float32 master weights,
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens per sequence (global), comma-separated, e.g. 32768,131072,524288,1048576")
     p.add_argument("--variants", type=variant_list, default=list(VARIANTS), help=f"of {','.join(VARIANTS)}")
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
-    g = p.add_argument_group("model (default about 1.1B parameters)")
+    g = p.add_argument_group("model (default about 0.9B parameters)")
     g.add_argument("--hidden", type=int, default=2048)
     g.add_argument("--layers", type=int, default=16)
     g.add_argument("--heads", type=int, default=16)

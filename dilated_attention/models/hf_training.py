@@ -40,7 +40,7 @@ IGNORE_INDEX = -100  # transformers' label of a position without a target
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """A Llama decoder's sizes (defaults: about 1.1B parameters)."""
+    """A Llama decoder's sizes (defaults: about 0.9B parameters)."""
 
     hidden: int = 2048
     layers: int = 16
