@@ -15,8 +15,8 @@ if [ ! -f "$stamp" ]; then
   if ! python -c "import torch" 2>/dev/null; then
     if [ -z "${TORCH_INDEX_URL+set}" ]; then
       TORCH_INDEX_URL=
-      if ! command -v nvidia-smi >/dev/null 2>&1 \
-          && ! python -m pip config list 2>/dev/null | grep -qE "index-url|find-links"; then
+      pip_config=$(python -m pip config list 2>/dev/null || true)  # (read whole: grep -q would cut pip's pipe)
+      if ! command -v nvidia-smi >/dev/null 2>&1 && ! grep -qE "index-url|find-links" <<<"$pip_config"; then
         TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
       fi
     fi
