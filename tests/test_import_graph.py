@@ -1,9 +1,9 @@
 """The package's import graph, parsed from source (imports inside functions included): layers point down.
 
 * no cycles among the package's modules;
-* the core (everything but ``diagnostics/``, ``testing/``, ``models/``, command-line modules and the
-  package's ``__init__``) imports nothing from ``diagnostics/``, ``testing/``, ``models/`` or a
-  command-line module (one that imports ``argparse``);
+* the core (everything but ``diagnostics/``, ``testing/``, ``models/``, ``tools/``, command-line modules and
+  the package's ``__init__``) imports nothing from those or from a command-line module (one that imports
+  ``argparse``);
 * the package's ``__init__`` loads ``diagnostics/`` only on request (inside a function, or under an
   ``if`` whose test reads ``os.environ``; any other ``if`` or ``try`` does not count): debug mode plugs in at the
   kernel hooks, never on the call path;
@@ -20,7 +20,7 @@ from pathlib import Path
 
 PACKAGE = "dilated_attention"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
-ABOVE_CORE = (f"{PACKAGE}.diagnostics", f"{PACKAGE}.testing", f"{PACKAGE}.models")
+ABOVE_CORE = (f"{PACKAGE}.diagnostics", f"{PACKAGE}.testing", f"{PACKAGE}.models", f"{PACKAGE}.tools")
 
 LAZY = {
     (PACKAGE, f"{PACKAGE}.diagnostics.debug"): "dilated_attention.debug, loaded on first use",
@@ -168,7 +168,7 @@ def test_the_core_imports_nothing_above_it():
     core = [name for name in MODULES if name != PACKAGE and not _above_core(name)]
     assert f"{PACKAGE}.functional" in core and f"{PACKAGE}.kernels.guard" in core and f"{PACKAGE}.caches" in core
     bad = [f"{e.source} -> {e.target} (line {e.line})" for e in EDGES if e.source in core and _above_core(e.target)]
-    assert not bad, f"the core imports diagnostics/, testing/, models/ or a command line: {bad}"
+    assert not bad, f"the core imports diagnostics/, testing/, models/, tools/ or a command line: {bad}"
 
 
 def _loaded_unasked(edges: list[Edge]) -> list[str]:
