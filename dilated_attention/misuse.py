@@ -13,12 +13,12 @@ line of the caller; ``warnings.filterwarnings("ignore", category=MisuseWarning)`
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Sequence
 
 import torch
 
+from . import caches
 from .callers import user_stacklevel
 from .patterns import padded_length
 
@@ -45,7 +45,7 @@ def check_shape(shape: torch.Size, seq_len: int, segment_lengths: Sequence[int],
         warnings.warn(message, MisuseWarning, stacklevel=user_stacklevel())
 
 
-@functools.lru_cache(maxsize=256)
+@caches.memoize("misuse.shape_messages", 256)  # asked per new schedule; a process sees few shapes
 def _shape_message(shape: tuple[int, ...], seq_len: int, segments: tuple[int, ...], rates: tuple[int, ...],
                    pad: bool, documents: bool) -> str | None:
     if len(shape) != 4 or not segments or len(segments) != len(rates) or min(segments + rates) <= 0:
