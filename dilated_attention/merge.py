@@ -1,4 +1,5 @@
-"""fp32 log-sum-exp merging of partial attention results, safe for empty rows: all of it lives here.
+"""fp32 log-sum-exp merging of partial attention results, safe for empty rows: all of it lives here (the
+Triton kernels' bodies in ``_merge_triton.py``, loaded at their first launch).
 
 ``merge_two`` merges two partials; ``merge_into_`` and ``merge_pattern_`` merge a partial
 (a block's, or a whole pattern's in compact layout) into the running fp32 result in place;
@@ -115,98 +116,19 @@ def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part
 
 
 # ---------------------------------------------------------------------------
-# The fused kernel
+# The fused kernel (its Triton source, and the combine's: ``_merge_triton.py``)
 
 
-def merge_weights(lse_a, lse_b):
-    """``merge_two``'s arithmetic in Triton: the merged lse of two partials and each one's weight (what
-    ``merge_kernel`` calls, as ``_merge_weights``, jitted with it)."""
-    top = tl.maximum(lse_a, lse_b, propagate_nan=tl.PropagateNan.ALL)
-    shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
-    w_a = tl.exp(lse_a - shift)
-    w_b = tl.exp(lse_b - shift)
-    total = w_a + w_b
-    nonempty = total != 0.0  # True for a NaN total: it stays NaN
-    safe = tl.where(nonempty, total, 1.0)
-    inv = tl.where(nonempty, 1.0 / safe, 0.0)
-    return tl.where(nonempty, shift + tl.log(safe), float("-inf")), w_a * inv, w_b * inv
-
-
-_merge_weights = None  # merge_weights jitted (``_jitted``): the kernels resolve the name when they compile
-# (one Triton mode per process: TRITON_INTERPRET is read when a kernel is first jitted)
-
-
-def _jitted(kernel):
-    """``kernel`` jitted for the current mode (at first use, so TRITON_INTERPRET is read then, not at import),
-    with the helpers it calls."""
-    global _merge_weights, _compact_row
-    key = (interpreting(), kernel)
+def _kernel(name: str):
+    """The kernel ``name`` of ``_merge_triton.KERNEL_FUNCS`` jitted for the current mode, at first use (so
+    TRITON_INTERPRET is read then, not at import; importing ``_merge_triton`` jits the helpers the kernels call)."""
+    key = (interpreting(), name)
     fn = JITTED.get(key)
     if fn is None:
-        _merge_weights, _compact_row = triton.jit(merge_weights), triton.jit(compact_row)
-        fn = JITTED[key] = triton.jit(kernel)
+        from . import _merge_triton  # (its kernels need Triton at import: loaded only where Triton is)
+
+        fn = JITTED[key] = triton.jit(_merge_triton.KERNEL_FUNCS[name])
     return fn
-
-
-def merge_kernel(
-    O, L, PO, PL, n_rows, D, n1, n2, n3, n4,
-    so0, so1, so2, so3, so4, sod,
-    sl0, sl1, sl2, sl3, sl4,
-    sp0, sp1, sp2, sp3, sp4, spd,
-    sq0, sq1, sq2, sq3, sq4,
-    FRESH: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IDX: tl.constexpr,
-):
-    """``BLOCK_R`` rows of the running result ``O``/``L`` merged with the partial ``PO``/``PL``; a flat row
-    index is ``(i0, .., i4)`` of the leading dims (sizes ``n0..n4``) and every tensor is read through its
-    own strides (``s*d``: the head dim's). ``merge_two``'s arithmetic, in fp32 and in the same order.
-    ``WEIGHTED`` false: a plain sum ``O += PO`` (``O = PO`` if ``FRESH``), ``add_into_``; ``L``/``PL`` unread.
-
-    Row quantities live in ``(BLOCK_R, 1)`` tiles, already in the 2D tile's layout: Triton 3.6 on an H200
-    garbled some rows' ``out`` when per-row vectors were broadcast from 1D tiles (``[:, None]``), nondeter-
-    ministically and only in compiled code."""
-    rows = tl.program_id(0).to(IDX) * BLOCK_R + tl.arange(0, BLOCK_R).to(IDX)[:, None]
-    row_ok = rows < n_rows
-    i4 = rows % n4
-    r = rows // n4
-    i3 = r % n3
-    r = r // n3
-    i2 = r % n2
-    r = r // n2
-    i1 = r % n1
-    i0 = r // n1
-    o_row = i0 * so0 + i1 * so1 + i2 * so2 + i3 * so3 + i4 * so4
-    p_row = i0 * sp0 + i1 * sp1 + i2 * sp2 + i3 * sp3 + i4 * sp4
-    if not WEIGHTED:
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D).to(IDX)[None, :]
-            ok = row_ok & (cols < D)
-            acc = tl.load(PO + p_row + cols * spd, mask=ok, other=0.0).to(O.dtype.element_ty)
-            o_ptrs = O + o_row + cols * sod
-            if not FRESH:
-                acc = tl.load(o_ptrs, mask=ok, other=0.0) + acc
-            tl.store(o_ptrs, acc, mask=ok)
-    else:
-        l_ptrs = L + (i0 * sl0 + i1 * sl1 + i2 * sl2 + i3 * sl3 + i4 * sl4)
-        lse_b = tl.load(PL + (i0 * sq0 + i1 * sq1 + i2 * sq2 + i3 * sq3 + i4 * sq4), mask=row_ok,
-                        other=float("-inf")).to(tl.float32)
-        if FRESH:  # fresh_weight: 1 (finite), 0 (-inf: empty), NaN (+inf/NaN)
-            w_b = tl.where(tl.abs(lse_b) < float("inf"), 1.0, tl.where(lse_b == float("-inf"), 0.0, float("nan")))
-            lse = lse_b
-            w_a = w_b  # unused
-        else:
-            lse, w_a, w_b = _merge_weights(tl.load(l_ptrs, mask=row_ok, other=float("-inf")), lse_b)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D).to(IDX)[None, :]
-            ok = row_ok & (cols < D)
-            new = tl.load(PO + p_row + cols * spd, mask=ok, other=0.0).to(tl.float32)
-            # A zero weight silences its side even where it holds NaN (an empty row's garbage).
-            acc = tl.where(w_b == 0.0, 0.0, new * w_b)
-            o_ptrs = O + o_row + cols * sod
-            if not FRESH:
-                old = tl.load(o_ptrs, mask=ok, other=0.0)
-                acc = tl.where(w_a == 0.0, 0.0, old * w_a) + acc
-            tl.store(o_ptrs, acc, mask=ok)
-        tl.store(l_ptrs, lse, mask=row_ok)
 
 
 PART_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -299,7 +221,7 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
         plan = remember(_LAUNCHES, key, _launch_plan(out.shape, out.stride(), part_out.stride(), *lse_strides, fresh,
                                                      weighted))
     ints, meta, grid = plan
-    fn = _jitted(merge_kernel)
+    fn = _kernel("merge_kernel")
     args = (out, lse if weighted else out, part_out, part_lse if weighted else part_out, *ints)
     if interpreting() or torch.cuda.current_device() == out.device.index:
         launch(fn, grid, args, meta, num_warps=NUM_WARPS)
@@ -436,123 +358,6 @@ def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> N
                              f"give each (row, head) one slot")
 
 
-TABLE_HEADS = 12 if tl is None else tl.constexpr(12)  # a combine TABLE row's first head offset
-
-
-def compact_row(n, entry, head):
-    """Row ``n``'s compact row in a part (``n // r``: a dilated segment's row ``s * w + j * r + o`` is compact
-    row ``s * w / r + j``, whatever ``w``), by the part's ``TABLE`` entry's multiplier (no division), and
-    whether the part covers it for ``head`` (``n % r`` is the head's offset)."""
-    slot = ((n.to(tl.int64) * tl.load(entry + 10)) >> tl.load(entry + 11)).to(tl.int32)
-    return slot, n - slot * tl.load(entry + 9).to(tl.int32) == tl.load(entry + TABLE_HEADS + head)
-
-
-_compact_row = None  # compact_row jitted (``_jitted``)
-
-
-def combine_lse_kernel(
-    TABLE, PART_LSE, RUN_L, LSE, WEIGHTS, N,
-    srl_b, srl_n, srl_h, sol_b, sol_n, sol_h, sw_p, sw_b,
-    H: tl.constexpr, P: tl.constexpr, HAS_RUN: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """The weighted combine's first pass, one (row, head) pair ``f = n * H + h`` of batch ``program_id(1)`` per
-    lane: the merged lse of the running result (if any) and every part covering the pair, written to ``LSE``,
-    and each one's weight, written to ``WEIGHTS[b, p, f]`` (0 where the part does not cover it; the running
-    result's is ``WEIGHTS[b, P]``), so that ``combine_kernel`` does one multiply-add per element and part. One
-    log-sum-exp over all of them (``merge_two``'s rules: shift by the largest finite lse, an empty pair gives
-    ``-inf`` and weights 0, NaN or ``+inf`` give NaN), not ``merge_two``'s pairwise rounding: the same value
-    within fp32 rounding. ``TABLE``: see ``combine_kernel``. ``WEIGHTS`` first holds each part's lse (one
-    gather per part, then reads of what this lane wrote)."""
-    f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    n = f // H
-    head = f - n * H
-    b = tl.program_id(1).to(tl.int64)
-    ok = n < N
-    w_row = WEIGHTS + b * sw_b + f
-    top = tl.full((BLOCK,), float("-inf"), tl.float32)
-    if HAS_RUN:
-        run_l = tl.load(RUN_L + b * srl_b + n.to(tl.int64) * srl_n + head * srl_h, mask=ok, other=float("-inf"))
-        top = run_l
-    for p in tl.static_range(P):
-        entry = TABLE + p * (TABLE_HEADS + H)
-        slot, hit = _compact_row(n, entry, head)
-        at = tl.load(entry + 1) + b * tl.load(entry + 6) + slot.to(tl.int64) * tl.load(entry + 7) \
-            + head * tl.load(entry + 8)
-        part_l = tl.load(PART_LSE + at, mask=ok & hit, other=float("-inf"))
-        tl.store(w_row + p * sw_p, part_l, mask=ok)
-        top = tl.maximum(top, part_l, propagate_nan=tl.PropagateNan.ALL)
-    shift = tl.where(tl.abs(top) < float("inf"), top, 0.0)  # isfinite (False for NaN)
-    total = tl.zeros((BLOCK,), tl.float32)
-    if HAS_RUN:
-        total = tl.exp(run_l - shift)
-    for p in tl.static_range(P):
-        total += tl.exp(tl.load(w_row + p * sw_p, mask=ok, other=float("-inf")) - shift)
-    nonempty = total != 0.0  # True for a NaN total: it stays NaN
-    safe = tl.where(nonempty, total, 1.0)
-    inv = tl.where(nonempty, 1.0 / safe, 0.0)
-    tl.store(LSE + b * sol_b + n.to(tl.int64) * sol_n + head * sol_h,
-             tl.where(nonempty, shift + tl.log(safe), float("-inf")), mask=ok)
-    for p in tl.static_range(P):
-        part_l = tl.load(w_row + p * sw_p, mask=ok, other=float("-inf"))
-        tl.store(w_row + p * sw_p, tl.exp(part_l - shift) * inv, mask=ok)
-    if HAS_RUN:
-        tl.store(w_row + P * sw_p, tl.exp(run_l - shift) * inv, mask=ok)
-
-
-def combine_kernel(
-    TABLE, PARTS, WEIGHTS, RUN_O, OUT, N, D,
-    sr_b, sr_n, sr_h, sr_d, so_b, so_n, so_h, sw_p, sw_b,
-    H: tl.constexpr, P: tl.constexpr, WEIGHTED: tl.constexpr, HAS_RUN: tl.constexpr, ALIGN: tl.constexpr,
-    WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """``BLOCK_R`` rows of head ``program_id(1)`` in batch ``program_id(2)``: the running result (if any), then
-    each part's slot of each row, read once and added in registers in part order: weighted by ``WEIGHTS``
-    (``combine_lse_kernel``'s) or summed (a gradient: bit for bit the fp32 sum of the accumulators).
-
-    ``TABLE`` has one row of ``TABLE_HEADS + H`` int64 per part: its out's and lse's offsets in elements from
-    ``PARTS``/the lse base (any tensors of those dtypes: the parts are addressed from them, so the compiler
-    sees ``PARTS``' alignment), out strides b/row/head/dim, lse strides b/row/head, its dilation and the
-    multiplier and shift that divide a row by it, then each head's dilation offset (-1: none). ``ALIGN``:
-    every part offset and out stride is a multiple of it and the dim stride is 1 (vector loads). ``WIDE``:
-    a part's row offsets need int64. A row a part does not cover is masked (weight 0, or its dilation offset
-    not the head's), so a dilated part costs only its rows. The parts are unrolled: every load is
-    independent of the others (no row table to read first), so they are all in flight at once."""
-    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-    head = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    row_ok = n < N
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    ok = row_ok & (cols < D)
-    w_row = WEIGHTS + b * sw_b + n * H + head
-    if HAS_RUN:
-        acc = tl.load(RUN_O + b * sr_b + n.to(tl.int64) * sr_n + head * sr_h + cols * sr_d, mask=ok, other=0.0)
-        if WEIGHTED:  # a zero weight silences its side even where it holds NaN
-            w_run = tl.load(w_row + P * sw_p, mask=row_ok, other=0.0)
-            acc = tl.where(w_run == 0.0, 0.0, acc * w_run)
-    else:
-        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    for p in tl.static_range(P):
-        entry = TABLE + p * (TABLE_HEADS + H)
-        slot, hit = _compact_row(n, entry, head)
-        if WEIGHTED:
-            weight = tl.load(w_row + p * sw_p, mask=row_ok, other=0.0)
-            hit = weight != 0.0  # (NaN: read, so it propagates)
-        if WIDE:
-            row_at = slot.to(tl.int64) * tl.load(entry + 3)
-        else:
-            row_at = slot * tl.load(entry + 3).to(tl.int32)
-        at = tl.load(entry) + b * tl.load(entry + 2) + head * tl.load(entry + 4) + row_at
-        if ALIGN > 1:
-            new = tl.load(PARTS + tl.multiple_of(at, [ALIGN, ALIGN]) + cols, mask=ok & hit, other=0.0)
-        else:
-            new = tl.load(PARTS + at + cols * tl.load(entry + 5), mask=ok & hit, other=0.0)
-        if WEIGHTED:
-            acc += new.to(tl.float32) * weight
-        else:
-            acc += new.to(tl.float32)
-    tl.store(OUT + b * so_b + n.to(tl.int64) * so_n + head * so_h + cols, acc.to(OUT.dtype.element_ty), mask=ok)
-
-
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the combine kernel's batch)
 COMBINE_TILE = 2048  # elements per program (rows x head-dim block)
 COMBINE_WARPS = 4
@@ -644,7 +449,7 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
             slots = len(parts) + (running is not None)  # (the running result's weight is the last slot)
             weights = torch.empty((bsz, slots, n * heads), dtype=torch.float32, device=like.device)
             rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
-            launch(_jitted(combine_lse_kernel), (triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz),
+            launch(_kernel("combine_lse_kernel"), (triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz),
                    (table, lse_base, lse_base if run_lse is None else run_lse, lse, weights, n,
                     *rl_strides, *lse.stride(), weights.stride(1), weights.stride(0)),
                    dict(H=heads, P=len(parts), HAS_RUN=running is not None, BLOCK=COMBINE_LSE_BLOCK),
@@ -653,7 +458,7 @@ def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted
         block_r = max(1, COMBINE_TILE // block_d)
         r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
         w_strides = (weights.stride(1), weights.stride(0)) if weighted else (0, 0)
-        launch(_jitted(combine_kernel), (triton.cdiv(n, block_r), heads, bsz),
+        launch(_kernel("combine_kernel"), (triton.cdiv(n, block_r), heads, bsz),
                (table, base, weights, out if run_out is None else run_out, out, n, dim, *r_strides,
                 *out.stride()[:3], *w_strides),
                dict(H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align, WIDE=wide,

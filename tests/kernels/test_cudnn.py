@@ -529,7 +529,7 @@ def test_call_plans_replay_per_geometry():
     a second call on new tensors of the same geometry gives bit for bit what planning afresh gives, and
     a geometry that differs only in its alignment (a 2-byte offset: not readable in place) gets its own
     plan, which copies where the aligned one read in place."""
-    from dilated_attention.kernels import cudnn as cudnn_mod
+    from dilated_attention.kernels import cudnn_calls
 
     seeded("cudnn-plans")
     heads, n, dim = 8, 64, 16
@@ -546,8 +546,8 @@ def test_call_plans_replay_per_geometry():
 
     def run(xs, fresh_plans):
         if fresh_plans:
-            cudnn_mod._FORWARD_CALLS.clear()
-            cudnn_mod._BACKWARD_CALLS.clear()
+            cudnn_calls._FORWARD_CALLS.clear()
+            cudnn_calls._BACKWARD_CALLS.clear()
         q, k, v, fin, dout = xs
         out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
         acc = [torch.randn(x.shape, generator=torch.Generator().manual_seed(1)) for x in (q, k, v)]
@@ -557,18 +557,18 @@ def test_call_plans_replay_per_geometry():
 
     first = inputs(0)
     run(first, True)
-    planned = (len(cudnn_mod._FORWARD_CALLS), len(cudnn_mod._BACKWARD_CALLS))
+    planned = (len(cudnn_calls._FORWARD_CALLS), len(cudnn_calls._BACKWARD_CALLS))
     assert planned[0] >= 1 and planned[1] >= 1
     second = inputs(0)
     replayed = run(second, False)
-    assert (len(cudnn_mod._FORWARD_CALLS), len(cudnn_mod._BACKWARD_CALLS)) == planned, "same geometry re-planned"
+    assert (len(cudnn_calls._FORWARD_CALLS), len(cudnn_calls._BACKWARD_CALLS)) == planned, "same geometry re-planned"
     for got, want in zip(replayed, run(second, True)):
         assert torch.equal(got, want)
     ops.calls.clear()
     shifted = inputs(1)  # same shapes and strides, 2 bytes off 16-byte alignment
     storages = {x.untyped_storage().data_ptr() for x in shifted[:3]}
     got = run(shifted, False)
-    assert len(cudnn_mod._FORWARD_CALLS) == planned[0] + 1, "the misaligned geometry reused the aligned plan"
+    assert len(cudnn_calls._FORWARD_CALLS) == planned[0] + 1, "the misaligned geometry reused the aligned plan"
     assert not any(set(c[3]) <= storages for c in ops.calls), "misaligned inputs were read in place"
     for g, want in zip(got, run(shifted, True)):
         assert torch.equal(g, want)
