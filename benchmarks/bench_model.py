@@ -16,8 +16,11 @@ of 128, 8 KV heads, MLP 5632, vocab 32000). The training setup is what a user ru
   gradients and AdamW state sharded; the layers compute in bfloat16 (``MixedPrecisionPolicy``: gathered
   weights bf16, gradients reduced in fp32). ``--no-fsdp``: float32 weights on every rank under bf16 autocast,
   gradients summed by hand. The output states which (``meta.training``).
-- per-layer activation checkpointing (``--no-checkpointing`` to keep activations; ``--offload-checkpoints``:
-  the layer inputs it keeps go to host memory), eager (no CUDA graphs, no compile).
+- activation checkpointing as needed (``--checkpointing auto``): every layer keeps its activations where
+  they are predicted to fit in ``--memory-limit`` of the GPU (``activation_bytes`` per token and layer
+  plus the model state), else each decoder layer is recomputed in the backward; ``layer`` / ``none``
+  force it, ``--offload-checkpoints`` sends the layer inputs it keeps to host memory. Each record says
+  which ran. Eager (no CUDA graphs, no compile).
 - sequence parallel: every rank holds a contiguous shard of every sequence (1/K of the tokens), fed at
   its global positions; labels are shifted on the whole sequence before sharding; each rank's loss is its
   share of the mean over the whole batch, computed in row tiles of ``--loss-chunk`` rows (DeepSpeed's
@@ -138,8 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP2 with bf16 compute and fp32 master weights (default); --no-fsdp: fp32 weights "
                         "on every rank under bf16 autocast")
-    g.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="per-layer activation checkpointing (default on)")
+    g.add_argument("--checkpointing", choices=["auto", "layer", "none"], default="auto",
+                   help="per-layer activation checkpointing: auto (default) only where the activations every "
+                        "layer keeps are predicted not to fit (activation_bytes), layer always, none never")
     g.add_argument("--offload-checkpoints", action="store_true",
                    help="checkpointed layer inputs go to pinned host memory (transformers' offload=True)")
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
@@ -216,6 +220,23 @@ def step_flops(args, shape, variant: str, n: int) -> float:
 
 
 # -- the attention of each variant -------------------------------------------------------------------
+
+
+# Bytes an eager Hugging Face Llama decoder layer keeps for its backward, per token, bf16 compute: two RMSNorms
+# (float32 input and normalized rows, bf16 output: 10 x hidden each), q/k/v projections and their rotated q/k,
+# the attention output and its transposed copy, and the MLP's gate, up, SiLU and product (2 bytes each).
+def activation_bytes(shape) -> int:
+    kv = shape.kv_heads * shape.head_dim
+    q = shape.heads * shape.head_dim
+    return 2 * 10 * shape.hidden + 2 * (2 * q + 2 * kv) + 2 * (2 * q) + 2 * 4 * shape.mlp
+
+
+def predicted_bytes(shape, tokens_per_rank: int, ranks: int) -> float:
+    """Peak bytes of a step with no checkpointing: every layer's activations, 1.2x for the allocator and the
+    attention's and loss's temporaries, plus the model state (fp32 weights, gradients, two AdamW moments,
+    sharded over ``ranks``, and one layer's bf16 weights gathered)."""
+    state = 16 * shape.params() / ranks + 2 * shape.params() / shape.layers
+    return 1.2 * shape.layers * tokens_per_rank * activation_bytes(shape) + state
 
 
 def _no_mask(*args, **kwargs):
@@ -384,8 +405,10 @@ class Runner:
         how = (f"FSDP2 over {self.env.world_size} rank(s): fp32 master weights, gradients and AdamW state sharded, "
                f"{prec}" + (" (MixedPrecisionPolicy param bf16, reduce fp32)" if self.bf16 else "")) if a.fsdp else \
             (f"fp32 weights on every rank, {'bf16 autocast' if self.bf16 else 'fp32'}, gradients all-reduced")
-        ckpt = "per-layer activation checkpointing" + (" offloaded to host" if a.offload_checkpoints else "") \
-            if a.checkpointing else "no activation checkpointing"
+        ckpt = {"auto": "per-layer activation checkpointing where the activations would not fit (each record's "
+                        "`checkpointing`)",
+                "layer": "per-layer activation checkpointing", "none": "no activation checkpointing"}[a.checkpointing]
+        ckpt += " (checkpoints offloaded to host)" if a.offload_checkpoints else ""
         return f"{how}; {ckpt}; eager; AdamW lr {a.lr} (warmup {a.lr_warmup}), clip {a.clip}"
 
     def run(self, variant: str, n: int, warmup: int, steps: int) -> dict:
@@ -413,7 +436,8 @@ class Runner:
         times, losses = [], []
         module = opt = sched = None
         try:
-            lm = build_llama(self.shape, name, n, a.seed, device=env.device, checkpointing=a.checkpointing,
+            checkpointing = self.checkpointing(n)
+            lm = build_llama(self.shape, name, n, a.seed, device=env.device, checkpointing=checkpointing,
                              offload=a.offload_checkpoints)
             module = SequenceParallelLoss(lm, chunk_rows=a.loss_chunk, loss_impl=a.loss_impl)
             del lm
@@ -444,7 +468,20 @@ class Runner:
         return {"variant": variant, "gpus": k, "seq_len": n, "tokens_per_gpu": n // k, "batch": a.batch,
                 "step_s": step_s, "step_times_s": times, "tokens_per_s": a.batch * n / step_s,
                 "peak_gib": peak, "state_gib": state_gib, "losses": losses, "step_tflop": flops / 1e12,
-                "mfu": flops / (step_s * k * a.peak_tflops * 1e12), "attention": how}
+                "mfu": flops / (step_s * k * a.peak_tflops * 1e12), "attention": how,
+                "checkpointing": "layer" if checkpointing else "none"}
+
+    def checkpointing(self, n: int) -> bool:
+        """Recompute each layer in the backward? ``auto``: where keeping every layer's activations is predicted
+        past ``--memory-limit`` of the GPU (on CPU: never). The same answer on every rank (no collective)."""
+        a = self.args
+        if a.checkpointing != "auto":
+            return a.checkpointing == "layer"
+        if not self.cuda:
+            return False
+        capacity = self.torch.cuda.get_device_properties(self.env.device).total_memory
+        return predicted_bytes(self.shape, a.batch * n // self.env.world_size, self.env.world_size) \
+            > a.memory_limit * capacity
 
     def cp_context(self, batch: dict):
         """torch's context parallel over the world: shards the whole-sequence inputs in place (load-balanced
@@ -531,14 +568,14 @@ def render_md(data: dict) -> str:
                   f"MFU against {meta['peak_tflops']} TFLOP/s per GPU ({meta['flops']}); "
                   f"torch {meta['versions'].get('torch')}, transformers {meta['versions'].get('transformers')}, "
                   f"deepspeed {meta['versions'].get('deepspeed')}. Patterns of ours: {meta['pattern_rule']}."]
-    lines += ["", "| GPUs | tokens/seq | variant | step s | tokens/s | vs best dense | MFU | peak GiB/GPU | loss first -> last |",
-              "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += ["", "| GPUs | tokens/seq | variant | step s | tokens/s | vs best dense | MFU | peak GiB/GPU | checkpointing "
+              "| loss first -> last |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in sorted(data["records"], key=lambda r: (r["gpus"], r["seq_len"], VARIANTS.index(r["variant"]))):
         ref = best_dense(data["records"], r["gpus"], r["seq_len"])
         vs = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref and r["variant"] == "ours" else ""
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['variant']} | {r['step_s']:.3f} | "
-                     f"{r['tokens_per_s']:,.0f} | {vs} | {100 * r['mfu']:.1f}% | {peak} | "
+                     f"{r['tokens_per_s']:,.0f} | {vs} | {100 * r['mfu']:.1f}% | {peak} | {r.get('checkpointing', 'layer')} | "
                      f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
     if data["find_max"]:
         lines += ["", "Longest trainable sequence (doubling until out of memory):", "",

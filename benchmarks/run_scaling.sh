@@ -62,7 +62,7 @@ for arg in "$@"; do  # the profile adds a few seconds per profiled case, compili
 done
 gpu=$slug  # the cost model's constants for this GPU, where it has them (cost_model.PRESETS)
 preset=()
-"$PY" -c "import sys; from dilated_attention.cost_model import PRESETS; sys.exit(sys.argv[1] not in PRESETS)" "$gpu" \
+"$PY" -c "import sys; sys.path[:0] = ['benchmarks', '.']; from cost_model_lib import PRESETS; sys.exit(sys.argv[1] not in PRESETS)" "$gpu" \
   2>/dev/null && preset=(--gpu "$gpu")
 slug=$slug${bound:-}${pipelined:-}
 k_timeout=${K_TIMEOUT:-$k_timeout}

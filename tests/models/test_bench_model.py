@@ -36,6 +36,7 @@ def test_tiny_run_on_two_ranks(tmp_path):
         assert all(math.isfinite(x) for x in r["losses"])
         assert r["tokens_per_s"] == pytest.approx(256 / statistics.median(r["step_times_s"][1:]))
         assert r["step_tflop"] > 0
+        assert r["checkpointing"] == "none"  # auto on CPU: activations kept
     skipped = {s["variant"]: s["reason"] for s in data["skipped"]}
     assert set(skipped) == {"sdpa", "torch_cp"} and "CUDA" in skipped["torch_cp"]
     (search,) = data["find_max"]
@@ -46,3 +47,20 @@ def test_tiny_run_on_two_ranks(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "model_cpu.md").read_text() == md and "| 2 | 256 | ours |" in md
+
+
+def test_checkpointing_auto_keeps_activations_only_where_they_fit():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_model
+    from dilated_attention.models.hf_training import LlamaShape
+
+    shape = LlamaShape()
+    per_token = bench_model.activation_bytes(shape)
+    # the default ~0.9B model keeps about 100 KiB per token and layer: q/k/v, rotated q/k, attention output and
+    # copy (8 x 2048 x 2 B), the two RMSNorms (2 x 10 x 2048 B), the MLP's four (4 x 5632 x 2 B)
+    assert per_token == 2 * (2 * 2048 + 2 * 1024) + 2 * 2 * 2048 + 2 * 10 * 2048 + 8 * 5632
+    h100 = 0.95 * 79.2 * 2**30
+    fits = bench_model.predicted_bytes(shape, 131072 // 4, 4)
+    assert fits < h100 < bench_model.predicted_bytes(shape, 524288 // 4, 4)
+    # state: 16 bytes per parameter sharded, plus one layer's gathered bf16 weights
+    assert bench_model.predicted_bytes(shape, 0, 4) == 4 * shape.params() + 2 * shape.params() / shape.layers
