@@ -11,7 +11,11 @@ contiguous shard of each sequence:
   the parameter gradients summed over the ranks (``SequenceParallelLoss``, ``shard_model``);
 * the logits are never materialised whole: the loss runs over row tiles of the hidden states
   (``tiled_lm_loss``), DeepSpeed's ``TiledFusedLogitsLoss`` where it imports, else a chunked
-  cross-entropy whose chunks are recomputed in the backward.
+  cross-entropy whose chunks are recomputed in the backward;
+* at the longest sequences each decoder layer's MLP can run in row tiles too (``tile_mlp``): its
+  intermediates (gate, up, activation, product: ``4 x mlp`` values a token) exist for one tile at a
+  time and are recomputed tile by tile in the backward (DeepSpeed's ``TiledMLP`` where it imports,
+  else each tile under activation checkpointing).
 
 The attention FLOP count of each variant (``attended_pairs``, ``model_flops``) is here too: the
 benchmark's model FLOPs utilization counts what each attention really computes.
@@ -20,6 +24,7 @@ benchmark's model FLOPs utilization counts what each attention really computes.
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -199,6 +204,80 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor
     return torch.stack(parts).sum()
 
 
+def deepspeed_tiled_mlp():
+    """DeepSpeed's ``TiledMLP``, or ``None`` where DeepSpeed does not import (or lacks it)."""
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    except Exception:  # ImportError, or DeepSpeed failing to pick an accelerator
+        return None
+    return TiledMLP
+
+
+def _tiled_forward(original, rows: int, ds):
+    """A forward for one MLP module: ``original(module, x)`` over row tiles of ``rows`` rows of ``x``
+    (``(..., hidden)``; the MLP acts on each row alone, so the tiles' outputs concatenate to the whole)."""
+
+    def forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        total = x.numel() // x.shape[-1]
+        tiles = math.ceil(total / rows)
+        if tiles <= 1:
+            return original(module, x)
+        flat = x.reshape(total, x.shape[-1])
+        if ds is None:  # each tile checkpointed: only its input is kept, its intermediates recomputed in the backward
+            parts = [checkpoint(original, module, part, use_reentrant=False, preserve_rng_state=False)
+                     for part in flat.split(rows)]
+            out = torch.cat(parts)
+        else:
+            # TiledMLP recomputes each tile inside its own backward, where autograd runs without autocast:
+            # the tile function re-enters the forward's autocast state so both passes compute alike.
+            device = x.device.type
+            autocast = torch.is_autocast_enabled(device)
+            dtype = torch.get_autocast_dtype(device)
+
+            def tile_fn(mod: nn.Module, part: torch.Tensor) -> torch.Tensor:
+                with torch.autocast(device, dtype=dtype, enabled=autocast):
+                    return original(mod, part)
+
+            # torch.chunk into `tiles` pieces: each at most `rows` rows, the last one shorter where they do not divide
+            out = ds.apply(tile_fn, module, flat, tiles, list(module.parameters()))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
+def tile_mlp(lm: nn.Module, rows: int = 8192, impl: str = "auto") -> str:
+    """Run every decoder layer's MLP of ``lm`` (a causal LM or its base model, ``.layers[i].mlp``) in tiles
+    of ``rows`` rows (tokens) along the sequence; returns the implementation used.
+
+    The MLP's intermediates (for Llama: gate, up, SiLU and their product, ``4 x intermediate_size`` values a
+    token) then exist for one tile at a time, in the forward and in the backward, which recomputes each tile
+    from the MLP's input: at long sequences they are most of a layer's activations. Values and gradients
+    are those of the untiled MLP. ``impl``: ``"deepspeed"`` (DeepSpeed's ``TiledMLP``), ``"chunked"``
+    (each tile under ``torch.utils.checkpoint``), ``"auto"`` (DeepSpeed's where it imports).
+
+    Patches the forward of this model's MLP modules only (not the class), so parameter names and state
+    dicts are unchanged; calling it again re-tiles. Works under per-layer activation checkpointing and
+    FSDP2 (``fully_shard`` per decoder layer: the MLP's weights are gathered while the layer runs).
+    """
+    if impl not in ("auto", "deepspeed", "chunked"):
+        raise ValueError(f"impl must be 'auto', 'deepspeed' or 'chunked', got {impl!r}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
+        raise ValueError(f"rows must be a positive int (tokens per tile), got {rows!r}")
+    layers = getattr(getattr(lm, "model", lm), "layers", None)
+    if layers is None or not all(isinstance(getattr(layer, "mlp", None), nn.Module) for layer in layers):
+        raise TypeError(f"tile_mlp needs a decoder model whose .layers (or .model.layers) each have an .mlp "
+                        f"module, got {type(lm).__name__}")
+    ds = deepspeed_tiled_mlp() if impl != "chunked" else None
+    if impl == "deepspeed" and ds is None:
+        raise ValueError("impl='deepspeed' but deepspeed's TiledMLP does not import (pip install deepspeed), "
+                         "or pass impl='chunked'")
+    for layer in layers:
+        mlp = layer.mlp
+        # the class's forward, not the instance's: tiling twice re-tiles rather than nesting tiles
+        mlp.forward = types.MethodType(_tiled_forward(type(mlp).forward, rows, ds), mlp)
+    return "deepspeed" if ds is not None else "chunked"
+
+
 class SequenceParallelLoss(nn.Module):
     """A causal LM whose forward returns this rank's share of the loss, computed tile by tile.
 
@@ -228,13 +307,15 @@ def build_llama(shape: LlamaShape, attn_implementation: str, max_positions: int,
                 device: torch.device | str = "cpu", checkpointing: bool = True, offload: bool = False) -> nn.Module:
     """``LlamaForCausalLM`` of ``shape`` in float32 with random weights drawn from ``seed`` on ``device``
     (the same weights on every rank), in training mode; ``checkpointing``: each decoder layer's activations
-    are recomputed in the backward (``offload``: what it keeps goes to host memory)."""
+    are recomputed in the backward (``offload``: what it keeps goes to pinned host memory; on a CPU device it
+    is there already, and nothing changes)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
         lm = LlamaForCausalLM(shape.config(max_positions, attn_implementation))
     lm.train()
+    offload = offload and torch.device(device).type != "cpu"  # (and there is no pinned memory to copy into)
     if checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(lm, "activation_checkpointing_enable"):
@@ -338,5 +419,6 @@ def train_step(module: nn.Module, opt: torch.optim.Optimizer, scheduler, batch: 
 
 
 __all__ = ["IGNORE_INDEX", "LlamaShape", "SequenceParallelLoss", "attended_pairs", "build_llama",
-           "dense_causal_pairs", "deepspeed_tiled_loss", "learnable_tokens", "longnet_schedule", "make_optimizer",
-           "model_flops", "sequence_parallel_batch", "shard_model", "shift_labels", "tiled_lm_loss", "train_step"]
+           "dense_causal_pairs", "deepspeed_tiled_loss", "deepspeed_tiled_mlp", "learnable_tokens",
+           "longnet_schedule", "make_optimizer", "model_flops", "sequence_parallel_batch", "shard_model",
+           "shift_labels", "tile_mlp", "tiled_lm_loss", "train_step"]
