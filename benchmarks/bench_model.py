@@ -16,11 +16,15 @@ of 128, 8 KV heads, MLP 5632, vocab 32000). The training setup is what a user ru
   gradients and AdamW state sharded; the layers compute in bfloat16 (``MixedPrecisionPolicy``: gathered
   weights bf16, gradients reduced in fp32). ``--no-fsdp``: float32 weights on every rank under bf16 autocast,
   gradients summed by hand. The output states which (``meta.training``).
-- activation checkpointing as needed (``--checkpointing auto``): every layer keeps its activations where
-  they are predicted to fit in ``--memory-limit`` of the GPU (``activation_bytes`` per token and layer
-  plus the model state), else each decoder layer is recomputed in the backward; ``layer`` / ``none``
-  force it, ``--offload-checkpoints`` sends the layer inputs it keeps to host memory. Each record says
-  which ran. Eager (no CUDA graphs, no compile).
+- memory savings as needed, per variant and length, the first rung of a ladder whose predicted peak fits in
+  ``--memory-limit`` of the GPU (``predicted_bytes``; the same choice on every rank): (a) every layer keeps
+  its activations; (b) per-layer activation checkpointing (each decoder layer recomputed in the backward
+  from its input); (c) and the MLPs tiled along the sequence (``hf_training.tile_mlp``: the MLP's
+  intermediates exist for one tile of ``--mlp-tile`` tokens at a time, recomputed tile by tile); (d) and
+  the checkpointed layer inputs offloaded to pinned host memory -- Arctic Long Sequence Training's
+  savings. ``--checkpointing layer|none``, ``--tiled-mlp on|off`` and ``--offload-checkpoints`` force
+  their part (the ladder keeps the rest). Each record's ``checkpointing`` says what ran
+  (``none``, ``layer``, ``layer+tiled-mlp``, ``layer+tiled-mlp+offload``). Eager (no CUDA graphs, no compile).
 - sequence parallel: every rank holds a contiguous shard of every sequence (1/K of the tokens), fed at
   its global positions; labels are shifted on the whole sequence before sharding; each rank's loss is its
   share of the mean over the whole batch, computed in row tiles of ``--loss-chunk`` rows (DeepSpeed's
@@ -55,9 +59,10 @@ pairs, summed over segments, heads and patterns (``attended_pairs``, tested agai
 Recomputation (checkpointing, the tiled loss) is not counted.
 
 ``--find-max V,...``: for each variant, the sequence length doubles (from ``--find-max-start``, default the
-largest ``--seq-lens``) until it runs out of memory, a size is predicted not to fit (its peak extrapolated
-linearly from the last one beyond ``--memory-limit`` of the GPU), or the next size would not finish within
-``--time-budget`` seconds of the search: one warm-up and one timed step per size.
+largest ``--seq-lens``) until it runs out of memory, a size is predicted not to fit (no rung of the ladder
+fits; or, on the rung the last size ran on, its peak extrapolated linearly from the last one beyond
+``--memory-limit`` of the GPU), or the next size would not finish within ``--time-budget`` seconds of the
+search: one warm-up and one timed step per size, each on its own rung of the ladder.
 
 Results: ``<out>/model_<gpu>.{json,md,png}`` (``<gpu>`` as ``gpu_tag.py`` names it; ``cpu`` on CPU),
 written by rank 0 after every record. Runs with other GPU counts are kept in the same file (a record
@@ -88,7 +93,7 @@ from gpu_tag import gpu_tag, package_versions  # noqa: E402
 VARIANTS = ("ours", "sdpa", "ulysses", "torch_cp")
 DENSE = ("sdpa", "ulysses", "torch_cp")
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "mlp": 128, "vocab": 128,
-        "seq_lens": [256], "first_segment": 32, "warmup": 1, "steps": 2, "loss_chunk": 64}
+        "seq_lens": [256], "first_segment": 32, "warmup": 1, "steps": 2, "loss_chunk": 64, "mlp_tile": 48}
 PENDING = "started but never finished: the job hung or crashed here (an out-of-memory on one rank while the " \
           "others wait in a collective ends like this)"
 
@@ -126,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mlp", type=int, default=5632)
     g.add_argument("--vocab", type=int, default=32000)
     g.add_argument("--tiny", action="store_true", help="a CPU-sized check: hidden 64, 2 layers, 4 heads of 16, "
-                   "2 KV heads, MLP 128, vocab 128, 256 tokens, first segment 32, 1 + 2 steps")
+                   "2 KV heads, MLP 128, vocab 128, 256 tokens, first segment 32, 1 + 2 steps, MLP tiles of 48")
     g = p.add_argument_group("dilated patterns of ours")
     g.add_argument("--first-segment", type=int, default=2048)
     g.add_argument("--segment-factor", type=int, default=4)
@@ -142,10 +147,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="FSDP2 with bf16 compute and fp32 master weights (default); --no-fsdp: fp32 weights "
                         "on every rank under bf16 autocast")
     g.add_argument("--checkpointing", choices=["auto", "layer", "none"], default="auto",
-                   help="per-layer activation checkpointing: auto (default) only where the activations every "
-                        "layer keeps are predicted not to fit (activation_bytes), layer always, none never")
+                   help="per-layer activation checkpointing: auto (default) the memory ladder decides (only where "
+                        "every layer's activations are predicted not to fit), layer always, none never")
+    g.add_argument("--tiled-mlp", choices=["auto", "on", "off"], default="auto",
+                   help="each layer's MLP in tiles along the sequence: auto (default) the memory ladder decides "
+                        "(where checkpointed layers alone are predicted not to fit), on always, off never")
+    g.add_argument("--mlp-tile", type=int, default=8192, help="tokens per tile of a tiled MLP")
+    g.add_argument("--mlp-impl", choices=["auto", "deepspeed", "chunked"], default="auto",
+                   help="the tiled MLP: DeepSpeed's TiledMLP (auto: where it imports) or checkpointed tiles")
     g.add_argument("--offload-checkpoints", action="store_true",
-                   help="checkpointed layer inputs go to pinned host memory (transformers' offload=True)")
+                   help="always offload the checkpointed layer inputs to pinned host memory (transformers' "
+                        "offload=True; default: the memory ladder's last rung)")
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="compute precision (auto: bf16 on GPUs, fp32 on CPU)")
     g.add_argument("--loss-chunk", type=int, default=8192, help="rows per tile of the LM head and loss")
@@ -176,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in TINY.items():
             setattr(a, key, value)
     for name in ("batch", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab", "steps",
-                 "first_segment", "loss_chunk"):
+                 "first_segment", "loss_chunk", "mlp_tile"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     if a.warmup < 0:
@@ -185,6 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--heads ({a.heads}) must be a multiple of --kv-heads ({a.kv_heads})")
     if a.segment_factor < 2 or a.rate_factor < 1:
         p.error("--segment-factor must be >= 2 and --rate-factor >= 1")
+    if a.offload_checkpoints and a.checkpointing == "none":
+        p.error("--offload-checkpoints offloads the checkpointed layer inputs: it needs --checkpointing auto or layer")
     if not 0 < a.memory_limit <= 1:
         p.error(f"--memory-limit must be in (0, 1], got {a.memory_limit}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -222,21 +236,101 @@ def step_flops(args, shape, variant: str, n: int) -> float:
 # -- the attention of each variant -------------------------------------------------------------------
 
 
+# -- memory: the ladder of savings -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What a step does to fit: per-layer activation checkpointing, the MLPs tiled along the sequence, the
+    checkpointed layer inputs offloaded to host memory."""
+
+    checkpointing: bool = False
+    tiled_mlp: bool = False
+    offload: bool = False
+
+    @property
+    def label(self) -> str:
+        """``none``, ``layer``, ``layer+tiled-mlp``, ``layer+tiled-mlp+offload`` (each record's ``checkpointing``)."""
+        parts = [name for name, on in (("layer", self.checkpointing), ("tiled-mlp", self.tiled_mlp),
+                                       ("offload", self.offload)) if on]
+        return "+".join(parts) or "none"
+
+
+# Arctic Long Sequence Training's savings, cheapest first: each rung recomputes or moves more than the one before.
+LADDER = (MemoryPlan(), MemoryPlan(checkpointing=True), MemoryPlan(checkpointing=True, tiled_mlp=True),
+          MemoryPlan(checkpointing=True, tiled_mlp=True, offload=True))
+
+
 # Bytes an eager Hugging Face Llama decoder layer keeps for its backward, per token, bf16 compute: two RMSNorms
 # (float32 input and normalized rows, bf16 output: 10 x hidden each), q/k/v projections and their rotated q/k,
 # the attention output and its transposed copy, and the MLP's gate, up, SiLU and product (2 bytes each).
 def activation_bytes(shape) -> int:
     kv = shape.kv_heads * shape.head_dim
     q = shape.heads * shape.head_dim
-    return 2 * 10 * shape.hidden + 2 * (2 * q + 2 * kv) + 2 * (2 * q) + 2 * 4 * shape.mlp
+    return 2 * 10 * shape.hidden + 2 * (2 * q + 2 * kv) + 2 * (2 * q) + mlp_activation_bytes(shape)
 
 
-def predicted_bytes(shape, tokens_per_rank: int, ranks: int) -> float:
-    """Peak bytes of a step with no checkpointing: every layer's activations, 1.2x for the allocator and the
-    attention's and loss's temporaries, plus the model state (fp32 weights, gradients, two AdamW moments,
-    sharded over ``ranks``, and one layer's bf16 weights gathered)."""
+def mlp_activation_bytes(shape) -> int:
+    """Of ``activation_bytes``, the MLP's gate, up, SiLU and product (bf16): what a tiled MLP keeps for one tile only."""
+    return 2 * 4 * shape.mlp
+
+
+def attention_transient_bytes(shape) -> int:
+    """Bytes per token the attention's backward holds besides the layer's activations, about five query-sized
+    float32 tensors: output and query-gradient accumulators, the key/value blocks and their gradients in flight
+    around the ring (about 40 KB a token at the default shape)."""
+    return 5 * 4 * shape.heads * shape.head_dim
+
+
+def checkpoint_bytes(shape) -> int:
+    """Bytes per token and layer that per-layer checkpointing keeps: the layer's bf16 input."""
+    return 2 * shape.hidden
+
+
+def predicted_bytes(shape, tokens_per_rank: int, ranks: int, plan: MemoryPlan = LADDER[0]) -> float:
+    """Peak bytes of a step on one rank under ``plan``, T = ``tokens_per_rank``, L layers:
+
+    - model state: fp32 weights, gradients and two AdamW moments sharded over ``ranks`` (16 bytes a parameter),
+      plus one layer's bf16 weights gathered;
+    - checkpoints (``plan.checkpointing`` without ``plan.offload``): ``L x T x checkpoint_bytes``;
+    - activations alive at once: every layer's without checkpointing, one layer's (the one being recomputed)
+      with it; ``activation_bytes`` per token and layer, less ``mlp_activation_bytes`` with a tiled MLP (one
+      tile's, 8192 tokens by default, is within the margin); plus the attention's transients
+      (``attention_transient_bytes``); all 1.2x for the allocator and the loss's and the other temporaries.
+
+    Default shape, 4 ranks (bytes a token: activations 104 KiB, of which the MLP's 44 KiB; attention 40 KiB;
+    checkpoints 4 KiB a layer): 32,768 tokens a rank keep every layer in 72 GB; 131,072 checkpointed in 35 GB;
+    524,288 need the tiled MLP and the offload: 68 GB (none 1.1 TB, layer 131 GB, layer+tiled-mlp 102 GB).
+    """
     state = 16 * shape.params() / ranks + 2 * shape.params() / shape.layers
-    return 1.2 * shape.layers * tokens_per_rank * activation_bytes(shape) + state
+    kept_layers = 1 if plan.checkpointing else shape.layers
+    per_layer = activation_bytes(shape) - (mlp_activation_bytes(shape) if plan.tiled_mlp else 0)
+    activations = 1.2 * tokens_per_rank * (kept_layers * per_layer + attention_transient_bytes(shape))
+    checkpoints = shape.layers * tokens_per_rank * checkpoint_bytes(shape) \
+        if plan.checkpointing and not plan.offload else 0
+    return activations + checkpoints + state
+
+
+def allowed_rungs(args) -> list[MemoryPlan]:
+    """The ladder's rungs the flags allow (``--checkpointing``, ``--tiled-mlp``, ``--offload-checkpoints`` force
+    their part); where the flags name a plan off the ladder (e.g. no checkpointing with a tiled MLP), that alone."""
+
+    def allowed(plan: MemoryPlan) -> bool:
+        return (args.checkpointing == "auto" or plan.checkpointing == (args.checkpointing == "layer")) and \
+            (args.tiled_mlp == "auto" or plan.tiled_mlp == (args.tiled_mlp == "on")) and \
+            (plan.offload or not args.offload_checkpoints)
+
+    rungs = [plan for plan in LADDER if allowed(plan)]
+    return rungs or [MemoryPlan(checkpointing=args.checkpointing == "layer" or args.offload_checkpoints,
+                                tiled_mlp=args.tiled_mlp == "on", offload=args.offload_checkpoints)]
+
+
+def choose_plan(shape, tokens_per_rank: int, ranks: int, rungs: list[MemoryPlan], limit: float | None) -> MemoryPlan:
+    """The first of ``rungs`` whose ``predicted_bytes`` fits ``limit`` bytes, else the last (the least memory; it
+    may still run out). ``limit=None`` (no GPU to fit): the first."""
+    if limit is None:
+        return rungs[0]
+    return next((plan for plan in rungs if predicted_bytes(shape, tokens_per_rank, ranks, plan) <= limit), rungs[-1])
 
 
 def _no_mask(*args, **kwargs):
@@ -405,11 +499,29 @@ class Runner:
         how = (f"FSDP2 over {self.env.world_size} rank(s): fp32 master weights, gradients and AdamW state sharded, "
                f"{prec}" + (" (MixedPrecisionPolicy param bf16, reduce fp32)" if self.bf16 else "")) if a.fsdp else \
             (f"fp32 weights on every rank, {'bf16 autocast' if self.bf16 else 'fp32'}, gradients all-reduced")
-        ckpt = {"auto": "per-layer activation checkpointing where the activations would not fit (each record's "
-                        "`checkpointing`)",
-                "layer": "per-layer activation checkpointing", "none": "no activation checkpointing"}[a.checkpointing]
-        ckpt += " (checkpoints offloaded to host)" if a.offload_checkpoints else ""
-        return f"{how}; {ckpt}; eager; AdamW lr {a.lr} (warmup {a.lr_warmup}), clip {a.clip}"
+        return f"{how}; {self.savings()}; eager; AdamW lr {a.lr} (warmup {a.lr_warmup}), clip {a.clip}"
+
+    def savings(self) -> str:
+        """The memory savings the flags allow, in words (what ran is each record's ``checkpointing``)."""
+        a = self.args
+        rungs = self.rungs()
+        tiles = f"MLP in tiles of {a.mlp_tile} tokens ({self.mlp_impl()})"
+        if len(rungs) == 1:
+            plan = rungs[0]
+            parts = ["per-layer activation checkpointing" if plan.checkpointing else "no activation checkpointing"]
+            parts += [tiles] if plan.tiled_mlp else []
+            parts += ["checkpoints offloaded to host"] if plan.offload else []
+            return ", ".join(parts)
+        return (f"memory savings per length: the first of {', '.join(p.label for p in rungs)} predicted to fit in "
+                f"{a.memory_limit:.0%} of the GPU (layer: per-layer activation checkpointing; tiled-mlp: {tiles}; "
+                f"offload: checkpointed layer inputs in host memory; each record's `checkpointing` says which ran)")
+
+    def mlp_impl(self) -> str:
+        from dilated_attention.models.hf_training import deepspeed_tiled_mlp
+
+        if self.args.mlp_impl != "auto":
+            return self.args.mlp_impl
+        return "deepspeed" if deepspeed_tiled_mlp() is not None else "chunked"
 
     def run(self, variant: str, n: int, warmup: int, steps: int) -> dict:
         """Build the model with ``variant``'s attention, train ``warmup + steps`` steps at ``n`` tokens."""
@@ -422,6 +534,7 @@ class Runner:
             make_optimizer,
             sequence_parallel_batch,
             shard_model,
+            tile_mlp,
             train_step,
         )
 
@@ -436,9 +549,11 @@ class Runner:
         times, losses = [], []
         module = opt = sched = None
         try:
-            checkpointing = self.checkpointing(n)
-            lm = build_llama(self.shape, name, n, a.seed, device=env.device, checkpointing=checkpointing,
-                             offload=a.offload_checkpoints)
+            plan = self.memory_plan(n)
+            lm = build_llama(self.shape, name, n, a.seed, device=env.device, checkpointing=plan.checkpointing,
+                             offload=plan.offload)
+            if plan.tiled_mlp:
+                tile_mlp(lm, rows=a.mlp_tile, impl=a.mlp_impl)
             module = SequenceParallelLoss(lm, chunk_rows=a.loss_chunk, loss_impl=a.loss_impl)
             del lm
             if a.fsdp:
@@ -469,19 +584,28 @@ class Runner:
                 "step_s": step_s, "step_times_s": times, "tokens_per_s": a.batch * n / step_s,
                 "peak_gib": peak, "state_gib": state_gib, "losses": losses, "step_tflop": flops / 1e12,
                 "mfu": flops / (step_s * k * a.peak_tflops * 1e12), "attention": how,
-                "checkpointing": "layer" if checkpointing else "none"}
+                "checkpointing": plan.label, "predicted_gib": self.predicted(plan, n) / 2**30}
 
-    def checkpointing(self, n: int) -> bool:
-        """Recompute each layer in the backward? ``auto``: where keeping every layer's activations is predicted
-        past ``--memory-limit`` of the GPU (on CPU: never). The same answer on every rank (no collective)."""
-        a = self.args
-        if a.checkpointing != "auto":
-            return a.checkpointing == "layer"
+    def rungs(self) -> list[MemoryPlan]:
+        return allowed_rungs(self.args)
+
+    def predicted(self, plan: MemoryPlan, n: int) -> float:
+        """``predicted_bytes`` of ``plan`` at ``n`` tokens per sequence on this run's ranks."""
+        k = self.env.world_size
+        return predicted_bytes(self.shape, self.args.batch * n // k, k, plan)
+
+    def capacity(self) -> float | None:
+        """``--memory-limit`` of the GPU in bytes (None on CPU)."""
         if not self.cuda:
-            return False
-        capacity = self.torch.cuda.get_device_properties(self.env.device).total_memory
-        return predicted_bytes(self.shape, a.batch * n // self.env.world_size, self.env.world_size) \
-            > a.memory_limit * capacity
+            return None
+        return self.args.memory_limit * self.torch.cuda.get_device_properties(self.env.device).total_memory
+
+    def memory_plan(self, n: int) -> MemoryPlan:
+        """The first allowed rung whose predicted peak at ``n`` tokens fits ``--memory-limit`` of the GPU, else the
+        last (the cheapest in memory; it may still run out). On CPU the first. The same answer on every rank
+        (the same formula of the same numbers: no collective)."""
+        k = self.env.world_size
+        return choose_plan(self.shape, self.args.batch * n // k, k, self.rungs(), self.capacity())
 
     def cp_context(self, batch: dict):
         """torch's context parallel over the world: shards the whole-sequence inputs in place (load-balanced
@@ -579,12 +703,14 @@ def render_md(data: dict) -> str:
                      f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
     if data["find_max"]:
         lines += ["", "Longest trainable sequence (doubling until out of memory):", "",
-                  "| GPUs | variant | longest tokens/seq | its step s | stopped at | why |", "| ---: | --- | ---: | ---: | ---: | --- |"]
+                  "| GPUs | variant | longest tokens/seq | its step s | its checkpointing | stopped at | why |",
+                  "| ---: | --- | ---: | ---: | --- | ---: | --- |"]
         for f in data["find_max"]:
             step = f"{f['step_s']:.2f}" if f.get("step_s") else "-"
             longest = f"{f['max_seq_len']:,}" if f.get("max_seq_len") else "-"
             stop = f"{f['stopped_at']:,}" if f.get("stopped_at") else "-"
-            lines.append(f"| {f['gpus']} | {f['variant']} | {longest} | {step} | {stop} | {f['why']} |")
+            lines.append(f"| {f['gpus']} | {f['variant']} | {longest} | {step} | {f.get('checkpointing', '-')} | {stop} "
+                         f"| {f['why']} |")
     if data["skipped"]:
         lines += ["", "Not measured:", ""]
         lines += [f"- {s['gpus']} GPU(s), {s['seq_len']:,} tokens, {s['variant']}: {s['reason']}" for s in data["skipped"]]
@@ -638,29 +764,36 @@ def write_outputs(data: dict, json_path: str) -> None:
 
 
 def find_max(runner: Runner, variant: str, start: int, save: Callable[[], None], data: dict, progress) -> None:
-    """Double the length from ``start`` until out of memory, a predicted out of memory, or the time budget."""
-    a, k, torch = runner.args, runner.env.world_size, runner.torch
-    capacity = torch.cuda.get_device_properties(runner.env.device).total_memory / 2**30 if runner.cuda else None
+    """Double the length from ``start`` until out of memory, a predicted out of memory, or the time budget. Each
+    size runs on its own rung of the memory ladder (``Runner.memory_plan``). Predicted out of memory: on the rung
+    the last size ran on, its measured peak extrapolated linearly; on another rung, ``predicted_bytes``."""
+    a, k = runner.args, runner.env.world_size
+    limit = runner.capacity()
     entry = {"variant": variant, "gpus": k, "max_seq_len": None, "step_s": None, "peak_gib": None,
              "stopped_at": None, "why": PENDING, "sizes": []}
     data["find_max"].append(entry)
     t_start, n, last = time.perf_counter(), start, None
     while True:
+        plan = runner.memory_plan(n)
+        if limit is not None:
+            if last is not None and last["peak_gib"] is not None and last["checkpointing"] == plan.label:
+                predicted = last["state_gib"] + (last["peak_gib"] - last["state_gib"]) * n / last["seq_len"]
+                how = f"{plan.label}, extrapolated from {last['seq_len']:,}"
+            else:
+                predicted, how = runner.predicted(plan, n) / 2**30, f"{plan.label}, predicted_bytes"
+            if predicted > limit / 2**30:
+                entry.update(stopped_at=n, why=f"predicted OOM: {predicted:.0f} GiB ({how}) > {a.memory_limit:.0%} "
+                                               f"of the GPU's {limit / a.memory_limit / 2**30:.0f} GiB")
+                break
         if last is not None:
             ratio = step_flops(a, runner.shape, variant, n) / step_flops(a, runner.shape, variant, last["seq_len"])
-            if capacity and last["peak_gib"] is not None:
-                predicted = last["state_gib"] + (last["peak_gib"] - last["state_gib"]) * n / last["seq_len"]
-                if predicted > a.memory_limit * capacity:
-                    entry.update(stopped_at=n, why=f"predicted OOM: {predicted:.0f} GiB > {a.memory_limit:.0%} of "
-                                                   f"{capacity:.0f} GiB")
-                    break
             if time.perf_counter() - t_start + 2.5 * last["step_s"] * ratio > a.time_budget:
                 entry.update(stopped_at=n, why=f"time budget ({a.time_budget:.0f} s)")
                 break
         if n % k:
             entry.update(stopped_at=n, why=f"{n} tokens do not divide over {k} ranks")
             break
-        progress.set_postfix_str(f"find-max {variant} {n}")
+        progress.set_postfix_str(f"find-max {variant} {n} ({plan.label})")
         save()
         res, err = guarded(runner, lambda: runner.run(variant, n, warmup=1, steps=1))
         progress.update()
@@ -668,8 +801,10 @@ def find_max(runner: Runner, variant: str, start: int, save: Callable[[], None],
             entry.update(stopped_at=n, why=err)
             break
         entry["sizes"].append({"seq_len": n, "step_s": res["step_s"], "peak_gib": res["peak_gib"],
-                               "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"]})
-        entry.update(max_seq_len=n, step_s=res["step_s"], peak_gib=res["peak_gib"], mfu=res["mfu"])
+                               "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
+                               "checkpointing": res["checkpointing"]})
+        entry.update(max_seq_len=n, step_s=res["step_s"], peak_gib=res["peak_gib"], mfu=res["mfu"],
+                     checkpointing=res["checkpointing"])
         last = res
         n *= 2
     entry["seconds"] = time.perf_counter() - t_start
@@ -754,7 +889,8 @@ def main(argv: list[str] | None = None) -> int:
             if env.rank == 0:
                 peak = f"{res['peak_gib']:.1f} GiB" if res["peak_gib"] is not None else "-"
                 progress.write(f"  {variant:8s} N={n:>9,d} x{k}: {res['step_s']:.3f} s/step, "
-                               f"{res['tokens_per_s']:,.0f} tokens/s, MFU {100 * res['mfu']:.1f}%, peak {peak}, "
+                               f"{res['tokens_per_s']:,.0f} tokens/s, MFU {100 * res['mfu']:.1f}%, peak {peak} "
+                               f"({res['checkpointing']}), "
                                f"loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}")
         save()
         progress.update()
@@ -770,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
         for f in data["find_max"]:
             if f["gpus"] == k:
                 print(f"  longest {f['variant']} x{k}: {f['max_seq_len']} tokens "
-                      f"({f['step_s'] or 0:.2f} s/step); stopped at {f['stopped_at']}: {f['why']}")
+                      f"({f['step_s'] or 0:.2f} s/step, {f.get('checkpointing', '-')}); stopped at {f['stopped_at']}: "
+                      f"{f['why']}")
     env.shutdown()
     return 0
 
