@@ -4,6 +4,8 @@
     torchrun --standalone --nproc_per_node=4 benchmarks/bench_model.py --seq-lens 131072,524288
     torchrun --standalone --nproc_per_node=4 benchmarks/bench_model.py --variants ours --seq-lens 524288 \\
         --find-max ours --time-budget 420
+    torchrun --standalone --nproc_per_node=4 benchmarks/bench_model.py --variants ours --seq-lens 1048576 \\
+        --find-max ours --find-max-start 2097152 --time-budget 300     # 2M tokens: tiled MLP + offload
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_model.py --tiny --device cpu   # CPU check
 
 Trains ``LlamaForCausalLM`` (transformers, random weights, synthetic learnable tokens) for
