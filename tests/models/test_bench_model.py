@@ -60,26 +60,26 @@ def test_checkpointing_auto_keeps_activations_only_where_they_fit():
     # copy (8 x 2048 x 2 B), the two RMSNorms (2 x 10 x 2048 B), the MLP's four (4 x 5632 x 2 B = 44 KiB)
     assert per_token == 2 * (2 * 2048 + 2 * 1024) + 2 * 2 * 2048 + 2 * 10 * 2048 + 8 * 5632
     assert bench_model.mlp_activation_bytes(shape) == 8 * 5632
-    assert bench_model.attention_transient_bytes(shape) == 5 * 4 * 16 * 128  # five fp32 query-sized tensors
+    assert bench_model.attention_transient_bytes(shape) == 2 * 4 * 16 * 128  # two fp32 query-sized tensors
     # state: 16 bytes per parameter sharded, plus one layer's gathered bf16 weights
     state = 4 * shape.params() + 2 * shape.params() / shape.layers
     assert bench_model.predicted_bytes(shape, 0, 4) == state
     t = 100_000
     none, layer, tiled, offload = (bench_model.predicted_bytes(shape, t, 4, plan) - state for plan in bench_model.LADDER)
-    assert none == pytest.approx(1.2 * t * (16 * per_token + 5 * 4 * 2048))
-    assert layer == pytest.approx(1.2 * t * (per_token + 5 * 4 * 2048) + 16 * t * 2 * 2048)  # + the layer inputs
-    assert tiled == pytest.approx(layer - 1.2 * t * 8 * 5632)  # no MLP intermediates kept
+    assert none == pytest.approx(1.1 * t * (16 * per_token + 2 * 4 * 2048))
+    assert layer == pytest.approx(1.1 * t * (per_token + 2 * 4 * 2048) + 16 * t * 2 * 2048)  # + the layer inputs
+    assert tiled == pytest.approx(layer - 1.1 * t * 8 * 5632)  # no MLP intermediates kept
     assert offload == pytest.approx(tiled - 16 * t * 2 * 2048)  # the layer inputs in host memory
 
     capacity = 79.2 * 2**30  # an H100 80GB, as torch reports it; --memory-limit 0.95 (75 GiB, 81 GB)
     plans = {n: bench_model.choose_plan(shape, n // 4, 4, list(bench_model.LADDER), 0.95 * capacity).label
              for n in (131072, 524288, 2097152)}
-    # 32,768 tokens a rank: every layer kept, 72 GB (16 x 104 KiB + 40 KiB a token, x 1.2, + 3.6 GB of state)
+    # 32,768 tokens a rank: every layer kept, 61 GiB (16 x 104 KiB + 16 KiB a token, x 1.1, + 3.4 GiB of state)
     assert plans[131072] == "none"
-    # 131,072: keeping every layer would take 278 GB; checkpointed, 35 GB (8.6 GB of layer inputs)
+    # 131,072: keeping every layer would take 234 GiB; checkpointed, 29 GiB (8 GiB of layer inputs)
     assert plans[524288] == "layer"
-    # 524,288: checkpointed 131 GB (34 GB of layer inputs, one layer's 104 KiB + 40 KiB a token x 1.2 = 93 GB);
-    # the tiled MLP drops 44 KiB a token (102 GB); the layer inputs offloaded leave 68 GB
+    # 524,288: checkpointed 101 GiB (32 GiB of layer inputs, one layer's 104 KiB + 16 KiB a token x 1.1 = 66 GiB);
+    # the tiled MLP drops 44 KiB a token (77 GiB, over 75); the layer inputs offloaded leave 45 GiB
     assert plans[2097152] == "layer+tiled-mlp+offload"
     assert bench_model.predicted_bytes(shape, 2097152 // 4, 4, bench_model.LADDER[2]) > 0.95 * capacity
     # forced off the ladder's first rungs, the first allowed one that fits; none fitting, the last allowed
