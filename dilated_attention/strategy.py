@@ -3,25 +3,26 @@
 ``A = 1`` is the ring, ``A = world`` head-parallel, anything between the hybrid (docs/design.md
 section 2). The rule is a table of what ``benchmarks/bench_scaling.py`` measured, per kind of
 pattern set, causality and shard layout, on 2 x H200 with flash-attn-4 installed at 32768 tokens per
-GPU, stream-ordered waits, eagerly and replayed in a CUDA graph (``benchmarks/run_scaling.sh --worlds 1,2
---strategies ring,head --layouts contiguous,zigzag --peers torch_cp,ulysses --cuda-graph --profile``,
+GPU, stream-ordered waits, eagerly and replayed in a CUDA graph (``benchmarks/run_scaling.sh --worlds 1,2,4
+--strategies ring,head --layouts contiguous,zigzag --peers torch_cp,ulysses --cuda-graph``,
 ``benchmarks/results/scaling_h200_x2.json``; forward+backward ms, eager / replayed):
 
 ==========================  =============  =============  =============  =============  ==========  =========
 patterns                             ring           head    ring zigzag    head zigzag  contiguous  zigzag
 ==========================  =============  =============  =============  =============  ==========  =========
-LongNet, non-causal           16.5 / 13.4    15.6 / 15.4    19.4 / 15.5    16.5 / 16.2  ring        head
-LongNet, causal                11.3 / 8.1    11.8 / 10.5    16.5 / 10.1    11.6 / 11.4  ring        head
-full attention, non-causal  106.7 / 106.5  105.0 / 104.8  107.0 / 106.1  105.7 / 105.3  tie: head   tie: head
-full attention, causal        59.2 / 58.3    57.1 / 57.1    58.2 / 57.3    57.7 / 57.5  head        tie: head
+LongNet, non-causal           16.9 / 13.4    16.3 / 15.1    24.3 / 15.1    17.7 / 16.0  ring        head
+LongNet, causal                13.3 / 8.0    13.1 / 10.4    21.9 / 10.1    15.6 / 11.3  ring        head
+full attention, non-causal  106.6 / 106.1  104.8 / 104.9  107.0 / 107.1  105.7 / 105.5  tie: head   tie: head
+full attention, causal        60.6 / 58.1    57.5 / 56.1    58.4 / 57.1    58.3 / 57.1  head        tie: head
 ==========================  =============  =============  =============  =============  ==========  =========
 
+The same run at K=4 (``scaling_h200_x4.json``) chooses the same in every row.
 The last two columns are the choice per layout (``benchmarks/plot_scaling.py``'s ``auto_choices``, which
-``tests/test_strategy.py`` applies to the committed results): each strategy's worse ratio to the fastest
+``tests/test_strategy.py`` applies to runs pinned under ``tests/data``): each strategy's worse ratio to the fastest
 over the two modes, the smallest winning, "tie" where the ring is within 3% of it: a tie goes to the strategy
 whose peak memory is more than 10% lower, else to the ring. Both modes count because
 eager LongNet steps are host-bound at this size: how fast the host issues them moves their eager times by
-up to 15% between machines (the non-causal ring 14.1 or 16.5 ms on two H200 hosts, replayed 13.4 on both),
+up to 15% between machines (the non-causal ring 14.1-16.9 ms on three H200 hosts, replayed 13.4 on each),
 while a captured step, or one whose host runs ahead of the GPU inside a model, costs its replayed time.
 2 x H100 with flash-attn-4 (``scaling_h100_x2.json``) chooses the same in every row. A GPU model measured to
 choose otherwise gets its own table by the device's name (``MEASURED_ON``).
