@@ -90,6 +90,7 @@ from typing import Callable
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from cli_types import name_list, positive_int_list  # noqa: E402
 from gpu_tag import gpu_tag, package_versions  # noqa: E402
 
 VARIANTS = ("ours", "sdpa", "ulysses", "torch_cp")
@@ -100,29 +101,11 @@ PENDING = "started but never finished: the job hung or crashed here (an out-of-m
           "others wait in a collective ends like this)"
 
 
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def variant_list(text: str) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    bad = [x for x in names if x not in VARIANTS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad}; choose from {','.join(VARIANTS)}")
-    return names
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int_list, default=[32768, 131072],
+    p.add_argument("--seq-lens", type=positive_int_list, default=[32768, 131072],
                    help="tokens per sequence (global), comma-separated, e.g. 32768,131072,524288,1048576")
-    p.add_argument("--variants", type=variant_list, default=list(VARIANTS), help=f"of {','.join(VARIANTS)}")
+    p.add_argument("--variants", type=name_list(VARIANTS), default=list(VARIANTS), help=f"of {','.join(VARIANTS)}")
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     g = p.add_argument_group("model (default about 0.9B parameters)")
     g.add_argument("--hidden", type=int, default=2048)
@@ -169,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ulysses: DeepSpeed's UlyssesSPAttentionHF (auto: where it imports) or the plain all-to-all")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("longest sequence")
-    g.add_argument("--find-max", type=variant_list, default=[], metavar="VARIANTS",
+    g.add_argument("--find-max", type=name_list(VARIANTS), default=[], metavar="VARIANTS",
                    help="double the sequence length until out of memory, per variant (e.g. ours,ulysses)")
     g.add_argument("--find-max-start", type=int, default=None, help="first length (default: the largest --seq-lens)")
     g.add_argument("--time-budget", type=float, default=300.0, help="seconds for each variant's search")
@@ -215,6 +198,11 @@ class Skip(Exception):
 
 
 # -- FLOPs -------------------------------------------------------------------------------------------
+
+
+def resolved_impl(choice: str, deepspeed_piece: Callable[[], object]) -> str:
+    """``--loss-impl``/``--mlp-impl`` as it runs: ``auto`` is DeepSpeed's piece where it imports, else chunked."""
+    return choice if choice != "auto" else ("deepspeed" if deepspeed_piece() is not None else "chunked")
 
 
 def patterns(args, n: int) -> tuple[list[int], list[int]]:
@@ -472,6 +460,7 @@ class Runner:
         self.bf16 = args.precision == "bf16" or (args.precision == "auto" and self.cuda)
         self.mesh = None
         self.state: dict = {}
+        self.rungs = allowed_rungs(args)  # the memory ladder's rungs the flags allow
 
     def sync(self) -> None:
         if self.cuda:
@@ -507,7 +496,7 @@ class Runner:
     def savings(self) -> str:
         """The memory savings the flags allow, in words (what ran is each record's ``checkpointing``)."""
         a = self.args
-        rungs = self.rungs()
+        rungs = self.rungs
         tiles = f"MLP in tiles of {a.mlp_tile} tokens ({self.mlp_impl()})"
         if len(rungs) == 1:
             plan = rungs[0]
@@ -522,9 +511,7 @@ class Runner:
     def mlp_impl(self) -> str:
         from dilated_attention.models.hf_training import deepspeed_tiled_mlp
 
-        if self.args.mlp_impl != "auto":
-            return self.args.mlp_impl
-        return "deepspeed" if deepspeed_tiled_mlp() is not None else "chunked"
+        return resolved_impl(self.args.mlp_impl, deepspeed_tiled_mlp)
 
     def run(self, variant: str, n: int, warmup: int, steps: int) -> dict:
         """Build the model with ``variant``'s attention, train ``warmup + steps`` steps at ``n`` tokens."""
@@ -589,9 +576,6 @@ class Runner:
                 "mfu": flops / (step_s * k * a.peak_tflops * 1e12), "attention": how,
                 "checkpointing": plan.label, "predicted_gib": self.predicted(plan, n) / 2**30}
 
-    def rungs(self) -> list[MemoryPlan]:
-        return allowed_rungs(self.args)
-
     def predicted(self, plan: MemoryPlan, n: int) -> float:
         """``predicted_bytes`` of ``plan`` at ``n`` tokens per sequence on this run's ranks."""
         k = self.env.world_size
@@ -608,7 +592,7 @@ class Runner:
         last (the cheapest in memory; it may still run out). On CPU the first. The same answer on every rank
         (the same formula of the same numbers: no collective)."""
         k = self.env.world_size
-        return choose_plan(self.shape, self.args.batch * n // k, k, self.rungs(), self.capacity())
+        return choose_plan(self.shape, self.args.batch * n // k, k, self.rungs, self.capacity())
 
     def cp_context(self, batch: dict):
         """torch's context parallel over the world: shards the whole-sequence inputs in place (load-balanced
@@ -840,8 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(env.device) if cuda else "cpu"
     tag = args.tag or (gpu_tag(device_name) if cuda else "cpu")
     path = os.path.join(args.out, f"model_{tag}.json")
-    loss_impl = args.loss_impl if args.loss_impl != "auto" else \
-        ("deepspeed" if deepspeed_tiled_loss() is not None else "chunked")
+    loss_impl = resolved_impl(args.loss_impl, deepspeed_tiled_loss)
     meta = {
         "gpu": device_name, "gpus": k, "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),

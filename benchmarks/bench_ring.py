@@ -33,16 +33,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from cli_types import int_list  # noqa: E402
 from gpu_tag import gpu_tag  # noqa: E402
 
 BACKENDS = ("collective", "fairscale", "deepspeed")
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:

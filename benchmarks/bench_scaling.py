@@ -88,29 +88,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_tag import gpu_tag, package_versions  # noqa: E402
+from cli_types import int_list, name_list  # noqa: E402
 from host_cost import issue_ms, kernel_launches  # noqa: E402
 
 STRATEGIES = ("ring", "head", "hybrid")
 CONFIGS = ("longnet", "full")
 PEERS = ("torch_cp", "ulysses", "ring_flash_attn")
 LAYOUTS = ("contiguous", "zigzag")
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [x for x in text.split(",") if x]
-        bad = [x for x in names if x not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{bad} not in {choices}")
-        return names
-    return parse
 
 
 def steps_per_iteration(text: str) -> int:
@@ -342,16 +326,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int_list, default=[32768], help="tokens per GPU, comma-separated "
                    "(default 32768; sweep: 8192,16384,32768,65536)")
-    p.add_argument("--configs", type=_names(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--configs", type=name_list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    p.add_argument("--strategies", type=_names(STRATEGIES), default=list(STRATEGIES))
-    p.add_argument("--layouts", type=_names(LAYOUTS), default=["contiguous"],
+    p.add_argument("--strategies", type=name_list(STRATEGIES), default=list(STRATEGIES))
+    p.add_argument("--layouts", type=name_list(LAYOUTS), default=["contiguous"],
                    help="shard layouts of ours (contiguous,zigzag); zigzag is skipped where dilated_attention "
                         "has no layout= argument")
     p.add_argument("--waits", choices=["stream", "host"], default="stream",
                    help="stream: DILATED_ATTENTION_TIMEOUT unset, NCCL's stream-ordered waits (the default a user "
                         "gets); host: DILATED_ATTENTION_TIMEOUT set (default 300 s), a host-timed wait per exchange")
-    p.add_argument("--peers", type=_names(PEERS), default=None, help="'' for none (default: all; none with --smoke)")
+    p.add_argument("--peers", type=name_list(PEERS), default=None, help="'' for none (default: all; none with --smoke)")
     p.add_argument("--backend", default="collective", choices=["collective", "fairscale", "deepspeed"])
     p.add_argument("--memory-bound", type=memory_bound, default=None, metavar="SHARE,FROM",
                    help="run the library under set_memory_bound(SHARE, FROM) (e.g. 0.4,0: every call within about "

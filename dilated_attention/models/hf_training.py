@@ -163,13 +163,31 @@ def _chunk_loss(lm_head: nn.Module, x: torch.Tensor, y: torch.Tensor, normalizer
     return F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE_INDEX) / normalizer
 
 
-def deepspeed_tiled_loss():
-    """DeepSpeed's ``TiledFusedLogitsLoss``, or ``None`` where DeepSpeed does not import (or lacks it)."""
+def _deepspeed_tiled(name: str):
+    """DeepSpeed's ``ulysses_sp.<name>`` (Arctic Long Sequence Training's tiled pieces), or ``None`` where
+    DeepSpeed does not import (or lacks it)."""
     try:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
     except Exception:  # ImportError, or DeepSpeed failing to pick an accelerator
         return None
-    return TiledFusedLogitsLoss
+    return getattr(ulysses_sp, name, None)
+
+
+def _tiled_piece(impl: str, name: str):
+    """The DeepSpeed piece ``name`` that ``impl`` selects (``"auto"``: where it imports; ``"deepspeed"``:
+    required), ``None`` for the chunked fallback."""
+    if impl not in ("auto", "deepspeed", "chunked"):
+        raise ValueError(f"impl must be 'auto', 'deepspeed' or 'chunked', got {impl!r}")
+    ds = _deepspeed_tiled(name) if impl != "chunked" else None
+    if impl == "deepspeed" and ds is None:
+        raise ValueError(f"impl='deepspeed' but deepspeed's {name} does not import (pip install deepspeed), "
+                         "or pass impl='chunked'")
+    return ds
+
+
+def deepspeed_tiled_loss():
+    """DeepSpeed's ``TiledFusedLogitsLoss``, or ``None`` where DeepSpeed does not import (or lacks it)."""
+    return _deepspeed_tiled("TiledFusedLogitsLoss")
 
 
 def tiled_lm_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, normalizer: float,
@@ -181,18 +199,13 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor
     tile's backward runs inside the forward), ``"chunked"`` (each tile under activation checkpointing:
     its logits are recomputed in the backward), ``"auto"`` (DeepSpeed's where it imports).
     """
-    if impl not in ("auto", "deepspeed", "chunked"):
-        raise ValueError(f"impl must be 'auto', 'deepspeed' or 'chunked', got {impl!r}")
+    ds = _tiled_piece(impl, "TiledFusedLogitsLoss")
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
     if hidden.shape[:2] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree on (B, n)")
     rows = hidden.shape[0] * hidden.shape[1]
     tiles = max(1, math.ceil(rows / chunk_rows))
-    ds = deepspeed_tiled_loss() if impl != "chunked" else None
-    if impl == "deepspeed" and ds is None:
-        raise ValueError("impl='deepspeed' but deepspeed's TiledFusedLogitsLoss does not import (pip install "
-                         "deepspeed), or pass impl='chunked'")
     if ds is not None:
         def fn(head, x, y):
             return _chunk_loss(head, x, y.reshape(-1), normalizer)
@@ -206,11 +219,7 @@ def tiled_lm_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor
 
 def deepspeed_tiled_mlp():
     """DeepSpeed's ``TiledMLP``, or ``None`` where DeepSpeed does not import (or lacks it)."""
-    try:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-    except Exception:  # ImportError, or DeepSpeed failing to pick an accelerator
-        return None
-    return TiledMLP
+    return _deepspeed_tiled("TiledMLP")
 
 
 def _tiled_forward(original, rows: int, ds):
@@ -259,18 +268,13 @@ def tile_mlp(lm: nn.Module, rows: int = 8192, impl: str = "auto") -> str:
     dicts are unchanged; calling it again re-tiles. Works under per-layer activation checkpointing and
     FSDP2 (``fully_shard`` per decoder layer: the MLP's weights are gathered while the layer runs).
     """
-    if impl not in ("auto", "deepspeed", "chunked"):
-        raise ValueError(f"impl must be 'auto', 'deepspeed' or 'chunked', got {impl!r}")
+    ds = _tiled_piece(impl, "TiledMLP")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
         raise ValueError(f"rows must be a positive int (tokens per tile), got {rows!r}")
     layers = getattr(getattr(lm, "model", lm), "layers", None)
     if layers is None or not all(isinstance(getattr(layer, "mlp", None), nn.Module) for layer in layers):
         raise TypeError(f"tile_mlp needs a decoder model whose .layers (or .model.layers) each have an .mlp "
                         f"module, got {type(lm).__name__}")
-    ds = deepspeed_tiled_mlp() if impl != "chunked" else None
-    if impl == "deepspeed" and ds is None:
-        raise ValueError("impl='deepspeed' but deepspeed's TiledMLP does not import (pip install deepspeed), "
-                         "or pass impl='chunked'")
     for layer in layers:
         mlp = layer.mlp
         # the class's forward, not the instance's: tiling twice re-tiles rather than nesting tiles
