@@ -835,16 +835,20 @@ def markdown(result):
         f"longnet segments {meta['segment_lengths']} rates {meta['dilation_rates']}.",
         f"Command: `{meta['command']}`",
         "",
-        "| method | causal | what | ms | TFLOP/s | peak extra MiB |",
-        "| --- | --- | --- | ---: | ---: | ---: |",
+        "Host issue: the host's milliseconds to issue one forward+backward through the API, the GPU drained "
+        "first (an eager step is host-bound where this exceeds the GPU's ms); kernels: CUDA kernels it launches.",
+        "",
+        "| method | causal | what | ms | TFLOP/s | peak extra MiB | host issue ms | kernels |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if r["kind"] == "error":
-            lines.append(f"| {r['method']} | {r['causal']} | error | | | {r['error'][:80]} |")
+            lines.append(f"| {r['method']} | {r['causal']} | error | | | {r['error'][:80]} | | |")
             continue
         mem = r.get("peak_fwd_bwd_bytes", r.get("peak_fwd_plan0_bytes"))
         mem = f"{mem / 2**20:.0f}" if mem is not None else ""
-        lines.append(f"| {r['method']} | {r['causal']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.1f} | {mem} |")
+        host = f"{r['host_issue_ms']:.2f} | {r['launches']}" if "host_issue_ms" in r else " | "
+        lines.append(f"| {r['method']} | {r['causal']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.1f} | {mem} | {host} |")
     full = result.get("full_attention") or []
     if full:
         lines += ["", f"Full attention (one pattern w=N={meta.get('full_seq', sh['N'])}, r=1) through `dilated_attention` vs cuDNN SDPA:", "",
