@@ -71,6 +71,16 @@ written by rank 0 after every record. Runs with other GPU counts are kept in the
 is replaced when a run measures the same variant, GPU count and length again, so several commands at one
 GPU count fill one file); ``--fresh`` starts the file anew.
 ``--plot-only JSON`` rewrites the ``.md`` and ``.png`` from a results file without running anything.
+
+``--profile``: what limits a step. After each record's timed steps, one more step runs the same way under
+``torch.profiler`` (CUDA and CPU activity; CPU only on CPU), and the record's ``profile`` holds rank 0's: device
+milliseconds by category -- ``attention`` (the attention kernels, and on CPU everything inside the attention
+call), ``matmul`` (projections, MLP, LM head), ``communication`` (NCCL/gloo), ``copies`` (memcpy, memset, copy,
+cat), ``other`` (elementwise, norms, loss, optimizer) -- classified by name (``CATEGORY_RULES``), the largest
+kernels, ``gpu_busy_ms`` (the union of kernel intervals), ``step_ms`` (host wall of the step between syncs) and
+``host_bound_ms`` = step - busy, the time the GPU idles waiting on the host. The markdown adds a table "What a
+step spends". The profiler slows the step it watches: read the shares, not the times. On CPU the categories are
+the ops' self CPU time.
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -90,6 +101,7 @@ from typing import Callable
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_scaling import interval_total, interval_union  # noqa: E402
 from cli_types import name_list, positive_int_list  # noqa: E402
 from gpu_tag import gpu_tag, package_versions  # noqa: E402
 
@@ -161,6 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("output")
     g.add_argument("--peak-tflops", type=float, default=989.0,
                    help="peak bf16 dense TFLOP/s of one GPU for the FLOPs utilization (H100 SXM: 989)")
+    g.add_argument("--profile", action="store_true",
+                   help="after each record's timed steps, profile one more step (torch.profiler) and record what it "
+                        "spends: attention, matmul, communication, copies, other, GPU idle (the record's profile)")
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     g.add_argument("--out", default="benchmarks/results")
     g.add_argument("--tag", default=None, help="file name model_<tag>.* (default: the GPU name, cpu on CPU)")
@@ -448,6 +463,106 @@ def attention_for(variant: str, args, shape, n: int, env, comm, state: dict) -> 
     raise ValueError(f"unknown variant {variant!r}")
 
 
+# -- what a step spends: one profiled step -----------------------------------------------------------
+
+PROFILE_CATEGORIES = ("attention", "matmul", "communication", "copies", "other")
+
+# What a GPU kernel or CPU op is, from its name: the first row holding a substring of the name (any case) wins,
+# else ``other`` (elementwise, norms, rotary, the optimizer, ...). Communication comes first (the ring's exchanges
+# run inside the attention call), then the loss's log-softmax (not attention), then attention before matmul
+# (cuDNN's, flash's and memory-efficient attention kernels are CUTLASS/sm90 kernels too). No bare "broadcast"
+# or "cat": GEMM epilogues, aten::broadcast_tensors and scatter kernels hold them.
+CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "c10d::", "gloo", "record_param_comms", "all_gather", "allgather", "reduce_scatter",
+                       "reducescatter", "all_to_all", "alltoall", "all_reduce", "allreduce", "post_backward_reduce")),
+    ("other", ("log_softmax", "logsoftmax", "cross_entropy", "nll_loss")),
+    ("attention", ("attention", "attn", "flash", "fmha", "cudnn", "sdpa", "scaled_dot_product", "softmax_backward",
+                   # this library's Triton kernels: fused forward, backward, live key tiles, merges of partials
+                   "fwd_kernel", "dq_kernel", "dkdv_kernel", "delta_kernel", "tiles_kernel", "merge_kernel",
+                   "combine")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "sm90_", "sm80_", "ampere_", "splitkreduce", "matmul",
+                "addmm", "bmm", "aten::mm", "aten::linear")),
+    ("copies", ("memcpy", "memset", "copy", "aten::cat", "catarray", "chunk_cat", "contiguous")),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def category(name: str) -> str:
+    """The category of a kernel or op named ``name`` (``CATEGORY_RULES``)."""
+    low = name.lower()
+    return next((cat for cat, parts in CATEGORY_RULES if any(part in low for part in parts)), "other")
+
+
+def classify(name: str, op=None, inside: dict | None = None) -> str:
+    """The category of a kernel or op named ``name``; ``op``: the profiler's CPU op that ran it (a CPU op itself, or
+    the op that launched a kernel; None if unknown). Work inside an attention call (an op named like attention,
+    e.g. the library's autograd function ``Attention`` and its backward, or ``aten::scaled_dot_product_attention``)
+    is attention whatever its name -- the call's copies and matrix products on CPU -- except communication.
+    ``inside``: a memo of op -> inside attention, shared across calls."""
+    own = category(name)
+    if own in ("communication", "attention") or op is None:
+        return own
+    inside = {} if inside is None else inside
+    chain = []
+    found = False
+    while op is not None and id(op) not in inside:
+        chain.append(op)
+        if category(op.name) == "attention":
+            found = True
+            break
+        op = op.cpu_parent
+    found = found or (op is not None and inside[id(op)])
+    for seen in chain:  # everything under an attention op is inside; a chain that met none is outside
+        inside[id(seen)] = found
+    return "attention" if found else own
+
+
+def _gpu_work(evt, device_type) -> bool:
+    """A kernel, copy or fill on the GPU (not the GPU mirror of a host range, a sync or the profiler's overhead)."""
+    kind = str(getattr(evt, "activity_type", "") or "").lower()
+    return evt.device_type == device_type and not getattr(evt, "is_user_annotation", False) and \
+        not any(word in kind for word in ("annotation", "sync", "overhead"))
+
+
+def step_profile(events, step_ms: float, cuda: bool, top: int = 10) -> dict:
+    """What one profiled step spent, from ``torch.profiler``'s ``prof.events()``; ``step_ms``: its host wall time.
+
+    GPU (``cuda``): each kernel, copy and fill's device time in its category (``classify``, with the host op that
+    launched it); ``gpu_busy_ms``: the union of their intervals (kernels on several streams overlap, so the
+    categories may add past it). CPU: each op's self CPU time in its category; busy: their sum (the host is the
+    device). ``host_bound_ms = max(0, step_ms - gpu_busy_ms)``: the time the device idled (waiting on the host,
+    or the host outside ops on CPU). ``top``: the largest names with their category and milliseconds."""
+    from torch.autograd import DeviceType
+
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    if cuda:
+        launcher = {e.id: e for e in cpu_ops if e.id > 0 and not getattr(e, "linked_correlation_id", 0)}
+        kernels = [e for e in events if _gpu_work(e, DeviceType.CUDA)]
+        units = [(k.name, launcher.get(getattr(k, "linked_correlation_id", 0)), k.time_range.elapsed_us() / 1e3)
+                 for k in kernels]
+        busy = interval_total(interval_union((k.time_range.start, k.time_range.end) for k in kernels)) / 1e3
+    else:
+        units = [(e.name, e, e.self_cpu_time_total / 1e3) for e in cpu_ops]
+        busy = sum(ms for _, _, ms in units)
+    spent = dict.fromkeys(PROFILE_CATEGORIES, 0.0)
+    by_name: dict[tuple[str, str], float] = {}
+    inside: dict = {}
+    for name, op, ms in units:
+        cat = classify(name, op, inside)
+        spent[cat] += ms
+        by_name[name, cat] = by_name.get((name, cat), 0.0) + ms
+    largest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"source": "CUDA kernels (device time)" if cuda else "CPU ops (self CPU time)", "step_ms": step_ms,
+            "ms": spent, "gpu_busy_ms": busy, "host_bound_ms": max(0.0, step_ms - busy), "events": len(units),
+            "top": [{"name": name[:160], "category": cat, "ms": ms} for (name, cat), ms in largest]}
+
+
+def profile_line(p: dict) -> str:
+    """A profile in one line: each category's and the idle time's share of the step."""
+    shares = ", ".join(f"{cat} {100 * p['ms'][cat] / p['step_ms']:.0f}%" for cat in PROFILE_CATEGORIES)
+    return f"profiled step {p['step_ms']:,.1f} ms: {shares}, idle {100 * p['host_bound_ms'] / p['step_ms']:.0f}%"
+
+
 # -- one measurement ---------------------------------------------------------------------------------
 
 
@@ -513,8 +628,9 @@ class Runner:
 
         return resolved_impl(self.args.mlp_impl, deepspeed_tiled_mlp)
 
-    def run(self, variant: str, n: int, warmup: int, steps: int) -> dict:
-        """Build the model with ``variant``'s attention, train ``warmup + steps`` steps at ``n`` tokens."""
+    def run(self, variant: str, n: int, warmup: int, steps: int, profile: bool = False) -> dict:
+        """Build the model with ``variant``'s attention, train ``warmup + steps`` steps at ``n`` tokens; ``profile``:
+        then one more step under ``torch.profiler``, summarized in the record's ``profile`` (``step_profile``)."""
         import torch.distributed as dist
 
         from dilated_attention.models.hf_training import (
@@ -537,7 +653,7 @@ class Runner:
         autocast = self.bf16 and not a.fsdp
         cp = variant == "torch_cp"
         times, losses = [], []
-        module = opt = sched = None
+        module = opt = sched = spent = None
         try:
             plan = self.memory_plan(n)
             lm = build_llama(self.shape, name, n, a.seed, device=env.device, checkpointing=plan.checkpointing,
@@ -550,20 +666,37 @@ class Runner:
                 shard_model(module, bf16=self.bf16)
             opt, sched = make_optimizer(module.parameters(), lr=a.lr, warmup_steps=a.lr_warmup,
                                         total_steps=max(1000, warmup + steps))
-            for i in range(warmup + steps):
+
+            def step(i: int, watch=None) -> tuple[float, float]:
+                """Training step ``i`` after a barrier: (host seconds between device syncs, loss); ``watch``: a
+                context (the profiler) entered after the barrier, around the timed part."""
                 tokens = learnable_tokens(a.batch, n, self.shape.vocab, a.seed, i)
                 batch = sequence_parallel_batch(tokens, None if cp else self.comm, env.device)
                 self.sync()
                 dist.barrier()
-                t0 = time.perf_counter()
-                with self.cp_context(batch) if cp else _nullcontext():
-                    loss = train_step(module, opt, sched, batch, loss_group=group, grad_comm=grad_comm,
-                                      autocast_bf16=autocast, clip=a.clip)
-                self.sync()
-                times.append(self.max_over_ranks(time.perf_counter() - t0))
+                with watch if watch is not None else _nullcontext():
+                    t0 = time.perf_counter()
+                    with self.cp_context(batch) if cp else _nullcontext():
+                        loss = train_step(module, opt, sched, batch, loss_group=group, grad_comm=grad_comm,
+                                          autocast_bf16=autocast, clip=a.clip)
+                    self.sync()
+                    seconds = time.perf_counter() - t0
+                return seconds, loss
+
+            for i in range(warmup + steps):
+                seconds, loss = step(i)
+                times.append(self.max_over_ranks(seconds))
                 losses.append(loss)
             state_gib = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
             peak = self.max_over_ranks(torch.cuda.max_memory_allocated() / 2**30) if self.cuda else None
+            if profile:  # one more step, the same, under the profiler (this rank's; rank 0's is saved)
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as profiler
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+                prof = profiler(activities=activities)
+                seconds, _ = step(warmup + steps, watch=prof)
+                spent = step_profile(prof.events(), 1e3 * seconds, self.cuda)
         finally:
             del module, opt, sched
             self.free()
@@ -574,7 +707,8 @@ class Runner:
                 "step_s": step_s, "step_times_s": times, "tokens_per_s": a.batch * n / step_s,
                 "peak_gib": peak, "state_gib": state_gib, "losses": losses, "step_tflop": flops / 1e12,
                 "mfu": flops / (step_s * k * a.peak_tflops * 1e12), "attention": how,
-                "checkpointing": plan.label, "predicted_gib": self.predicted(plan, n) / 2**30}
+                "checkpointing": plan.label, "predicted_gib": self.predicted(plan, n) / 2**30,
+                **({"profile": spent} if profile else {})}
 
     def predicted(self, plan: MemoryPlan, n: int) -> float:
         """``predicted_bytes`` of ``plan`` at ``n`` tokens per sequence on this run's ranks."""
@@ -681,13 +815,29 @@ def render_md(data: dict) -> str:
                   f"deepspeed {meta['versions'].get('deepspeed')}. Patterns of ours: {meta['pattern_rule']}."]
     lines += ["", "| GPUs | tokens/seq | variant | step s | tokens/s | vs best dense | MFU | peak GiB/GPU | checkpointing "
               "| loss first -> last |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
-    for r in sorted(data["records"], key=lambda r: (r["gpus"], r["seq_len"], VARIANTS.index(r["variant"]))):
+    ordered = sorted(data["records"], key=lambda r: (r["gpus"], r["seq_len"], VARIANTS.index(r["variant"])))
+    for r in ordered:
         ref = best_dense(data["records"], r["gpus"], r["seq_len"])
         vs = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref and r["variant"] == "ours" else ""
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['variant']} | {r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | {vs} | {100 * r['mfu']:.1f}% | {peak} | {r.get('checkpointing', 'layer')} | "
                      f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
+    profiled = [r for r in ordered if r.get("profile")]
+    if profiled:
+        lines += ["", "What a step spends: one more step of each record under torch.profiler (rank 0's), in ms and "
+                  "share of that step. GPU time by kernel category; GPU idle = step - time any kernel runs (the GPU "
+                  "waits on the host). The profiler slows the step: read the shares, not the times. Kernels on "
+                  "several streams overlap, so the shares may add past 100%. On CPU: ops' self CPU time, and idle "
+                  "is the host outside ops.", "",
+                  "| GPUs | tokens/seq | variant | step ms | attention | matmul | communication | copies | other "
+                  "| GPU idle |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in profiled:
+            p = r["profile"]
+            cells = [f"{ms:,.1f} ({100 * ms / p['step_ms']:.0f}%)"
+                     for ms in [*(p["ms"][cat] for cat in PROFILE_CATEGORIES), p["host_bound_ms"]]]
+            lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['variant']} | {p['step_ms']:,.1f} | "
+                         + " | ".join(cells) + " |")
     if data["find_max"]:
         lines += ["", "Longest trainable sequence (doubling until out of memory):", "",
                   "| GPUs | variant | longest tokens/seq | its step s | its checkpointing | stopped at | why |",
@@ -864,7 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
         pending = {"variant": variant, "gpus": k, "seq_len": n, "reason": PENDING}
         data["skipped"].append(pending)
         save()
-        res, err = guarded(runner, lambda: runner.run(variant, n, args.warmup, args.steps))
+        res, err = guarded(runner, lambda: runner.run(variant, n, args.warmup, args.steps, profile=args.profile))
         data["skipped"].remove(pending)
         if err:
             data["skipped"].append({"variant": variant, "gpus": k, "seq_len": n, "reason": err})
@@ -878,6 +1028,8 @@ def main(argv: list[str] | None = None) -> int:
                                f"{res['tokens_per_s']:,.0f} tokens/s, MFU {100 * res['mfu']:.1f}%, peak {peak} "
                                f"({res['checkpointing']}), "
                                f"loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}")
+                if res.get("profile"):
+                    progress.write(f"  {'':8s} {profile_line(res['profile'])}")
         save()
         progress.update()
     progress.close()

@@ -22,9 +22,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_model.py")
 
 
+def load_script():
+    """The benchmark script as a module."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_model
+
+    return bench_model
+
+
 def test_tiny_run_on_two_ranks(tmp_path):
     proc = run_torchrun([SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,sdpa,ulysses,torch_cp",
-                         "--ulysses-impl", "plain", "--find-max", "ours", "--time-budget", "3", "--out",
+                         "--ulysses-impl", "plain", "--find-max", "ours", "--time-budget", "3", "--profile", "--out",
                          str(tmp_path)], cwd=ROOT, done="wrote", nproc=2, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((tmp_path / "model_cpu.json").read_text())
@@ -37,6 +45,10 @@ def test_tiny_run_on_two_ranks(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(256 / statistics.median(r["step_times_s"][1:]))
         assert r["step_tflop"] > 0
         assert r["checkpointing"] == "none"  # auto on CPU: activations kept
+        # the profiled step: the ring's and Ulysses' exchanges, and FSDP's, are communication, not attention
+        spent = r["profile"]["ms"]
+        assert spent["communication"] > 0 and spent["attention"] > 0 and spent["matmul"] > 0
+        assert sum(spent.values()) == pytest.approx(r["profile"]["gpu_busy_ms"])
     skipped = {s["variant"]: s["reason"] for s in data["skipped"]}
     assert set(skipped) == {"sdpa", "torch_cp"} and "CUDA" in skipped["torch_cp"]
     (search,) = data["find_max"]
@@ -47,11 +59,117 @@ def test_tiny_run_on_two_ranks(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "model_cpu.md").read_text() == md and "| 2 | 256 | ours |" in md
+    assert "What a step spends" in md
+
+
+def test_profile_run_on_cpu(tmp_path):
+    """``--profile`` on one process: each record's extra step is classified (self CPU time of every op, each once)
+    and tabled."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,sdpa",
+                           "--profile", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    data = json.loads((tmp_path / "model_cpu.json").read_text())
+    assert {r["variant"] for r in data["records"]} == {"ours", "sdpa"}
+    for r in data["records"]:
+        p = r["profile"]
+        assert set(p["ms"]) == {"attention", "matmul", "communication", "copies", "other"}
+        assert all(ms >= 0 for ms in p["ms"].values())
+        assert p["ms"]["matmul"] > 0 and p["ms"]["attention"] > 0  # the projections; the attention call
+        assert sum(p["ms"].values()) == pytest.approx(p["gpu_busy_ms"])  # every op once
+        assert p["host_bound_ms"] == pytest.approx(max(0.0, p["step_ms"] - p["gpu_busy_ms"]))
+        assert p["step_ms"] > 0 and p["top"] and all(t["ms"] > 0 for t in p["top"])
+    md = (tmp_path / "model_cpu.md").read_text()
+    table = md[md.index("What a step spends"):]
+    assert "| GPUs | tokens/seq | variant | step ms | attention | matmul | communication | copies | other | GPU idle |" \
+        in table
+    assert "| 1 | 256 | ours |" in table and "| 1 | 256 | sdpa |" in table
+
+
+@pytest.mark.parametrize("name, category", [
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel",
+     "matmul"),
+    ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT", "matmul"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn", "matmul"),
+    ("aten::addmm", "matmul"),
+    ("aten::mm", "matmul"),
+    ("ncclDevKernel_AllGather_RING_LL", "communication"),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
+    ("ncclDevKernel_SendRecv", "communication"),
+    ("c10d::allgather_", "communication"),
+    ("_fwd_kernel", "attention"),
+    ("dkdv_kernel", "attention"),
+    ("combine_lse_kernel", "attention"),
+    ("merge_kernel", "attention"),
+    ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8>>",
+     "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
+    ("fmha_cutlassB_f32_aligned_64x64_k64_sm80", "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+    ("aten::_softmax_backward_data", "attention"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("Memset (Device)", "copies"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+     "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>>", "copies"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2>>",
+     "copies"),
+    ("aten::copy_", "copies"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, float, "
+     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>", "other"),  # the loss, not attention
+    ("aten::_log_softmax_backward_data", "other"),
+    ("aten::broadcast_tensors", "other"),
+    ("void at::native::index_elementwise_kernel<128, 4, scatter_gather>", "other"),
+    ("multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor<float, 4>>", "other"),
+])
+def test_kernel_names_fall_in_their_category(name, category):
+    assert load_script().category(name) == category
+
+
+def test_step_profile_of_gpu_kernels():
+    """The GPU path of ``step_profile`` on events shaped like ``prof.events()``: device time per category (a
+    kernel launched inside the attention call is attention, an NCCL one communication), busy time the union
+    of the kernels' intervals, idle the rest of the step; host ranges' GPU mirrors are not kernels."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    bm = load_script()
+
+    def op(ident, name, parent=None):
+        return SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False, cpu_parent=parent,
+                               linked_correlation_id=0, time_range=Interval(0, 1), self_cpu_time_total=1.0)
+
+    def kernel(name, start, end, launcher=0, **kw):
+        return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_async=False, cpu_parent=None,
+                               linked_correlation_id=launcher, time_range=Interval(start, end),
+                               activity_type=kw.get("kind", "kernel"), is_user_annotation=kw.get("note", False))
+
+    attention = op(1, "Attention")
+    pad = op(2, "aten::copy_", attention)
+    send = op(3, "c10d::send", attention)
+    linear = op(4, "aten::mm")
+    events = [attention, pad, send, linear,
+              kernel("fwd_kernel", 0, 4000, 1),                    # attention
+              kernel("direct_copy_kernel_cuda", 4000, 4500, 2),    # a copy inside the attention call: attention
+              kernel("ncclDevKernel_SendRecv", 3000, 6000, 3),      # overlaps: busy is the union
+              kernel("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT", 7000, 9000, 4),
+              kernel("Memcpy HtoD (Pinned -> Device)", 9000, 9500),  # no launcher known: by name
+              kernel("vectorized_elementwise_kernel<4, FillFunctor>", 9500, 10000),
+              kernel("FSDP::all_gather", 0, 10000, note=True, kind="gpu_user_annotation")]
+    p = bm.step_profile(events, step_ms=12.0, cuda=True)
+    assert p["ms"] == pytest.approx({"attention": 4.5, "matmul": 2.0, "communication": 3.0, "copies": 0.5,
+                                     "other": 0.5})
+    assert p["gpu_busy_ms"] == pytest.approx(9.0)  # 0-6, 7-10 ms
+    assert p["host_bound_ms"] == pytest.approx(3.0) and p["events"] == 6
+    assert p["top"][0] == {"name": "fwd_kernel", "category": "attention", "ms": pytest.approx(4.0)}
+    assert bm.step_profile(events, step_ms=8.0, cuda=True)["host_bound_ms"] == 0  # never negative
 
 
 def test_checkpointing_auto_keeps_activations_only_where_they_fit():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_model
+    bench_model = load_script()
     from dilated_attention.models.hf_training import LlamaShape
 
     shape = LlamaShape()
@@ -89,8 +207,7 @@ def test_checkpointing_auto_keeps_activations_only_where_they_fit():
 
 
 def test_flags_force_their_part_of_the_ladder():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_model
+    bench_model = load_script()
 
     def rungs(*flags):
         return [plan.label for plan in bench_model.allowed_rungs(bench_model.parse_args(list(flags)))]
