@@ -74,10 +74,10 @@ GPU count fill one file); ``--fresh`` starts the file anew.
 
 ``--profile``: what limits a step. After each record's timed steps, one more step runs the same way under
 ``torch.profiler`` (CUDA and CPU activity; CPU only on CPU), and the record's ``profile`` holds rank 0's: device
-milliseconds by category -- ``attention`` (the attention kernels, and on CPU everything inside the attention
-call), ``matmul`` (projections, MLP, LM head), ``communication`` (NCCL/gloo), ``copies`` (memcpy, memset, copy,
-cat), ``other`` (elementwise, norms, loss, optimizer) -- classified by name (``CATEGORY_RULES``), the largest
-kernels, ``gpu_busy_ms`` (the union of kernel intervals), ``step_ms`` (host wall of the step between syncs) and
+milliseconds by category -- ``attention`` (the attention kernels and whatever the attention call launches),
+``matmul`` (projections, MLP, LM head), ``communication`` (NCCL/gloo), ``copies`` (memcpy, memset, copy, cat),
+``other`` (elementwise, norms, loss, optimizer) -- classified by name (``CATEGORY_RULES``), the largest kernels,
+``gpu_busy_ms`` (the union of kernel intervals), ``step_ms`` (host wall of the step between syncs) and
 ``host_bound_ms`` = step - busy, the time the GPU idles waiting on the host. The markdown adds a table "What a
 step spends". The profiler slows the step it watches: read the shares, not the times. On CPU the categories are
 the ops' self CPU time.

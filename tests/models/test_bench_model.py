@@ -81,8 +81,8 @@ def test_profile_run_on_cpu(tmp_path):
         assert p["step_ms"] > 0 and p["top"] and all(t["ms"] > 0 for t in p["top"])
     md = (tmp_path / "model_cpu.md").read_text()
     table = md[md.index("What a step spends"):]
-    assert "| GPUs | tokens/seq | variant | step ms | attention | matmul | communication | copies | other | GPU idle |" \
-        in table
+    header = "| GPUs | tokens/seq | variant | step ms | attention | matmul | communication | copies | other | GPU idle |"
+    assert header in table
     assert "| 1 | 256 | ours |" in table and "| 1 | 256 | sdpa |" in table
 
 
