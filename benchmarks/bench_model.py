@@ -557,10 +557,16 @@ def step_profile(events, step_ms: float, cuda: bool, top: int = 10) -> dict:
             "top": [{"name": name[:160], "category": cat, "ms": ms} for (name, cat), ms in largest]}
 
 
+def profile_spent(p: dict) -> list[tuple[str, float, float]]:
+    """``(name, ms, % of the step)`` of each category, then of the GPU's idle time."""
+    spent = [*((cat, p["ms"][cat]) for cat in PROFILE_CATEGORIES), ("idle", p["host_bound_ms"])]
+    return [(name, ms, 100 * ms / p["step_ms"]) for name, ms in spent]
+
+
 def profile_line(p: dict) -> str:
     """A profile in one line: each category's and the idle time's share of the step."""
-    shares = ", ".join(f"{cat} {100 * p['ms'][cat] / p['step_ms']:.0f}%" for cat in PROFILE_CATEGORIES)
-    return f"profiled step {p['step_ms']:,.1f} ms: {shares}, idle {100 * p['host_bound_ms'] / p['step_ms']:.0f}%"
+    shares = ", ".join(f"{name} {pct:.0f}%" for name, _, pct in profile_spent(p))
+    return f"profiled step {p['step_ms']:,.1f} ms: {shares}"
 
 
 # -- one measurement ---------------------------------------------------------------------------------
@@ -834,8 +840,7 @@ def render_md(data: dict) -> str:
                   "| GPU idle |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in profiled:
             p = r["profile"]
-            cells = [f"{ms:,.1f} ({100 * ms / p['step_ms']:.0f}%)"
-                     for ms in [*(p["ms"][cat] for cat in PROFILE_CATEGORIES), p["host_bound_ms"]]]
+            cells = [f"{ms:,.1f} ({pct:.0f}%)" for _, ms, pct in profile_spent(p)]
             lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['variant']} | {p['step_ms']:,.1f} | "
                          + " | ".join(cells) + " |")
     if data["find_max"]:
