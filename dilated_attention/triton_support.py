@@ -61,6 +61,10 @@ def _specialization(args: tuple) -> tuple:
                  (float if type(a) is float else a) for a in args)
 
 
+def _key(fn, device: int, options: dict, meta: dict, args: tuple) -> tuple:
+    return (fn, device, tuple(options.items()), tuple(meta.items()), _specialization(args))
+
+
 def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
     """``fn[grid](*args, **meta, **options)`` on the current CUDA device and stream (``options``: ``num_warps``,
     ``num_stages``; not passed to the interpreter). ``args`` are the kernel's leading parameters, ``meta`` by name
@@ -75,8 +79,7 @@ def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
         fn[grid](*args, **meta, **options)
         return
     device = torch.cuda.current_device()
-    key = (fn, device, tuple(options.items()), tuple(meta.items()), _specialization(args))
-    hit = _COMPILED.get(key)
+    hit = _COMPILED.get(_key(fn, device, options, meta, args))
     if hit is None:
         compiled = fn[grid](*args, **meta, **options)
         rest = fn.arg_names[len(args):]
@@ -90,4 +93,32 @@ def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
                  compiled.packed_metadata, None, None, None, *args, *consts)
 
 
-__all__ = ["JITTED", "TRITON_ERROR", "interpreting", "launch", "triton"]
+class Prepared:
+    """One ``launch`` (kernel, grid, constexprs, options) for arguments that always specialize alike, its key
+    worked out once: ``Prepared(fn, grid, meta, **options)(*args)``. The caller vouches that every call's
+    ``args`` specialize as the first call's did (equal integers, tensors of the same dtypes and 16-byte
+    alignment): the compiled kernel found for the first is called directly after, with no per-argument work.
+    The first call, the interpreter, a launch hook, or another current device go through ``launch``."""
+
+    __slots__ = ("fn", "grid", "meta", "options", "device", "compiled")
+
+    def __init__(self, fn, grid: tuple, meta: dict, **options) -> None:
+        self.fn, self.meta, self.options = fn, meta, options
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.device, self.compiled = None, None
+
+    def __call__(self, *args) -> None:
+        if self.compiled is not None and not _hooked():
+            device = torch.cuda.current_device()
+            if device == self.device:
+                compiled, consts = self.compiled
+                compiled.run(*self.grid, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                             compiled.packed_metadata, None, None, None, *args, *consts)
+                return
+        launch(self.fn, self.grid, args, self.meta, **self.options)
+        if self.compiled is None and DIRECT and not interpreting():
+            self.device = torch.cuda.current_device()
+            self.compiled = _COMPILED.get(_key(self.fn, self.device, self.options, self.meta, args))
+
+
+__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "triton"]

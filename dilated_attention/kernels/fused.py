@@ -42,7 +42,7 @@ import torch
 
 from .. import caches
 from ..patterns import PatternPlan
-from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, launch, triton
+from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, Prepared, interpreting, launch, triton
 from ..views import new_grad_parts
 
 LOG2E = 1.4426950408889634
@@ -244,6 +244,59 @@ def _key_mask(key_mask: torch.Tensor | None, shape, device: torch.device, plan: 
     return km, (km.stride(0), plan.local_segment * sn, plan.dilation * sn, sn), plan.dilation
 
 
+# ---------------------------------------------------------------------------
+# Replays: a pattern's launches worked out once per geometry.
+#
+# An eager step issues each pattern's launches anew, and the host work around them (checks, strides, constexprs,
+# Triton's argument specialization) took longer than the GPU work of LongNet's small causal calls. The first call
+# of a geometry (the kernel's settings, the pattern, the flags, every tensor's shape, strides, dtype and 16-byte
+# alignment, the device) runs as written and records what it allocated and launched; later calls of that
+# geometry allocate the same and call the same compiled kernels with the same integers (``triton_support.Prepared``):
+# the same launches, so the same bits. Calls with a key mask are not replayed (a mask's tiles are listed per call).
+
+_RECIPES = caches.table("fused.recipes", 1024)  # (kind, settings, plan, flags, device, geometry) -> replay
+
+
+def _geometry(tensors) -> tuple:
+    """What a launch's arguments and specialization read of ``tensors``."""
+    return tuple((x.shape, x.stride(), x.dtype, x.data_ptr() & 15) for x in tensors)
+
+
+def _remember(key: tuple, record: list, names: dict[str, torch.Tensor]) -> None:
+    """Keep ``record`` (a call's ``("alloc", name, tensor)`` and ``("launch", ...)`` entries) as ``key``'s replay,
+    every tensor argument named: one of ``names`` (the call's inputs and tables) or an allocation. A call that
+    launched on a tensor made on the way (a copy) or saw one tensor under two names is not kept."""
+    ids = {id(t): name for name, t in names.items()}
+    if len(ids) < len(names):
+        return
+    allocs, steps = [], []
+    for entry in record:
+        if entry[0] == "alloc":
+            _, name, t = entry
+            ids[id(t)] = name
+            allocs.append((name, tuple(t.shape), t.dtype))
+            continue
+        _, kernel, grid, args, meta, warps, stages = entry
+        n = 0
+        while n < len(args) and (args[n] is None or isinstance(args[n], torch.Tensor)):
+            n += 1
+        if any(a is not None and id(a) not in ids for a in args[:n]):
+            return
+        slots = tuple(None if a is None else ids[id(a)] for a in args[:n])
+        steps.append((Prepared(_kernel(kernel), grid, meta, num_warps=warps, num_stages=stages), slots, args[n:]))
+    _RECIPES[key] = (tuple(allocs), tuple(steps))
+
+
+def _replay(recipe: tuple, env: dict, device: torch.device) -> dict:
+    """Run a kept replay with ``env``'s tensors (its allocations added to ``env``, which is returned)."""
+    allocs, steps = recipe
+    for name, shape, dtype in allocs:
+        env[name] = torch.empty(shape, dtype=dtype, device=device)
+    for launch_, slots, rest in steps:
+        launch_(*(None if s is None else env[s] for s in slots), *rest)
+    return env
+
+
 class FusedKernel:
     name = "fused"
     key_masks = True
@@ -264,6 +317,10 @@ class FusedKernel:
         return mine and not self.epilogue_merge and plan.leaves_parts(direction, k.shape[2])
 
     # -- checks ---------------------------------------------------------------
+
+    def _settings(self) -> tuple:
+        """What of this kernel's own settings its launches depend on (a replay key's part)."""
+        return (self.config, self.dkdv, self.epilogue_merge)
 
     def _config(self, dim: int, dtype: torch.dtype) -> FusedConfig:
         return self.config if self.config is not None else default_config(dim, dtype)
@@ -324,7 +381,9 @@ class FusedKernel:
         return lt
 
     @staticmethod
-    def _launch(kernel: str, grid, args, meta, warps: int, stages: int) -> None:
+    def _launch(kernel: str, grid, args, meta, warps: int, stages: int, record: list | None = None) -> None:
+        if record is not None:
+            record.append(("launch", kernel, grid, args, meta, warps, stages))
         try:
             launch(_kernel(kernel), grid, args, meta, num_warps=warps, num_stages=stages)
         except Exception as exc:  # turn Triton's resource errors into a clear message
@@ -334,7 +393,8 @@ class FusedKernel:
 
     # -- generic launchers ------------------------------------------------------
 
-    def _forward(self, q, k, v, out, lse, ht, mask, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg, merge=False):
+    def _forward(self, q, k, v, out, lse, ht, mask, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg, merge=False,
+                 record: list | None = None):
         nh = ht.shape[1]
         if nh == 0 or M == 0 or S == 0 or q.shape[0] == 0:
             return
@@ -350,10 +410,10 @@ class FusedKernel:
         )
         args = (q, k, v, out, lse, ht, km, lt, *sq, *sk, *sv, *so, *sl, *sm, n_off,
                 nh, S, M, MK, nmb, scale * LOG2E)
-        self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages)
+        self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages, record)
 
     def _backward(self, q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, MK, causal, scale,
-                  cfg, add=True):
+                  cfg, add=True, record: list | None = None):
         sq, sk, sv, so, sl, sg, sdq, sdk, sdv = strides
         km, sm, n_off = mask
         idx = _idx_type(max(M, MK), *strides, sm)
@@ -362,6 +422,8 @@ class FusedKernel:
         if nh == 0 or M == 0 or S == 0 or bsz == 0 or MK == 0:
             return
         delta = torch.empty((bsz, S, M, q.shape[-2] if q.dim() == 5 else q.shape[2]), dtype=torch.float32, device=q.device)
+        if record is not None:
+            record.append(("alloc", "delta", delta))
         sd = delta.stride()
         dim = q.shape[-1]
         common = self._common(q, cfg)
@@ -371,7 +433,7 @@ class FusedKernel:
             (bsz * S * triton.cdiv(M, bm), nh),
             (out, dout, delta, ht, *so, *sg, *sd, nh, S, M, triton.cdiv(M, bm)),
             dict(D=dim, DP=padded_dim(dim), BLOCK_M=bm, IDX=idx),
-            4, 1,
+            4, 1, record,
         )
         bm, bn = cfg.dq_m, cfg.dq_n
         nmb = triton.cdiv(M, bm)
@@ -383,7 +445,7 @@ class FusedKernel:
              nh, S, M, MK, nmb, scale * LOG2E, scale),
             dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
                  IDX=idx, HAS_MASK=km is not None, **common, ADD=add),
-            cfg.dq_warps, cfg.dq_stages,
+            cfg.dq_warps, cfg.dq_stages, record,
         )
         if not self.dkdv:
             return
@@ -396,7 +458,7 @@ class FusedKernel:
              nu, S, M, MK, nnb, scale * LOG2E, scale),
             dict(**_dims(dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=M % bm == 0, EVEN_N=MK % bn == 0,
                  IDX=idx, HAS_MASK=km is not None, **common, ADD=add),
-            cfg.dkdv_warps, cfg.dkdv_stages,
+            cfg.dkdv_warps, cfg.dkdv_stages, record,
         )
 
     # -- the block seam -----------------------------------------------------------
@@ -482,11 +544,22 @@ class FusedKernel:
 
     def _pattern_forward(self, q, k, v, plan, out, lse, packed, causal, scale, key_mask, fresh=False):
         """One launch for the pattern: with ``out``/``lse`` ``None`` into new compact tensors (returned),
-        else merged into the given running result (written, if ``fresh``)."""
+        else merged into the given running result (written, if ``fresh``). Replayed after the first call of
+        each geometry (``_RECIPES``)."""
+        full = out is not None
+        key = None
+        if key_mask is None:
+            given = (q, k, v, out, lse) if full else (q, k, v)
+            key = ("fwd", self._settings(), plan, packed, causal, scale, fresh, q.device, _geometry(given))
+            recipe = _RECIPES.get(key)
+            if recipe is not None:
+                ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
+                env = _replay(recipe, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "ht": ht}, q.device)
+                return env["out"], env["lse"]
+        record = [] if key is not None else None
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
-        full = out is not None
         if full:
             _check_acc("out", out, q.shape)
             _check_acc("lse", lse, q.shape[:3])
@@ -498,13 +571,18 @@ class FusedKernel:
             out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
             lse = torch.empty((bsz, rows, heads), dtype=torch.float32, device=q.device)
             so, sl = _compact_strides(out, M), _compact_strides(lse, M)
+            if record is not None:
+                record += [("alloc", "out", out), ("alloc", "lse", lse)]
         mask = self._pattern_mask(key_mask, k, plan, packed)
-        v = _unit_last(v)
+        v_in, v = v, _unit_last(v)
         ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
         self._forward(
             q, k, v, out, lse, ht, mask, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
             self._kv_strides(v, plan, packed, M), so, sl, S, M, M, causal, scale, cfg, merge=full and not fresh,
+            record=record,
         )
+        if record is not None:
+            _remember(key, record, {"q": q, "k": k, "v": v_in, "ht": ht, **({"out": out, "lse": lse} if full else {})})
         return out, lse
 
     def backward_pattern(
@@ -536,6 +614,20 @@ class FusedKernel:
 
     def _pattern_backward(self, q, k, v, plan, out, lse, dout, grads, grad_strides, packed, causal, scale, key_mask,
                           add):
+        """The pattern's three launches (delta, dQ, dK/dV); replayed after the first call of each geometry."""
+        key = None
+        if key_mask is None:
+            key = ("bwd", self._settings(), plan, packed, causal, scale, add, q.device,
+                   _geometry((q, k, v, out, lse, dout, *grads)))
+            recipe = _RECIPES.get(key)
+            if recipe is not None:
+                ht, ut = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
+                _replay(recipe, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": grads[0],
+                                 "dk": grads[1], "dv": grads[2], "ht": ht, "ut": ut}, q.device)
+                return
+        record = [] if key is not None else None
+        names = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": grads[0], "dk": grads[1],
+                 "dv": grads[2]}
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
@@ -548,7 +640,10 @@ class FusedKernel:
         ds, kvs = _dilated_strides, self._kv_strides
         strides = (ds(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), ds(out, plan), ds(lse, plan),
                    ds(dout, plan), *grad_strides)
-        self._backward(q, k, v, out, lse, dout, *grads, ht, ut, mask, strides, S, M, M, causal, scale, cfg, add=add)
+        self._backward(q, k, v, out, lse, dout, *grads, ht, ut, mask, strides, S, M, M, causal, scale, cfg, add=add,
+                       record=record)
+        if record is not None:
+            _remember(key, record, {**names, "ht": ht, "ut": ut})
 
 
 def _check_fresh(fresh: bool, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, packed: bool) -> None:
