@@ -79,7 +79,8 @@ def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
         fn[grid](*args, **meta, **options)
         return
     device = torch.cuda.current_device()
-    hit = _COMPILED.get(_key(fn, device, options, meta, args))
+    key = _key(fn, device, options, meta, args)
+    hit = _COMPILED.get(key)
     if hit is None:
         compiled = fn[grid](*args, **meta, **options)
         rest = fn.arg_names[len(args):]

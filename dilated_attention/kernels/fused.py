@@ -259,7 +259,7 @@ _RECIPES = caches.table("fused.recipes", 1024)  # (kind, settings, plan, flags, 
 
 def _geometry(tensors) -> tuple:
     """What a launch's arguments and specialization read of ``tensors``."""
-    return tuple((x.shape, x.stride(), x.dtype, x.data_ptr() & 15) for x in tensors)
+    return tuple([(x.shape, x.stride(), x.dtype, x.data_ptr() & 15) for x in tensors])  # (a list: inlined)
 
 
 def _remember(key: tuple, record: list, names: dict[str, torch.Tensor]) -> None:
@@ -293,7 +293,7 @@ def _replay(recipe: tuple, env: dict, device: torch.device) -> dict:
     for name, shape, dtype in allocs:
         env[name] = torch.empty(shape, dtype=dtype, device=device)
     for launch_, slots, rest in steps:
-        launch_(*(None if s is None else env[s] for s in slots), *rest)
+        launch_(*[None if s is None else env[s] for s in slots], *rest)
     return env
 
 

@@ -104,3 +104,38 @@ def test_the_interpreter_gets_no_launch_options(monkeypatch):
     fn, x = _Jitted(), _aligned()
     triton_support.launch(fn, (1,), (x, 48, 0.5), dict(BLOCK=32, EVEN=True), num_warps=4, num_stages=3)
     assert fn.log == [("triton", (1,), (x, 48, 0.5), dict(BLOCK=32, EVEN=True))]
+
+
+def test_a_prepared_launch_calls_the_compiled_launcher_after_its_first_call(direct):
+    fn, x, y = _Jitted(), _aligned(), _aligned()
+    prepared = triton_support.Prepared(fn, (3, 2), dict(EVEN=True, BLOCK=32), num_warps=4)
+    prepared(x, 48, 0.5)
+    prepared(y, 48, 0.5)
+    assert [entry[0] for entry in fn.log] == ["triton", "direct"]
+    assert fn.log[0][1:] == ((3, 2, 1), (x, 48, 0.5), dict(EVEN=True, BLOCK=32, num_warps=4))
+    args = fn.log[1][1]
+    assert args[:9] == (3, 2, 1, 1234, "function-handle", "packed", None, None, None)
+    assert args[9] is y and args[10:] == (48, 0.5, 32, True)
+
+
+@pytest.mark.parametrize("path", ["hook", "device"])
+def test_a_prepared_launch_goes_through_triton_under_a_hook_or_on_another_device(direct, monkeypatch, path):
+    fn, x = _Jitted(), _aligned()
+    prepared = triton_support.Prepared(fn, (1,), dict(BLOCK=32, EVEN=True), num_warps=4)
+    prepared(x, 48, 0.5)
+    if path == "hook":
+        monkeypatch.setattr(triton_support, "_hooked", lambda: True)
+    else:
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    prepared(x, 48, 0.5)
+    assert [entry[0] for entry in fn.log] == ["triton", "triton"]
+
+
+def test_a_prepared_launch_under_the_interpreter_always_goes_through_triton(direct, monkeypatch):
+    monkeypatch.setattr(triton_support, "interpreting", lambda: True)
+    fn, x = _Jitted(), _aligned()
+    prepared = triton_support.Prepared(fn, (2,), dict(BLOCK=32, EVEN=True), num_warps=4)
+    prepared(x, 48, 0.5)
+    prepared(x, 48, 0.5)
+    assert [entry[0] for entry in fn.log] == ["triton", "triton"]
+    assert fn.log[1][3] == dict(BLOCK=32, EVEN=True)  # (no launch options for the interpreter)
