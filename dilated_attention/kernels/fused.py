@@ -13,6 +13,8 @@ dK/dV (one program per key block and (kv head, offset) unit, looping over that u
 query heads, adds into ``dk``/``dv`` or stores). Every element is owned by exactly one program:
 no atomics, and the configs are pinned (``FusedConfig``); nothing is autotuned
 here (the benchmark sweeps configs by constructing kernels with other configs).
+A pattern call's launches are worked out at the first call of its geometry and replayed after
+(``_RECIPES``: the host's share of an eager step).
 
 Key padding: every method takes ``key_mask=None`` or a bool mask (``True`` = the key
 is excluded; any strides), read in place through a uint8 view of the same memory
