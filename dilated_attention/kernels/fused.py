@@ -14,7 +14,8 @@ query heads, adds into ``dk``/``dv`` or stores). Every element is owned by exact
 no atomics, and the configs are pinned (``FusedConfig``); nothing is autotuned
 here (the benchmark sweeps configs by constructing kernels with other configs).
 A pattern call's launches are worked out at the first call of its geometry and replayed after
-(``_RECIPES``: the host's share of an eager step).
+(``replays.py``: the host's share of an eager step); calls with a key mask are not replayed (a mask's
+live tiles are listed per call).
 
 Key padding: every method takes ``key_mask=None`` or a bool mask (``True`` = the key
 is excluded; any strides), read in place through a uint8 view of the same memory
@@ -42,9 +43,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import caches
+from .. import caches, replays
 from ..patterns import PatternPlan
-from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, Prepared, interpreting, launch, triton
+from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, launch, triton
 from ..views import new_grad_parts
 
 LOG2E = 1.4426950408889634
@@ -246,59 +247,6 @@ def _key_mask(key_mask: torch.Tensor | None, shape, device: torch.device, plan: 
     return km, (km.stride(0), plan.local_segment * sn, plan.dilation * sn, sn), plan.dilation
 
 
-# ---------------------------------------------------------------------------
-# Replays: a pattern's launches worked out once per geometry.
-#
-# An eager step issues each pattern's launches anew, and the host work around them (checks, strides, constexprs,
-# Triton's argument specialization) took longer than the GPU work of LongNet's small causal calls. The first call
-# of a geometry (the kernel's settings, the pattern, the flags, every tensor's shape, strides, dtype and 16-byte
-# alignment, the device) runs as written and records what it allocated and launched; later calls of that
-# geometry allocate the same and call the same compiled kernels with the same integers (``triton_support.Prepared``):
-# the same launches, so the same bits. Calls with a key mask are not replayed (a mask's tiles are listed per call).
-
-_RECIPES = caches.table("fused.recipes", 1024)  # (kind, settings, plan, flags, device, geometry) -> replay
-
-
-def _geometry(tensors) -> tuple:
-    """What a launch's arguments and specialization read of ``tensors``."""
-    return tuple([(x.shape, x.stride(), x.dtype, x.data_ptr() & 15) for x in tensors])  # (a list: inlined)
-
-
-def _remember(key: tuple, record: list, names: dict[str, torch.Tensor]) -> None:
-    """Keep ``record`` (a call's ``("alloc", name, tensor)`` and ``("launch", ...)`` entries) as ``key``'s replay,
-    every tensor argument named: one of ``names`` (the call's inputs and tables) or an allocation. A call that
-    launched on a tensor made on the way (a copy) or saw one tensor under two names is not kept."""
-    ids = {id(t): name for name, t in names.items()}
-    if len(ids) < len(names):
-        return
-    allocs, steps = [], []
-    for entry in record:
-        if entry[0] == "alloc":
-            _, name, t = entry
-            ids[id(t)] = name
-            allocs.append((name, tuple(t.shape), t.dtype))
-            continue
-        _, kernel, grid, args, meta, warps, stages = entry
-        n = 0
-        while n < len(args) and (args[n] is None or isinstance(args[n], torch.Tensor)):
-            n += 1
-        if any(a is not None and id(a) not in ids for a in args[:n]):
-            return
-        slots = tuple(None if a is None else ids[id(a)] for a in args[:n])
-        steps.append((Prepared(_kernel(kernel), grid, meta, num_warps=warps, num_stages=stages), slots, args[n:]))
-    _RECIPES[key] = (tuple(allocs), tuple(steps))
-
-
-def _replay(recipe: tuple, env: dict, device: torch.device) -> dict:
-    """Run a kept replay with ``env``'s tensors (its allocations added to ``env``, which is returned)."""
-    allocs, steps = recipe
-    for name, shape, dtype in allocs:
-        env[name] = torch.empty(shape, dtype=dtype, device=device)
-    for launch_, slots, rest in steps:
-        launch_(*[None if s is None else env[s] for s in slots], *rest)
-    return env
-
-
 class FusedKernel:
     name = "fused"
     key_masks = True
@@ -385,7 +333,7 @@ class FusedKernel:
     @staticmethod
     def _launch(kernel: str, grid, args, meta, warps: int, stages: int, record: list | None = None) -> None:
         if record is not None:
-            record.append(("launch", kernel, grid, args, meta, warps, stages))
+            record.append(("launch", _kernel(kernel), grid, args, meta, dict(num_warps=warps, num_stages=stages)))
         try:
             launch(_kernel(kernel), grid, args, meta, num_warps=warps, num_stages=stages)
         except Exception as exc:  # turn Triton's resource errors into a clear message
@@ -547,16 +495,16 @@ class FusedKernel:
     def _pattern_forward(self, q, k, v, plan, out, lse, packed, causal, scale, key_mask, fresh=False):
         """One launch for the pattern: with ``out``/``lse`` ``None`` into new compact tensors (returned),
         else merged into the given running result (written, if ``fresh``). Replayed after the first call of
-        each geometry (``_RECIPES``)."""
+        each geometry (``replays.py``)."""
         full = out is not None
         key = None
         if key_mask is None:
             given = (q, k, v, out, lse) if full else (q, k, v)
-            key = ("fwd", self._settings(), plan, packed, causal, scale, fresh, q.device, _geometry(given))
-            recipe = _RECIPES.get(key)
+            key = ("fwd", self._settings(), plan, packed, causal, scale, fresh, q.device, replays.geometry(given))
+            recipe = replays.RECIPES.get(key)
             if recipe is not None:
                 ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
-                env = _replay(recipe, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "ht": ht}, q.device)
+                env = replays.replay(recipe, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "ht": ht}, q.device)
                 return env["out"], env["lse"]
         record = [] if key is not None else None
         cfg = self._check(q, k)
@@ -584,7 +532,7 @@ class FusedKernel:
             record=record,
         )
         if record is not None:
-            _remember(key, record, {"q": q, "k": k, "v": v_in, "ht": ht, **({"out": out, "lse": lse} if full else {})})
+            replays.remember(key, record, {"q": q, "k": k, "v": v_in, "ht": ht, **({"out": out, "lse": lse} if full else {})})
         return out, lse
 
     def backward_pattern(
@@ -620,11 +568,11 @@ class FusedKernel:
         key = None
         if key_mask is None:
             key = ("bwd", self._settings(), plan, packed, causal, scale, add, q.device,
-                   _geometry((q, k, v, out, lse, dout, *grads)))
-            recipe = _RECIPES.get(key)
+                   replays.geometry((q, k, v, out, lse, dout, *grads)))
+            recipe = replays.RECIPES.get(key)
             if recipe is not None:
                 ht, ut = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
-                _replay(recipe, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": grads[0],
+                replays.replay(recipe, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": grads[0],
                                  "dk": grads[1], "dv": grads[2], "ht": ht, "ut": ut}, q.device)
                 return
         record = [] if key is not None else None
@@ -645,7 +593,7 @@ class FusedKernel:
         self._backward(q, k, v, out, lse, dout, *grads, ht, ut, mask, strides, S, M, M, causal, scale, cfg, add=add,
                        record=record)
         if record is not None:
-            _remember(key, record, {**names, "ht": ht, "ut": ut})
+            replays.remember(key, record, {**names, "ht": ht, "ut": ut})
 
 
 def _check_fresh(fresh: bool, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, packed: bool) -> None:

@@ -1,4 +1,4 @@
-"""The fused kernel's replays (``fused._RECIPES``): a pattern's launches recorded at the first call of a geometry
+"""The fused kernel's replays (``replays.py``): a pattern's launches recorded at the first call of a geometry
 and replayed after give the same bits as launches worked out anew, on fresh inputs; a new geometry, a key mask,
 or one tensor under two names is not replayed from another call's record. Values are checked against the fp64
 oracle too (flash-attention's rule), so a replay that launched on the wrong tensor could not pass. Runs in
@@ -14,6 +14,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import dilated_attention.kernels.fused as fused  # noqa: E402
+from dilated_attention import replays  # noqa: E402
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.testing.compare import assert_within_rule  # noqa: E402
 from dilated_attention.testing.oracle import dense_dilated_attention  # noqa: E402
@@ -23,17 +24,17 @@ SEGMENTS, RATES = [16, 32, 64], [1, 2, 4]
 
 
 @pytest.fixture()
-def replays(monkeypatch):
+def replayed(monkeypatch):
     """Counts replayed pattern calls; starts with no recipes."""
-    fused._RECIPES.clear()
+    replays.RECIPES.clear()
     count = [0]
-    real = fused._replay
+    real = replays.replay
 
     def counting(recipe, env, device):
         count[0] += 1
         return real(recipe, env, device)
 
-    monkeypatch.setattr(fused, "_replay", counting)
+    monkeypatch.setattr(replays, "replay", counting)
     return count
 
 
@@ -69,31 +70,31 @@ def _judge(what: str, got, q, k, v, dout, causal: bool, **options) -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_replay_is_bitwise_the_first_call(replays, causal):
+def test_replay_is_bitwise_the_first_call(replayed, causal):
     kernel = fused.FusedKernel()
     _step(*_inputs(1), causal, kernel)  # records every pattern's forward and backward
-    assert len(fused._RECIPES) > 0 and replays[0] == 0
+    assert len(replays.RECIPES) > 0 and replayed[0] == 0
     fresh = _inputs(2)
     got = _step(*fresh, causal, kernel)  # replays them
-    assert replays[0] >= 2 * len(SEGMENTS) - 1
-    fused._RECIPES.clear()
+    assert replayed[0] >= 2 * len(SEGMENTS) - 1
+    replays.RECIPES.clear()
     want = _step(*fresh, causal, fused.FusedKernel())  # worked out anew
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), f"{name}: the replay differs from launches worked out anew"
     _judge("replayed", got, *fresh, causal)
 
 
-def test_new_geometry_is_recorded_not_replayed(replays):
+def test_new_geometry_is_recorded_not_replayed(replayed):
     kernel = fused.FusedKernel()
     _step(*_inputs(3), True, kernel)
-    kept = len(fused._RECIPES)
+    kept = len(replays.RECIPES)
     other = _inputs(4, layout="heads-major")  # other strides: every pattern call is a new geometry
     got = _step(*other, True, kernel)
-    assert replays[0] == 0 and len(fused._RECIPES) > kept
+    assert replayed[0] == 0 and len(replays.RECIPES) > kept
     _judge("new layout", got, *other, True)
 
 
-def test_masked_calls_are_not_replayed(replays):
+def test_masked_calls_are_not_replayed(replayed):
     kernel = fused.FusedKernel()
     q, k, v, dout = _inputs(5)
     mask = torch.zeros(1, N, dtype=torch.bool, device=DEVICE)
@@ -101,21 +102,21 @@ def test_masked_calls_are_not_replayed(replays):
     for seed in (5, 6):
         q, k, v, dout = _inputs(seed)
         got = _step(q, k, v, dout, False, kernel, key_padding_mask=mask)
-    assert replays[0] == 0
+    assert replayed[0] == 0
     _judge("masked", got, q, k, v, dout, False, key_padding_mask=mask)
 
 
-def test_one_tensor_under_two_names_is_not_kept(replays):
+def test_one_tensor_under_two_names_is_not_kept(replayed):
     """Recorded with k and v the same tensor, a replay would hand a later call's k to both operands."""
     kernel = fused.FusedKernel()
     q, k, _, dout = _inputs(7, kv_heads=H)
     with torch.no_grad():
         dilated_attention(q, k, k, SEGMENTS, RATES, kernel=kernel)
-    assert len(fused._RECIPES) == 0
+    assert len(replays.RECIPES) == 0
     q, k, v, dout = _inputs(8, kv_heads=H)
     with torch.no_grad():
         got = dilated_attention(q, k, v, SEGMENTS, RATES, kernel=kernel)
-    assert replays[0] == 0
+    assert replayed[0] == 0
     with torch.no_grad():
         want, plain = (dense_dilated_attention(q.to(t), k.to(t), v.to(t), SEGMENTS, RATES)
                        for t in (torch.float64, torch.float32))
