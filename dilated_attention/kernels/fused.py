@@ -576,8 +576,7 @@ class FusedKernel:
                                  "dk": grads[1], "dv": grads[2], "ht": ht, "ut": ut}, q.device)
                 return
         record = [] if key is not None else None
-        names = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": grads[0], "dk": grads[1],
-                 "dv": grads[2]}
+        given = (q, k, v, out, dout)  # (before _unit_last: a copy made on the way is not a replay's input)
         cfg = self._check(q, k)
         bsz, S, M, heads, dim = self._pattern_geometry(q, k, plan, packed)
         _check_view("v", v, k.shape)
@@ -593,7 +592,9 @@ class FusedKernel:
         self._backward(q, k, v, out, lse, dout, *grads, ht, ut, mask, strides, S, M, M, causal, scale, cfg, add=add,
                        record=record)
         if record is not None:
-            replays.remember(key, record, {**names, "ht": ht, "ut": ut})
+            names = dict(zip(("q", "k", "v", "out", "dout"), given))
+            replays.remember(key, record, {**names, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2],
+                                           "ht": ht, "ut": ut})
 
 
 def _check_fresh(fresh: bool, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, packed: bool) -> None:
