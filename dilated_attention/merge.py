@@ -30,7 +30,8 @@ import torch
 from . import caches
 from .caches import remember
 from .patterns import PatternPlan
-from .triton_support import JITTED, interpreting, launch, triton
+from .replays import geometry
+from .triton_support import JITTED, Prepared, interpreting, launch, triton
 from .views import chunk_views, compact_view, region_views
 
 tl = None if triton is None else triton.language
@@ -157,8 +158,10 @@ def add_reason(dst: torch.Tensor, src: torch.Tensor) -> str | None:
     return _launch_reason((dst,), (src,))
 
 
-def _launch_reason(written: tuple[torch.Tensor, ...], read: tuple[torch.Tensor, ...]) -> str | None:
-    """What the kernel needs of any tensors it writes and reads beyond their dtypes and shapes."""
+def _launch_reason(written: tuple[torch.Tensor, ...], read: tuple[torch.Tensor, ...], *, overlap: bool = True
+                   ) -> str | None:
+    """What the kernel needs of any tensors it writes and reads beyond their dtypes and shapes; ``overlap``:
+    whether to look at memory shared between them (``_overlap_reason``)."""
     ts = written + read
     if triton is None:
         return "Triton is not importable"
@@ -169,11 +172,15 @@ def _launch_reason(written: tuple[torch.Tensor, ...], read: tuple[torch.Tensor, 
     for t in written:  # a written element stored twice: torch's copy_ raises, a kernel would race
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
             return "the written tensor has internal overlap (a zero stride)"
-    if {t.untyped_storage().data_ptr() for t in read} & {t.untyped_storage().data_ptr() for t in written}:
+    if overlap and _shares_memory(written, read):
         return "the source shares memory with the written tensor"
     if any(t.data_ptr() % t.element_size() for t in ts):
         return "a data pointer is not aligned to its element size"
     return None
+
+
+def _shares_memory(written: Sequence[torch.Tensor], read: Sequence[torch.Tensor]) -> bool:
+    return bool({t.untyped_storage().data_ptr() for t in read} & {t.untyped_storage().data_ptr() for t in written})
 
 
 def add_into_(dst: torch.Tensor, src: torch.Tensor, *, fresh: bool = False) -> None:
@@ -280,11 +287,11 @@ def combine_results(running: tuple[torch.Tensor, torch.Tensor] | None, parts: Se
     the result once (no fp32 result in between). ``into``: ``(out, lse)`` views (of a larger result: a head
     range) written instead of new tensors, and returned. ``consume``: the parts are the caller's to overwrite
     (``_reused``: the result may be written over one of them)."""
-    _check_parts(parts, like, weighted=True)
+    plan = _combine_plan(running, parts, like, into, weighted=True)
     if not parts and running is not None:  # nothing to gather: the cast alone
         return _placed((running[0].to(like.dtype), running[1]), into)
-    if _combine_reason(running, parts, like, into) is None:
-        return _launch_combine(running, parts, like, weighted=True, into=into, consume=consume)
+    if plan.reason is None and _overlap_reason(running, parts, into) is None:
+        return _launch_combine(plan, running, parts, like, into=into, consume=consume)
     acc = accum_dtype(like.dtype)
     if running is None:
         out = torch.zeros(like.shape, dtype=acc, device=like.device)
@@ -315,12 +322,12 @@ def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.T
     so each pattern's gradient is rounded once before the sum (cuDNN's come that way; the fused kernel's
     were summed in fp32 before): measured in the tolerance tests, within the rule against fp64. ``into``: a view
     written instead of a new tensor, and returned. ``consume``: as ``combine_results``'."""
-    _check_parts(parts, like, weighted=False)
     dst = None if into is None else (into,)
+    plan = _combine_plan(running, parts, like, dst, weighted=False)
     if not parts and running is not None:  # nothing to gather: the cast alone (none for fp32)
         return _placed((running.to(like.dtype),), dst)[0]
-    if _combine_reason(running, parts, like, dst) is None:
-        return _launch_combine(running, parts, like, weighted=False, into=dst, consume=consume)[0]
+    if plan.reason is None and _overlap_reason(running, parts, dst) is None:
+        return _launch_combine(plan, running, parts, like, into=dst, consume=consume)[0]
     acc = running if running is not None else torch.zeros(like.shape, dtype=accum_dtype(like.dtype),
                                                            device=like.device)
     for part in parts:
@@ -330,18 +337,26 @@ def sum_grads(running: torch.Tensor | None, parts: Sequence[Part], like: torch.T
     return _placed((acc.to(like.dtype),), dst)[0]
 
 
-def _reused(parts: Sequence[Part], like: torch.Tensor) -> torch.Tensor | None:
+def _reused(parts: Sequence[Part], like: torch.Tensor, candidates: Sequence[int] | None = None
+            ) -> torch.Tensor | None:
     """The out of a part the combine may write its result over, or ``None``: a rate-1 part in ``like``'s dtype
     and strides (the part of a LongNet call's first pattern, as large as the result; its strides, so that the
-    result reads as a new one would, e.g. zero-copy in a kernel that compares them with q's). The kernel reads
-    each element of such a part in the program that then writes that same element, and no other part shares
-    its memory, so writing over it changes no bit; the call then holds one result-sized tensor less."""
-    for part in parts:
-        out = part.out
-        if part.plan.dilation == 1 and out.dtype == like.dtype and out.stride() == like.stride() and not any(
-                out.untyped_storage().data_ptr() == p.out.untyped_storage().data_ptr() for p in parts if p is not part):
-            return out
+    result reads as a new one would, e.g. zero-copy in a kernel that compares them with q's) whose memory no
+    other part shares. The kernel reads each element of such a part in the program that then writes that same
+    element, so writing over it changes no bit; the call then holds one result-sized tensor less.
+    ``candidates``: the indices of the parts of the right rate, dtype and strides (``_reuse_candidates``), if
+    known; only the sharing is then looked at."""
+    for i in _reuse_candidates(parts, like) if candidates is None else candidates:
+        at = parts[i].out.untyped_storage().data_ptr()
+        if not any(at == p.out.untyped_storage().data_ptr() for j, p in enumerate(parts) if j != i):
+            return parts[i].out
     return None
+
+
+def _reuse_candidates(parts: Sequence[Part], like: torch.Tensor) -> tuple[int, ...]:
+    """The parts ``_reused`` may pick by rate, dtype and strides (what a combine's geometry fixes)."""
+    return tuple(i for i, p in enumerate(parts) if p.plan.dilation == 1 and p.out.dtype == like.dtype
+                 and p.out.stride() == like.stride())
 
 
 def _check_parts(parts: Sequence[Part], like: torch.Tensor, weighted: bool) -> None:
@@ -372,9 +387,10 @@ def row_divider(dilation: int) -> tuple[int, int]:
 
 
 def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor,
-                    into: tuple[torch.Tensor, ...] | None = None) -> str | None:
+                    into: tuple[torch.Tensor, ...] | None = None, *, overlap: bool = True) -> str | None:
     """``None`` if ``combine_kernel`` takes these tensors (CUDA, or CPU under ``TRITON_INTERPRET=1``), else why not:
-    then the torch path (the merges and adds it replaces) runs."""
+    then the torch path (the merges and adds it replaces) runs. ``overlap``: whether to look at shared memory
+    between ``into`` and what is read (per call: the rest follows from the geometry, ``_combine_plan``)."""
     if like.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype: fp16/bf16/fp32, got {like.dtype}"
     held = list(running) if isinstance(running, tuple) else [running] if running is not None else []
@@ -394,7 +410,7 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor,
         return f"batch {like.shape[0]} or heads {like.shape[2]} exceed the launch grid's limit ({MAX_GRID_Z})"
     if any(t.device != like.device for t in read + list(into or ())):
         return f"needs every part on {like.device}"
-    return _launch_reason(tuple(into or ()), tuple(read))
+    return _launch_reason(tuple(into or ()), tuple(read), overlap=overlap)
 
 
 def current_raw_stream(index: int) -> int:
@@ -404,63 +420,139 @@ def current_raw_stream(index: int) -> int:
 
 
 _TABLES = caches.table("merge.combine_tables", 64)  # combine tables on the device, by content
+_COMBINES = caches.table("merge.combine_plans", 256)  # by geometry: what a combine works out once
 
 
-def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """``rows`` as an int64 tensor on ``device``, kept by content: a training loop's parts come back at the
-    same relative addresses step after step (the caching allocator), so a step usually reuses the last
-    step's table instead of a pinned host copy and a transfer (what the kernels read is never written). Kept
-    per stream: the copy is ordered on the stream it was issued on, and so is the freeing of a dropped table."""
+def _device_table(rows: list[list[int]], device: torch.device, key: tuple | None = None) -> torch.Tensor:
+    """``rows`` as an int64 tensor on ``device``, kept by content (or by ``key``, which determines it): a training
+    loop's parts come back at the same relative addresses step after step (the caching allocator), so a step
+    usually reuses the last step's table instead of a pinned host copy and a transfer (what the kernels read is
+    never written). Kept per stream: the copy is ordered on the stream it was issued on, and so is the freeing of
+    a dropped table. ``rows`` may be a function making them (called only where the table is not kept)."""
     stream = current_raw_stream(device.index) if device.type == "cuda" else None
-    return caches.kept_table("merge.combine_tables", _TABLES, (device, stream, *map(tuple, rows)),
-                             lambda: caches.rows_on("merge.combine_table", rows, torch.int64, device), device)
+    made = rows if callable(rows) else (lambda: rows)
+    return caches.kept_table("merge.combine_tables", _TABLES,
+                             (device, stream, *(map(tuple, rows) if key is None else key)),
+                             lambda: caches.rows_on("merge.combine_table", made(), torch.int64, device), device)
 
 
-def _launch_combine(running, parts: Sequence[Part], like: torch.Tensor, weighted: bool,
-                    into: tuple[torch.Tensor, ...] | None = None, consume: bool = False):
+@dataclass(frozen=True, eq=False)
+class _CombinePlan:
+    """What combines of one geometry share (``_combine_plan``): why the kernel cannot take them (``reason``: then
+    the torch path runs), the parts the result may be written over (``_reuse_candidates``), each part's table row
+    after its two offsets, and the kernels' integer arguments and launches. Kept per geometry: a call then reads
+    only its parts' addresses."""
+
+    reason: str | None
+    weighted: bool = False
+    candidates: tuple[int, ...] = ()
+    rows: tuple[tuple[int, ...], ...] = ()
+    lse_args: tuple[int, ...] = ()  # combine_lse_kernel's after its tensors
+    args: tuple[int, ...] = ()  # combine_kernel's after its tensors and before out's and the weights' strides
+    weight_strides: tuple[int, int] = (0, 0)
+    slots: int = 0
+    lse_launch: Prepared | None = None
+    launches: dict = None  # combine_kernel's Prepared launch by out's strides and alignment
+    grid: tuple[int, ...] = ()
+    meta: dict = None
+
+
+def _combine_plan(running, parts: Sequence[Part], like: torch.Tensor, into: tuple[torch.Tensor, ...] | None,
+                  weighted: bool) -> _CombinePlan:
+    """The plan of this combine's geometry (every tensor's shape, strides, dtype, alignment and device, the parts'
+    patterns, autograd's state), worked out at its first call: ``_check_parts`` (raises on parts that cannot be
+    combined), ``_combine_reason`` (all but the per-call memory overlap), the table rows and launches."""
+    held = list(running) if isinstance(running, tuple) else [running] if running is not None else []
+    tensors = [like, *held, *(into or ()), *(p.out for p in parts), *(p.lse for p in parts if p.lse is not None)]
+    key = (weighted, len(held), 0 if into is None else len(into), tuple([(p.plan, p.kv, p.lse is None) for p in parts]),
+           torch.is_grad_enabled() and any([t.requires_grad for t in tensors]), geometry(tensors))
+    plan = _COMBINES.get(key)
+    if plan is None:
+        _check_parts(parts, like, weighted)
+        plan = remember(_COMBINES, key, _make_plan(running, parts, like, into, weighted))
+    return plan
+
+
+def _make_plan(running, parts: Sequence[Part], like: torch.Tensor, into: tuple[torch.Tensor, ...] | None,
+               weighted: bool) -> _CombinePlan:
+    reason = "no parts to combine" if not parts else _combine_reason(running, parts, like, into, overlap=False)
+    if reason is not None:
+        return _CombinePlan(reason)
     bsz, n, heads, dim = like.shape
+    run_out, run_lse = running if weighted and running is not None else (running, None)
+    align, wide, rows = 16 // like.element_size(), False, []
+    base, lse_base = parts[0].out, parts[0].lse
+    for part in parts:
+        strides = part.out.stride()
+        delta_bytes = part.out.data_ptr() - base.data_ptr()  # (its alignment is the geometry's)
+        if strides[3] != 1 or delta_bytes % 16 or any(x % align for x in strides[:3]):
+            align = 1
+        wide |= part.out.shape[1] * strides[1] >= INT32_LIMIT
+        rows.append((*strides, *(part.lse.stride() if weighted else (0, 0, 0)), part.plan.dilation,
+                     *row_divider(part.plan.dilation), *part.plan.head_offsets(heads, part.kv)))
+    slots = len(parts) + (running is not None)  # (the running result's weight is the last slot)
+    lse_args, lse_launch, w_strides = (), None, (0, 0)
+    if weighted:
+        lse_strides = into[1].stride() if into is not None else (n * heads, heads, 1)  # (a new lse's)
+        w_strides = (n * heads, slots * n * heads)  # (a new (bsz, slots, n * heads) tensor's)
+        lse_args = (n, *(run_lse.stride() if run_lse is not None else (0, 0, 0)), *lse_strides, *w_strides)
+        lse_launch = Prepared(_kernel("combine_lse_kernel"), (triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz),
+                              dict(H=heads, P=len(parts), HAS_RUN=running is not None, BLOCK=COMBINE_LSE_BLOCK),
+                              num_warps=COMBINE_WARPS)
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_r = max(1, COMBINE_TILE // block_d)
+    return _CombinePlan(
+        None, weighted, _reuse_candidates(parts, like), tuple(rows), lse_args,
+        (n, dim, *(run_out.stride() if run_out is not None else (0, 0, 0, 0))), w_strides, slots, lse_launch, {},
+        (triton.cdiv(n, block_r), heads, bsz),
+        dict(H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align, WIDE=wide,
+             BLOCK_R=block_r, BLOCK_D=block_d))
+
+
+def _overlap_reason(running, parts: Sequence[Part], into: tuple[torch.Tensor, ...] | None) -> str | None:
+    """Why the kernel cannot write ``into`` (memory it also reads), per call; ``None`` when it writes new tensors."""
+    if into is None:
+        return None
+    held = list(running) if isinstance(running, tuple) else [running] if running is not None else []
+    read = [p.out for p in parts] + [p.lse for p in parts if p.lse is not None] + held
+    return "the source shares memory with the written tensor" if _shares_memory(into, read) else None
+
+
+def _launch_combine(plan: _CombinePlan, running, parts: Sequence[Part], like: torch.Tensor,
+                    into: tuple[torch.Tensor, ...] | None = None, consume: bool = False):
+    weighted = plan.weighted
     if into is not None:
         out, lse = into[0], (into[1] if weighted else None)
     else:
-        reused = _reused(parts, like) if consume else None
+        reused = _reused(parts, like, plan.candidates) if consume and plan.candidates else None
         out = reused if reused is not None else torch.empty(like.shape, dtype=like.dtype, device=like.device)
         lse = torch.empty(like.shape[:-1], dtype=torch.float32, device=like.device) if weighted else None
     if out.numel() == 0:
         return out, lse
     run_out, run_lse = running if weighted and running is not None else (running, None)
     base = parts[0].out  # (the callers send no part-less work here: the running result alone is a cast)
-    lse_base = parts[0].lse if weighted else torch.empty(1, dtype=torch.float32, device=like.device)
-    rows, align, wide = [], 16 // like.element_size(), False
-    for part in parts:
-        delta = (part.out.data_ptr() - base.data_ptr()) // like.element_size()
-        lse_delta = (part.lse.data_ptr() - lse_base.data_ptr()) // 4 if weighted else 0
-        strides = part.out.stride()
-        if strides[3] != 1 or any(x % align for x in (delta, *strides[:3])):
-            align = 1
-        wide |= part.out.shape[1] * strides[1] >= INT32_LIMIT
-        rows.append([delta, lse_delta, *strides, *(part.lse.stride() if weighted else (0, 0, 0)),
-                     part.plan.dilation, *row_divider(part.plan.dilation), *part.plan.head_offsets(heads, part.kv)])
-    table = _device_table(rows, like.device)
+    at, size = base.data_ptr(), like.element_size()
+    if weighted:
+        lse_base = parts[0].lse
+        lse_at = lse_base.data_ptr()
+        offsets = tuple([((p.out.data_ptr() - at) // size, (p.lse.data_ptr() - lse_at) // 4) for p in parts])
+    else:
+        lse_base = base  # (unread: the kernels read no lse when summing)
+        offsets = tuple([((p.out.data_ptr() - at) // size, 0) for p in parts])
+    table = _device_table(lambda: [[*o, *r] for o, r in zip(offsets, plan.rows)], like.device, (plan, offsets))
     weights = lse_base  # (unread when summing)
+    out_strides = out.stride()[:3]
+    launch_combine = plan.launches.get((out_strides, out.data_ptr() & 15))  # (a new out, or a reused part)
+    if launch_combine is None:
+        launch_combine = plan.launches[(out_strides, out.data_ptr() & 15)] = Prepared(_kernel("combine_kernel"), plan.grid, plan.meta,
+                                                               num_warps=COMBINE_WARPS)
     # Triton launches on the current device, not the tensors' (entering the guard costs as much as a launch)
     other_device = like.is_cuda and torch.cuda.current_device() != like.device.index
     with torch.cuda.device(like.device) if other_device else contextlib.nullcontext():
         if weighted:  # the lse pass: each (row, head)'s merged lse and each part's weight
-            slots = len(parts) + (running is not None)  # (the running result's weight is the last slot)
-            weights = torch.empty((bsz, slots, n * heads), dtype=torch.float32, device=like.device)
-            rl_strides = run_lse.stride() if run_lse is not None else (0, 0, 0)
-            launch(_kernel("combine_lse_kernel"), (triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz),
-                   (table, lse_base, lse_base if run_lse is None else run_lse, lse, weights, n,
-                    *rl_strides, *lse.stride(), weights.stride(1), weights.stride(0)),
-                   dict(H=heads, P=len(parts), HAS_RUN=running is not None, BLOCK=COMBINE_LSE_BLOCK),
-                   num_warps=COMBINE_WARPS)
-        block_d = max(16, triton.next_power_of_2(dim))
-        block_r = max(1, COMBINE_TILE // block_d)
-        r_strides = run_out.stride() if run_out is not None else (0, 0, 0, 0)
-        w_strides = (weights.stride(1), weights.stride(0)) if weighted else (0, 0)
-        launch(_kernel("combine_kernel"), (triton.cdiv(n, block_r), heads, bsz),
-               (table, base, weights, out if run_out is None else run_out, out, n, dim, *r_strides,
-                *out.stride()[:3], *w_strides),
-               dict(H=heads, P=len(parts), WEIGHTED=weighted, HAS_RUN=running is not None, ALIGN=align, WIDE=wide,
-                    BLOCK_R=block_r, BLOCK_D=block_d), num_warps=COMBINE_WARPS)
+            weights = torch.empty((like.shape[0], plan.slots, like.shape[1] * like.shape[2]), dtype=torch.float32,
+                                  device=like.device)
+            plan.lse_launch(table, lse_base, lse_base if run_lse is None else run_lse, lse, weights, *plan.lse_args)
+        launch_combine(table, base, weights, out if run_out is None else run_out, out, *plan.args, *out_strides,
+                       *plan.weight_strides)
     return out, lse

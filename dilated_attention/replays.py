@@ -19,8 +19,9 @@ RECIPES = caches.table("replays.recipes", 1024)  # a caller's key (kind, setting
 
 
 def geometry(tensors) -> tuple:
-    """What a launch's arguments and specialization read of ``tensors``: shape, strides, dtype, 16-byte alignment."""
-    return tuple([(x.shape, x.stride(), x.dtype, x.data_ptr() & 15) for x in tensors])  # (a list: inlined)
+    """What a launch's arguments and specialization read of ``tensors``: shape, strides, dtype, 16-byte alignment,
+    device (its index, -1 for CPU)."""
+    return tuple([(x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device()) for x in tensors])  # (inlined)
 
 
 def remember(key: tuple, record: list, names: dict[str, torch.Tensor]) -> None:

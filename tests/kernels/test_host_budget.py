@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dilated_attention import dilated_attention, merge
+from dilated_attention import dilated_attention, merge, triton_support
 from dilated_attention.kernels.cudnn import CudnnKernel
 from dilated_attention.testing.compare import assert_within_rule
 from dilated_attention.testing.oracle import dense_dilated_attention
@@ -87,6 +87,7 @@ def test_a_longnet_step_dispatches_no_more_operations_than_its_budget(causal, mo
 
     merge_launch = merge.launch
     monkeypatch.setattr(merge, "launch", launch)
+    monkeypatch.setattr(triton_support, "launch", launch)  # (the combine's prepared launches go through it)
     kernel = CudnnKernel(ops)
     for _ in range(2):  # plans, tables and views of this configuration made and cached
         for x in leaves:
