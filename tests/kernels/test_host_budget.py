@@ -1,6 +1,7 @@
 """The host's budget for one LongNet forward+backward: how many torch operations the library dispatches around
 its kernels, counted (never timed) on CPU through the cuDNN kernel's view logic with plain-torch stand-in ops and
-the merges' Triton kernels in Triton's interpreter (each counted as one launch, as on a GPU).
+the merges' Triton kernels in Triton's interpreter (each counted as one launch, as on a GPU); and how many Python
+calls the fused kernel's step makes around its launches (replayed after the first call of a geometry).
 
 An eager call is host-bound on a GPU (docs/performance.md): every operation dispatched costs microseconds of
 Python and C++ between kernel launches. A change that adds per-call work shows here as a higher count; the
@@ -11,12 +12,14 @@ time (and say it in the commit).
 from __future__ import annotations
 
 import collections
+import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dilated_attention import dilated_attention, merge, triton_support
+from dilated_attention.kernels import fused
 from dilated_attention.kernels.cudnn import CudnnKernel
 from dilated_attention.testing.compare import assert_within_rule
 from dilated_attention.testing.oracle import dense_dilated_attention
@@ -26,6 +29,8 @@ from test_cudnn import MathOps  # (the cuDNN kernel's plain-torch stand-in ops)
 SEGMENTS, RATES = [64, 128, 256, 512], [1, 2, 4, 8]  # LongNet's geometric pattern on 512 rows
 # (ops dispatched around the kernels, kernel calls) per forward+backward
 BUDGET = {False: (170, 17), True: (170, 17)}
+# Python calls (functions and builtins) around the launches of a fused-kernel forward+backward, and its launches
+PYTHON_BUDGET = {False: (1450, 21), True: (1520, 21)}
 
 
 class _Counted(TorchDispatchMode):
@@ -101,16 +106,67 @@ def test_a_longnet_step_dispatches_no_more_operations_than_its_budget(causal, mo
         out = dilated_attention(*leaves, SEGMENTS, RATES, causal=causal, kernel=kernel)
         out.backward(dout)
     ops.mode = None
-    # the counted step computes the right thing (the oracle: plain torch, float64)
-    ref = [x.double().requires_grad_() for x in (q, k, v)]
-    want = dense_dilated_attention(*ref, SEGMENTS, RATES, causal=causal)
-    want.backward(dout.double())
-    for name, got, exp in (("out", out, want), *zip(("dq", "dk", "dv"), (x.grad for x in leaves),
-                                                     (x.grad for x in ref))):
-        assert_within_rule(name, got, exp, exp.float())  # (fp32: plain torch is the float64 oracle rounded)
+    _assert_oracle(q, k, v, dout, causal, out, leaves)
     total, calls = sum(mode.ops.values()), len(ops.calls) + len(launches)
     most = ", ".join(f"{name} {n}" for name, n in mode.ops.most_common(8))
     bound_ops, bound_calls = BUDGET[causal]
     assert total <= bound_ops and calls <= bound_calls, (
         f"one LongNet forward+backward dispatched {total} operations around {calls} kernel calls, over its budget "
         f"of {bound_ops} around {bound_calls}; most: {most}")
+
+
+def _assert_oracle(q, k, v, dout, causal, out, leaves, segments=SEGMENTS, rates=RATES) -> None:
+    """The counted step computed the right thing (the oracle: plain torch, float64)."""
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    want = dense_dilated_attention(*ref, segments, rates, causal=causal)
+    want.backward(dout.double())
+    for name, got, exp in (("out", out, want), *zip(("dq", "dk", "dv"), (x.grad for x in leaves),
+                                                     (x.grad for x in ref))):
+        assert_within_rule(name, got, exp, exp.float())  # (fp32: plain torch is the float64 oracle rounded)
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_fused_longnet_step_makes_no_more_python_calls_than_its_budget(causal, monkeypatch):
+    g = torch.Generator().manual_seed(5411 + causal)
+    segments = [s // 2 for s in SEGMENTS]  # (the same pattern on 256 rows and 4 heads: the interpreter's time)
+    q, k, v, dout = (torch.randn(1, 256, 4, 16, generator=g) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    calls, launches = [0], [0]
+
+    def count(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    def launch(*args, **kwargs):  # a launch is one call on a GPU: the interpreter's work runs uncounted
+        launches[0] += 1
+        sys.setprofile(None)
+        try:
+            return real_launch(*args, **kwargs)
+        finally:
+            sys.setprofile(count)
+
+    real_launch = triton_support.launch
+    for module in (triton_support, fused, merge):  # (Prepared launches through triton_support's)
+        monkeypatch.setattr(module, "launch", launch)
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        out = dilated_attention(*leaves, segments, RATES, causal=causal, kernel="fused")
+        out.backward(dout)
+        return out
+
+    for _ in range(2):  # plans, replays and tables of this configuration made and kept
+        step()
+    calls[0] = launches[0] = 0
+    sys.setprofile(count)  # (CPU: autograd runs the backward on this thread)
+    try:
+        out = step()
+    finally:
+        sys.setprofile(None)
+    _assert_oracle(q, k, v, dout, causal, out, leaves, segments)
+    bound_calls, bound_launches = PYTHON_BUDGET[causal]
+    assert launches[0] <= bound_launches and calls[0] <= bound_calls, (
+        f"one fused LongNet forward+backward made {calls[0]} Python calls around {launches[0]} launches, over its "
+        f"budget of {bound_calls} around {bound_launches}")
