@@ -42,7 +42,9 @@ streams (compute, communication) and a host thread (``_Timeline``):
 - **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
   the zigzag order, and on rings of full rows of at least ``causal_share.SHARE_MIN_ROWS`` and at most
   ``causal_share.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half
-  a block; causal dilated rings whose ranks divide the heads run head-parallel, ``ring_swaps.py``: the
+  a block, except that the first rank runs every guest's backward at its first idle step
+  (``causal_share.help_backward``: ``guests_at_once``), which holds back the dK/dV accumulator passing it,
+  the last rank's own, by ``G - 2`` half blocks; causal dilated rings whose ranks divide the heads run head-parallel, ``ring_swaps.py``: the
   segment's compact rows of ``1/G`` of the heads gathered by one all-to-all, computed whole, sent home),
   head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
   heads), hybrid (all-to-all inside teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
@@ -352,7 +354,7 @@ def _local_kv_heads(p: Problem, team: int) -> int:
 
 
 def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, balanced: bool,
-               share_rows: int | None, swap: tuple[bool, bool]) -> None:
+               share_rows: int | None, swap: tuple[bool, bool], guests_at_once: bool = True) -> None:
     """Replay forward or backward of every pattern (local, or a ring on the slowest rank)."""
     d, e, b = p.head_dim, p.dtype_bytes, p.batch
     if direction == "bwd":
@@ -403,6 +405,8 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
             if kv_end is not None:
                 tl.wait(kv_end)
         if direction == "bwd":
+            if shared and p.causal and guests_at_once and g > 2:  # it passed the first rank at its guests' step
+                grads_end += (g - 2) * kernel_bwd_ms(block_flops / 2, m, False, hw)
             tl.wait(grads_end)  # our own block's accumulator is home
             tl.run(pass_ms(2 * half * 12, 2 * runs, hw))  # unpack_add_
     if direction == "fwd":
@@ -440,7 +444,7 @@ def _swap(tl: _Timeline, nbytes: float, team: int, before: tuple[float, int], af
 
 def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = False,
             host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
-            swap: tuple[bool, bool] | None = None) -> tuple[float, float]:
+            swap: tuple[bool, bool] | None = None, guests_at_once: bool = True) -> tuple[float, float]:
     """(ms, compute-stream busy ms) of one forward+backward on the slowest rank: all-to-all inside
     teams of ``team`` ranks (1: none), then every pattern locally or as a ring across teams."""
     tl = _Timeline(hw, host_waits)
@@ -452,11 +456,11 @@ def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = 
     out = p.batch * local * p.heads * p.head_dim * p.dtype_bytes
     if team > 1:  # q/k/v to heads: build the send buffer; received rows reshaped, q/k/v made contiguous
         _swap(tl, qkv, team, (2 * qkv, 3), (4 * qkv, 4), hw)
-    _attention(tl, p, lay, hw, "fwd", balanced, share_rows, swap)
+    _attention(tl, p, lay, hw, "fwd", balanced, share_rows, swap, guests_at_once)
     if team > 1:  # output back to sequence
         _swap(tl, out, team, (2 * out, 1), (2 * out, 1), hw)
         _swap(tl, out, team, (2 * out, 1), (2 * out, 1), hw)  # backward: dout to heads
-    _attention(tl, p, lay, hw, "bwd", balanced, share_rows, swap)
+    _attention(tl, p, lay, hw, "bwd", balanced, share_rows, swap, guests_at_once)
     if team > 1:  # dq/dk/dv: cat, contiguous; received heads merged
         _swap(tl, qkv, team, (4 * qkv, 2), (2 * qkv, 3), hw)
     return tl.end, tl.busy
@@ -482,12 +486,13 @@ def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
 
 def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = H200,
             *, balanced: bool = False, host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
-            swap: tuple[bool, bool] | None = None) -> Prediction | None:
+            swap: tuple[bool, bool] | None = None, guests_at_once: bool = True) -> Prediction | None:
     """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
 
     ``balanced``: causal rings in zigzag order (``layout="zigzag"``: every step half a block).
     ``share_rows``: causal rings on full rows of at least this many share their cross blocks (``causal_share.Share``;
-    ``None``: none do, the code before sharing).
+    ``None``: none do, the code before sharing). ``guests_at_once``: their first rank runs every guest's backward at
+    its first idle step (the library's order; ``False``: one guest per idle step).
     ``swap``: (non-causal, causal) whether dilated rings whose ranks divide the heads run head-parallel
     (``ring_swaps.py``); ``None``: as ``ring_swaps.SWAPPED_RINGS`` says.
     ``host_waits``: every exchange waited for on the host; default stream-ordered (module doc).
@@ -513,7 +518,7 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = H200,
                 return None
             notes.append(f"a2a teams of {team}")
         ms, busy = rank_ms(p, gpus, team, hw, balanced=balanced, host_waits=host_waits, share_rows=share_rows,
-                           swap=swap)
+                           swap=swap, guests_at_once=guests_at_once)
     mem = memory_gib(p, p.tokens / gpus)
     return Prediction(strategy, gpus, busy, ms - busy, ms, t1, t1 / (gpus * ms), mem, mem <= hw.memory_gib, notes,
                       p.tokens)
@@ -680,6 +685,12 @@ def file_share_rows(meta: dict) -> int | None:
     return meta.get("share_min_rows")
 
 
+def file_guests_at_once(meta: dict) -> bool:
+    """Whether a scaling JSON's shared causal rings ran every guest's backward at the first idle step
+    (``meta.share_guests``: ``"at_once"``, what files without it measured, or ``"spread"``: one per idle step)."""
+    return meta.get("share_guests", "at_once") == "at_once"
+
+
 def file_swap(meta: dict) -> tuple[bool, bool]:
     """The ``ring_swaps.SWAPPED_RINGS`` (non-causal, causal) a scaling JSON was measured with (``meta.swap_compact``);
     files without it were measured before dilated rings ran head-parallel: neither."""
@@ -717,7 +728,7 @@ def validate(paths: Sequence[str], hw: Hardware = H200, *, host_waits: bool | No
             n = rec["gpus"] * rec["tokens_per_gpu"]
             pred = predict(_problem(meta, rec["config"], rec["causal"], n), rec["gpus"], rec["strategy"], hw,
                            balanced=bool(meta.get("balanced")), host_waits=host, share_rows=file_share_rows(meta),
-                           swap=file_swap(meta))
+                           swap=file_swap(meta), guests_at_once=file_guests_at_once(meta))
             if pred is None:
                 continue
             rows.append({"file": path, "config": rec["config"], "causal": rec["causal"],
@@ -790,13 +801,14 @@ def fit_samples(paths: Sequence[str], impl: str = "ours") -> list[dict]:
                 out.append({"name": f"{name}: T1 {s['config']} causal={s['causal']} N={s['tokens']}", "gpus": 1,
                             "strategy": "ring", "problem": _problem(meta, s["config"], s["causal"], s["tokens"]),
                             "ms": s["ms"], "efficiency": None, "host_waits": False, "share_rows": None,
-                            "swap": (False, False)})
+                            "swap": (False, False), "guests_at_once": True})
         for r in _multi_records(meta, records, impl):
             out.append({"name": f"{name}: {r['strategy']} {r['config']} causal={r['causal']} K={r['gpus']}",
                         "gpus": r["gpus"], "strategy": r["strategy"],
                         "problem": _problem(meta, r["config"], r["causal"], r["gpus"] * r["tokens_per_gpu"]),
                         "ms": r["ms"], "efficiency": r["efficiency"], "host_waits": file_host_waits(meta),
-                        "share_rows": file_share_rows(meta), "swap": file_swap(meta)})
+                        "share_rows": file_share_rows(meta), "swap": file_swap(meta),
+                        "guests_at_once": file_guests_at_once(meta)})
     return out
 
 
@@ -805,7 +817,7 @@ def _fit_errors(samples: list[dict], hw: Hardware) -> list[tuple[float, float | 
     out = []
     for s in samples:
         pred = predict(s["problem"], s["gpus"], s["strategy"], hw, host_waits=s["host_waits"],
-                       share_rows=s["share_rows"], swap=s["swap"])
+                       share_rows=s["share_rows"], swap=s["swap"], guests_at_once=s["guests_at_once"])
         if pred is None:
             out.append((1.0, None))
             continue

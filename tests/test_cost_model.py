@@ -225,6 +225,22 @@ def test_small_ring_blocks_run_slower_than_big_ones():
     assert predict(full, 4, "ring", hw).efficiency > 0.95  # long blocks: compute-bound, as measured
 
 
+def test_a_shared_ring_holds_back_the_accumulator_that_passes_its_guests_step():
+    """Shared causal rings: the first rank runs every guest's backward at its first idle step, so the last rank's
+    own dK/dV accumulator, which passes it then, comes home G - 2 half blocks late; one guest per idle step
+    (``guests_at_once=False``) does not hold it back. Free links: the delay is all that differs."""
+    hw = replace(UNIT, nvlink_gbps=1e15)
+    for g in (2, 3, 4):
+        rows = 16
+        p = Problem(rows * g, ((rows * g, 1),), heads=1, head_dim=1, causal=True)
+        at_once, spread = (rank_ms(p, g, 1, hw, share_rows=8, guests_at_once=flag)[0] for flag in (True, False))
+        half_block = kernel_bwd_ms(pattern_flops(rows, rows, 1, heads=1, head_dim=1) / 2, rows, False, hw)
+        assert at_once - spread == pytest.approx((g - 2) * half_block), g
+    unshared = Problem(16 * 4, ((16 * 4, 1),), heads=1, head_dim=1, causal=True)  # blocks under share_rows
+    assert rank_ms(unshared, 4, 1, hw, share_rows=32)[0] == rank_ms(unshared, 4, 1, hw, share_rows=32,
+                                                                     guests_at_once=False)[0]
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="strategy"):
         predict(_ring_problem(), 2, "tree")
