@@ -74,9 +74,11 @@ GPU count fill one file); ``--fresh`` starts the file anew.
 
 ``--profile``: what limits a step. After each record's timed steps, one more step runs the same way under
 ``torch.profiler`` (CUDA and CPU activity; CPU only on CPU), and the record's ``profile`` holds rank 0's: device
-milliseconds by category -- ``attention`` (the attention kernels and whatever the attention call launches),
-``matmul`` (projections, MLP, LM head), ``communication`` (NCCL/gloo), ``copies`` (memcpy, memset, copy, cat),
-``other`` (elementwise, norms, loss, optimizer) -- classified by name (``CATEGORY_RULES``), the largest kernels,
+milliseconds by category -- ``attention`` (the attention kernels and whatever the attention call launches), the
+matrix products outside it by the sizes their op read (``record_shapes``): ``mlp`` (one of them the MLP's width),
+``logits`` (the vocabulary: the LM head in the tiled loss), ``projections`` (the rest: q, k, v, o), ``matmul``
+(sizes unknown), then ``communication`` (NCCL/gloo), ``copies`` (memcpy, memset, copy, cat), ``other``
+(elementwise, norms, loss, optimizer) -- classified by name (``CATEGORY_RULES``), the largest kernels,
 ``gpu_busy_ms`` (the union of kernel intervals), ``step_ms`` (host wall of the step between syncs) and
 ``host_bound_ms`` = step - busy, the time the GPU idles waiting on the host. The markdown adds a table "What a
 step spends". The profiler slows the step it watches: read the shares, not the times. On CPU the categories are
@@ -107,7 +109,7 @@ from gpu_tag import gpu_tag, package_versions  # noqa: E402
 
 VARIANTS = ("ours", "sdpa", "ulysses", "torch_cp")
 DENSE = ("sdpa", "ulysses", "torch_cp")
-TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "mlp": 128, "vocab": 128,
+TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "mlp": 96, "vocab": 160,
         "seq_lens": [256], "first_segment": 32, "warmup": 1, "steps": 2, "loss_chunk": 64, "mlp_tile": 48}
 PENDING = "started but never finished: the job hung or crashed here (an out-of-memory on one rank while the " \
           "others wait in a collective ends like this)"
@@ -128,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mlp", type=int, default=5632)
     g.add_argument("--vocab", type=int, default=32000)
     g.add_argument("--tiny", action="store_true", help="a CPU-sized check: hidden 64, 2 layers, 4 heads of 16, "
-                   "2 KV heads, MLP 128, vocab 128, 256 tokens, first segment 32, 1 + 2 steps, MLP tiles of 48")
+                   "2 KV heads, MLP 96, vocab 160, 256 tokens, first segment 32, 1 + 2 steps, MLP tiles of 48")
     g = p.add_argument_group("dilated patterns of ours")
     g.add_argument("--first-segment", type=int, default=2048)
     g.add_argument("--segment-factor", type=int, default=4)
@@ -175,7 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="peak bf16 dense TFLOP/s of one GPU for the FLOPs utilization (H100 SXM: 989)")
     g.add_argument("--profile", action="store_true",
                    help="after each record's timed steps, profile one more step (torch.profiler) and record what it "
-                        "spends: attention, matmul, communication, copies, other, GPU idle (the record's profile)")
+                        "spends: attention, projections, MLP, logits, communication, copies, other, GPU idle (the "
+                        "record's profile)")
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     g.add_argument("--out", default="benchmarks/results")
     g.add_argument("--tag", default=None, help="file name model_<tag>.* (default: the GPU name, cpu on CPU)")
@@ -465,7 +468,7 @@ def attention_for(variant: str, args, shape, n: int, env, comm, state: dict) -> 
 
 # -- what a step spends: one profiled step -----------------------------------------------------------
 
-PROFILE_CATEGORIES = ("attention", "matmul", "communication", "copies", "other")
+PROFILE_CATEGORIES = ("attention", "projections", "mlp", "logits", "matmul", "communication", "copies", "other")
 
 # What a GPU kernel or CPU op is, from its name: the first row holding a substring of the name (any case) wins,
 # else ``other`` (elementwise, norms, rotary, the optimizer, ...). Communication comes first (the ring's exchanges
@@ -493,17 +496,18 @@ def category(name: str) -> str:
     return next((cat for cat, parts in CATEGORY_RULES if any(part in low for part in parts)), "other")
 
 
-def classify(name: str, op=None, inside: dict | None = None) -> str:
+def classify(name: str, op=None, inside: dict | None = None, widths: dict[str, int] | None = None) -> str:
     """The category of a kernel or op named ``name``; ``op``: the profiler's CPU op that ran it (a CPU op itself, or
     the op that launched a kernel; None if unknown). Work inside an attention call (an op named like attention,
     e.g. the library's autograd function ``Attention`` and its backward, or ``aten::scaled_dot_product_attention``)
     is attention whatever its name -- the call's copies and matrix products on CPU -- except communication.
-    ``inside``: a memo of op -> inside attention, shared across calls."""
+    ``inside``: a memo of op -> inside attention, shared across calls. ``widths``: a matrix product outside
+    attention is the first category whose width its op read (``gemm_category``), where given."""
     own = category(name)
     if own in ("communication", "attention") or op is None:
         return own
     inside = {} if inside is None else inside
-    chain = []
+    origin, chain = op, []
     found = False
     while op is not None and id(op) not in inside:
         chain.append(op)
@@ -514,7 +518,24 @@ def classify(name: str, op=None, inside: dict | None = None) -> str:
     found = found or (op is not None and inside[id(op)])
     for seen in chain:  # everything under an attention op is inside; a chain that met none is outside
         inside[id(seen)] = found
-    return "attention" if found else own
+    if found:
+        return "attention"
+    return gemm_category(origin, widths) if own == "matmul" and widths else own
+
+
+def gemm_category(op, widths: dict[str, int]) -> str:
+    """Which matrix product ``op`` (or the nearest matrix-product op above it) is: the first category of ``widths``
+    (e.g. ``{"logits": vocab, "mlp": intermediate}``) whose width is among the sizes it read, else
+    ``projections``; ``matmul`` where no op above records its input shapes (a profile without ``record_shapes``).
+    A width two categories share names neither."""
+    unique = {cat: w for cat, w in widths.items() if list(widths.values()).count(w) == 1}
+    while op is not None:
+        shapes = getattr(op, "input_shapes", None)
+        if shapes and category(op.name) == "matmul":
+            sizes = {x for shape in shapes if isinstance(shape, (list, tuple)) for x in shape}
+            return next((cat for cat, w in unique.items() if w in sizes), "projections")
+        op = op.cpu_parent
+    return "matmul"
 
 
 def _gpu_work(evt, device_type) -> bool:
@@ -524,14 +545,15 @@ def _gpu_work(evt, device_type) -> bool:
         not any(word in kind for word in ("annotation", "sync", "overhead"))
 
 
-def step_profile(events, step_ms: float, cuda: bool, top: int = 10) -> dict:
+def step_profile(events, step_ms: float, cuda: bool, top: int = 10, widths: dict[str, int] | None = None) -> dict:
     """What one profiled step spent, from ``torch.profiler``'s ``prof.events()``; ``step_ms``: its host wall time.
 
     GPU (``cuda``): each kernel, copy and fill's device time in its category (``classify``, with the host op that
     launched it); ``gpu_busy_ms``: the union of their intervals (kernels on several streams overlap, so the
     categories may add past it). CPU: each op's self CPU time in its category; busy: their sum (the host is the
     device). ``host_bound_ms = max(0, step_ms - gpu_busy_ms)``: the time the device idled (waiting on the host,
-    or the host outside ops on CPU). ``top``: the largest names with their category and milliseconds."""
+    or the host outside ops on CPU). ``top``: the largest names with their category and milliseconds. ``widths``:
+    the model's widths that tell its matrix products apart (``gemm_category``)."""
     from torch.autograd import DeviceType
 
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
@@ -548,7 +570,7 @@ def step_profile(events, step_ms: float, cuda: bool, top: int = 10) -> dict:
     by_name: dict[tuple[str, str], float] = {}
     inside: dict = {}
     for name, op, ms in units:
-        cat = classify(name, op, inside)
+        cat = classify(name, op, inside, widths)
         spent[cat] += ms
         by_name[name, cat] = by_name.get((name, cat), 0.0) + ms
     largest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
@@ -559,7 +581,7 @@ def step_profile(events, step_ms: float, cuda: bool, top: int = 10) -> dict:
 
 def profile_spent(p: dict) -> list[tuple[str, float, float]]:
     """``(name, ms, % of the step)`` of each category, then of the GPU's idle time."""
-    spent = [*((cat, p["ms"][cat]) for cat in PROFILE_CATEGORIES), ("idle", p["host_bound_ms"])]
+    spent = [*((cat, p["ms"].get(cat, 0.0)) for cat in PROFILE_CATEGORIES), ("idle", p["host_bound_ms"])]
     return [(name, ms, 100 * ms / p["step_ms"]) for name, ms in spent]
 
 
@@ -700,9 +722,12 @@ class Runner:
                 from torch.profiler import profile as profiler
 
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-                prof = profiler(activities=activities)
+                prof = profiler(activities=activities, record_shapes=True)  # (shapes: which matrix product)
                 seconds, _ = step(warmup + steps, watch=prof)
-                spent = step_profile(prof.events(), 1e3 * seconds, self.cuda)
+                widths = {"logits": self.shape.vocab, "mlp": self.shape.mlp}
+                if {a.batch, n // k} & set(widths.values()):  # a product's sizes hold the tokens too: ambiguous
+                    widths = None
+                spent = step_profile(prof.events(), 1e3 * seconds, self.cuda, widths=widths)
         finally:
             del module, opt, sched
             self.free()
@@ -836,8 +861,8 @@ def render_md(data: dict) -> str:
                   "waits on the host). The profiler slows the step: read the shares, not the times. Kernels on "
                   "several streams overlap, so the shares may add past 100%. On CPU: ops' self CPU time, and idle "
                   "is the host outside ops.", "",
-                  "| GPUs | tokens/seq | variant | step ms | attention | matmul | communication | copies | other "
-                  "| GPU idle |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| GPUs | tokens/seq | variant | step ms | " + " | ".join(PROFILE_CATEGORIES) + " | GPU idle |",
+                  "| ---: | ---: | --- | ---: |" + " ---: |" * (len(PROFILE_CATEGORIES) + 1)]
         for r in profiled:
             p = r["profile"]
             cells = [f"{ms:,.1f} ({pct:.0f}%)" for _, ms, pct in profile_spent(p)]

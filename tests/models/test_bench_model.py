@@ -47,7 +47,8 @@ def test_tiny_run_on_two_ranks(tmp_path):
         assert r["checkpointing"] == "none"  # auto on CPU: activations kept
         # the profiled step: the ring's and Ulysses' exchanges, and FSDP's, are communication, not attention
         spent = r["profile"]["ms"]
-        assert spent["communication"] > 0 and spent["attention"] > 0 and spent["matmul"] > 0
+        assert spent["communication"] > 0 and spent["attention"] > 0
+        assert spent["projections"] > 0 and spent["mlp"] > 0 and spent["logits"] > 0  # told apart by their widths
         assert sum(spent.values()) == pytest.approx(r["profile"]["gpu_busy_ms"])
     skipped = {s["variant"]: s["reason"] for s in data["skipped"]}
     assert set(skipped) == {"sdpa", "torch_cp"} and "CUDA" in skipped["torch_cp"]
@@ -70,18 +71,23 @@ def test_profile_run_on_cpu(tmp_path):
                           timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((tmp_path / "model_cpu.json").read_text())
+    bench_model = load_script()
     assert {r["variant"] for r in data["records"]} == {"ours", "sdpa"}
     for r in data["records"]:
         p = r["profile"]
-        assert set(p["ms"]) == {"attention", "matmul", "communication", "copies", "other"}
+        assert set(p["ms"]) == set(bench_model.PROFILE_CATEGORIES)
         assert all(ms >= 0 for ms in p["ms"].values())
-        assert p["ms"]["matmul"] > 0 and p["ms"]["attention"] > 0  # the projections; the attention call
+        assert p["ms"]["attention"] > 0  # the attention call
+        # the matrix products outside it, by the widths their ops read (record_shapes): none left unknown
+        assert p["ms"]["projections"] > 0 and p["ms"]["mlp"] > 0 and p["ms"]["logits"] > 0
+        assert p["ms"]["matmul"] == 0
         assert sum(p["ms"].values()) == pytest.approx(p["gpu_busy_ms"])  # every op once
         assert p["host_bound_ms"] == pytest.approx(max(0.0, p["step_ms"] - p["gpu_busy_ms"]))
         assert p["step_ms"] > 0 and p["top"] and all(t["ms"] > 0 for t in p["top"])
     md = (tmp_path / "model_cpu.md").read_text()
     table = md[md.index("What a step spends"):]
-    header = "| GPUs | tokens/seq | variant | step ms | attention | matmul | communication | copies | other | GPU idle |"
+    header = ("| GPUs | tokens/seq | variant | step ms | attention | projections | mlp | logits | matmul | communication "
+              "| copies | other | GPU idle |")
     assert header in table
     assert "| 1 | 256 | ours |" in table and "| 1 | 256 | sdpa |" in table
 
@@ -160,12 +166,53 @@ def test_step_profile_of_gpu_kernels():
               kernel("vectorized_elementwise_kernel<4, FillFunctor>", 9500, 10000),
               kernel("FSDP::all_gather", 0, 10000, note=True, kind="gpu_user_annotation")]
     p = bm.step_profile(events, step_ms=12.0, cuda=True)
-    assert p["ms"] == pytest.approx({"attention": 4.5, "matmul": 2.0, "communication": 3.0, "copies": 0.5,
-                                     "other": 0.5})
+    assert p["ms"] == pytest.approx({"attention": 4.5, "projections": 0.0, "mlp": 0.0, "logits": 0.0, "matmul": 2.0,
+                                     "communication": 3.0, "copies": 0.5, "other": 0.5})
     assert p["gpu_busy_ms"] == pytest.approx(9.0)  # 0-6, 7-10 ms
     assert p["host_bound_ms"] == pytest.approx(3.0) and p["events"] == 6
     assert p["top"][0] == {"name": "fwd_kernel", "category": "attention", "ms": pytest.approx(4.0)}
     assert bm.step_profile(events, step_ms=8.0, cuda=True)["host_bound_ms"] == 0  # never negative
+
+
+def test_matrix_products_are_told_apart_by_the_widths_their_ops_read():
+    """Outside attention, a matrix product is ``mlp`` or ``logits`` where its op (or the nearest matrix-product op
+    above the one that launched it) read that width, else ``projections``; ``matmul`` where no shapes were
+    recorded; a width two categories share names neither; inside the attention call it stays attention."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    bm = load_script()
+
+    def op(ident, name, parent=None, shapes=None):
+        return SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False, cpu_parent=parent,
+                               linked_correlation_id=0, time_range=Interval(0, 1), self_cpu_time_total=1.0,
+                               input_shapes=shapes or [])
+
+    def kernel(name, start, end, launcher):
+        return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_async=False, cpu_parent=None,
+                               linked_correlation_id=launcher, time_range=Interval(start, end),
+                               activity_type="kernel", is_user_annotation=False)
+
+    up = op(1, "aten::mm", shapes=[[4096, 2048], [2048, 5632]])  # the MLP's up projection
+    down_grad = op(2, "aten::mm", shapes=[[5632, 4096], [4096, 2048]])  # a backward product of the MLP
+    head = op(3, "aten::linear", shapes=[[4096, 2048], [32000, 2048], []])
+    head_mm = op(4, "aten::mm", head)  # shapes only on the op above: the nearest matrix-product op that has them
+    qkv = op(5, "aten::addmm", shapes=[[1024], [4096, 2048], [2048, 1024]])
+    unknown = op(6, "aten::mm")
+    attention = op(7, "Attention")
+    inner = op(8, "aten::mm", attention, shapes=[[4096, 5632], [5632, 2048]])
+    events = [up, down_grad, head, head_mm, qkv, unknown, attention, inner,
+              kernel("nvjet_a", 0, 1000, 1), kernel("nvjet_b", 1000, 3000, 2), kernel("nvjet_c", 3000, 6000, 4),
+              kernel("nvjet_d", 6000, 6500, 5), kernel("nvjet_e", 6500, 7000, 6), kernel("nvjet_f", 7000, 8000, 8)]
+    widths = {"logits": 32000, "mlp": 5632}
+    p = bm.step_profile(events, step_ms=8.0, cuda=True, widths=widths)
+    assert p["ms"] == pytest.approx({"attention": 1.0, "projections": 0.5, "mlp": 3.0, "logits": 3.0, "matmul": 0.5,
+                                     "communication": 0.0, "copies": 0.0, "other": 0.0})
+    shared = bm.step_profile(events, step_ms=8.0, cuda=True, widths={"logits": 5632, "mlp": 5632})
+    assert shared["ms"]["mlp"] == shared["ms"]["logits"] == 0 and shared["ms"]["projections"] == pytest.approx(6.5)
+    assert bm.step_profile(events, step_ms=8.0, cuda=True)["ms"]["matmul"] == pytest.approx(7.0)  # no widths
 
 
 def test_checkpointing_auto_keeps_activations_only_where_they_fit():
