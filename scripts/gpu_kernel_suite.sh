@@ -3,7 +3,8 @@
 #
 #   bash scripts/gpu_kernel_suite.sh          # one H200 or H100; about 5.5 minutes
 #
-# Phase 1 (correctness, in parallel): pytest of the fused, cuDNN and auto kernels on CUDA
+# Phase 1 (correctness, in parallel): pytest of the fused kernel (and its replays), the merges and combines, the
+#   cuDNN and auto kernels, and CUDA-graph capture, on CUDA
 #   (pytest-xdist workers), and memcheck on small fused + cuDNN cases (after a warm run that
 #   fills Triton's cache).
 # Phase 2 (alone on the GPU, so timings are clean): benchmarks/bench_kernel.py at its default
@@ -50,7 +51,9 @@ run_tests() {
   python3 -c "import xdist" 2>/dev/null && xdist="-n $WORKERS"
   stamp "pytest (GPU $T_GPU)"
   CUDA_VISIBLE_DEVICES=$T_GPU OMP_NUM_THREADS=2 timeout -s INT -k 15 "$T_TESTS" python3 -m pytest -q -p no:cacheprovider $xdist \
-    tests/kernels/test_fused.py tests/test_merge.py tests/kernels/test_cudnn.py tests/kernels/test_cudnn_frontend.py tests/kernels/test_auto.py -rfE 2>&1 | tail -60
+    tests/kernels/test_fused.py tests/kernels/test_fused_replay.py tests/kernels/test_triton_launch.py tests/test_merge.py \
+    tests/test_combine.py tests/kernels/test_cudnn.py tests/kernels/test_cudnn_frontend.py tests/kernels/test_auto.py \
+    tests/kernels/test_cuda_graphs.py -rfE 2>&1 | tail -60
   echo "pytest exit ${PIPESTATUS[0]} (130 or 124 = timed out: the failures so far are listed above)"
 }
 
