@@ -132,7 +132,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_tag import gpu_tag  # noqa: E402
-from host_cost import issue_ms, kernel_launches  # noqa: E402
+from host_cost import back_to_back_ms, issue_ms, kernel_launches  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import (  # noqa: E402
@@ -220,6 +220,7 @@ def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):
 def _print_row(r):
     tf = r.get("tflops") or 0
     host = f"  host {r['host_issue_ms']:.2f} ms, {r['launches']} kernels" if "host_issue_ms" in r else ""
+    host += f", back to back {r['back_to_back_ms']:.3f} ms" if "back_to_back_ms" in r else ""
     print(f"  {r['method']:12s} causal={r['causal']!s:5s} {r['kind']:22s} {r['ms']:9.3f} ms  {tf:7.1f} TFLOP/s{host}",
           flush=True)
 
@@ -276,7 +277,8 @@ def measure_method(name, kernel, q, k, v, dout, plans, causal, scale, warmup, re
             o_ = dilated_attention(*leaves, segs, rates, causal=causal, kernel=kernel)
             torch.autograd.grad(o_, leaves, dout)
 
-        host = {"host_issue_ms": issue_ms(api), "launches": kernel_launches(api)} if dev.type == "cuda" else {}
+        host = {"host_issue_ms": issue_ms(api), "launches": kernel_launches(api),
+                "back_to_back_ms": back_to_back_ms(api)} if dev.type == "cuda" else {}
         row("api fwd+bwd", timed(api, warmup, reps, dev), 3.5 * fl_fwd, host)
     return rows
 
@@ -805,6 +807,8 @@ def summarize(rows, full_rows=()):
                 s[f"{tag}_fwd_vs_dense_cudnn"] = densef["ms"] / fwd["ms"]
             if api and dense:
                 s[f"{tag}_api_fwd_bwd_vs_dense_cudnn"] = dense["ms"] / api["ms"]
+                if "back_to_back_ms" in api:  # a training loop's pace: the host's issue overlaps the GPU's work
+                    s[f"{tag}_api_back_to_back_vs_dense_cudnn"] = dense["ms"] / api["back_to_back_ms"]
             if fk and fwd:
                 s[f"{tag}_fwd_pipeline_over_kernels"] = fwd["ms"] / fk["ms"]
             if fk and "peak_fwd_plan0_bytes" in fk:
@@ -836,18 +840,22 @@ def markdown(result):
         f"Command: `{meta['command']}`",
         "",
         "Host issue: the host's milliseconds to issue one forward+backward through the API, the GPU drained "
-        "first (an eager step is host-bound where this exceeds the GPU's ms); kernels: CUDA kernels it launches.",
+        "first (an eager step is host-bound where this exceeds the GPU's ms); kernels: CUDA kernels it launches; "
+        "back to back: ms per API forward+backward issued one after another, as a training loop issues its layers "
+        "(the host issues a call while the GPU runs the last one; every other ms is one call, the GPU drained "
+        "before it).",
         "",
-        "| method | causal | what | ms | TFLOP/s | peak extra MiB | host issue ms | kernels |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| method | causal | what | ms | TFLOP/s | peak extra MiB | host issue ms | kernels | back to back ms |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if r["kind"] == "error":
-            lines.append(f"| {r['method']} | {r['causal']} | error | | | {r['error'][:80]} | | |")
+            lines.append(f"| {r['method']} | {r['causal']} | error | | | {r['error'][:80]} | | | |")
             continue
         mem = r.get("peak_fwd_bwd_bytes", r.get("peak_fwd_plan0_bytes"))
         mem = f"{mem / 2**20:.0f}" if mem is not None else ""
         host = f"{r['host_issue_ms']:.2f} | {r['launches']}" if "host_issue_ms" in r else " | "
+        host += f" | {r['back_to_back_ms']:.3f}" if "back_to_back_ms" in r else " | "
         lines.append(f"| {r['method']} | {r['causal']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.1f} | {mem} | {host} |")
     full = result.get("full_attention") or []
     if full:
