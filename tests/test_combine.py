@@ -166,6 +166,64 @@ def test_consume_writes_over_the_rate_one_part_bit_for_bit(weighted, running):
     assert merge_mod._reused(shared, like) is None
 
 
+@needs_kernel
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_kept_plan_still_looks_at_each_calls_memory(weighted):
+    """A combine's plan is kept per geometry (shapes, strides, dtypes, alignment); what the geometry does not fix is
+    looked at on every call: a rate-1 part whose memory another part views is not written over (``consume``), and
+    a result given in memory a part is read from takes the torch path. Each call of one geometry equals the
+    combine of copies of its parts into new tensors."""
+    gen = torch.Generator().manual_seed(17 + weighted)
+    heads = 4
+    plans = _plans(heads, heads, [8, 16, 32], [1, 2, 4])
+    like = torch.empty(2, N, heads, DIM, dtype=torch.bfloat16, device=DEVICE)
+
+    def make():
+        return (_result_parts(gen, plans, heads, torch.bfloat16, "contiguous") if weighted
+                else _grad_parts(gen, plans, heads, False, torch.bfloat16, "contiguous"))
+
+    def combine(parts, into=None, consume=False):
+        if weighted:
+            return combine_results(None, parts, like, into=into, consume=consume)[0]
+        return sum_grads(None, parts, like, into=None if into is None else into[0], consume=consume)
+
+    def copied(parts):
+        return [Part(p.plan, p.out.clone(), p.lse, p.kv) for p in parts]
+
+    def result_like():
+        return (torch.empty(like.shape, dtype=like.dtype, device=DEVICE),
+                torch.empty(like.shape[:3], dtype=torch.float32, device=DEVICE))
+
+    own = make()
+    want = combine(copied(own))
+    got = combine(own, consume=True)  # the plan is made here
+    assert got.data_ptr() == own[0].out.data_ptr() and torch.equal(got, want)
+
+    # the same geometry, the second part a view of the first one's memory: that memory must not be written over
+    shared = make()
+    flat = shared[0].out.view(-1)
+    shared[1] = Part(shared[1].plan, flat[:shared[1].out.numel()].view(shared[1].out.shape), shared[1].lse)
+    want = combine(copied(shared))
+    got = combine(shared, consume=True)
+    assert got.data_ptr() != shared[0].out.data_ptr()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # (the first part's empty rows: NaN)
+
+    # a result given in new memory (the plan with a result), then in memory that holds the second part's rows
+    given = make()
+    assert torch.equal(combine(copied(given), into=result_like()), combine(copied(given)))
+    buffer = torch.empty(like.numel(), dtype=like.dtype, device=DEVICE)
+    second = given[1].out
+    buffer[:second.numel()].copy_(second.reshape(-1))
+    given[1] = Part(given[1].plan, buffer[:second.numel()].view(second.shape), given[1].lse)
+    want = combine(copied(given))
+    into = (buffer.view(like.shape), result_like()[1])
+    got = combine(given, into=into)
+    assert got.data_ptr() == buffer.data_ptr()
+    # the torch path: the same sums, rounded to bf16 by torch (Triton's interpreter truncates) and, weighted,
+    # merged pair by pair (the kernel in one pass): within one bf16 rounding, where a race would be far off
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7, equal_nan=True)
+
+
 def _grad_parts(gen, plans, heads, kv, dtype, layout):
     return [Part(p, _rand(gen, 2, N // p.dilation, heads, DIM, dtype=dtype, layout=layout), kv=kv)
             for p in plans if p.head_offsets(heads, kv) is not None]
