@@ -520,20 +520,19 @@ def classify(name: str, op=None, inside: dict | None = None, widths: dict[str, i
         inside[id(seen)] = found
     if found:
         return "attention"
-    return gemm_category(origin, widths) if own == "matmul" and widths else own
+    return gemm_category(origin, widths) if own == "matmul" and widths is not None else own
 
 
 def gemm_category(op, widths: dict[str, int]) -> str:
     """Which matrix product ``op`` (or the nearest matrix-product op above it) is: the first category of ``widths``
     (e.g. ``{"logits": vocab, "mlp": intermediate}``) whose width is among the sizes it read, else
     ``projections``; ``matmul`` where no op above records its input shapes (a profile without ``record_shapes``).
-    A width two categories share names neither."""
-    unique = {cat: w for cat, w in widths.items() if list(widths.values()).count(w) == 1}
+    ``widths`` must be distinct (``step_profile`` drops a width two categories share)."""
     while op is not None:
         shapes = getattr(op, "input_shapes", None)
         if shapes and category(op.name) == "matmul":
             sizes = {x for shape in shapes if isinstance(shape, (list, tuple)) for x in shape}
-            return next((cat for cat, w in unique.items() if w in sizes), "projections")
+            return next((cat for cat, w in widths.items() if w in sizes), "projections")
         op = op.cpu_parent
     return "matmul"
 
@@ -566,6 +565,8 @@ def step_profile(events, step_ms: float, cuda: bool, top: int = 10, widths: dict
     else:
         units = [(e.name, e, e.self_cpu_time_total / 1e3) for e in cpu_ops]
         busy = sum(ms for _, _, ms in units)
+    if widths is not None:  # a width two categories share names neither
+        widths = {cat: w for cat, w in widths.items() if list(widths.values()).count(w) == 1}
     spent = dict.fromkeys(PROFILE_CATEGORIES, 0.0)
     by_name: dict[tuple[str, str], float] = {}
     inside: dict = {}

@@ -386,6 +386,11 @@ def row_divider(dilation: int) -> tuple[int, int]:
     return (1 << (31 + bits)) // dilation + 1, 31 + bits
 
 
+def _held(running) -> list[torch.Tensor]:
+    """The tensors of a running result: ``(out, lse)``, one accumulator, or none."""
+    return list(running) if isinstance(running, tuple) else [running] if running is not None else []
+
+
 def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor,
                     into: tuple[torch.Tensor, ...] | None = None, *, overlap: bool = True) -> str | None:
     """``None`` if ``combine_kernel`` takes these tensors (CUDA, or CPU under ``TRITON_INTERPRET=1``), else why not:
@@ -393,7 +398,7 @@ def _combine_reason(running, parts: Sequence[Part], like: torch.Tensor,
     between ``into`` and what is read (per call: the rest follows from the geometry, ``_combine_plan``)."""
     if like.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype: fp16/bf16/fp32, got {like.dtype}"
-    held = list(running) if isinstance(running, tuple) else [running] if running is not None else []
+    held = _held(running)
     if any(t.dtype != torch.float32 for t in held):
         return "the running result is not fp32"
     if any(p.lse is not None and p.lse.dtype != torch.float32 for p in parts):
@@ -462,7 +467,7 @@ def _combine_plan(running, parts: Sequence[Part], like: torch.Tensor, into: tupl
     """The plan of this combine's geometry (every tensor's shape, strides, dtype, alignment and device, the parts'
     patterns, autograd's state), worked out at its first call: ``_check_parts`` (raises on parts that cannot be
     combined), ``_combine_reason`` (all but the per-call memory overlap), the table rows and launches."""
-    held = list(running) if isinstance(running, tuple) else [running] if running is not None else []
+    held = _held(running)
     tensors = [like, *held, *(into or ()), *(p.out for p in parts), *(p.lse for p in parts if p.lse is not None)]
     key = (weighted, len(held), 0 if into is None else len(into), tuple([(p.plan, p.kv, p.lse is None) for p in parts]),
            torch.is_grad_enabled() and any([t.requires_grad for t in tensors]), geometry(tensors))
@@ -513,7 +518,7 @@ def _overlap_reason(running, parts: Sequence[Part], into: tuple[torch.Tensor, ..
     """Why the kernel cannot write ``into`` (memory it also reads), per call; ``None`` when it writes new tensors."""
     if into is None:
         return None
-    held = list(running) if isinstance(running, tuple) else [running] if running is not None else []
+    held = _held(running)
     read = [p.out for p in parts] + [p.lse for p in parts if p.lse is not None] + held
     return "the source shares memory with the written tensor" if _shares_memory(into, read) else None
 

@@ -65,6 +65,18 @@ def _key(fn, device: int, options: dict, meta: dict, args: tuple) -> tuple:
     return (fn, device, tuple(options.items()), tuple(meta.items()), _specialization(args))
 
 
+def _grid3(grid: tuple) -> tuple[int, int, int]:
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+
+
+def _run(hit: tuple, grid3: tuple[int, int, int], device: int, args: tuple) -> None:
+    """A compiled kernel (``hit``: it and its constexpr values) launched through its own launcher on ``device``'s
+    current stream, with the arguments Triton would pass."""
+    compiled, consts = hit
+    compiled.run(*grid3, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *consts)
+
+
 def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
     """``fn[grid](*args, **meta, **options)`` on the current CUDA device and stream (``options``: ``num_warps``,
     ``num_stages``; not passed to the interpreter). ``args`` are the kernel's leading parameters, ``meta`` by name
@@ -87,11 +99,7 @@ def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
         if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")) and set(rest) == set(meta):
             _COMPILED[key] = (compiled, tuple(meta[name] for name in rest))  # (else Triton's path every time)
         return
-    compiled, consts = hit
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *consts)
+    _run(hit, _grid3(grid), device, args)
 
 
 class Prepared:
@@ -105,16 +113,14 @@ class Prepared:
 
     def __init__(self, fn, grid: tuple, meta: dict, **options) -> None:
         self.fn, self.meta, self.options = fn, meta, options
-        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.grid = _grid3(grid)
         self.device, self.compiled = None, None
 
     def __call__(self, *args) -> None:
         if self.compiled is not None and not _hooked():
             device = torch.cuda.current_device()
             if device == self.device:
-                compiled, consts = self.compiled
-                compiled.run(*self.grid, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                             compiled.packed_metadata, None, None, None, *args, *consts)
+                _run(self.compiled, self.grid, device, args)
                 return
         launch(self.fn, self.grid, args, self.meta, **self.options)
         if self.compiled is None and DIRECT and not interpreting():

@@ -500,7 +500,7 @@ class FusedKernel:
         key = None
         if key_mask is None:
             given = (q, k, v, out, lse) if full else (q, k, v)
-            key = ("fwd", self._settings(), plan, packed, causal, scale, fresh, q.device, replays.geometry(given))
+            key = ("fwd", self._settings(), plan, packed, causal, scale, fresh, replays.geometry(given))
             recipe = replays.RECIPES.get(key)
             if recipe is not None:
                 ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
@@ -567,8 +567,8 @@ class FusedKernel:
         """The pattern's three launches (delta, dQ, dK/dV); replayed after the first call of each geometry."""
         key = None
         if key_mask is None:
-            key = ("bwd", self._settings(), plan, packed, causal, scale, add, q.device,
-                   replays.geometry((q, k, v, out, lse, dout, *grads)))
+            key = ("bwd", self._settings(), plan, packed, causal, scale, add,
+                   replays.geometry((q, k, v, out, lse, dout, *grads)))  # (the geometry holds each device)
             recipe = replays.RECIPES.get(key)
             if recipe is not None:
                 ht, ut = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
