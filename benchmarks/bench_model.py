@@ -88,6 +88,7 @@ the ops' self CPU time.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import functools
@@ -544,6 +545,25 @@ def _gpu_work(evt, device_type) -> bool:
         not any(word in kind for word in ("annotation", "sync", "overhead"))
 
 
+def launched_by(cpu_ops, kernels) -> list[tuple[str, object, float]]:
+    """``(name, launching op or None, device ms)`` of each of ``kernels``: the profiler lists under each host op the
+    kernels it launched (``FunctionEvent.kernels``, by correlation id: what every torch release keeps, where the
+    kernel events' own link to their op is not), each taken once; a kernel no op claims (launched outside every
+    profiled op) has no launcher and is told by its name."""
+    left = collections.Counter(k.name for k in kernels)
+    units = []
+    for op in cpu_ops:
+        for launched in getattr(op, "kernels", ()):
+            if left[launched.name] > 0:
+                left[launched.name] -= 1
+                units.append((launched.name, op, launched.duration / 1e3))
+    for k in kernels:
+        if left[k.name] > 0:
+            left[k.name] -= 1
+            units.append((k.name, None, k.time_range.elapsed_us() / 1e3))
+    return units
+
+
 def step_profile(events, step_ms: float, cuda: bool, top: int = 10, widths: dict[str, int] | None = None) -> dict:
     """What one profiled step spent, from ``torch.profiler``'s ``prof.events()``; ``step_ms``: its host wall time.
 
@@ -557,10 +577,8 @@ def step_profile(events, step_ms: float, cuda: bool, top: int = 10, widths: dict
 
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
     if cuda:
-        launcher = {e.id: e for e in cpu_ops if e.id > 0 and not getattr(e, "linked_correlation_id", 0)}
         kernels = [e for e in events if _gpu_work(e, DeviceType.CUDA)]
-        units = [(k.name, launcher.get(getattr(k, "linked_correlation_id", 0)), k.time_range.elapsed_us() / 1e3)
-                 for k in kernels]
+        units = launched_by(cpu_ops, kernels)
         busy = interval_total(interval_union((k.time_range.start, k.time_range.end) for k in kernels)) / 1e3
     else:
         units = [(e.name, e, e.self_cpu_time_total / 1e3) for e in cpu_ops]

@@ -140,18 +140,24 @@ def test_step_profile_of_gpu_kernels():
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import Interval
+    from torch.autograd.profiler_util import Interval, Kernel
 
     bm = load_script()
+    launchers = {}
 
     def op(ident, name, parent=None):
-        return SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False, cpu_parent=parent,
-                               linked_correlation_id=0, time_range=Interval(0, 1), self_cpu_time_total=1.0)
+        launchers[ident] = SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False,
+                                           cpu_parent=parent, time_range=Interval(0, 1), self_cpu_time_total=1.0,
+                                           kernels=[])
+        return launchers[ident]
 
     def kernel(name, start, end, launcher=0, **kw):
-        return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_async=False, cpu_parent=None,
-                               linked_correlation_id=launcher, time_range=Interval(start, end),
-                               activity_type=kw.get("kind", "kernel"), is_user_annotation=kw.get("note", False))
+        event = SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_async=False, cpu_parent=None,
+                                time_range=Interval(start, end), activity_type=kw.get("kind", "kernel"),
+                                is_user_annotation=kw.get("note", False))
+        if launcher:  # the profiler lists a kernel under the host op that launched it
+            launchers[launcher].kernels.append(Kernel(name, 0, end - start))
+        return event
 
     attention = op(1, "Attention")
     pad = op(2, "aten::copy_", attention)
@@ -181,19 +187,21 @@ def test_matrix_products_are_told_apart_by_the_widths_their_ops_read():
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import Interval
+    from torch.autograd.profiler_util import Interval, Kernel
 
     bm = load_script()
+    launchers = {}
 
     def op(ident, name, parent=None, shapes=None):
-        return SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False, cpu_parent=parent,
-                               linked_correlation_id=0, time_range=Interval(0, 1), self_cpu_time_total=1.0,
-                               input_shapes=shapes or [])
+        launchers[ident] = SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False,
+                                           cpu_parent=parent, time_range=Interval(0, 1), self_cpu_time_total=1.0,
+                                           kernels=[], input_shapes=shapes or [])
+        return launchers[ident]
 
     def kernel(name, start, end, launcher):
+        launchers[launcher].kernels.append(Kernel(name, 0, end - start))
         return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_async=False, cpu_parent=None,
-                               linked_correlation_id=launcher, time_range=Interval(start, end),
-                               activity_type="kernel", is_user_annotation=False)
+                               time_range=Interval(start, end), activity_type="kernel", is_user_annotation=False)
 
     up = op(1, "aten::mm", shapes=[[4096, 2048], [2048, 5632]])  # the MLP's up projection
     down_grad = op(2, "aten::mm", shapes=[[5632, 4096], [4096, 2048]])  # a backward product of the MLP
