@@ -1,0 +1,106 @@
+"""The host's budget of a LongNet ring step on two ranks: how many torch operations the library dispatches around
+its kernels, counted (never timed) on spawned gloo ranks, the fused kernel's and the merges' Triton kernels in
+Triton's interpreter (each one launch, as on a GPU).
+
+Eager ring steps on two GPUs are host-bound where the one-GPU step is not (docs/performance.md, "Two GPUs,
+eager"): the ring's exchanges, the causal pattern's head swap and their packing dispatch ten times the operations
+of a one-GPU step on the same kernel. A change that adds per-call work shows here as a higher count; the bounds are
+today's counts plus a little room, so lower them with the work, and raise one only for a reason worth its host
+time (say it in the commit). The counts include gloo's host-side stamp exchanges, which NCCL runs on the device.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dilated_attention import merge, triton_support
+from dilated_attention.testing.spawn import spawn_ranks
+
+SEGMENTS, RATES = [16, 32, 128, 256], [1, 2, 4, 8]  # LongNet on 128 rows per rank: the last pattern spans both
+# ops dispatched around the kernels per forward+backward on a rank (non-causal: a ring of two steps; causal: the
+# spanning pattern swapped for heads, ``ring_swaps.py``)
+BUDGET = {False: 170, True: 425}
+
+needs_triton = pytest.mark.skipif(merge.triton is None or not merge.interpreting(),
+                                  reason="counts on CPU: needs Triton's interpreter (TRITON_INTERPRET=1, as without "
+                                         "CUDA)")
+
+
+class _Counted(TorchDispatchMode):
+    """Counts the aten operations dispatched while ``counting`` (off inside Triton launches: one kernel each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.counting = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_step(rank: int, world: int) -> dict:
+    from dilated_attention import dilated_attention
+    from dilated_attention.kernels import fused
+    from dilated_attention.testing.compare import assert_within_rule
+    from dilated_attention.testing.oracle import dense_dilated_attention
+
+    mode: list[_Counted | None] = [None]
+    real = triton_support.launch
+
+    def launch(*args, **kwargs):  # a Triton kernel: one launch, its interpreter's work outside the count
+        counted = mode[0]
+        if counted is None:
+            return real(*args, **kwargs)
+        counted.counting = False
+        try:
+            return real(*args, **kwargs)
+        finally:
+            counted.counting = True
+
+    for module in (triton_support, merge, fused):
+        module.launch = launch
+    rows = 128
+    result = {}
+    for causal in (False, True):
+        g = torch.Generator().manual_seed(5801 + causal)  # the same global inputs on every rank
+        q, k, v, dout = (torch.randn(1, rows * world, 8, 16, generator=g) for _ in range(4))
+        mine = slice(rank * rows, (rank + 1) * rows)
+        leaves = [x[:, mine].clone().requires_grad_() for x in (q, k, v)]
+        kw = dict(causal=causal, kernel="fused", comm="collective", strategy="ring")
+        for _ in range(2):  # plans, tables and replays of this configuration made and cached
+            for x in leaves:
+                x.grad = None
+            dilated_attention(*leaves, SEGMENTS, RATES, **kw).backward(dout[:, mine])
+        for x in leaves:
+            x.grad = None
+        with _Counted() as counted:
+            mode[0] = counted
+            out = dilated_attention(*leaves, SEGMENTS, RATES, **kw)
+            out.backward(dout[:, mine])
+        mode[0] = None
+        ref = [x.double().requires_grad_() for x in (q, k, v)]
+        want = dense_dilated_attention(*ref, SEGMENTS, RATES, causal=causal)
+        want.backward(dout.double())
+        for name, got, exp in (("out", out, want), *zip(("dq", "dk", "dv"), (x.grad for x in leaves),
+                                                         (x.grad for x in ref))):
+            exp = exp[:, mine]
+            assert_within_rule(name, got, exp, exp.float(), context=f"rank {rank}, causal={causal}")
+        result[str(causal)] = [sum(counted.ops.values()),
+                               ", ".join(f"{name} {n}" for name, n in counted.ops.most_common(6))]
+    return result
+
+
+@needs_triton
+def test_a_two_rank_longnet_ring_step_dispatches_no_more_operations_than_its_budget():
+    for rank, counts in enumerate(spawn_ranks(_count_step, 2)):
+        for causal in (False, True):
+            total, most = counts[str(causal)]
+            assert 0 < total <= BUDGET[causal], (
+                f"rank {rank}: one LongNet ring forward+backward (causal={causal}) dispatched {total} operations "
+                f"around its kernels, over its budget of {BUDGET[causal]}; most: {most}")
