@@ -86,15 +86,28 @@ class _PerTensor:
     the host reads (and, with ``comm``, the gather) happen once per forward, not once per layer."""
 
     def __init__(self) -> None:
-        self._entry: tuple[weakref.ref, int, tuple, Any] | None = None
+        self._entry: tuple[tuple, tuple, Any, tuple | None] | None = None
 
-    def get(self, t: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
+    def get(self, t: torch.Tensor, key: tuple, compute: Callable[[], Any], also: torch.Tensor | None = None) -> Any:
+        """``compute()``, or its result for the same tensor ``t`` (unchanged since) and ``key``. ``also``: another
+        tensor the result reads, matched the same way (by identity: a dead tensor's ``id`` is reused)."""
         entry = self._entry
-        if entry is not None and entry[0]() is t and entry[1] == t._version and entry[2] == key:
-            return entry[3]
+        if entry is not None and _same(entry[0], t) and entry[1] == key and _same(entry[3], also):
+            return entry[2]
         value = compute()
-        self._entry = (weakref.ref(t), t._version, key, value)
+        self._entry = (_tracked(t), key, value, _tracked(also))
         return value
+
+
+def _tracked(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (weakref.ref(t), t._version)
+
+
+def _same(tracked: tuple | None, t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is the tensor ``tracked`` names, unchanged since (or both are absent)."""
+    if tracked is None or t is None:
+        return tracked is None and t is None
+    return tracked[0]() is t and tracked[1] == t._version
 
 
 def _as_rows(position_ids: Any, bsz: int, n: int) -> torch.Tensor | None:
@@ -205,9 +218,8 @@ class DilatedAttentionForTransformers:
     def _documents(self, kwargs: dict, bsz: int, n: int, padded: bool, like: torch.Tensor) -> torch.Tensor | None:
         """``cu_seqlens`` for this call (``None``: every row is one sequence); with ``comm``, the positions check."""
         cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        if isinstance(cu_q, torch.Tensor):
-            given = self._per_offsets.get(cu_q, ("offsets", id(cu_k), getattr(cu_k, "_version", None)),
-                                          lambda: _given_offsets(kwargs))
+        if isinstance(cu_q, torch.Tensor) and (cu_k is None or isinstance(cu_k, torch.Tensor)):
+            given = self._per_offsets.get(cu_q, ("offsets",), lambda: _given_offsets(kwargs), also=cu_k)
         else:
             given = _given_offsets(kwargs)
         positions = kwargs.get("position_ids")

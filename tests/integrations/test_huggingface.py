@@ -236,6 +236,27 @@ def test_attention_function_takes_collator_offsets():
         fn(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 48], dtype=torch.int32))
 
 
+def test_collator_offsets_are_remembered_per_tensor_object_not_per_id():
+    """The per-forward memo of cu_seq_lens_q/k matches both tensors by identity and version: a new cu_seq_lens_k
+    (which may take a freed one's id) is read and checked again, never answered from the last call's."""
+    from dilated_attention.integrations.huggingface import _PerTensor
+
+    memo, cu_q, calls = _PerTensor(), torch.tensor([0, 3]), []
+
+    def compute():
+        calls.append(None)
+        return len(calls)
+
+    cu_k = torch.tensor([0, 3])
+    assert memo.get(cu_q, ("offsets",), compute, also=cu_k) == 1
+    assert memo.get(cu_q, ("offsets",), compute, also=cu_k) == 1  # the same two tensors: remembered
+    cu_k.add_(0)  # written in place: read again
+    assert memo.get(cu_q, ("offsets",), compute, also=cu_k) == 2
+    assert memo.get(cu_q, ("offsets",), compute, also=torch.tensor([0, 3])) == 3  # another tensor, equal values
+    assert memo.get(cu_q, ("offsets",), compute) == 4
+    assert memo.get(cu_q, ("offsets",), compute) == 4
+
+
 def test_packed_mask_compositions_of_both_tested_releases_are_read():
     """5.23 wraps the packed-document mask around the remapped base; 5.24 the other way round."""
     from transformers.masking_utils import (and_masks, bidirectional_mask_function, causal_mask_function,
