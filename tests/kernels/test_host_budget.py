@@ -11,17 +11,16 @@ time (and say it in the commit).
 
 from __future__ import annotations
 
-import collections
 import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dilated_attention import dilated_attention, merge, triton_support
 from dilated_attention.kernels import fused
 from dilated_attention.kernels.cudnn import CudnnKernel
 from dilated_attention.testing.compare import assert_within_rule
+from dilated_attention.testing.op_count import OpCount
 from dilated_attention.testing.oracle import dense_dilated_attention
 
 from test_cudnn import MathOps  # (the cuDNN kernel's plain-torch stand-in ops)
@@ -33,33 +32,15 @@ BUDGET = {False: (170, 17), True: (170, 17)}
 PYTHON_BUDGET = {False: (1450, 21), True: (1520, 21)}
 
 
-class _Counted(TorchDispatchMode):
-    """Counts the aten operations dispatched while ``counting`` (the stand-in ops and Triton's interpreter switch
-    it off: on a GPU those are single kernels, counted as kernel calls instead)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.counting = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.counting:
-            self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 class _UncountedOps(MathOps):
     """The frontend's contract (writes into given views, reads out/dout in their own strides), its arithmetic
     outside the count."""
 
-    mode: _Counted | None = None
+    mode: OpCount | None = None
 
     def _quiet(self, fn, *args, **kwargs):
-        mode, self.mode.counting = self.mode.counting, False
-        try:
+        with self.mode.paused():
             return fn(*args, **kwargs)
-        finally:
-            self.mode.counting = mode
 
     def forward(self, *args, **kwargs):
         return self._quiet(super().forward, *args, **kwargs) if self.mode else super().forward(*args, **kwargs)
@@ -101,14 +82,13 @@ def test_a_longnet_step_dispatches_no_more_operations_than_its_budget(causal, mo
     for x in leaves:
         x.grad = None
     ops.calls.clear()
-    with _Counted() as mode:
+    with OpCount() as mode:
         ops.mode = mode
         out = dilated_attention(*leaves, SEGMENTS, RATES, causal=causal, kernel=kernel)
         out.backward(dout)
     ops.mode = None
     _assert_oracle(q, k, v, dout, causal, out, leaves)
-    total, calls = sum(mode.ops.values()), len(ops.calls) + len(launches)
-    most = ", ".join(f"{name} {n}" for name, n in mode.ops.most_common(8))
+    total, calls, most = mode.total(), len(ops.calls) + len(launches), mode.most(8)
     bound_ops, bound_calls = BUDGET[causal]
     assert total <= bound_ops and calls <= bound_calls, (
         f"one LongNet forward+backward dispatched {total} operations around {calls} kernel calls, over its budget "

@@ -11,13 +11,11 @@ time (say it in the commit). The counts include gloo's host-side stamp exchanges
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dilated_attention import merge, triton_support
+from dilated_attention.testing.op_count import OpCount
 from dilated_attention.testing.spawn import spawn_ranks
 
 SEGMENTS, RATES = [16, 32, 128, 256], [1, 2, 4, 8]  # LongNet on 128 rows per rank: the last pattern spans both
@@ -30,38 +28,20 @@ needs_triton = pytest.mark.skipif(merge.triton is None or not merge.interpreting
                                          "CUDA)")
 
 
-class _Counted(TorchDispatchMode):
-    """Counts the aten operations dispatched while ``counting`` (off inside Triton launches: one kernel each)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.counting = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.counting:
-            self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _count_step(rank: int, world: int) -> dict:
     from dilated_attention import dilated_attention
     from dilated_attention.kernels import fused
     from dilated_attention.testing.compare import assert_within_rule
     from dilated_attention.testing.oracle import dense_dilated_attention
 
-    mode: list[_Counted | None] = [None]
+    mode: list[OpCount | None] = [None]
     real = triton_support.launch
 
     def launch(*args, **kwargs):  # a Triton kernel: one launch, its interpreter's work outside the count
-        counted = mode[0]
-        if counted is None:
+        if mode[0] is None:
             return real(*args, **kwargs)
-        counted.counting = False
-        try:
+        with mode[0].paused():
             return real(*args, **kwargs)
-        finally:
-            counted.counting = True
 
     for module in (triton_support, merge, fused):
         module.launch = launch
@@ -79,7 +59,7 @@ def _count_step(rank: int, world: int) -> dict:
             dilated_attention(*leaves, SEGMENTS, RATES, **kw).backward(dout[:, mine])
         for x in leaves:
             x.grad = None
-        with _Counted() as counted:
+        with OpCount() as counted:
             mode[0] = counted
             out = dilated_attention(*leaves, SEGMENTS, RATES, **kw)
             out.backward(dout[:, mine])
@@ -91,8 +71,7 @@ def _count_step(rank: int, world: int) -> dict:
                                                          (x.grad for x in ref))):
             exp = exp[:, mine]
             assert_within_rule(name, got, exp, exp.float(), context=f"rank {rank}, causal={causal}")
-        result[str(causal)] = [sum(counted.ops.values()),
-                               ", ".join(f"{name} {n}" for name, n in counted.ops.most_common(6))]
+        result[str(causal)] = [counted.total(), counted.most(6)]
     return result
 
 
