@@ -35,7 +35,6 @@ chunks holds one chunk's head-layout tensors at a time, the backward swapping q,
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -84,12 +83,18 @@ class HeadSplit:
 
 def _member_heads(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
     """``(B, L, A h, ...)`` -> the ``(B, L, A, h1 - h0, ...)`` view of every member's local heads ``[h0, h1)``."""
-    return x.unflatten(2, (a, x.shape[2] // a))[:, :, :, h0:h1]
+    return _head_blocks(x, a, h0, h1).movedim(0, 2)
 
 
 def _head_blocks(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
-    """``(B, L, A h, ...)`` -> the ``(A, B, L, h1 - h0, ...)`` view: block ``m`` is member ``m``'s local heads."""
-    return _member_heads(x, a, h0, h1).movedim(2, 0)
+    """``(B, L, A h, ...)`` -> the ``(A, B, L, h1 - h0, ...)`` view: block ``m`` is member ``m``'s local heads (one
+    ``as_strided``: per call and tensor, on the host of every swap)."""
+    bsz, rows, heads, *rest = x.shape
+    h = heads // a
+    local = range(h)[h0:h1]  # (``None`` and negative bounds as a slice takes them)
+    s_b, s_l, s_h, *s_rest = x.stride()
+    return x.as_strided((a, bsz, rows, len(local), *rest), (h * s_h, s_b, s_l, s_h, *s_rest),
+                        x.storage_offset() + local.start * s_h)
 
 
 def _by_member_heads(x: torch.Tensor, a: int, h0: int = 0, h1: int | None = None) -> torch.Tensor:
@@ -248,6 +253,23 @@ def heads_to_sequence_backward(dout: torch.Tensor, swap: HeadSwap) -> torch.Tens
     return member_rows(got, swap.zigzag)
 
 
+def _packed(buffer: torch.Tensor, views: list[tuple[int, torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+    """The tensors packed in ``buffer`` (``(A, bytes)`` uint8), each ``(at, shape, dtype)``: member ``m``'s row
+    holds, from byte ``at``, the contiguous ``shape[1:]`` block of that dtype. One dtype view of the buffer per
+    dtype and one ``as_strided`` per tensor (slicing, viewing and unflattening each cost the host three ops)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out = []
+    for at, shape, dtype in views:
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer.view(dtype)
+        inner = [1]
+        for n in reversed(shape[2:]):
+            inner.insert(0, inner[0] * n)
+        out.append(whole.as_strided(shape, (whole.stride(0), *inner), whole.storage_offset() + at // dtype.itemsize))
+    return out
+
+
 class PackedSwap:
     """A swap of several tensors in one all-to-all: each member's blocks of every tensor packed into one buffer
     row, the call's stamp in its last 16 bytes (one transfer per peer and direction: each all-to-all costs the
@@ -270,14 +292,13 @@ class PackedSwap:
 
     def _post(self, blocks: list[torch.Tensor], what: str) -> None:
         """An all-to-all of ``blocks`` (each ``(G, ...)``, any strides: block ``m`` to member ``m``), packed."""
-        sizes = [-(-x[0].numel() * x.element_size() // ALIGN_BYTES) * ALIGN_BYTES for x in blocks]
+        g = len(self.members)
+        sizes = [-(-x.numel() // g * x.element_size() // ALIGN_BYTES) * ALIGN_BYTES for x in blocks]
         # (each member's block, the stamp after it: one transfer per peer, stamp included)
-        buffer = Blocks((len(self.members), sum(sizes)), torch.uint8, blocks[0].device).raw
-        self.views = []
-        for x, at in zip(blocks, itertools.accumulate([0, *sizes[:-1]])):
-            view = buffer[:, at:at + x[0].numel() * x.element_size()].view(x.dtype).unflatten(1, x.shape[1:])
+        buffer = Blocks((g, sum(sizes)), torch.uint8, blocks[0].device).raw
+        self.views = [(at, x.shape, x.dtype) for x, at in zip(blocks, itertools.accumulate([0, *sizes[:-1]]))]
+        for x, view in zip(blocks, _packed(buffer, self.views)):
             view.copy_(x)
-            self.views.append((at, view.shape, x.dtype))
         blocks.clear()  # packed: each goes before the receiving buffer comes (its caller holds none)
         (self.got,), self.pending = self.comm.all_to_all([buffer], self.members, f"{self.what}, {what}",
                                                          stamp=self.stamp, stamp_room=True)
@@ -294,8 +315,7 @@ class PackedSwap:
         ``heads`` and ``home`` make free it, not the swap's end."""
         self.land()
         got, self.got = self.got, None
-        return [got[:, at:at + math.prod(shape[1:]) * dtype.itemsize].view(dtype).unflatten(1, shape[1:])
-                for at, shape, dtype in self.views]
+        return _packed(got, self.views)
 
     def heads(self) -> list[torch.Tensor]:
         """The team's rows of this rank's heads, ``(B, G rows, heads / G, ...)`` each (waits for them)."""
