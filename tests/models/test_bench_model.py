@@ -133,32 +133,43 @@ def test_kernel_names_fall_in_their_category(name, category):
     assert load_script().category(name) == category
 
 
+class _FakeProfile:
+    """Events shaped like ``prof.events()``: host ops (``op``) and kernels (``kernel``), each kernel listed under
+    the host op that launched it (``FunctionEvent.kernels``), as the profiler does."""
+
+    def __init__(self) -> None:
+        self.launchers: dict = {}
+
+    def op(self, ident, name, parent=None, shapes=None):
+        from types import SimpleNamespace
+
+        from torch.autograd import DeviceType
+        from torch.autograd.profiler_util import Interval
+
+        self.launchers[ident] = SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False,
+                                                cpu_parent=parent, time_range=Interval(0, 1), self_cpu_time_total=1.0,
+                                                kernels=[], input_shapes=shapes or [])
+        return self.launchers[ident]
+
+    def kernel(self, name, start, end, launcher=0, kind="kernel", note=False):
+        from types import SimpleNamespace
+
+        from torch.autograd import DeviceType
+        from torch.autograd.profiler_util import Interval, Kernel
+
+        if launcher:
+            self.launchers[launcher].kernels.append(Kernel(name, 0, end - start))
+        return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_async=False, cpu_parent=None,
+                               time_range=Interval(start, end), activity_type=kind, is_user_annotation=note)
+
+
 def test_step_profile_of_gpu_kernels():
     """The GPU path of ``step_profile`` on events shaped like ``prof.events()``: device time per category (a
     kernel launched inside the attention call is attention, an NCCL one communication), busy time the union
     of the kernels' intervals, idle the rest of the step; host ranges' GPU mirrors are not kernels."""
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import Interval, Kernel
-
     bm = load_script()
-    launchers = {}
-
-    def op(ident, name, parent=None):
-        launchers[ident] = SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False,
-                                           cpu_parent=parent, time_range=Interval(0, 1), self_cpu_time_total=1.0,
-                                           kernels=[])
-        return launchers[ident]
-
-    def kernel(name, start, end, launcher=0, **kw):
-        event = SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_async=False, cpu_parent=None,
-                                time_range=Interval(start, end), activity_type=kw.get("kind", "kernel"),
-                                is_user_annotation=kw.get("note", False))
-        if launcher:  # the profiler lists a kernel under the host op that launched it
-            launchers[launcher].kernels.append(Kernel(name, 0, end - start))
-        return event
-
+    fake = _FakeProfile()
+    op, kernel = fake.op, fake.kernel
     attention = op(1, "Attention")
     pad = op(2, "aten::copy_", attention)
     send = op(3, "c10d::send", attention)
@@ -184,25 +195,9 @@ def test_matrix_products_are_told_apart_by_the_widths_their_ops_read():
     """Outside attention, a matrix product is ``mlp`` or ``logits`` where its op (or the nearest matrix-product op
     above the one that launched it) read that width, else ``projections``; ``matmul`` where no shapes were
     recorded; a width two categories share names neither; inside the attention call it stays attention."""
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import Interval, Kernel
-
     bm = load_script()
-    launchers = {}
-
-    def op(ident, name, parent=None, shapes=None):
-        launchers[ident] = SimpleNamespace(id=ident, name=name, device_type=DeviceType.CPU, is_async=False,
-                                           cpu_parent=parent, time_range=Interval(0, 1), self_cpu_time_total=1.0,
-                                           kernels=[], input_shapes=shapes or [])
-        return launchers[ident]
-
-    def kernel(name, start, end, launcher):
-        launchers[launcher].kernels.append(Kernel(name, 0, end - start))
-        return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_async=False, cpu_parent=None,
-                               time_range=Interval(start, end), activity_type="kernel", is_user_annotation=False)
-
+    fake = _FakeProfile()
+    op, kernel = fake.op, fake.kernel
     up = op(1, "aten::mm", shapes=[[4096, 2048], [2048, 5632]])  # the MLP's up projection
     down_grad = op(2, "aten::mm", shapes=[[5632, 4096], [4096, 2048]])  # a backward product of the MLP
     head = op(3, "aten::linear", shapes=[[4096, 2048], [32000, 2048], []])
