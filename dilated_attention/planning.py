@@ -32,6 +32,7 @@ from .memory import HeadRange, head_ranges, own_bytes, scratch_bytes
 from .patterns import PatternPlan, hybrid_team_size, plan_patterns, zigzag_half
 from .ring import leaves_part
 from .ring_steps import RingCall, RingLayout
+from .stacking import gathered_bytes
 from .strategy import auto_team_size, pattern_spans
 from .validation import check_cu_seqlens, check_flags, check_key_padding_mask, check_scale, check_tensors
 from .views import layout_key
@@ -215,7 +216,7 @@ def head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, r
 
     def scratch() -> int:  # (asked only of calls long enough to chunk: it asks the kernel about every pattern)
         attend = scratch_bytes(plans, lambda p: leaves_part(kernel, causal, "bwd", p, q, k, masked), rows, *shape,
-                               causal=causal)
+                               causal=causal) + gathered_bytes(kernel, plans, q, k, causal, masked, rows, *shape)
         # the head strategy's swaps: the head-layout q, k, v, out, dout and gradients, own bytes' worth
         return attend + (own if split.team > 1 else 0)
 

@@ -58,6 +58,7 @@ from .ring_steps import (RingCall, RingLayout, block_mask, call_mask, compact, d
                          half_calls, step_calls)
 from .ring_swaps import Travelling, run_swap, start_swaps, swap_backward, swap_forward, swap_order
 from .side_streams import SideStreams
+from .stacking import plan_stacks, span, stack_backward, stack_forward
 from .views import pack_kv, unpack_add_
 
 __all__ = ["RingCall", "RingLayout", "leaves_part", "ring_backward", "ring_forward"]
@@ -225,12 +226,20 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
 
     sides = SideStreams(q, ring.causal)
     swaps = start_swaps(ring, plans, q, k, key_mask is not None, "forward", sends, sides)
+    stacked = plan_stacks(ring.kernel, "fwd", plans, q, k, ring.causal, key_mask is not None)
     travelling = Travelling()
     for i in swap_order(len(plans), swaps):
         plan = plans[i]
         travelling.turn(swaps.get(i))
         if i in swaps:
             run_swap(swaps[i], swap_forward, sends, sides)
+            continue
+        if i in stacked:
+            if i not in parts:  # the stack's first member: one call for every member
+                stack = stacked[i]
+                res = sides.issue(stack_forward, ring.kernel, stack, q, k, v, causal=ring.causal, scale=ring.scale)
+                for j in stack.members:
+                    parts[j] = Part(plans[j], *(span(x, stack, j) for x in res))
             continue
         split, pieces, part = route(ring.kernel, ring.causal, "fwd", plan, q, k, key_mask is not None)
         if part:
@@ -302,6 +311,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
         return [compact(q, plan), *pack_kv(k, v, plan), *(compact(x, plan) for x in (out, dout, lse))]
 
     swaps = start_swaps(ring, plans, q, k, key_mask is not None, "backward", sends, sides)
+    stacked = plan_stacks(ring.kernel, "bwd", plans, q, k, ring.causal, key_mask is not None)
     dense = [dense_ring(p, key_mask is not None, layout, q, k) for p in plans]
     order = [i for i, d in enumerate(dense) if d is None]
     at = RING_AFTER[ring.causal]
@@ -312,6 +322,14 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
         travelling.turn(swaps.get(i))
         if i in swaps:
             run_swap(swaps[i], swap_backward, sends, sides)
+            continue
+        if i in stacked:
+            if i not in held:  # the stack's first member: one call for every member
+                stack = stacked[i]
+                res = sides.issue(stack_backward, ring.kernel, stack, q, k, v, out, lse, dout, causal=ring.causal,
+                                  scale=ring.scale)
+                for j in stack.members:
+                    held[j] = tuple(span(x, stack, j) for x in res)
             continue
         split, pieces, part = route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
         if part or dense[i] is not None:

@@ -85,20 +85,26 @@ def _strided_pair(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan, 
     return rows, part
 
 
-def region_views(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan, whole: bool = True
+def region_views(full: torch.Tensor, compact: torch.Tensor, plan: PatternPlan, whole: bool = True, kv: bool = False
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Matching ``(full-layout rows, compact rows)`` view pairs that together cover a pattern.
+    """Matching ``(full-layout rows, compact rows)`` view pairs that together cover a pattern (``kv``: its kv
+    heads, each read at one offset, ``PatternPlan.head_offsets``).
 
     One pair for the whole pattern (``_strided_pair`` over its head runs) when its runs step evenly
     (every LongNet plan with ``r | H`` or ``H | r``, and every grouped plan) and ``full`` is contiguous
     (a tensor we allocated) and ``whole`` allows it, else one pair per chunk, ``(B, S, M, 1, h, *rest)``.
     """
-    runs = tuple((offset, h0, h0, h1 - h0) for offset, h0, h1 in plan.head_runs)
-    pair = _strided_pair(full, compact, plan, runs) if whole and full.is_contiguous() else None
+    if kv:
+        units = tuple((c.offset, c.k0, c.k0, c.k1 - c.k0) for c in plan.chunks)
+    else:
+        units = tuple((offset, h0, h0, h1 - h0) for offset, h0, h1 in plan.head_runs)
+    pair = _strided_pair(full, compact, plan, units) if whole and full.is_contiguous() else None
     if pair is not None:
         return [pair]
-    return [(dilated_view(full, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1).unsqueeze(3),
-             compact_view(compact, plan, c.h0, c.h1).unsqueeze(3)) for c in plan.chunks]
+    w, r = plan.local_segment, plan.dilation
+    spans = [(c.offset, *((c.k0, c.k1) if kv else (c.h0, c.h1))) for c in plan.chunks]
+    return [(dilated_view(full, w, r, offset, h0, h1).unsqueeze(3), compact_view(compact, plan, h0, h1).unsqueeze(3))
+            for offset, h0, h1 in spans]
 
 
 def _packed_units(plan: PatternPlan) -> tuple[Unit, ...]:
@@ -121,6 +127,27 @@ def _packed_regions(x: torch.Tensor, half: torch.Tensor, plan: PatternPlan
     return [(chunk_views(x, plan, c, kv=True).squeeze(1), packed_view(half, c).squeeze(1)) for c in plan.chunks]
 
 
+def _widens(x: torch.Tensor) -> bool:
+    """Whether ``x`` can be seen as 16-byte elements: unit-stride last dim of a multiple of 16 bytes, every other
+    stride (of a dim longer than 1) and the start a multiple of 16 bytes."""
+    size = x.element_size()
+    return x.dim() > 0 and x.stride(-1) == 1 and (x.shape[-1] * size) % WIDE_BYTES == 0 and \
+        (x.storage_offset() * size) % WIDE_BYTES == 0 and \
+        all((st * size) % WIDE_BYTES == 0 for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n > 1)
+
+
+WIDE_BYTES = 16  # complex128's size: the widest element torch's copy moves in one step
+
+
+def widened(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, N, H, D)`` tensors of one dtype to copy rows between, seen as 16-byte elements (``D`` in fewer, wider
+    ones) where both allow it, else as they are: torch's strided copy moves an element per step, and the 2-byte
+    steps of bf16 rows ran LongNet's gathers at under half the copy's bandwidth (H200)."""
+    if src.dtype == dst.dtype and src.dim() == 4 and _widens(src) and _widens(dst):
+        return src.view(torch.complex128), dst.view(torch.complex128)
+    return src, dst
+
+
 def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
     """Copy the dilated K and V rows every chunk needs into one contiguous send buffer.
 
@@ -129,6 +156,7 @@ def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor
     bsz, n, _, dim = k.shape
     buf = torch.empty((2, bsz, n // plan.dilation, plan.packed_heads, dim), dtype=k.dtype, device=k.device)
     for x, half in zip((k, v), buf):
+        x, half = widened(x, half)
         for rows, heads in _packed_regions(x, half, plan):
             heads.copy_(rows)
     return buf

@@ -106,3 +106,24 @@ def test_region_views_cover_a_pattern_like_its_chunks(heads, kv_heads, rate, mod
     for c in plan.chunks:
         chunk_views(via_chunks, plan, c).copy_(compact_view(compact, plan, c.h0, c.h1))
     torch.testing.assert_close(via_regions, via_chunks, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dim,offset", [(16, 0), (16, 3), (6, 0)])
+def test_widened_copies_copy(dtype, dim, offset):
+    """Rows copied between ``widened`` views are what ``copy_`` writes, as 16-byte elements where both tensors
+    allow it (rows of 16 bytes, aligned) and element by element where not (a 12-byte row, a start 3 in)."""
+    from dilated_attention.views import widened
+    torch.manual_seed(dim + offset)
+    src = torch.randn(2, 64, 4, dim + offset).to(dtype)[..., offset:]
+    dst = torch.full((2, 16, 8, dim), float("nan"), dtype=dtype)[:, :, 2:6]
+
+    def rows(x):  # every fourth row: a dilated view
+        return x.unflatten(1, (16, 4)).select(2, 1)
+
+    want = dst.clone().copy_(rows(src))
+    wide_src, wide_dst = widened(src, dst)
+    wide = (dim * src.element_size()) % 16 == 0 and (offset * src.element_size()) % 16 == 0
+    assert (wide_src.dtype == torch.complex128) == wide and (wide_dst.dtype == torch.complex128) == wide
+    wide_dst.copy_(rows(wide_src))
+    assert torch.equal(dst, want)

@@ -146,6 +146,7 @@ class CudnnKernel:
     """``PatternKernel`` on cuDNN's fused attention with zero-copy strided views (see module doc)."""
 
     key_masks = False  # masked work runs on the fused kernel (AutoKernel routes it there)
+    stacks_patterns = True  # a dilated pattern is a few small calls on views: stacked patterns are one call
 
     def __init__(self, ops: CudnnOps | None = None, *, grads: tuple[str, ...] = ("dq", "dk", "dv"),
                  causal_block: int = 0) -> None:

@@ -164,6 +164,18 @@ def causal_block(kernel, direction: str, plan: PatternPlan, q: torch.Tensor, k: 
     return routed(direction, plan, q, k) if routed is not None else 0
 
 
+def stacks(kernel, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether local dilated patterns run stacked as the one dense pattern ``plan`` in ``direction``
+    (``stacking.py``): a kernel's own ``stacks_patterns`` where it sets one (kernels whose calls on strided views
+    cost more than copying the rows: cuDNN's, flash-attn-4's); a kernel that routes calls (``target``) answers
+    for the kernel it would run ``plan`` on; others do not."""
+    own = getattr(kernel, "stacks_patterns", None)
+    if own is not None:
+        return own
+    target = getattr(kernel, "target", None)
+    return target is not None and stacks(target(direction, plan, causal, q, k, False), direction, plan, causal, q, k)
+
+
 def takes_padding_masks(kernel) -> bool:
     """``kernel.padding_masks`` (module doc), read as ``key_masks`` where a kernel does not set it."""
     return getattr(kernel, "padding_masks", kernel.key_masks)

@@ -23,6 +23,7 @@ from kernel_checks import (  # noqa: I001
     DEVICE,
     LOWP_P,
     REF_P,
+    check_api_against_oracle,
     check_fresh_backward,
     check_packed_ring_block,
     check_pattern_local,
@@ -33,8 +34,10 @@ from kernel_checks import (  # noqa: I001
     seeded,
 )
 
-from dilated_attention import clear_caches
+from dilated_attention import clear_caches, dilated_attention, stacking
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel, readable
+from dilated_attention.kernels.auto import AutoKernel
+from dilated_attention.kernels.fused import FusedKernel
 from dilated_attention.testing.compare import LAYOUTS, assert_within_rule
 
 
@@ -572,3 +575,71 @@ def test_call_plans_replay_per_geometry():
     assert not any(set(c[3]) <= storages for c in ops.calls), "misaligned inputs were read in place"
     for g, want in zip(got, run(shifted, True)):
         assert torch.equal(g, want)
+
+
+# ---------------------------------------------------------------------------
+# Stacked local patterns (``stacking.py``) through the API
+
+STACK_SEGS, STACK_RATES = [N // 8, N // 4, N // 2, N], [1, 2, 4, 8]  # every dilated pattern N // 8 compact rows
+
+
+def _api_case(name, *extra):
+    seed = seeded("cudnn-stacked", name, *extra)
+    base = [torch.randn(2, N, h, DIM, dtype=torch.float64, device=DEVICE) for h in (4, 4, 4)]
+    return seed, base, torch.randn(2, N, 4, DIM, dtype=torch.float64, device=DEVICE)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "head_slice"])
+def test_stacked_patterns_match_the_oracle(kv_heads, layout):
+    """Causal LongNet with every dilated pattern of one compact length: one stacked call per direction where each
+    kv head reads one offset (4 kv heads), none where grouped heads of two offsets share one (2 kv heads: only
+    r = 2 joins, alone), against the oracle either way."""
+    assert layout in LAYOUTS
+    seed, base, dout = _api_case("oracle", kv_heads, layout)
+    base[1:] = [x[:, :, :kv_heads] for x in base[1:]]
+    ops = MathOps()
+    check_api_against_oracle(base, dout, STACK_SEGS, STACK_RATES, LOW[0], layout, f"(seed {seed})",
+                             kernel=CudnnKernel(ops) if not CUDA else CudnnKernel(), causal=True)
+    if not CUDA:
+        stacked_rows = 2 * (N // 2 + N // 4 + N // 8)  # (B x rows) of the stack: the three dilated patterns
+        stacked = [c[0] for c in ops.calls if c[1][0] * c[1][2] == stacked_rows]
+        assert stacked == (["fwd", "bwd"] if kv_heads == 4 else []), ops.calls
+
+
+@pytest.mark.skipif(CUDA, reason="counts the stand-in's calls")
+@pytest.mark.parametrize("case", ["non-causal", "auto", "fused", "one pattern"])
+def test_patterns_stack_only_where_they_should(case, monkeypatch):
+    """Non-causal calls, kernels that do not stack (auto, fused) and a stack of one pattern run pattern by
+    pattern: the stand-in sees no call over the stacked rows (masked calls: ``gathered_bytes``' test)."""
+    seed, base, dout = _api_case("where", case)
+    ops = MathOps()
+    kern = CudnnKernel(ops)
+    if case in ("auto", "fused"):
+        fused = FusedKernel()
+        kern = AutoKernel({"fused": fused, "cudnn": kern}, {"fwd/dense/causal/D16/float32/short": "cudnn",
+                                                              "fwd/dilated/causal/D16/float32/short": "cudnn"})
+        if case == "fused":
+            kern = fused
+    if case == "one pattern":
+        monkeypatch.setattr(stacking, "STACK_MIN_PATTERNS", 4)
+    q, k, v = (x.float().requires_grad_() for x in base)
+    out = dilated_attention(q, k, v, STACK_SEGS, STACK_RATES, causal=case != "non-causal", kernel=kern)
+    out.backward(dout.float())
+    stacked_rows = 2 * (N // 2 + N // 4 + N // 8)
+    assert all(c[1][0] * c[1][2] != stacked_rows for c in ops.calls), (case, seed, ops.calls)
+
+
+def test_gathered_bytes_are_the_largest_stacks_inputs():
+    """The memory estimate's share for a stacked backward: q, out, dout, k, v and lse of the stacked rows; none
+    for a kernel that does not stack or a masked call."""
+    from dilated_attention.patterns import plan_patterns
+    plans = plan_patterns(STACK_SEGS, STACK_RATES, seq_len=N, local_len=N, num_heads=4, num_kv_heads=4,
+                          mode="longnet")
+    q = torch.empty(1, N, 4, DIM)
+    rows = N // 2 + N // 4 + N // 8
+    args = (q, q, True, False, N, 4, 4, DIM, 2)
+    assert stacking.gathered_bytes(CudnnKernel(MathOps()), plans, *args) == rows * ((3 * 4 + 2 * 4) * DIM * 2 + 16)
+    assert stacking.gathered_bytes(FusedKernel(), plans, *args) == 0
+    masked = (q, q, True, True, N, 4, 4, DIM, 2)
+    assert stacking.gathered_bytes(CudnnKernel(MathOps()), plans, *masked) == 0

@@ -1,0 +1,129 @@
+"""Stacked local patterns: the dilated local patterns of one compact segment length run as one dense call.
+
+A dilated pattern run locally on strided views is a few kernel calls of a few hundred query tiles each
+(LongNet ``r = 16`` over one 32768-row segment: 16 heads of 2048 compact rows, one call of 256 tiles; ``r = 4``:
+four calls). A causal call that small leaves the GPU idle in its tail. LongNet's dilated patterns all read
+``w / r`` compact rows per segment (2048 for ``w = [2048, 4096, ..., 32768]``, ``r = [1, 2, ..., 16]``): their
+compact rows (``ring_steps.compact``: row ``j`` of head ``h`` is the segment's row ``j * r + offset(h)``) copied
+side by side into one buffer are dense attention over segments of that length, one call for all of them,
+and each pattern's compact part of the result (and of the gradients) is a slice of it. The copies cost a read
+and a write of the rows, and the backward copies ``out``, ``dout`` and ``lse`` too, which it holds while the
+call runs (``gathered_bytes``: about 0.8 x the call's own bytes more at the backward's peak for LongNet).
+
+Measured on an H200 (LongNet 32768 tokens, causal, 16 x 128 heads, bf16, forward+backward, issued back to back):
+``kernel="flash4"`` 8.43 -> 5.74 ms stacked, ``"cudnn-det"`` 8.03 -> 6.34 ms, ``"cudnn"`` 8.37 -> 6.77 ms;
+``"auto"`` (whose table runs these patterns on the fused kernel) 6.05 ms either way: stacked, its GPU time
+falls from 5.7 to 5.1 ms, but the eager call is bound by the host's issue and its peak memory grows by 850 MiB,
+so ``auto`` does not stack. Non-causal calls are long enough not to idle: stacked they were 1.02-1.13x slower.
+
+A pattern joins a stack where it is local (``ring_size == 1``), dilated, unmasked, and gives every query and kv
+head one offset (so its compact layout holds each row and head once and a query head's kv head reads the same
+offset), and where the kernel says so (``protocol.stacks``: cuDNN's and flash-attn-4's, whose calls on views cost
+more than copying the rows; the fused kernel reads a pattern's views in one launch anyway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import caches
+from .kernels.protocol import stacks
+from .patterns import HeadChunk, PatternPlan
+from .views import region_views, widened
+
+# Stacks of at least this many patterns run stacked (one pattern alone would gain only its own calls' tails).
+STACK_MIN_PATTERNS = 2
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Local patterns (``members``: their indices in the call's plan list) run as one ``dense`` pattern over a
+    buffer holding each member's compact rows at ``spans`` (first row, end row) of its rows dim."""
+
+    members: tuple[int, ...]
+    plans: tuple[PatternPlan, ...]
+    spans: tuple[tuple[int, int], ...]
+    dense: PatternPlan
+    rows: int
+
+
+def _joins(plan: PatternPlan, heads: int, kv_heads: int) -> bool:
+    if plan.ring_size != 1 or plan.dilation == 1:
+        return False
+    offsets, kv_offsets = plan.head_offsets(heads), plan.head_offsets(kv_heads, kv=True)
+    return offsets is not None and kv_offsets is not None and -1 not in offsets and -1 not in kv_offsets
+
+
+@caches.memoize("stacking.stacks", 256)  # asked per call and direction; a model has few configurations
+def _plan_stacks(plans: tuple[PatternPlan, ...], rows: int, heads: int, kv_heads: int) -> tuple[Stack, ...]:
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(plans):
+        if _joins(p, heads, kv_heads):
+            by_length.setdefault(p.local_segment // p.dilation, []).append(i)
+    out = []
+    for m, members in by_length.items():
+        spans, at = [], 0
+        for i in members:
+            spans.append((at, at + rows // plans[i].dilation))
+            at = spans[-1][1]
+        first = plans[members[0]]
+        dense = PatternPlan(first.index, m, 1, m, 1, (HeadChunk(0, 0, heads, 0, kv_heads, 0),), ((0, 0, heads),))
+        out.append(Stack(tuple(members), tuple(plans[i] for i in members), tuple(spans), dense, at))
+    return tuple(out)
+
+
+def plan_stacks(kernel, direction: str, plans: list[PatternPlan], q: torch.Tensor, k: torch.Tensor, causal: bool,
+                masked: bool) -> dict[int, Stack]:
+    """The stacks of an unmasked call's local patterns in ``direction``, by member index (every member of a stack
+    maps to it); empty where the kernel would not run a stack (``protocol.stacks``) or a key mask is given."""
+    if masked or not causal:
+        return {}
+    found = _plan_stacks(tuple(plans), q.shape[1], q.shape[2], k.shape[2])
+    return {i: s for s in found if len(s.members) >= STACK_MIN_PATTERNS and stacks(kernel, direction, s.dense, causal, q, k)
+            for i in s.members}
+
+
+def gathered_bytes(kernel, plans, q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool, rows: int,
+                   heads: int, kv_heads: int, dim: int, elem: int) -> int:
+    """What a stacked backward over ``rows`` rows (of every batch row) holds at once besides its parts: the largest
+    stack's gathered q, out, dout, k, v (the inputs' dtype, ``elem`` bytes) and lse (fp32); 0 if nothing stacks."""
+    found = set(plan_stacks(kernel, "bwd", list(plans), q, k, causal, masked).values())
+    return max((sum(rows // p.dilation for p in s.plans) * ((3 * heads + 2 * kv_heads) * dim * elem + 4 * heads)
+                for s in found), default=0)
+
+
+def gather(x: torch.Tensor, stack: Stack, kv: bool = False) -> torch.Tensor:
+    """A new ``(B, stack.rows, heads, ...)`` buffer of every member's compact rows of ``x`` (``kv``: a kv
+    tensor), each at its span."""
+    buf = x.new_empty((x.shape[0], stack.rows, *x.shape[2:]))
+    src, dst = widened(x, buf)
+    for plan, (a, b) in zip(stack.plans, stack.spans):
+        for rows, part in region_views(src, dst[:, a:b], plan, kv=kv):
+            part.copy_(rows)
+    return buf
+
+
+def stack_forward(kernel, stack: Stack, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stack's ``(out, lse)`` over its buffer: a member's compact part is the slice at its span (``span``)."""
+    return kernel.forward_pattern(gather(q, stack), gather(k, stack, kv=True), gather(v, stack, kv=True),
+                                  stack.dense, packed=False, causal=causal, scale=scale)
+
+
+def stack_backward(kernel, stack: Stack, q, k, v, out, lse, dout, *, causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stack's ``(dq, dk, dv)`` over its buffer, from the call's final ``out``/``lse``: a member's compact
+    gradient parts are the slices at its span."""
+    qs, os_, ls, ds = (gather(x, stack) for x in (q, out, lse, dout))
+    return kernel.backward_pattern_parts(qs, gather(k, stack, kv=True), gather(v, stack, kv=True), stack.dense,
+                                         os_, ls, ds, causal=causal, scale=scale)
+
+
+def span(x: torch.Tensor, stack: Stack, member: int) -> torch.Tensor:
+    """Member ``member``'s compact part of a stacked result ``x``."""
+    a, b = stack.spans[stack.members.index(member)]
+    return x[:, a:b]
+
+
+__all__ = ["STACK_MIN_PATTERNS", "Stack", "gather", "gathered_bytes", "plan_stacks", "span", "stack_backward", "stack_forward"]
