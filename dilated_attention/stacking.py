@@ -10,11 +10,12 @@ and each pattern's compact part of the result (and of the gradients) is a slice 
 and a write of the rows, and the backward copies ``out``, ``dout`` and ``lse`` too, which it holds while the
 call runs (``gathered_bytes``: about 0.8 x the call's own bytes more at the backward's peak for LongNet).
 
-Measured on an H200 (LongNet 32768 tokens, causal, 16 x 128 heads, bf16, forward+backward, issued back to back):
-``kernel="flash4"`` 8.43 -> 5.74 ms stacked, ``"cudnn-det"`` 8.03 -> 6.34 ms, ``"cudnn"`` 8.37 -> 6.77 ms;
-``"auto"`` (whose table runs these patterns on the fused kernel) 6.05 ms either way: stacked, its GPU time
-falls from 5.7 to 5.1 ms, but the eager call is bound by the host's issue and its peak memory grows by 850 MiB,
-so ``auto`` does not stack. Non-causal calls are long enough not to idle: stacked they were 1.02-1.13x slower.
+Measured on an H200 (LongNet 32768 tokens, causal, 16 x 128 heads, bf16, forward+backward, issued back to
+back, two runs): ``kernel="flash4"`` 8.34-8.43 -> 5.61-5.74 ms stacked, ``"cudnn"`` 6.97-8.37 -> 5.95-6.77 ms,
+at about 0.8 x more peak memory than unstacked. ``"cudnn-det"`` gained 0.97-1.27x (the runs disagreed): its ops
+do not stack. ``"auto"``, whose table runs these patterns on the fused kernel, was as fast either way (6.05 ms):
+stacked, its GPU time fell from 5.7 to 5.1 ms, but the eager call is bound by the host's issue, so it does not
+stack. Non-causal calls are long enough not to idle: stacked they were 1.02-1.13x slower, and do not stack.
 
 A pattern joins a stack where it is local (``ring_size == 1``), dilated, unmasked, and gives every query and kv
 head one offset (so its compact layout holds each row and head once and a query head's kv head reads the same

@@ -146,7 +146,6 @@ class CudnnKernel:
     """``PatternKernel`` on cuDNN's fused attention with zero-copy strided views (see module doc)."""
 
     key_masks = False  # masked work runs on the fused kernel (AutoKernel routes it there)
-    stacks_patterns = True  # a dilated pattern is a few small calls on views: stacked patterns are one call
 
     def __init__(self, ops: CudnnOps | None = None, *, grads: tuple[str, ...] = ("dq", "dk", "dv"),
                  causal_block: int = 0) -> None:
@@ -163,6 +162,9 @@ class CudnnKernel:
         self.padding_masks = bool(getattr(self.ops, "padding_masks", False))
         # the ops plan every tensor's strides: out/dout need not have q's to be read in place (``CudnnOps``)
         self.own_strides = self.ops.own_strides
+        # a dilated pattern is a few small calls on views: stacked patterns are one (``stacking.py``), where the ops
+        # gain from it
+        self.stacks_patterns = getattr(self.ops, "stacks_patterns", True)
         bad = [g for g in grads if g not in ("dq", "dk", "dv")]
         if bad or not grads:
             raise ValueError(f"grads must be a non-empty subset of ('dq', 'dk', 'dv'), got {grads}")

@@ -608,12 +608,17 @@ def test_stacked_patterns_match_the_oracle(kv_heads, layout):
 
 
 @pytest.mark.skipif(CUDA, reason="counts the stand-in's calls")
-@pytest.mark.parametrize("case", ["non-causal", "auto", "fused", "one pattern"])
+class UnstackedOps(MathOps):
+    stacks_patterns = False  # as the frontend's (cudnn-det)
+
+
+@pytest.mark.parametrize("case", ["non-causal", "auto", "fused", "ops that do not stack", "one pattern"])
 def test_patterns_stack_only_where_they_should(case, monkeypatch):
-    """Non-causal calls, kernels that do not stack (auto, fused) and a stack of one pattern run pattern by
-    pattern: the stand-in sees no call over the stacked rows (masked calls: ``gathered_bytes``' test)."""
+    """Non-causal calls, kernels that do not stack (auto, fused, cuDNN's on ops that say so) and a stack of one
+    pattern run pattern by pattern: the stand-in sees no call over the stacked rows (masked calls:
+    ``gathered_bytes``' test)."""
     seed, base, dout = _api_case("where", case)
-    ops = MathOps()
+    ops = UnstackedOps() if case == "ops that do not stack" else MathOps()
     kern = CudnnKernel(ops)
     if case in ("auto", "fused"):
         fused = FusedKernel()
