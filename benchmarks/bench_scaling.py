@@ -1028,6 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
         "memory_bound": list(memory.BOUND.key),  # head chunks: set_memory_bound's rule
         "share_min_rows": causal_share.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
+        "share_guests": causal_share.Helper.order,  # a helper's guests' backward: one per idle step
         # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring_swaps.py)
         "swap_compact": [ring_swaps.swaps_rings(False), ring_swaps.swaps_rings(True)],
         "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,

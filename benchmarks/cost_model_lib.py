@@ -42,9 +42,10 @@ streams (compute, communication) and a host thread (``_Timeline``):
 - **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
   the zigzag order, and on rings of full rows of at least ``causal_share.SHARE_MIN_ROWS`` and at most
   ``causal_share.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half
-  a block, except that the first rank runs every guest's backward at its first idle step
-  (``causal_share.help_backward``: ``guests_at_once``), which holds back the dK/dV accumulator passing it,
-  the last rank's own, by ``G - 2`` half blocks; causal dilated rings whose ranks divide the heads run head-parallel, ``ring_swaps.py``: the
+  a block (a helper runs one guest's backward per idle step, ``causal_share.Helper``; files measured before
+  that say ``meta.share_guests = "at_once"`` or nothing: there the first rank ran every guest's at its first
+  idle step, ``guests_at_once``, which held back the dK/dV accumulator passing it, the last rank's own, by
+  ``G - 2`` half blocks); causal dilated rings whose ranks divide the heads run head-parallel, ``ring_swaps.py``: the
   segment's compact rows of ``1/G`` of the heads gathered by one all-to-all, computed whole, sent home),
   head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
   heads), hybrid (all-to-all inside teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
@@ -354,7 +355,7 @@ def _local_kv_heads(p: Problem, team: int) -> int:
 
 
 def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, balanced: bool,
-               share_rows: int | None, swap: tuple[bool, bool], guests_at_once: bool = True) -> None:
+               share_rows: int | None, swap: tuple[bool, bool], guests_at_once: bool = False) -> None:
     """Replay forward or backward of every pattern (local, or a ring on the slowest rank)."""
     d, e, b = p.head_dim, p.dtype_bytes, p.batch
     if direction == "bwd":
@@ -444,7 +445,7 @@ def _swap(tl: _Timeline, nbytes: float, team: int, before: tuple[float, int], af
 
 def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = False,
             host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
-            swap: tuple[bool, bool] | None = None, guests_at_once: bool = True) -> tuple[float, float]:
+            swap: tuple[bool, bool] | None = None, guests_at_once: bool = False) -> tuple[float, float]:
     """(ms, compute-stream busy ms) of one forward+backward on the slowest rank: all-to-all inside
     teams of ``team`` ranks (1: none), then every pattern locally or as a ring across teams."""
     tl = _Timeline(hw, host_waits)
@@ -486,13 +487,14 @@ def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
 
 def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = H200,
             *, balanced: bool = False, host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
-            swap: tuple[bool, bool] | None = None, guests_at_once: bool = True) -> Prediction | None:
+            swap: tuple[bool, bool] | None = None, guests_at_once: bool = False) -> Prediction | None:
     """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
 
     ``balanced``: causal rings in zigzag order (``layout="zigzag"``: every step half a block).
     ``share_rows``: causal rings on full rows of at least this many share their cross blocks (``causal_share.Share``;
     ``None``: none do, the code before sharing). ``guests_at_once``: their first rank runs every guest's backward at
-    its first idle step (the library's order; ``False``: one guest per idle step).
+    its first idle step (the order of files measured before ``causal_share.Helper``); default: one guest per idle
+    step, the library's order.
     ``swap``: (non-causal, causal) whether dilated rings whose ranks divide the heads run head-parallel
     (``ring_swaps.py``); ``None``: as ``ring_swaps.SWAPPED_RINGS`` says.
     ``host_waits``: every exchange waited for on the host; default stream-ordered (module doc).

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from .causal_share import help_backward, post_guests, plan_share, return_results
+from .causal_share import Helper, post_guests, plan_share, return_results
 from .causal_split import causal_split, route, split_backward, split_forward
 from .kernels.protocol import causal_block, clear_result_
 from .merge import Part, accum_dtype, add_into_, combine_results, merge_into_, sum_grads
@@ -137,7 +137,8 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
     if share is not None:
         guests, arriving = post_guests(comm, share, (q, out, lse, dout),
                                         describe(call, "backward", plan, 0, size, "rows of shared cross blocks"), stamp)
-    helped = []
+    helper = None if share is None or not share.guests else \
+        Helper(kernel, guests, arriving, k, v, plan, view or plan, own, q.shape[1], key_mask, scale)
     for step, block, src in _ring_blocks(k, v, plan, comm, layout, call, "backward"):
         calls = step_calls(view or plan, layout, own, src, blocks, q.shape[1], causal, share is not None)
         if scratch is None:
@@ -157,11 +158,8 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                                         out[:, c.rows], lse[:, c.rows], dout[:, c.rows], dq[:, c.rows],
                                         scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=c.causal,
                                         scale=scale, **call_mask(key_mask, c))
-        if not calls and share is not None and share.guests and not helped:
-            # our first idle step: the guests' second halves. Their dK/dV wait in ``scratch``, free from here on,
-            # for our block's accumulator to come home: added at step 0, they would hold it back from the next rank.
-            helped = help_backward(kernel, guests, arriving, k, v, plan, view or plan, own, q.shape[1], key_mask,
-                                    scale, scratch)
+        if not calls and helper is not None and helper.pending:
+            helper.step(scratch)  # an idle step: the next guest's second half (``Helper``)
         if step == 0:  # our own block (always visible): its accumulator starts here
             scratch, outgoing = outgoing, scratch
         else:
@@ -174,16 +172,18 @@ def _ring_backward(q, k, v, key_mask, out, lse, dout, plan, comm, layout, call, 
                                            describe(call, "backward", plan, step, size, "dK/dV accumulator"),
                                            stamp=stamp)
     if share is not None:
-        if not share.guests:  # (a rank with guests helped at its first idle step: every one has idle steps)
+        if helper is None:
             arriving.wait()  # our sends
+        while helper is not None and helper.pending:  # (a rank has as many idle steps as guests: none are left)
+            helper.step(scratch)
         rest = dq[:, share.half:]
-        for (hdq,) in return_results(comm, share, helped, (rest,),
+        for (hdq,) in return_results(comm, share, helper.results if helper is not None else [], (rest,),
                                       describe(call, "backward", plan, 0, size, "dQ of shared cross blocks"), stamp):
             add_into_(rest, hdq)
     if size == 1:  # a ring of one rank (zigzag: the middle segment held whole): nothing travelled
         return outgoing
     grads_pending.wait()  # after size hops the accumulator of our own block is home
-    if helped:
+    if helper is not None:
         add_into_(incoming, scratch)  # the guests' dK/dV of our block
     return incoming
 

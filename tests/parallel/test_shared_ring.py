@@ -101,10 +101,54 @@ def _worker(rank: int, world: int) -> dict:
     return res
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_shared_rings_match_the_oracle(world):
     for rank, res in enumerate(spawn_ranks(_worker, world)):
         for name, (ok, message, exchanges) in res.items():
             assert ok, f"rank {rank}, {name}: {message}"
             # forward: rows out, results back; backward: the same again
             assert exchanges == (4 if name.endswith("-shared") else 0), (rank, name, exchanges)
+
+
+def _order_worker(rank: int, world: int) -> list[str]:
+    """This rank's backward as events: each ring step's block arriving, each guest helped."""
+    import torch.distributed as dist
+
+    from dilated_attention import ring
+    from dilated_attention.testing.harness import Case, run_case
+
+    events: list[str] = []
+    blocks, step = ring._ring_blocks, causal_share.Helper.step
+
+    def recorded_blocks(*args):
+        for item in blocks(*args):
+            events.append(f"{args[-1]} step {item[0]}")
+            yield item
+
+    def recorded_step(self, scratch):
+        events.append("help")
+        return step(self, scratch)
+
+    ring._ring_blocks, causal_share.Helper.step = recorded_blocks, recorded_step
+    kept = causal_share.SHARE_MIN_ROWS
+    causal_share.SHARE_MIN_ROWS = 0
+    try:
+        got, _ = run_case(Case("full", world, (16 * world,), (1,), causal=True), "collective", dist.group.WORLD,
+                          torch.device("cpu"), 950)
+    finally:
+        ring._ring_blocks, causal_share.Helper.step = blocks, step
+        causal_share.SHARE_MIN_ROWS = kept
+    assert got.ok, got.message
+    return [e for e in events if not e.startswith("forward")]
+
+
+def test_a_helper_runs_one_guest_per_idle_step():
+    """On a ring of 4, rank ``p`` helps its ``3 - p`` guests one per idle step, each at a step of its own (every
+    guest at the first idle step held back the accumulator passing through by all of their work)."""
+    world = 4
+    for rank, events in enumerate(spawn_ranks(_order_worker, world)):
+        steps = [e for e in events if e != "help"]
+        assert steps == [f"backward step {s}" for s in range(world)], (rank, events)
+        helped_after = [events[i - 1] for i, e in enumerate(events) if e == "help"]
+        # rank p's idle steps are the ring's last (blocks of later ranks): one guest after each
+        assert helped_after == [f"backward step {s}" for s in range(rank + 1, world)], (rank, events)
