@@ -19,7 +19,7 @@ from . import caches
 from .comm.base import CommBackend
 from .kernels.protocol import PatternKernel
 from .patterns import PatternPlan
-from .views import region_views, widened
+from .views import region_views
 
 
 class Visibility(enum.Enum):
@@ -184,7 +184,7 @@ def dense_ring(plan: PatternPlan, masked: bool, layout: RingLayout, q: torch.Ten
 def compact(x: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
     """A new compact ``(B, L / r, H, ...)`` copy of the rows and heads ``plan`` reads of ``x``."""
     out = x.new_empty((x.shape[0], x.shape[1] // plan.dilation, *x.shape[2:]))
-    for rows, part in region_views(*widened(x, out), plan):
+    for rows, part in region_views(x, out, plan):
         part.copy_(rows)
     return out
 

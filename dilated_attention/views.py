@@ -156,7 +156,6 @@ def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor
     bsz, n, _, dim = k.shape
     buf = torch.empty((2, bsz, n // plan.dilation, plan.packed_heads, dim), dtype=k.dtype, device=k.device)
     for x, half in zip((k, v), buf):
-        x, half = widened(x, half)
         for rows, heads in _packed_regions(x, half, plan):
             heads.copy_(rows)
     return buf
