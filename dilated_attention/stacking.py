@@ -51,6 +51,7 @@ class Stack:
 
 
 def _joins(plan: PatternPlan, heads: int, kv_heads: int) -> bool:
+    """Whether ``plan`` may join a stack (module doc): local, dilated, one offset for every query and kv head."""
     if plan.ring_size != 1 or plan.dilation == 1:
         return False
     offsets, kv_offsets = plan.head_offsets(heads), plan.head_offsets(kv_heads, kv=True)
@@ -59,6 +60,7 @@ def _joins(plan: PatternPlan, heads: int, kv_heads: int) -> bool:
 
 @caches.memoize("stacking.stacks", 256)  # asked per call and direction; a model has few configurations
 def _plan_stacks(plans: tuple[PatternPlan, ...], rows: int, heads: int, kv_heads: int) -> tuple[Stack, ...]:
+    """Every group of joining patterns with one compact segment length, on blocks of ``rows`` rows."""
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(plans):
         if _joins(p, heads, kv_heads):
@@ -77,12 +79,14 @@ def _plan_stacks(plans: tuple[PatternPlan, ...], rows: int, heads: int, kv_heads
 
 def plan_stacks(kernel, direction: str, plans: list[PatternPlan], q: torch.Tensor, k: torch.Tensor, causal: bool,
                 masked: bool) -> dict[int, Stack]:
-    """The stacks of an unmasked call's local patterns in ``direction``, by member index (every member of a stack
-    maps to it); empty where the kernel would not run a stack (``protocol.stacks``) or a key mask is given."""
+    """The stacks of an unmasked causal call's local patterns in ``direction``, by member index (every member of a
+    stack maps to it); empty where the kernel would not run a stack (``protocol.stacks``), a key mask is given or
+    the call is not causal (module doc)."""
     if masked or not causal:
         return {}
     found = _plan_stacks(tuple(plans), q.shape[1], q.shape[2], k.shape[2])
-    return {i: s for s in found if len(s.members) >= STACK_MIN_PATTERNS and stacks(kernel, direction, s.dense, causal, q, k)
+    return {i: s for s in found
+            if len(s.members) >= STACK_MIN_PATTERNS and stacks(kernel, direction, s.dense, causal, q, k)
             for i in s.members}
 
 
@@ -127,4 +131,5 @@ def span(x: torch.Tensor, stack: Stack, member: int) -> torch.Tensor:
     return x[:, a:b]
 
 
-__all__ = ["STACK_MIN_PATTERNS", "Stack", "gather", "gathered_bytes", "plan_stacks", "span", "stack_backward", "stack_forward"]
+__all__ = ["STACK_MIN_PATTERNS", "Stack", "gather", "gathered_bytes", "plan_stacks", "span", "stack_backward",
+           "stack_forward"]
