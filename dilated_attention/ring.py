@@ -58,7 +58,7 @@ from .ring_steps import (RingCall, RingLayout, block_mask, call_mask, compact, d
                          half_calls, step_calls)
 from .ring_swaps import Travelling, run_swap, start_swaps, swap_backward, swap_forward, swap_order
 from .side_streams import SideStreams
-from .stacking import plan_stacks, span, stack_backward, stack_forward
+from .stacking import plan_stacks, stack_backward, stack_forward
 from .views import pack_kv, unpack_add_
 
 __all__ = ["RingCall", "RingLayout", "leaves_part", "ring_backward", "ring_forward"]
@@ -238,8 +238,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
             if i not in parts:  # the stack's first member: one call for every member
                 stack = stacked[i]
                 res = sides.issue(stack_forward, ring.kernel, stack, q, k, v, causal=ring.causal, scale=ring.scale)
-                for j in stack.members:
-                    parts[j] = Part(plans[j], *(span(x, stack, j) for x in res))
+                for j, part in stack.slices(res):
+                    parts[j] = Part(plans[j], *part)
             continue
         split, pieces, part = route(ring.kernel, ring.causal, "fwd", plan, q, k, key_mask is not None)
         if part:
@@ -328,8 +328,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
                 stack = stacked[i]
                 res = sides.issue(stack_backward, ring.kernel, stack, q, k, v, out, lse, dout, causal=ring.causal,
                                   scale=ring.scale)
-                for j in stack.members:
-                    held[j] = tuple(span(x, stack, j) for x in res)
+                held.update(stack.slices(res))
             continue
         split, pieces, part = route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
         if part or dense[i] is not None:

@@ -25,6 +25,7 @@ more than copying the rows; the fused kernel reads a pattern's views in one laun
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,11 @@ class Stack:
     spans: tuple[tuple[int, int], ...]
     dense: PatternPlan
     rows: int
+
+    def slices(self, results: tuple[torch.Tensor, ...]) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+        """Each member's index and its compact parts of the stack's ``results``: their rows at its span."""
+        for i, (a, b) in zip(self.members, self.spans):
+            yield i, tuple(x[:, a:b] for x in results)
 
 
 def _joins(plan: PatternPlan, heads: int, kv_heads: int) -> bool:
@@ -111,7 +117,7 @@ def gather(x: torch.Tensor, stack: Stack, kv: bool = False) -> torch.Tensor:
 
 
 def stack_forward(kernel, stack: Stack, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stack's ``(out, lse)`` over its buffer: a member's compact part is the slice at its span (``span``)."""
+    """The stack's ``(out, lse)`` over its buffer: a member's compact part is the slice at its span (``slices``)."""
     return kernel.forward_pattern(gather(q, stack), gather(k, stack, kv=True), gather(v, stack, kv=True),
                                   stack.dense, packed=False, causal=causal, scale=scale)
 
@@ -125,11 +131,5 @@ def stack_backward(kernel, stack: Stack, q, k, v, out, lse, dout, *, causal: boo
                                          os_, ls, ds, causal=causal, scale=scale)
 
 
-def span(x: torch.Tensor, stack: Stack, member: int) -> torch.Tensor:
-    """Member ``member``'s compact part of a stacked result ``x``."""
-    a, b = stack.spans[stack.members.index(member)]
-    return x[:, a:b]
-
-
-__all__ = ["STACK_MIN_PATTERNS", "Stack", "gather", "gathered_bytes", "plan_stacks", "span", "stack_backward",
+__all__ = ["STACK_MIN_PATTERNS", "Stack", "gather", "gathered_bytes", "plan_stacks", "stack_backward",
            "stack_forward"]

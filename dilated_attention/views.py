@@ -128,20 +128,16 @@ def _packed_regions(x: torch.Tensor, half: torch.Tensor, plan: PatternPlan
 
 
 def _widens(x: torch.Tensor) -> bool:
-    """Whether ``x`` can be seen as 16-byte elements: unit-stride last dim of a multiple of 16 bytes, every other
-    stride (of a dim longer than 1) and the start a multiple of 16 bytes."""
+    """Whether ``x`` can be seen as 16-byte elements: ``readable`` with a last dim of a multiple of 16 bytes, and a
+    storage offset of whole 16-byte elements (what ``Tensor.view(dtype)`` asks)."""
     size = x.element_size()
-    return x.dim() > 0 and x.stride(-1) == 1 and (x.shape[-1] * size) % WIDE_BYTES == 0 and \
-        (x.storage_offset() * size) % WIDE_BYTES == 0 and \
-        all((st * size) % WIDE_BYTES == 0 for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n > 1)
-
-
-WIDE_BYTES = 16  # complex128's size: the widest element torch's copy moves in one step
+    return readable(x) and (x.shape[-1] * size) % ALIGN_BYTES == 0 and \
+        (x.storage_offset() * size) % ALIGN_BYTES == 0
 
 
 def widened(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, N, H, D)`` tensors of one dtype to copy rows between, seen as 16-byte elements (``D`` in fewer, wider
-    ones) where both allow it, else as they are: torch's strided copy moves an element per step, and the 2-byte
+    """``(B, N, H, D)`` tensors of one dtype to copy rows between, seen as 16-byte elements (complex128: ``D`` in
+    fewer, wider ones) where both allow it, else as they are: torch's strided copy moves an element per step, and the 2-byte
     steps of bf16 rows ran LongNet's gathers at under half the copy's bandwidth (H200)."""
     if src.dtype == dst.dtype and src.dim() == 4 and _widens(src) and _widens(dst):
         return src.view(torch.complex128), dst.view(torch.complex128)
