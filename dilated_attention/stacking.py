@@ -13,14 +13,16 @@ call runs (``gathered_bytes``: about 0.8 x the call's own bytes more at the back
 Measured on an H200 (LongNet 32768 tokens, causal, 16 x 128 heads, bf16, forward+backward, issued back to
 back, two runs): ``kernel="flash4"`` 8.34-8.43 -> 5.61-5.74 ms stacked, ``"cudnn"`` 6.97-8.37 -> 5.95-6.77 ms,
 at about 0.8 x more peak memory than unstacked. ``"cudnn-det"`` gained 0.97-1.27x (the runs disagreed): its ops
-do not stack. ``"auto"``, whose table runs these patterns on the fused kernel, was as fast either way (6.05 ms):
-stacked, its GPU time fell from 5.7 to 5.1 ms, but the eager call is bound by the host's issue, so it does not
-stack. Non-causal calls are long enough not to idle: stacked they were 1.02-1.13x slower, and do not stack.
+do not stack. ``"auto"`` stacks where the kernel its table names for the stack's dense pattern does (with
+flash-attn-4 installed, its backward): 6.04 -> 5.51 ms back to back, 6.53 -> 6.06 ms alone. Non-causal calls
+are long enough not to idle: stacked, their GPU time rose (``auto`` 8.08 -> 8.36 ms, ``"cudnn"`` 8.94 -> 8.87,
+at 1.5-2 ms less host issue), so they do not stack.
 
 A pattern joins a stack where it is local (``ring_size == 1``), dilated, unmasked, and gives every query and kv
 head one offset (so its compact layout holds each row and head once and a query head's kv head reads the same
 offset), and where the kernel says so (``protocol.stacks``: cuDNN's and flash-attn-4's, whose calls on views cost
-more than copying the rows; the fused kernel reads a pattern's views in one launch anyway).
+more than copying the rows; ``auto`` answers for the kernel its table names for the stack's dense pattern; the
+fused kernel reads a pattern's views in one launch anyway).
 """
 
 from __future__ import annotations

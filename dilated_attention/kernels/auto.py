@@ -132,10 +132,6 @@ class AutoKernel(KernelWrapper):
     """A ``PatternKernel`` that forwards each pattern to the implementation its table names (``target``);
     ``inner`` is the fused kernel, the default."""
 
-    # Its table ranks kernels per pattern; stacked patterns (``stacking.py``) were measured no faster eagerly
-    # than its choices, at 850 MiB more peak memory (LongNet 32768, causal, H200)
-    stacks_patterns = False
-
     def __init__(self, impls: dict[str, PatternKernel], choices: dict[str, str], *,
                  allow_nondeterministic: bool = False) -> None:
         if "fused" not in impls:

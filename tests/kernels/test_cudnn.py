@@ -608,15 +608,29 @@ def test_stacked_patterns_match_the_oracle(kv_heads, layout):
 
 
 @pytest.mark.skipif(CUDA, reason="counts the stand-in's calls")
+def test_auto_stacks_where_its_table_names_a_stacking_kernel():
+    """``auto`` whose table runs the stack's dense pattern on cuDNN both ways (the dilated patterns on fused):
+    one stacked call per direction, against the oracle."""
+    seed, base, dout = _api_case("auto")
+    ops = MathOps()
+    keys = [f"{d}/dense/causal/D{DIM}/float32/short" for d in ("fwd", "bwd")]
+    kern = AutoKernel({"fused": FusedKernel(), "cudnn": CudnnKernel(ops)}, dict.fromkeys(keys, "cudnn"))
+    check_api_against_oracle(base, dout, STACK_SEGS, STACK_RATES, LOW[0], "contiguous", f"(seed {seed})",
+                             kernel=kern, causal=True)
+    stacked_rows = 2 * (N // 2 + N // 4 + N // 8)
+    assert [c[0] for c in ops.calls if c[1][0] * c[1][2] == stacked_rows] == ["fwd", "bwd"], ops.calls
+
+
+@pytest.mark.skipif(CUDA, reason="counts the stand-in's calls")
 class UnstackedOps(MathOps):
     stacks_patterns = False  # as the frontend's (cudnn-det)
 
 
 @pytest.mark.parametrize("case", ["non-causal", "auto", "fused", "ops that do not stack", "one pattern"])
 def test_patterns_stack_only_where_they_should(case, monkeypatch):
-    """Non-causal calls, kernels that do not stack (auto, fused, cuDNN's on ops that say so) and a stack of one
-    pattern run pattern by pattern: the stand-in sees no call over the stacked rows (masked calls:
-    ``gathered_bytes``' test)."""
+    """Non-causal calls, kernels that do not stack (fused, cuDNN's on ops that say so, auto in a direction its
+    table runs on fused) and a stack of one pattern run pattern by pattern: the stand-in sees no call over the
+    stacked rows, except auto's forward, which its table runs on cuDNN (masked calls: ``gathered_bytes``' test)."""
     seed, base, dout = _api_case("where", case)
     ops = UnstackedOps() if case == "ops that do not stack" else MathOps()
     kern = CudnnKernel(ops)
@@ -632,7 +646,8 @@ def test_patterns_stack_only_where_they_should(case, monkeypatch):
     out = dilated_attention(q, k, v, STACK_SEGS, STACK_RATES, causal=case != "non-causal", kernel=kern)
     out.backward(dout.float())
     stacked_rows = 2 * (N // 2 + N // 4 + N // 8)
-    assert all(c[1][0] * c[1][2] != stacked_rows for c in ops.calls), (case, seed, ops.calls)
+    stacked = [c[0] for c in ops.calls if c[1][0] * c[1][2] == stacked_rows]
+    assert stacked == (["fwd"] if case == "auto" else []), (case, seed, ops.calls)
 
 
 def test_gathered_bytes_are_the_largest_stacks_inputs():
