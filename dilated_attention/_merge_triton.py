@@ -1,5 +1,6 @@
 """Triton kernel bodies of ``merge.py``: the fused merge (``merge_kernel``) and the one-pass combine of compact
-parts (``combine_lse_kernel``, then ``combine_kernel``), with the helpers they call.
+parts (``combine_lse_kernel``, then ``combine_kernel``), with the helpers they call; and its inverse for
+``stacking.py``, the compact rows of several patterns gathered into one buffer (``gather_rows_kernel``).
 
 The kernels are plain Python functions; ``merge.py`` wraps them with ``triton.jit`` at first launch (its
 ``_kernel``), which is also when it first imports this module, so ``TRITON_INTERPRET`` is settled by then (one
@@ -207,8 +208,33 @@ def combine_kernel(
     tl.store(OUT + b * so_b + n.to(tl.int64) * so_n + head * so_h + cols, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
+def gather_rows_kernel(
+    TABLE, SRC, DST, ROWS, D, ss_b, ss_n, ss_h, sd_b, sd_n, sd_h,
+    H: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``BLOCK_R`` rows of a stack buffer ``DST`` (``stacking.gather``), head ``program_id(1)``, batch
+    ``program_id(2)``: row ``t`` of member ``p`` (rows ``[start, end)``) is row ``(t - start) * dilation +
+    offset(head)`` of ``SRC``. ``TABLE`` has one row of ``3 + H`` int64 per member: start, end, dilation, then
+    each head's offset. Both tensors' last dims have stride 1 (a row's ``D`` elements are read and written as one
+    vector); ``DST``'s rows are the members' spans back to back, so every row has one member."""
+    t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    src_row = tl.zeros((BLOCK_R, 1), tl.int64)
+    for p in tl.static_range(P):
+        entry = TABLE + p * (3 + H)
+        start = tl.load(entry)
+        row = (t - start) * tl.load(entry + 2) + tl.load(entry + 3 + head)
+        src_row = tl.where((t >= start) & (t < tl.load(entry + 1)), row, src_row)
+    ok = (t < ROWS) & (cols < D)
+    x = tl.load(SRC + b * ss_b + src_row * ss_n + head * ss_h + cols, mask=ok)
+    tl.store(DST + b * sd_b + t.to(tl.int64) * sd_n + head * sd_h + cols, x, mask=ok)
+
+
 KERNEL_FUNCS = {
     "merge_kernel": merge_kernel,
     "combine_lse_kernel": combine_lse_kernel,
     "combine_kernel": combine_kernel,
+    "gather_rows_kernel": gather_rows_kernel,
 }

@@ -120,7 +120,7 @@ def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part
 # The fused kernel (its Triton source, and the combine's: ``_merge_triton.py``)
 
 
-def _kernel(name: str):
+def triton_kernel(name: str):
     """The kernel ``name`` of ``_merge_triton.KERNEL_FUNCS`` jitted for the current mode, at first use (so
     TRITON_INTERPRET is read then, not at import; importing ``_merge_triton`` jits the helpers the kernels call)."""
     key = (interpreting(), name)
@@ -228,7 +228,7 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
         plan = remember(_LAUNCHES, key, _launch_plan(out.shape, out.stride(), part_out.stride(), *lse_strides, fresh,
                                                      weighted))
     ints, meta, grid = plan
-    fn = _kernel("merge_kernel")
+    fn = triton_kernel("merge_kernel")
     args = (out, lse if weighted else out, part_out, part_lse if weighted else part_out, *ints)
     if interpreting() or torch.cuda.current_device() == out.device.index:
         launch(fn, grid, args, meta, num_warps=NUM_WARPS)
@@ -501,7 +501,7 @@ def _make_plan(running, parts: Sequence[Part], like: torch.Tensor, into: tuple[t
         lse_strides = into[1].stride() if into is not None else (n * heads, heads, 1)  # (a new lse's)
         w_strides = (n * heads, slots * n * heads)  # (a new (bsz, slots, n * heads) tensor's)
         lse_args = (n, *(run_lse.stride() if run_lse is not None else (0, 0, 0)), *lse_strides, *w_strides)
-        lse_launch = Prepared(_kernel("combine_lse_kernel"), (triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz),
+        lse_launch = Prepared(triton_kernel("combine_lse_kernel"), (triton.cdiv(n * heads, COMBINE_LSE_BLOCK), bsz),
                               dict(H=heads, P=len(parts), HAS_RUN=running is not None, BLOCK=COMBINE_LSE_BLOCK),
                               num_warps=COMBINE_WARPS)
     block_d = max(16, triton.next_power_of_2(dim))
@@ -549,7 +549,7 @@ def _launch_combine(plan: _CombinePlan, running, parts: Sequence[Part], like: to
     out_strides = out.stride()[:3]
     launch_combine = plan.launches.get((out_strides, out.data_ptr() & 15))  # (a new out, or a reused part)
     if launch_combine is None:
-        launch_combine = plan.launches[(out_strides, out.data_ptr() & 15)] = Prepared(_kernel("combine_kernel"), plan.grid, plan.meta,
+        launch_combine = plan.launches[(out_strides, out.data_ptr() & 15)] = Prepared(triton_kernel("combine_kernel"), plan.grid, plan.meta,
                                                                num_warps=COMBINE_WARPS)
     # Triton launches on the current device, not the tensors' (entering the guard costs as much as a launch)
     other_device = like.is_cuda and torch.cuda.current_device() != like.device.index

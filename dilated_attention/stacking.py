@@ -34,7 +34,9 @@ import torch
 
 from . import caches
 from .kernels.protocol import stacks
+from .merge import MAX_GRID_Z, triton_kernel
 from .patterns import HeadChunk, PatternPlan
+from .triton_support import interpreting, launch, triton
 from .views import region_views, widened
 
 # Stacks of at least this many patterns run stacked (one pattern alone would gain only its own calls' tails).
@@ -109,13 +111,52 @@ def gathered_bytes(kernel, plans, q: torch.Tensor, k: torch.Tensor, causal: bool
 
 def gather(x: torch.Tensor, stack: Stack, kv: bool = False) -> torch.Tensor:
     """A new ``(B, stack.rows, heads, ...)`` buffer of every member's compact rows of ``x`` (``kv``: a kv
-    tensor), each at its span."""
+    tensor), each at its span: one ``gather_rows_kernel`` launch for every member where Triton runs on ``x``
+    (a copy per member and tensor cost about 20 us of host time each: 24 per stacked backward), else copies."""
     buf = x.new_empty((x.shape[0], stack.rows, *x.shape[2:]))
+    if _launches(x):
+        _gather_rows(x, buf, stack, kv)
+        return buf
     src, dst = widened(x, buf)
     for plan, (a, b) in zip(stack.plans, stack.spans):
         for rows, part in region_views(src, dst[:, a:b], plan, kv=kv):
             part.copy_(rows)
     return buf
+
+
+def _launches(x: torch.Tensor) -> bool:
+    """Whether ``gather_rows_kernel`` takes ``x``: ``(B, N, heads)`` (lse), or ``(B, N, heads, D)`` with unit-stride
+    rows, on CUDA (or CPU under Triton's interpreter)."""
+    return (triton is not None and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
+            and (x.dim() == 3 or (x.dim() == 4 and x.stride(-1) == 1)) and x.numel() > 0
+            and max(x.shape[0], x.shape[2]) <= MAX_GRID_Z)
+
+
+GATHER_TILE = 4096  # elements per program (rows x dim block)
+_TABLES = caches.table("stacking.gather_tables", 64)  # each stack's member table on the device
+
+
+def _gather_rows(x: torch.Tensor, buf: torch.Tensor, stack: Stack, kv: bool) -> None:
+    if x.dim() == 3:  # lse: rows of one element
+        x, buf = x.unsqueeze(-1), buf.unsqueeze(-1)
+    bsz, _, heads, dim = x.shape
+
+    def rows() -> list[list[int]]:
+        return [[a, b, p.dilation, *p.head_offsets(heads, kv)] for p, (a, b) in zip(stack.plans, stack.spans)]
+
+    table = caches.kept_table("stacking.gather_table", _TABLES, (stack, heads, kv, x.device),
+                              lambda: caches.rows_on("stacking.gather_table", rows(), torch.int64, x.device),
+                              x.device)
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_r = max(1, GATHER_TILE // block_d)
+    meta = dict(H=heads, P=len(stack.plans), BLOCK_R=block_r, BLOCK_D=block_d)
+    args = (table, x, buf, stack.rows, dim, *x.stride()[:3], *buf.stride()[:3])
+    grid = (triton.cdiv(stack.rows, block_r), heads, bsz)
+    if interpreting() or torch.cuda.current_device() == x.device.index:
+        launch(triton_kernel("gather_rows_kernel"), grid, args, meta, num_warps=4)
+    else:
+        with torch.cuda.device(x.device):  # Triton launches on the current device, not the tensors'
+            launch(triton_kernel("gather_rows_kernel"), grid, args, meta, num_warps=4)
 
 
 def stack_forward(kernel, stack: Stack, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

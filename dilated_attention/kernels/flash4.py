@@ -193,7 +193,8 @@ class Flash4Ops:
         a packed ``(B', h, M, 1)`` fp32 copy (modified here)."""
         _, bwd = _api()
         lse = lse4.view(lse4.shape[:3])
-        lse.masked_fill_(lse == float("-inf"), float("inf"))  # a row no pattern covers: no gradient
+        # a row no pattern covers (-inf): +inf, no gradient; one pass (a NaN stays NaN, +inf stays +inf)
+        lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))
         grads = tuple(_seq_major(g) for g in into) if into is not None else tuple(
             _empty_seq_major(x) for x in (q, k, v))
         bwd(*(_seq_major(x) for x in (q, k, v, out, dout)), lse, softmax_scale=scale, causal=causal,
