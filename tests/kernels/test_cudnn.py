@@ -636,8 +636,8 @@ def test_patterns_stack_only_where_they_should(case, monkeypatch):
     kern = CudnnKernel(ops)
     if case in ("auto", "fused"):
         fused = FusedKernel()
-        kern = AutoKernel({"fused": fused, "cudnn": kern}, {"fwd/dense/causal/D16/float32/short": "cudnn",
-                                                              "fwd/dilated/causal/D16/float32/short": "cudnn"})
+        kern = AutoKernel({"fused": fused, "cudnn": kern}, {f"fwd/dense/causal/D{DIM}/float32/short": "cudnn",
+                                                              f"fwd/dilated/causal/D{DIM}/float32/short": "cudnn"})
         if case == "fused":
             kern = fused
     if case == "one pattern":
