@@ -69,7 +69,7 @@ def test_gather_puts_each_members_compact_rows_at_its_span(layout, dtype, side, 
     assert torch.equal(stacking.gather(x, stack, kv=kv), want)
 
 
-def test_a_row_no_member_covers_cannot_exist():
+def test_the_members_spans_tile_the_stack_buffer():
     """The spans tile the buffer: every row of it belongs to exactly one member (what the kernel relies on)."""
     stack = _stack()
     rows = [r for a, b in stack.spans for r in range(a, b)]
