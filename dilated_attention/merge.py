@@ -424,11 +424,11 @@ def current_raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-_TABLES = caches.table("merge.combine_tables", 64)  # combine tables on the device, by content
+_TABLES = caches.table("merge.combine_tables", 64)  # combine (and stack gather) tables on the device, by content
 _COMBINES = caches.table("merge.combine_plans", 256)  # by geometry: what a combine works out once
 
 
-def _device_table(rows: list[list[int]], device: torch.device, key: tuple | None = None) -> torch.Tensor:
+def device_table(rows: list[list[int]], device: torch.device, key: tuple | None = None) -> torch.Tensor:
     """``rows`` as an int64 tensor on ``device``, kept by content (or by ``key``, which determines it): a training
     loop's parts come back at the same relative addresses step after step (the caching allocator), so a step
     usually reuses the last step's table instead of a pinned host copy and a transfer (what the kernels read is
@@ -544,7 +544,7 @@ def _launch_combine(plan: _CombinePlan, running, parts: Sequence[Part], like: to
     else:
         lse_base = base  # (unread: the kernels read no lse when summing)
         offsets = tuple([((p.out.data_ptr() - at) // size, 0) for p in parts])
-    table = _device_table(lambda: [[*o, *r] for o, r in zip(offsets, plan.rows)], like.device, (plan, offsets))
+    table = device_table(lambda: [[*o, *r] for o, r in zip(offsets, plan.rows)], like.device, (plan, offsets))
     weights = lse_base  # (unread when summing)
     out_strides = out.stride()[:3]
     launch_combine = plan.launches.get((out_strides, out.data_ptr() & 15))  # (a new out, or a reused part)

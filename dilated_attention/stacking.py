@@ -34,7 +34,7 @@ import torch
 
 from . import caches
 from .kernels.protocol import stacks
-from .merge import MAX_GRID_Z, triton_kernel
+from .merge import MAX_GRID_Z, device_table, triton_kernel
 from .patterns import HeadChunk, PatternPlan
 from .triton_support import interpreting, launch, triton
 from .views import region_views, widened
@@ -133,7 +133,6 @@ def _launches(x: torch.Tensor) -> bool:
 
 
 GATHER_TILE = 4096  # elements per program (rows x dim block)
-_TABLES = caches.table("stacking.gather_tables", 64)  # each stack's member table on the device
 
 
 def _gather_rows(x: torch.Tensor, buf: torch.Tensor, stack: Stack, kv: bool) -> None:
@@ -144,9 +143,7 @@ def _gather_rows(x: torch.Tensor, buf: torch.Tensor, stack: Stack, kv: bool) -> 
     def rows() -> list[list[int]]:
         return [[a, b, p.dilation, *p.head_offsets(heads, kv)] for p, (a, b) in zip(stack.plans, stack.spans)]
 
-    table = caches.kept_table("stacking.gather_table", _TABLES, (stack, heads, kv, x.device),
-                              lambda: caches.rows_on("stacking.gather_table", rows(), torch.int64, x.device),
-                              x.device)
+    table = device_table(rows, x.device, ("stacking.gather", stack, heads, kv))  # (kept per stream, as the combine's)
     block_d = max(16, triton.next_power_of_2(dim))
     block_r = max(1, GATHER_TILE // block_d)
     meta = dict(H=heads, P=len(stack.plans), BLOCK_R=block_r, BLOCK_D=block_d)

@@ -115,7 +115,7 @@ def test_what_a_capture_reads_is_held_for_good_and_equal(monkeypatch):
     assert any(key[0] == "merge.combine_table" for key in held), sorted(k[0] for k in held)
     assert any(key[0] == "fused.head_table_host" for key in held), sorted(k[0] for k in held)
     rows = [[1, 2, 3], [4, 5, 6]]
-    first, second = merge._device_table(rows, torch.device("cpu")), merge._device_table(rows, torch.device("cpu"))
+    first, second = merge.device_table(rows, torch.device("cpu")), merge.device_table(rows, torch.device("cpu"))
     assert first.tolist() == rows and torch.equal(first, second)
     assert caches._HELD_FOR_GRAPHS[("merge.combine_table", ((1, 2, 3), (4, 5, 6)))].tolist() == rows
     clear_caches()
