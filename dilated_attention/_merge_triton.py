@@ -3,7 +3,7 @@ parts (``combine_lse_kernel``, then ``combine_kernel``), with the helpers they c
 ``stacking.py``, the compact rows of several patterns gathered into one buffer (``gather_rows_kernel``).
 
 The kernels are plain Python functions; ``merge.py`` wraps them with ``triton.jit`` at first launch (its
-``_kernel``), which is also when it first imports this module, so ``TRITON_INTERPRET`` is settled by then (one
+``triton_kernel``), which is also when it first imports this module, so ``TRITON_INTERPRET`` is settled by then (one
 mode per process). The helpers are jitted here, at import, under the names the kernels call them by
 (``_merge_weights``, ``_compact_row``): a kernel resolves them when it compiles, in either mode. This module
 needs Triton at import: only ``merge.py`` loads it, and only where Triton is.

@@ -31,7 +31,7 @@ from . import caches
 from .caches import remember
 from .patterns import PatternPlan
 from .replays import geometry
-from .triton_support import JITTED, Prepared, interpreting, launch, triton
+from .triton_support import JITTED, Prepared, interpreting, launch_on, triton
 from .views import chunk_views, compact_view, region_views
 
 tl = None if triton is None else triton.language
@@ -228,13 +228,8 @@ def _launch(out: torch.Tensor, lse: torch.Tensor | None, part_out: torch.Tensor,
         plan = remember(_LAUNCHES, key, _launch_plan(out.shape, out.stride(), part_out.stride(), *lse_strides, fresh,
                                                      weighted))
     ints, meta, grid = plan
-    fn = triton_kernel("merge_kernel")
     args = (out, lse if weighted else out, part_out, part_lse if weighted else part_out, *ints)
-    if interpreting() or torch.cuda.current_device() == out.device.index:
-        launch(fn, grid, args, meta, num_warps=NUM_WARPS)
-    else:
-        with torch.cuda.device(out.device):  # Triton launches on the current device, not the tensors'
-            launch(fn, grid, args, meta, num_warps=NUM_WARPS)
+    launch_on(out.device, triton_kernel("merge_kernel"), grid, args, meta, num_warps=NUM_WARPS)
 
 
 _LAUNCHES = caches.table("merge.launch_plans", 1024)  # by geometry: a call pays only for Triton's own launch
@@ -549,8 +544,8 @@ def _launch_combine(plan: _CombinePlan, running, parts: Sequence[Part], like: to
     out_strides = out.stride()[:3]
     launch_combine = plan.launches.get((out_strides, out.data_ptr() & 15))  # (a new out, or a reused part)
     if launch_combine is None:
-        launch_combine = plan.launches[(out_strides, out.data_ptr() & 15)] = Prepared(triton_kernel("combine_kernel"), plan.grid, plan.meta,
-                                                               num_warps=COMBINE_WARPS)
+        launch_combine = plan.launches[(out_strides, out.data_ptr() & 15)] = Prepared(
+            triton_kernel("combine_kernel"), plan.grid, plan.meta, num_warps=COMBINE_WARPS)
     # Triton launches on the current device, not the tensors' (entering the guard costs as much as a launch)
     other_device = like.is_cuda and torch.cuda.current_device() != like.device.index
     with torch.cuda.device(like.device) if other_device else contextlib.nullcontext():

@@ -36,7 +36,7 @@ from . import caches
 from .kernels.protocol import stacks
 from .merge import MAX_GRID_Z, device_table, triton_kernel
 from .patterns import HeadChunk, PatternPlan
-from .triton_support import interpreting, launch, triton
+from .triton_support import interpreting, launch_on, triton
 from .views import region_views, widened
 
 # Stacks of at least this many patterns run stacked (one pattern alone would gain only its own calls' tails).
@@ -149,11 +149,7 @@ def _gather_rows(x: torch.Tensor, buf: torch.Tensor, stack: Stack, kv: bool) -> 
     meta = dict(H=heads, P=len(stack.plans), BLOCK_R=block_r, BLOCK_D=block_d)
     args = (table, x, buf, stack.rows, dim, *x.stride()[:3], *buf.stride()[:3])
     grid = (triton.cdiv(stack.rows, block_r), heads, bsz)
-    if interpreting() or torch.cuda.current_device() == x.device.index:
-        launch(triton_kernel("gather_rows_kernel"), grid, args, meta, num_warps=4)
-    else:
-        with torch.cuda.device(x.device):  # Triton launches on the current device, not the tensors'
-            launch(triton_kernel("gather_rows_kernel"), grid, args, meta, num_warps=4)
+    launch_on(x.device, triton_kernel("gather_rows_kernel"), grid, args, meta, num_warps=4)
 
 
 def stack_forward(kernel, stack: Stack, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

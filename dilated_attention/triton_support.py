@@ -102,6 +102,16 @@ def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
     _run(hit, _grid3(grid), device, args)
 
 
+def launch_on(device: torch.device, fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
+    """``launch`` with ``device`` (the tensors') current: Triton launches on the current device, and entering
+    the device guard costs as much as a launch, so it is entered only where another device is current."""
+    if interpreting() or torch.cuda.current_device() == device.index:
+        launch(fn, grid, args, meta, **options)
+    else:
+        with torch.cuda.device(device):
+            launch(fn, grid, args, meta, **options)
+
+
 class Prepared:
     """One ``launch`` (kernel, grid, constexprs, options) for arguments that always specialize alike, its key
     worked out once: ``Prepared(fn, grid, meta, **options)(*args)``. The caller vouches that every call's
@@ -128,4 +138,4 @@ class Prepared:
             self.compiled = _COMPILED.get(_key(self.fn, self.device, self.options, self.meta, args))
 
 
-__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "triton"]
+__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "launch_on", "triton"]

@@ -137,8 +137,8 @@ def _widens(x: torch.Tensor) -> bool:
 
 def widened(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, N, H, D)`` tensors of one dtype to copy rows between, seen as 16-byte elements (complex128: ``D`` in
-    fewer, wider ones) where both allow it, else as they are: torch's strided copy moves an element per step, and the 2-byte
-    steps of bf16 rows ran LongNet's gathers at under half the copy's bandwidth (H200)."""
+    fewer, wider ones) where both allow it, else as they are: torch's strided copy moves an element per step, and
+    the 2-byte steps of bf16 rows ran LongNet's gathers at under half the copy's bandwidth (H200)."""
     if src.dtype == dst.dtype and src.dim() == 4 and _widens(src) and _widens(dst):
         return src.view(torch.complex128), dst.view(torch.complex128)
     return src, dst

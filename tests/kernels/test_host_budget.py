@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from dilated_attention import dilated_attention, merge, stacking, triton_support
+from dilated_attention import dilated_attention, merge, triton_support
 from dilated_attention.kernels import fused
 from dilated_attention.kernels.cudnn import CudnnKernel
 from dilated_attention.testing.compare import assert_within_rule
@@ -73,10 +73,8 @@ def test_a_longnet_step_dispatches_no_more_operations_than_its_budget(causal, mo
         launches.append(args[0])
         return ops._quiet(merge_launch, *args, **kwargs)
 
-    merge_launch = merge.launch
-    monkeypatch.setattr(merge, "launch", launch)
-    monkeypatch.setattr(triton_support, "launch", launch)  # (the combine's prepared launches go through it)
-    monkeypatch.setattr(stacking, "launch", launch)  # (the stacked rows' gathers)
+    merge_launch = triton_support.launch
+    monkeypatch.setattr(triton_support, "launch", launch)  # (every merge, combine and gather launch goes through it)
     kernel = CudnnKernel(ops)
     for _ in range(2):  # plans, tables and views of this configuration made and cached
         for x in leaves:
@@ -130,7 +128,7 @@ def test_a_fused_longnet_step_makes_no_more_python_calls_than_its_budget(causal,
             sys.setprofile(count)
 
     real_launch = triton_support.launch
-    for module in (triton_support, fused, merge):  # (Prepared launches through triton_support's)
+    for module in (triton_support, fused):  # (Prepared and launch_on launch through triton_support's)
         monkeypatch.setattr(module, "launch", launch)
 
     def step():
