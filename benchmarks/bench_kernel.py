@@ -30,7 +30,9 @@ itself and the fastest is kept, or within ``TRIAL_TIE`` (1%) of it the combinati
 (``refine_by_pipeline``, ``pipeline_trials`` in the JSON). Each entry ranks the implementations that
 qualified, the kept one first, then the others fastest first (auto takes the first that runs on the device).
 ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``; ``--table-only`` measures just
-the table (LongNet plans and the full-attention plan).
+the table (LongNet plans and the full-attention plan). The ``auto`` and ``auto-any`` rows run the table shipped for
+this GPU model, what ``kernel="auto"`` runs (``--auto-choices run``: this run's choices, a candidate table timed
+before it is written; a GPU with no shipped table always runs the run's).
 
 Reported: median ms of CUDA-event timings after warm-up, TFLOP/s of the unmasked
 work only (fwd: 4*M*M*D per block and head, halved+diag for causal; bwd 2.5x fwd),
@@ -104,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--full-seq", type=int, default=None,
                     help="rows of the full-attention plan (table's long class and comparison; default --seq)")
     ap.add_argument("--table-only", action="store_true", help="measure only the auto table (by length class)")
+    ap.add_argument("--auto-choices", choices=["shipped", "run"], default="shipped",
+                    help="the table the auto/auto-any rows run: the one shipped for this GPU in kernels/auto_table.py "
+                         "(what kernel='auto' runs; this run's choices where none is shipped), or this run's choices "
+                         "(a candidate before --write-table)")
     ap.add_argument("--table-extra", default="", help="more table entries, 'dim:dtype,...' (e.g. 64:bfloat16,128:float16)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-attention comparison")
     ap.add_argument("--causal-block", type=causal_blocks, default=None, metavar="N[,N...]",
@@ -136,7 +142,7 @@ from host_cost import back_to_back_ms, issue_ms, kernel_launches  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.auto import (  # noqa: E402
-    LENGTH_CLASSES, AutoKernel, length_class, normalize_choices, table_key)
+    LENGTH_CLASSES, AutoKernel, available_choices, device_choices, length_class, normalize_choices, table_key)
 from dilated_attention.kernels.cudnn import CudnnKernel  # noqa: E402
 from dilated_attention.kernels.cudnn_frontend import CudnnFrontendOps  # noqa: E402
 from dilated_attention.kernels.flash4 import Flash4Kernel  # noqa: E402
@@ -310,6 +316,8 @@ def measure_dense(q_shape, dtype, causal, warmup, reps, fl_fwd, backend_name, de
         ms2 = timed(step, warmup, reps, device)
         rows.append({"method": method, "causal": causal, "kind": "fwd+bwd kernel", "ms": ms2,
                      "tflops": 3.5 * fl_fwd / ms2 / 1e9})
+        if device.type == "cuda":  # the reference of the API's back-to-back pace: the same pace (and clocks)
+            rows[-1]["back_to_back_ms"] = back_to_back_ms(step)
     for r in rows:
         _print_row(r)
     return rows
@@ -577,6 +585,15 @@ def split_variants(methods: list[str], blocks: list[int] | None) -> list[str]:
     return [v for m in methods for v in (m, *(f"{m}-cb{b}" for b in extra if m in SPLIT_METHODS))]
 
 
+def auto_rows_choices(which: str, device, choices, table_impls) -> tuple[dict, str]:
+    """The choices the ``auto`` rows run and where they come from: the table shipped for this GPU model (what
+    ``kernel="auto"`` runs) unless ``which`` is ``run`` or none is shipped, else this run's ``choices``."""
+    shipped = device_choices(device) if which == "shipped" and device.type == "cuda" else {}
+    if shipped:
+        return available_choices(shipped, table_impls), "shipped table (kernels/auto_table.py)"
+    return choices, "this run's choices"
+
+
 def make_kernel(name, table_impls, choices, block=None):
     """A new instance of method ``name``: ``auto``/``auto-any`` over ``table_impls`` with ``choices``, ``<m>-cb<N>``
     the split method ``m`` with ``causal_block=N``, else the library's kernel of that name (``kernels/registry.py``;
@@ -695,9 +712,10 @@ def main(argv=None):
         if args.table_only:
             continue
         kernels = {}
+        rows_choices, meta["auto_rows"] = auto_rows_choices(args.auto_choices, device, choices, table_impls)
         for name in args.methods.split(","):
             try:
-                kernels[name] = make_kernel(name, table_impls, choices, block)
+                kernels[name] = make_kernel(name, table_impls, rows_choices, block)
             except Exception as exc:
                 rows.append({"method": name, "causal": causal, "kind": "error", "error": str(exc)[:300]})
         try:
@@ -808,7 +826,8 @@ def summarize(rows, full_rows=()):
             if api and dense:
                 s[f"{tag}_api_fwd_bwd_vs_dense_cudnn"] = dense["ms"] / api["ms"]
                 if "back_to_back_ms" in api:  # a training loop's pace: the host's issue overlaps the GPU's work
-                    s[f"{tag}_api_back_to_back_vs_dense_cudnn"] = dense["ms"] / api["back_to_back_ms"]
+                    s[f"{tag}_api_back_to_back_vs_dense_cudnn"] = (dense.get("back_to_back_ms", dense["ms"])
+                                                                   / api["back_to_back_ms"])
             if fk and fwd:
                 s[f"{tag}_fwd_pipeline_over_kernels"] = fwd["ms"] / fk["ms"]
             if fk and "peak_fwd_plan0_bytes" in fk:
@@ -838,6 +857,9 @@ def markdown(result):
         f"B={sh['B']} N={sh['N']} H={sh['H']} D={sh['D']} {sh['dtype']}, "
         f"longnet segments {meta['segment_lengths']} rates {meta['dilation_rates']}.",
         f"Command: `{meta['command']}`",
+        "",
+        f"The auto and auto-any rows run {meta.get('auto_rows', 'this run' + chr(39) + 's choices')}; the run's own "
+        "ranking is the auto table at the end (stored with `--write-table`).",
         "",
         "Host issue: the host's milliseconds to issue one forward+backward through the API, the GPU drained "
         "first (an eager step is host-bound where this exceeds the GPU's ms); kernels: CUDA kernels it launches; "
