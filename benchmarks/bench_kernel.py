@@ -32,7 +32,10 @@ qualified, the kept one first, then the others fastest first (auto takes the fir
 ``--write-table <json>`` stores a run's choices in ``kernels/auto_table.py``; ``--table-only`` measures just
 the table (LongNet plans and the full-attention plan). The ``auto`` and ``auto-any`` rows run the table shipped for
 this GPU model, what ``kernel="auto"`` runs (``--auto-choices run``: this run's choices, a candidate table timed
-before it is written; a GPU with no shipped table always runs the run's).
+before it is written; a GPU with no shipped table always runs the run's). Where the run ranks otherwise than the
+shipped table, both run the LongNet call through the API, alternated, back to back (``table_ab`` in the JSON), and
+``--write-table`` keeps the shipped entries of that call's length classes where the run's ranking was slower
+(``--force-table`` writes them anyway). Pipeline trials time back to back too: the pace of a training loop.
 
 Reported: median ms of CUDA-event timings after warm-up, TFLOP/s of the unmasked
 work only (fwd: 4*M*M*D per block and head, halved+diag for causal; bwd 2.5x fwd),
@@ -106,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--full-seq", type=int, default=None,
                     help="rows of the full-attention plan (table's long class and comparison; default --seq)")
     ap.add_argument("--table-only", action="store_true", help="measure only the auto table (by length class)")
+    ap.add_argument("--force-table", action="store_true",
+                    help="with --write-table: write every class measured, even where the run's ranking ran the "
+                         "benchmark's call slower than the shipped table (its table_ab)")
     ap.add_argument("--auto-choices", choices=["shipped", "run"], default="shipped",
                     help="the table the auto/auto-any rows run: the one shipped for this GPU in kernels/auto_table.py "
                          "(what kernel='auto' runs; this run's choices where none is shipped), or this run's choices "
@@ -182,6 +188,14 @@ def timed(fn, warmup: int, reps: int, device=torch.device("cuda")) -> float:
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def pace(fn, warmup: int, reps: int, device) -> float:
+    """Milliseconds per call of ``fn`` at a training loop's pace: issued back to back on a GPU (the host issues a
+    call while the GPU runs the last), the median of ``timed`` elsewhere."""
+    if device.type == "cuda":
+        return back_to_back_ms(fn, reps=max(reps, 4), warmup=max(warmup, 1))
+    return timed(fn, warmup, reps, device)
 
 
 def flops_fwd(plans, bsz: int, seq: int, dim: int, causal: bool) -> float:
@@ -435,8 +449,9 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
     fastest, every combination of the two is timed as ``ring_forward`` + ``ring_backward`` through an
     ``AutoKernel`` (deterministic backward) and the fastest combination is kept (``pick_trial``). Returns
     ``(choices, trials)``; a trial is ``{"choices": {key: name}, "ms": median, "rounds": [...], "peak_bytes":
-    int}`` for the keys tried, timed in ``TRIAL_ROUNDS`` round-robin rounds (timings drift by 10% over a run on a
-    busy host), its peak taken on one more step (bytes beyond the inputs; 0 off a GPU)."""
+    int}`` for the keys tried, timed at a training loop's pace (``pace``: back to back on a GPU) in
+    ``TRIAL_ROUNDS`` round-robin rounds (timings drift by 10% over a run on a busy host), its peak taken on one
+    more step (bytes beyond the inputs; 0 off a GPU)."""
     keys = [key for key, names in ranked.items()
             if key.split("/")[0] in ("fwd", "bwd") and len(names) > 1 and names[1][1] <= CLOSE_CALL * names[0][1]]
     if not keys:
@@ -447,8 +462,8 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
     times = [[] for _ in combos]
     for _ in range(TRIAL_ROUNDS):  # round robin: a slow spell of the machine hits every combination alike
         for kernel, ms in zip(kernels, times):
-            ms.append(timed(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), warmup, reps,
-                            q.device))
+            ms.append(pace(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), warmup, reps,
+                           q.device))
     peaks = [peak_extra(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), q.device)[0]
              for kernel in kernels]
     trials = [{"choices": tried, "ms": sorted(ms)[len(ms) // 2], "rounds": ms, "peak_bytes": peak}
@@ -466,6 +481,39 @@ def pick_trial(trials: list[dict]) -> dict:
     fastest = min(trials, key=lambda t: t["ms"])
     tied = [t for t in trials if t["ms"] <= fastest["ms"] * (1 + TRIAL_TIE)]
     return min(tied, key=lambda t: (t["peak_bytes"], t["ms"]))
+
+
+def differs(shipped: dict, choices: dict) -> bool:
+    """Whether a shipped table would run any key this run measured otherwise (no shipped table: False)."""
+    shipped, choices = normalize_choices(shipped), normalize_choices(choices)
+    return bool(shipped) and any(shipped.get(key, ())[:1] != names[:1] for key, names in choices.items())
+
+
+def compare_tables(impls, tables: dict[str, dict], q, k, v, dout, segs, rates, causal, warmup, reps) -> dict:
+    """The LongNet call through the API under each of ``tables`` (name -> auto choices), alternated over
+    ``TRIAL_ROUNDS`` rounds at a training loop's pace (``pace``): ``{name: {"ms": median, "rounds": [...]}}``.
+    Decides whether a run's ranking may replace the shipped table (``write_table``)."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    kernels = {name: AutoKernel(impls, choices) for name, choices in tables.items()}
+    times: dict[str, list[float]] = {name: [] for name in tables}
+    for _ in range(TRIAL_ROUNDS):
+        for name, kernel in kernels.items():
+            def api(kernel=kernel):
+                torch.autograd.grad(dilated_attention(*leaves, segs, rates, causal=causal, kernel=kernel), leaves,
+                                    dout)
+
+            times[name].append(pace(api, warmup, reps, q.device))
+    return {name: {"ms": sorted(ts)[len(ts) // 2], "rounds": ts} for name, ts in times.items()}
+
+
+def lost_classes(result: dict) -> set[str]:
+    """The length classes of the benchmark's LongNet call where the run's ranking ran that call slower than the
+    shipped table (beyond ``TRIAL_TIE``, either causal flag; ``table_ab`` in the result): ``write_table`` keeps
+    the shipped entries of those classes."""
+    meta, compared = result["meta"], (result.get("table_ab") or {}).values()
+    if not any(ab["run"]["ms"] > ab["shipped"]["ms"] * (1 + TRIAL_TIE) for ab in compared):
+        return set()
+    return {length_class(w // r) for w, r in zip(meta["segment_lengths"], meta["dilation_rates"])}
 
 
 # ---------------------------------------------------------------------------
@@ -585,13 +633,16 @@ def split_variants(methods: list[str], blocks: list[int] | None) -> list[str]:
     return [v for m in methods for v in (m, *(f"{m}-cb{b}" for b in extra if m in SPLIT_METHODS))]
 
 
+RUN_CHOICES = "this run's choices"
+
+
 def auto_rows_choices(which: str, device, choices, table_impls) -> tuple[dict, str]:
     """The choices the ``auto`` rows run and where they come from: the table shipped for this GPU model (what
     ``kernel="auto"`` runs) unless ``which`` is ``run`` or none is shipped, else this run's ``choices``."""
     shipped = device_choices(device) if which == "shipped" and device.type == "cuda" else {}
     if shipped:
         return available_choices(shipped, table_impls), "shipped table (kernels/auto_table.py)"
-    return choices, "this run's choices"
+    return choices, RUN_CHOICES
 
 
 def make_kernel(name, table_impls, choices, block=None):
@@ -619,7 +670,7 @@ def main(argv=None):
     if args.render:
         return render(args.render)
     if args.write_table:
-        return write_table(args.write_table, tuple(args.table_classes.split(",")))
+        return write_table(args.write_table, tuple(args.table_classes.split(",")), force=args.force_table)
     if args.smoke:
         args.batch, args.seq, args.heads, args.dim = 1, 64, 4, 16
         args.segments, args.rates, args.warmup, args.reps = "16,32,64", "1,2,4", 0, 1
@@ -682,6 +733,7 @@ def main(argv=None):
     full = (q, k, v, dout) if full_seq == args.seq else tuple(
         torch.randn((args.batch, full_seq, args.heads, args.dim), device=device, dtype=dtype) for _ in range(4))
     rows, sweeps, checks, table_rows, choices, full_rows, pipeline_trials = [], [], {}, [], {}, [], []
+    table_ab: dict[str, dict] = {}  # causal flag -> the shipped table against this run's, through the API
     for causal in (False, True):
         fl = flops_fwd(plans, args.batch, args.seq, args.dim, causal)
         print(f"causal={causal}: unmasked fwd work {fl / 1e12:.3f} TFLOP", flush=True)
@@ -713,6 +765,15 @@ def main(argv=None):
             continue
         kernels = {}
         rows_choices, meta["auto_rows"] = auto_rows_choices(args.auto_choices, device, choices, table_impls)
+        shipped = auto_rows_choices("shipped", device, {}, table_impls)[0]
+        if differs(shipped, choices):
+            try:
+                table_ab[str(causal)] = ab = compare_tables(table_impls, {"shipped": shipped, "run": choices}, q, k, v,
+                                                            dout, segs, rates, causal, args.warmup, args.reps)
+                print(f"  tables through the API (causal={causal}): shipped {ab['shipped']['ms']:.3f} ms, "
+                      f"this run's {ab['run']['ms']:.3f} ms", flush=True)
+            except Exception as exc:
+                print(f"  table comparison failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         for name in args.methods.split(","):
             try:
                 kernels[name] = make_kernel(name, table_impls, rows_choices, block)
@@ -764,7 +825,8 @@ def main(argv=None):
         summary["bwd_reproducible"] = {name: all(x.get("bwd_reproducible", False) for x in table_rows
                                                  if x["impl"] == name and "error" not in x) for name in table_impls}
         result = {"meta": meta, "rows": rows, "full_attention": full_rows, "table": table_rows, "sweep": sweeps,
-                  "pipeline_trials": pipeline_trials, "rel_diff_vs_fused": checks, "summary": summary, "complete": final,
+                  "pipeline_trials": pipeline_trials, "table_ab": table_ab, "rel_diff_vs_fused": checks,
+                  "summary": summary, "complete": final,
                   "auto_table": {gpu: {"source": f"benchmarks/results/kernel_{tag}.json ({meta['time']})",
                                        "torch": meta["torch"], "cudnn": meta["cudnn"], "measured": sorted(names),
                                        "choices": choices}}}
@@ -858,9 +920,12 @@ def markdown(result):
         f"longnet segments {meta['segment_lengths']} rates {meta['dilation_rates']}.",
         f"Command: `{meta['command']}`",
         "",
-        f"The auto and auto-any rows run {meta.get('auto_rows', 'this run' + chr(39) + 's choices')}; the run's own "
-        "ranking is the auto table at the end (stored with `--write-table`).",
+        f"The auto and auto-any rows run {meta.get('auto_rows', RUN_CHOICES)}; the run's own ranking is the auto "
+        "table at the end (stored with `--write-table`).",
         "",
+        *[f"Tables through the API, causal={flag}, back to back: shipped {ab['shipped']['ms']:.3f} ms, this run's "
+          f"{ab['run']['ms']:.3f} ms." for flag, ab in sorted((result.get("table_ab") or {}).items())],
+        *([""] if result.get("table_ab") else []),
         "Host issue: the host's milliseconds to issue one forward+backward through the API, the GPU drained "
         "first (an eager step is host-bound where this exceeds the GPU's ms); kernels: CUDA kernels it launches; "
         "back to back: ms per API forward+backward issued one after another, as a training loop issues its layers "
@@ -963,13 +1028,22 @@ def render(path: str) -> int:
 SAME_FORWARD = {"cudnn-dkdv": "cudnn-det", "cudnn": "cudnn-det", "flash4-nondet": "flash4"}
 
 
-def write_table(path: str, classes: tuple[str, ...] = LENGTH_CLASSES) -> int:
+def write_table(path: str, classes: tuple[str, ...] = LENGTH_CLASSES, force: bool = False) -> int:
     """Merge a result JSON's measured rankings (fused, the cuDNN kernels, flash4) into ``kernels/auto_table.py``:
-    a key measured now, of a length class in ``classes``, replaces the old entry of its class; the others stay."""
+    a key measured now, of a length class in ``classes``, replaces the old entry of its class; the others stay.
+    Classes where the run's ranking ran the benchmark's call slower than the shipped table (``lost_classes``)
+    keep theirs unless ``force``."""
     from dilated_attention.kernels.auto_table import TABLE
 
     with open(path) as f:
         result = json.load(f)
+    lost = lost_classes(result)
+    if lost and not force:
+        for flag, ab in sorted(result["table_ab"].items()):
+            print(f"causal={flag}: through the API the shipped table ran {ab['shipped']['ms']:.3f} ms, this run's "
+                  f"{ab['run']['ms']:.3f} ms")
+        print(f"keeping the shipped entries of the {sorted(lost)} class(es) (--force-table writes them anyway)")
+        classes = tuple(c for c in classes if c not in lost)
     table = {k: dict(v) for k, v in TABLE.items()}
     deterministic = {name: build_kernel(name).deterministic_backward
                      for name in ("fused", "cudnn", "cudnn-det", "cudnn-dkdv", *FLASH4_NAMES)}

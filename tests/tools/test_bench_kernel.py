@@ -153,3 +153,58 @@ def test_bench_kernel_measures_the_mid_class_on_its_own_plans(tmp_path, monkeypa
             assert f"bwd/{kind}/{causal}/D16/float32/short" in entry["choices"]
     with pytest.raises(SystemExit):
         bk.main(["--smoke", "--mid-segments", "32,64", "--mid-rates", "1"])
+
+
+def test_compare_tables_alternates_the_tables_through_the_api(monkeypatch):
+    """Each table runs the LongNet call through the API once per round, the tables alternated round by round;
+    each one's median over its rounds is reported."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU check of the comparison logic")
+    bk = _benchmark("bench_kernel")
+    from dilated_attention.kernels.chunk_loop import ChunkLoop
+    from dilated_attention.kernels.fused import FusedKernel
+    from dilated_attention.kernels.reference import ReferenceKernel
+
+    impls = {"fused": FusedKernel(), "reference": ChunkLoop(ReferenceKernel())}
+    keys = [bk.table_key(d, r, False, 16, torch.float32, 16) for d in ("fwd", "bwd") for r in (1, 2)]
+    tables = {"shipped": dict.fromkeys(keys, "fused"), "run": dict.fromkeys(keys, "reference")}
+    scripted = iter([3.0, 5.0, 1.0, 4.0, 2.0, 6.0])  # shipped, run, shipped, run, ...
+    order = []
+
+    def fake_pace(fn, warmup, reps, device):
+        order.append(fn.__defaults__[0].choices[keys[0]])  # the kernel the call runs, as the API gets it
+        fn()
+        return next(scripted)
+
+    monkeypatch.setattr(bk, "pace", fake_pace)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 32, 2, 16, generator=g) for _ in range(4))
+    got = bk.compare_tables(impls, tables, q, k, v, dout, [16, 32], [1, 2], False, 0, 1)
+    assert [names[0] for names in order] == ["fused", "reference"] * bk.TRIAL_ROUNDS
+    assert got == {"shipped": {"ms": 2.0, "rounds": [3.0, 1.0, 2.0]}, "run": {"ms": 5.0, "rounds": [5.0, 4.0, 6.0]}}
+
+
+@pytest.mark.parametrize("run_ms, force, written", [(1.2, False, False), (1.2, True, True), (1.005, False, True),
+                                                    (0.9, False, True)])
+def test_write_table_keeps_the_shipped_classes_a_slower_ranking_measured(tmp_path, monkeypatch, run_ms, force,
+                                                                         written):
+    """A run whose ranking ran the benchmark's LongNet call slower than the shipped table (beyond TRIAL_TIE) has
+    its entries of that call's length classes left out, unless forced; its other classes are written."""
+    bk = _benchmark("bench_kernel")
+    table_file = tmp_path / "auto_table.py"
+    table_file.write_text(open(bk.TABLE_FILE).read())
+    monkeypatch.setattr(bk, "TABLE_FILE", str(table_file))
+    short, long = "bwd/dilated/full/D128/bfloat16/short", "bwd/dense/full/D128/bfloat16/long"
+    result = {"meta": {"segment_lengths": [2048, 4096], "dilation_rates": [1, 2]},
+              "table_ab": {"False": {"shipped": {"ms": 1.0, "rounds": [1.0]}, "run": {"ms": run_ms, "rounds": [run_ms]}}},
+              "auto_table": {"Test GPU": {"source": "test", "measured": ["cudnn-det", "fused"],
+                                          "choices": {short: ["cudnn-det", "fused"], long: ["fused", "cudnn-det"]}}}}
+    path = tmp_path / "kernel_test.json"
+    path.write_text(json.dumps(result))
+    assert bk.write_table(str(path), force=force) == 0
+    namespace: dict = {}
+    exec(table_file.read_text(), namespace)
+    choices = namespace["TABLE"]["Test GPU"]["choices"]
+    assert choices[long] == ("fused", "cudnn-det")
+    assert (choices.get(short) == ("cudnn-det", "fused")) is written
