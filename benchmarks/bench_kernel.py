@@ -920,8 +920,8 @@ def markdown(result):
         f"longnet segments {meta['segment_lengths']} rates {meta['dilation_rates']}.",
         f"Command: `{meta['command']}`",
         "",
-        f"The auto and auto-any rows run {meta.get('auto_rows', RUN_CHOICES)}; the run's own ranking is the auto "
-        "table at the end (stored with `--write-table`).",
+        f"Table of the auto and auto-any rows: {meta.get('auto_rows', RUN_CHOICES)} (the run's own ranking is the "
+        "auto table at the end, stored with `--write-table`).",
         "",
         *[f"Tables through the API, causal={flag}, back to back: shipped {ab['shipped']['ms']:.3f} ms, this run's "
           f"{ab['run']['ms']:.3f} ms." for flag, ab in sorted((result.get("table_ab") or {}).items())],
