@@ -634,15 +634,13 @@ def split_variants(methods: list[str], blocks: list[int] | None) -> list[str]:
 
 
 RUN_CHOICES = "this run's choices"
+SHIPPED_CHOICES = "shipped table (kernels/auto_table.py)"
 
 
-def auto_rows_choices(which: str, device, choices, table_impls) -> tuple[dict, str]:
-    """The choices the ``auto`` rows run and where they come from: the table shipped for this GPU model (what
-    ``kernel="auto"`` runs) unless ``which`` is ``run`` or none is shipped, else this run's ``choices``."""
-    shipped = device_choices(device) if which == "shipped" and device.type == "cuda" else {}
-    if shipped:
-        return available_choices(shipped, table_impls), "shipped table (kernels/auto_table.py)"
-    return choices, RUN_CHOICES
+def shipped_choices(device, table_impls) -> dict:
+    """The table shipped for this GPU model (what ``kernel="auto"`` runs) over the implementations measured here;
+    empty where none is shipped (or off a GPU)."""
+    return available_choices(device_choices(device), table_impls) if device.type == "cuda" else {}
 
 
 def make_kernel(name, table_impls, choices, block=None):
@@ -734,6 +732,8 @@ def main(argv=None):
         torch.randn((args.batch, full_seq, args.heads, args.dim), device=device, dtype=dtype) for _ in range(4))
     rows, sweeps, checks, table_rows, choices, full_rows, pipeline_trials = [], [], {}, [], {}, [], []
     table_ab: dict[str, dict] = {}  # causal flag -> the shipped table against this run's, through the API
+    shipped = shipped_choices(device, table_impls)
+    meta["auto_rows"] = SHIPPED_CHOICES if shipped and args.auto_choices == "shipped" else RUN_CHOICES
     for causal in (False, True):
         fl = flops_fwd(plans, args.batch, args.seq, args.dim, causal)
         print(f"causal={causal}: unmasked fwd work {fl / 1e12:.3f} TFLOP", flush=True)
@@ -764,8 +764,7 @@ def main(argv=None):
         if args.table_only:
             continue
         kernels = {}
-        rows_choices, meta["auto_rows"] = auto_rows_choices(args.auto_choices, device, choices, table_impls)
-        shipped = auto_rows_choices("shipped", device, {}, table_impls)[0]
+        rows_choices = shipped if meta["auto_rows"] == SHIPPED_CHOICES else choices
         if differs(shipped, choices):
             try:
                 table_ab[str(causal)] = ab = compare_tables(table_impls, {"shipped": shipped, "run": choices}, q, k, v,

@@ -102,14 +102,19 @@ def launch(fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
     _run(hit, _grid3(grid), device, args)
 
 
+def other_device(device: torch.device) -> bool:
+    """Whether launching for tensors on ``device`` needs it made current first: Triton launches on the current
+    device, and entering the device guard costs as much as a launch, so it is entered only where needed."""
+    return device.type == "cuda" and torch.cuda.current_device() != device.index
+
+
 def launch_on(device: torch.device, fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
-    """``launch`` with ``device`` (the tensors') current: Triton launches on the current device, and entering
-    the device guard costs as much as a launch, so it is entered only where another device is current."""
-    if interpreting() or torch.cuda.current_device() == device.index:
-        launch(fn, grid, args, meta, **options)
-    else:
+    """``launch`` with ``device`` (the tensors') current (``other_device``)."""
+    if other_device(device):
         with torch.cuda.device(device):
             launch(fn, grid, args, meta, **options)
+    else:
+        launch(fn, grid, args, meta, **options)
 
 
 class Prepared:
@@ -138,4 +143,4 @@ class Prepared:
             self.compiled = _COMPILED.get(_key(self.fn, self.device, self.options, self.meta, args))
 
 
-__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "launch_on", "triton"]
+__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "launch_on", "other_device", "triton"]
