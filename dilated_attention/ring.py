@@ -51,7 +51,7 @@ import torch
 
 from .causal_share import Helper, post_guests, plan_share, return_results
 from .causal_split import causal_split, route, split_backward, split_forward
-from .kernels.protocol import causal_block, clear_result_
+from .kernels.protocol import causal_block, clear_result_, issues_quickly
 from .merge import Part, accum_dtype, add_into_, combine_results, merge_into_, sum_grads
 from .patterns import PatternPlan
 from .ring_steps import (RingCall, RingLayout, block_mask, call_mask, compact, dense_ring, describe,
@@ -227,8 +227,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     sides = SideStreams(q, ring.causal)
     swaps = start_swaps(ring, plans, q, k, key_mask is not None, "forward", sends, sides)
     stacked = plan_stacks(ring.kernel, "fwd", plans, q, k, ring.causal, key_mask is not None)
+    routes = {i: route(ring.kernel, ring.causal, "fwd", p, q, k, key_mask is not None)
+              for i, p in enumerate(plans) if i not in swaps and i not in stacked}
     travelling = Travelling()
-    for i in swap_order(len(plans), swaps):
+    for i in swap_order(len(plans), swaps, quick_first(ring, "fwd", plans, routes, q, k, key_mask is not None)):
         plan = plans[i]
         travelling.turn(swaps.get(i))
         if i in swaps:
@@ -241,7 +243,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
                 for j, part in stack.slices(res):
                     parts[j] = Part(plans[j], *part)
             continue
-        split, pieces, part = route(ring.kernel, ring.causal, "fwd", plan, q, k, key_mask is not None)
+        split, pieces, part = routes[i]
         if part:
             parts[i] = Part(plan, *sides.issue(ring.kernel.forward_pattern, q, k, v, plan, packed=False,
                                                causal=ring.causal, scale=ring.scale, **own))
@@ -268,6 +270,17 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     for i, swap in swaps.items():
         parts[i] = Part(plans[i], *swap.home())
     return combine_results(running, [parts[i] for i in sorted(parts)], q, into, consume=True)  # in plan order
+
+
+def quick_first(ring: RingCall, direction: str, plans: list[PatternPlan], routes: dict, q: torch.Tensor,
+                k: torch.Tensor, masked: bool) -> list[int]:
+    """Plan order, with the local patterns that leave parts on a kernel that issues quickly
+    (``protocol.issues_quickly``) first: the GPU starts on them while the host prepares the slower calls. A
+    part is combined in plan order whenever it was computed, and the patterns merged into the running result keep
+    their order, so the result is the same bits in any issue order."""
+    early = [i for i, (_, _, part) in routes.items()
+             if part and issues_quickly(ring.kernel, direction, plans[i], ring.causal, q, k, masked)]
+    return early + [i for i in range(len(plans)) if i not in early]
 
 
 def _dense_forward(q, k, v, plan: PatternPlan, dense: PatternPlan, ring: RingCall) -> Part:

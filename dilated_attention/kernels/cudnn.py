@@ -165,6 +165,8 @@ class CudnnKernel:
         # a dilated pattern is a few small calls on views: stacked patterns are one (``stacking.py``), where the ops
         # gain from it
         self.stacks_patterns = getattr(self.ops, "stacks_patterns", True)
+        # what an uncovered row's lse (-inf) becomes in the packed copy each backward call reads (the ops' rule)
+        self.lse_neginf = getattr(self.ops, "lse_neginf", None)
         bad = [g for g in grads if g not in ("dq", "dk", "dv")]
         if bad or not grads:
             raise ValueError(f"grads must be a non-empty subset of ('dq', 'dk', 'dv'), got {grads}")
@@ -358,7 +360,7 @@ class CudnnKernel:
             nt, tsz = len(call.tsz), call.tsz
             q4, k4, v4, o4, g4 = (spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt, dtype)
                                   for spec, in_place in call.operands)
-            l4 = _compact_4d(call.lse.on(tensors), nt, torch.float32).unsqueeze(-1)
+            l4 = _compact_4d(call.lse.on(tensors), nt, torch.float32, self.lse_neginf).unsqueeze(-1)
             into = tuple(spec.on(tensors) for spec in call.into) if call.into is not None else None
             grads = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale, into=into,
                                       **_padding(call.keys, key_mask))

@@ -166,11 +166,19 @@ def _as_4d(sub: torch.Tensor, nt: int) -> torch.Tensor:
     return sub.as_strided(size, stride, sub.storage_offset())
 
 
-def _compact_4d(sub: torch.Tensor, nt: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A packed ``(prod T, h, M, *rest)`` copy of ``(T..., M, h, *rest)``."""
+def _compact_4d(sub: torch.Tensor, nt: int, dtype: torch.dtype | None = None, neginf: float | None = None
+                ) -> torch.Tensor:
+    """A packed ``(prod T, h, M, *rest)`` copy of ``(T..., M, h, *rest)``; ``neginf``: what ``-inf`` becomes on the
+    way (an lse some ops read otherwise: one pass, NaN and ``+inf`` kept)."""
     tsz, (m, h), rest = sub.shape[:nt], sub.shape[nt:nt + 2], sub.shape[nt + 2:]
     dst = torch.empty((math.prod(tsz), h, m, *rest), dtype=dtype or sub.dtype, device=sub.device)
-    dst.view(*tsz, h, m, *rest).copy_(sub.transpose(nt, nt + 1))
+    src, into = sub.transpose(nt, nt + 1), dst.view(*tsz, h, m, *rest)
+    if neginf is None:
+        into.copy_(src)
+    elif src.dtype == dst.dtype:
+        torch.nan_to_num(src, nan=math.nan, posinf=math.inf, neginf=neginf, out=into)
+    else:
+        into.copy_(src).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=neginf)
     return dst
 
 

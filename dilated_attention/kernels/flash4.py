@@ -157,6 +157,7 @@ class Flash4Ops:
     keys alike (a causal square stays aligned); the rows past them are skipped, their results unspecified."""
 
     padding_masks = True
+    lse_neginf = float("inf")  # the lse a backward reads: a row no pattern covers (-inf) as +inf, no gradient
     own_strides = False  # (``CudnnOps.own_strides``) out/dout without q's strides are copied with q (unmeasured)
 
     def __init__(self, deterministic: bool = True) -> None:
@@ -190,11 +191,9 @@ class Flash4Ops:
     def backward(self, dout, q, k, v, out, lse4, *, causal: bool, scale: float,
                  into: tuple[torch.Tensor, ...] | None = None, used: torch.Tensor | None = None):
         """``(dq, dk, dv)`` in the inputs' layout and dtype, written into ``into`` when given; ``lse4``:
-        a packed ``(B', h, M, 1)`` fp32 copy (modified here)."""
+        a packed ``(B', h, M, 1)`` fp32 copy with uncovered rows at ``+inf`` (``lse_neginf``: how the kernel makes it)."""
         _, bwd = _api()
         lse = lse4.view(lse4.shape[:3])
-        # a row no pattern covers (-inf): +inf, no gradient; one pass (a NaN stays NaN, +inf stays +inf)
-        lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))
         grads = tuple(_seq_major(g) for g in into) if into is not None else tuple(
             _empty_seq_major(x) for x in (q, k, v))
         bwd(*(_seq_major(x) for x in (q, k, v, out, dout)), lse, softmax_scale=scale, causal=causal,

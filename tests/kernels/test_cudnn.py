@@ -527,6 +527,36 @@ def test_fresh_backward_adds_where_two_groups_share_a_kv_head():
         assert torch.equal(g, w), f"fresh {name} differs (seed {seed})"
 
 
+@pytest.mark.parametrize("neginf", [None, float("inf")])
+def test_backward_packs_lse_as_the_ops_read_it(neginf):
+    """Each backward call reads a packed copy of its rows' lse: an uncovered row's ``-inf`` becomes the ops'
+    ``lse_neginf`` in the same pass (flash-attn-4 reads ``+inf`` as no gradient), NaN and ``+inf`` stay; ops
+    without one get the values as they are. The caller's lse is not touched."""
+    seeded("cudnn-lse-packing")
+    heads, n, dim = 4, 32, 16
+    seen = []
+
+    class Recording(MathOps):
+        lse_neginf = neginf
+
+        def backward(self, dout, q, k, v, out, lse4, **kw):
+            seen.append(lse4.clone())
+            return super().backward(dout, q, k, v, out, lse4.nan_to_num(neginf=0.0), **kw)
+
+    kern = CudnnKernel(Recording())
+    p = plans_for("longnet", heads, heads, n, n, [16, 32], [1, 2])[0]  # r=1: every row and head in one call
+    q, k, v, fin, dout = (torch.randn(1, n, heads, dim, dtype=torch.float16) for _ in range(5))
+    lse = torch.randn(1, n, heads)
+    lse[0, 3, :], lse[0, 5, 1], lse[0, 7, 2] = float("-inf"), float("nan"), float("inf")
+    before = lse.clone()
+    kern.backward_pattern_parts(q, k, v, p, fin, lse, dout, causal=False, scale=0.25)
+    assert torch.equal(lse.nan_to_num(), before.nan_to_num()) and lse.isnan().sum() == 1
+    want = lse if neginf is None else lse.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=neginf)
+    got = torch.cat([x.flatten() for x in seen])
+    assert got.numel() == want.numel()
+    torch.testing.assert_close(got.sort().values, want.flatten().sort().values, equal_nan=True, atol=0, rtol=0)
+
+
 def test_call_plans_replay_per_geometry():
     """Views are planned once per geometry (shapes, strides, dtype, address alignment) and replayed:
     a second call on new tensors of the same geometry gives bit for bit what planning afresh gives, and
@@ -663,3 +693,51 @@ def test_gathered_bytes_are_the_largest_stacks_inputs():
     assert stacking.gathered_bytes(FusedKernel(), plans, *args) == 0
     masked = (q, q, True, True, N, 4, 4, DIM, 2)
     assert stacking.gathered_bytes(CudnnKernel(MathOps()), plans, *masked) == 0
+
+
+@pytest.mark.skipif(CUDA, reason="orders the stand-in's calls")
+@pytest.mark.parametrize("causal", [False, True])
+def test_quick_patterns_issue_first_and_change_no_bit(causal, monkeypatch):
+    """A forward issues the patterns whose kernel replays its launches (fused: microseconds of host) before the
+    ones on library calls (cuDNN's stand-in here), so the GPU starts at once. Parts are combined in plan order,
+    so the result and gradients are the same bits as issuing in plan order."""
+    from dilated_attention import ring
+    from dilated_attention.kernels import protocol
+
+    seeded("cudnn-quick-first", causal)
+    order: list[str] = []
+
+    class Ordered(MathOps):
+        stacks_patterns = False  # causal dilated patterns stay on fused (not one stacked cuDNN call)
+
+        def forward(self, q, k, v, **kw):
+            order.append("cudnn")
+            return super().forward(q, k, v, **kw)
+
+    fused = FusedKernel()
+    run = fused.forward_pattern
+
+    def fused_forward(*args, **kw):
+        order.append("fused")
+        return run(*args, **kw)
+
+    monkeypatch.setattr(fused, "forward_pattern", fused_forward)
+    flag = "causal" if causal else "full"
+    kern = AutoKernel({"fused": fused, "cudnn": CudnnKernel(Ordered())},
+                      {f"{d}/dense/{flag}/D{DIM}/float32/short": "cudnn" for d in ("fwd", "bwd")})
+    q, k, v, dout = (torch.randn(1, N, 4, DIM, requires_grad=i < 3) for i in range(4))
+
+    def step():
+        order.clear()
+        out = dilated_attention(q, k, v, [N // 4, N // 2, N], [1, 2, 4], causal=causal, kernel=kern)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout)), list(order)
+
+    quick, quick_order = step()
+    assert quick_order[:2] == ["fused", "fused"] and quick_order[-1] == "cudnn", quick_order
+    monkeypatch.setattr(ring, "issues_quickly", lambda *a, **kw: False)
+    plain, plain_order = step()
+    assert plain_order[0] == "cudnn", plain_order
+    assert all(torch.equal(a, b) for a, b in zip(quick, plain))
+    plan = plans_for("longnet", 4, 4, N, N, [N // 4, N // 2, N], [1, 2, 4])[0]
+    assert not protocol.issues_quickly(kern, "fwd", plan, causal, q, k)
+    assert protocol.issues_quickly(kern, "fwd", plan, causal, q, k, masked=True)  # masked work runs fused

@@ -366,8 +366,9 @@ def test_one_call_per_head_offset_group_read_in_place(fake):
 
 
 def test_rows_no_pattern_covers_get_no_gradient(fake):
-    """A final ``lse`` of ``-inf`` (no pattern covers the row) gives that row no gradient; FA4 alone would read it
-    as 0 and give it one."""
+    """A final ``lse`` of ``-inf`` (no pattern covers the row) gives that row no gradient: the kernel hands FA4 the
+    row's lse as ``+inf`` (``Flash4Ops.lse_neginf``, applied as the lse is packed); FA4 would read ``-inf`` as 0 and
+    give it one."""
     torch.manual_seed(seeded("flash4-empty-row"))
     b, h, m, d = 2, 2, 64, 64
     q, k, v, dout = (torch.randn(b, h, m, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
@@ -379,12 +380,13 @@ def test_rows_no_pattern_covers_get_no_gradient(fake):
     out, lse = out.clone(), lse.clone()
     out[:, :, 5] = 0.0
     lse[:, :, 5] = float("-inf")
-    dq, dk, dv = ops.backward(dout, q, k, v, out, lse.unsqueeze(-1).clone(), causal=False, scale=0.125)
+    packed = lse.unsqueeze(-1).nan_to_num(neginf=ops.lse_neginf)
+    dq, dk, dv = ops.backward(dout, q, k, v, out, packed.clone(), causal=False, scale=0.125)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
     assert (dq[:, :, 5] == 0).all() and (dq[:, :, 4] != 0).any()
     only = torch.zeros_like(dout)  # row 5's dout alone: no dk/dv either
     only[:, :, 5] = dout[:, :, 5]
-    _, dk, dv = ops.backward(only, q, k, v, out, lse.unsqueeze(-1).clone(), causal=False, scale=0.125)
+    _, dk, dv = ops.backward(only, q, k, v, out, packed.clone(), causal=False, scale=0.125)
     assert (dk == 0).all() and (dv == 0).all()
 
 
