@@ -230,7 +230,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     routes = {i: route(ring.kernel, ring.causal, "fwd", p, q, k, key_mask is not None)
               for i, p in enumerate(plans) if i not in swaps and i not in stacked}
     travelling = Travelling()
-    for i in swap_order(len(plans), swaps, quick_first(ring, "fwd", plans, routes, q, k, key_mask is not None)):
+    first = quick_first(ring, "fwd", plans, range(len(plans)), routes, stacked, q, k, key_mask is not None)
+    for i in swap_order(len(plans), swaps, first):
         plan = plans[i]
         travelling.turn(swaps.get(i))
         if i in swaps:
@@ -272,15 +273,20 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     return combine_results(running, [parts[i] for i in sorted(parts)], q, into, consume=True)  # in plan order
 
 
-def quick_first(ring: RingCall, direction: str, plans: list[PatternPlan], routes: dict, q: torch.Tensor,
-                k: torch.Tensor, masked: bool) -> list[int]:
-    """Plan order, with the local patterns that leave parts on a kernel that issues quickly
-    (``protocol.issues_quickly``) first: the GPU starts on them while the host prepares the slower calls. A
-    part is combined in plan order whenever it was computed, and the patterns merged into the running result keep
-    their order, so the result is the same bits in any issue order."""
-    early = [i for i, (_, _, part) in routes.items()
-             if part and issues_quickly(ring.kernel, direction, plans[i], ring.causal, q, k, masked)]
-    return early + [i for i in range(len(plans)) if i not in early]
+def quick_first(ring: RingCall, direction: str, plans: list[PatternPlan], order, routes: dict, stacked: dict,
+                q: torch.Tensor, k: torch.Tensor, masked: bool) -> list[int]:
+    """``order`` with what issues in microseconds first: local patterns that leave parts on a kernel that issues
+    quickly (``protocol.issues_quickly``), then stacks (their first launches are the gathers); the GPU starts on
+    them while the host prepares the slower calls. A part is combined in plan order whenever it was computed, and
+    the patterns merged into the running result keep their order, so the result is the same bits in any order.
+    Calls with ring patterns keep ``order``: it places their exchanges among the local work."""
+    order = list(order)
+    if any(p.ring_size > 1 for p in plans):
+        return order
+    quick = [i for i in order if i in routes and routes[i][2]
+             and issues_quickly(ring.kernel, direction, plans[i], ring.causal, q, k, masked)]
+    early = quick + [i for i in order if i in stacked]
+    return early + [i for i in order if i not in early]
 
 
 def _dense_forward(q, k, v, plan: PatternPlan, dense: PatternPlan, ring: RingCall) -> Part:
@@ -329,6 +335,9 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     order = [i for i, d in enumerate(dense) if d is None]
     at = RING_AFTER[ring.causal]
     order[at:at] = [i for i, d in enumerate(dense) if d is not None]
+    routes = {i: route(ring.kernel, ring.causal, "bwd", p, q, k, key_mask is not None)
+              for i, p in enumerate(plans) if i not in swaps and i not in stacked}
+    order = quick_first(ring, "bwd", plans, order, routes, stacked, q, k, key_mask is not None)
     travelling = Travelling()
     for i in swap_order(len(plans), swaps, order):
         plan = plans[i]
@@ -343,7 +352,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
                                   scale=ring.scale)
                 held.update(stack.slices(res))
             continue
-        split, pieces, part = route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
+        split, pieces, part = routes[i]
         if part or dense[i] is not None:
             held[i] = (sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
                                    causal=ring.causal, scale=ring.scale, **own) if part

@@ -741,3 +741,32 @@ def test_quick_patterns_issue_first_and_change_no_bit(causal, monkeypatch):
     plan = plans_for("longnet", 4, 4, N, N, [N // 4, N // 2, N], [1, 2, 4])[0]
     assert not protocol.issues_quickly(kern, "fwd", plan, causal, q, k)
     assert protocol.issues_quickly(kern, "fwd", plan, causal, q, k, masked=True)  # masked work runs fused
+
+
+@pytest.mark.skipif(CUDA, reason="orders the stand-in's calls")
+def test_stacks_issue_before_library_calls_and_change_no_bit(monkeypatch):
+    """A causal backward starts with the stack (its first launches are the gathers) and runs the dense pattern's
+    library call after; the gradients are the same bits as in plan order."""
+    from dilated_attention import ring
+
+    seeded("cudnn-stack-first")
+    ops = MathOps()
+    keys = [f"{d}/dense/causal/D{DIM}/float32/short" for d in ("fwd", "bwd")]
+    kern = AutoKernel({"fused": FusedKernel(), "cudnn": CudnnKernel(ops)}, dict.fromkeys(keys, "cudnn"))
+    q, k, v, dout = (torch.randn(2, N, 4, DIM, requires_grad=i < 3) for i in range(4))
+    stacked_rows = 2 * (N // 2 + N // 4 + N // 8)
+
+    def step():
+        ops.calls.clear()
+        out = dilated_attention(q, k, v, STACK_SEGS, STACK_RATES, causal=True, kernel=kern)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        backward = [c[1][0] * c[1][2] == stacked_rows for c in ops.calls if c[0] == "bwd"]
+        return (out, *grads), backward
+
+    first, order = step()
+    assert order == [True, False], ops.calls  # the stack, then the dense pattern
+    monkeypatch.setattr(ring, "issues_quickly", lambda *a, **kw: False)
+    monkeypatch.setattr(ring, "quick_first", lambda ring_, d, plans, order_, *a: list(order_))
+    plain, plain_order = step()
+    assert plain_order == [False, True]
+    assert all(torch.equal(a, b) for a, b in zip(first, plain))
