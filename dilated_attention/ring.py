@@ -51,7 +51,7 @@ import torch
 
 from .causal_share import Helper, post_guests, plan_share, return_results
 from .causal_split import causal_split, route, split_backward, split_forward
-from .kernels.protocol import causal_block, clear_result_, issues_quickly
+from .kernels.protocol import causal_block, clear_result_
 from .merge import Part, accum_dtype, add_into_, combine_results, merge_into_, sum_grads
 from .patterns import PatternPlan
 from .ring_steps import (RingCall, RingLayout, block_mask, call_mask, compact, dense_ring, describe,
@@ -227,11 +227,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     sides = SideStreams(q, ring.causal)
     swaps = start_swaps(ring, plans, q, k, key_mask is not None, "forward", sends, sides)
     stacked = plan_stacks(ring.kernel, "fwd", plans, q, k, ring.causal, key_mask is not None)
-    routes = {i: route(ring.kernel, ring.causal, "fwd", p, q, k, key_mask is not None)
-              for i, p in enumerate(plans) if i not in swaps and i not in stacked}
     travelling = Travelling()
-    first = quick_first(ring, "fwd", plans, range(len(plans)), routes, stacked, q, k, key_mask is not None)
-    for i in swap_order(len(plans), swaps, first):
+    for i in swap_order(len(plans), swaps):
         plan = plans[i]
         travelling.turn(swaps.get(i))
         if i in swaps:
@@ -244,7 +241,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
                 for j, part in stack.slices(res):
                     parts[j] = Part(plans[j], *part)
             continue
-        split, pieces, part = routes[i]
+        split, pieces, part = route(ring.kernel, ring.causal, "fwd", plan, q, k, key_mask is not None)
         if part:
             parts[i] = Part(plan, *sides.issue(ring.kernel.forward_pattern, q, k, v, plan, packed=False,
                                                causal=ring.causal, scale=ring.scale, **own))
@@ -271,22 +268,6 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     for i, swap in swaps.items():
         parts[i] = Part(plans[i], *swap.home())
     return combine_results(running, [parts[i] for i in sorted(parts)], q, into, consume=True)  # in plan order
-
-
-def quick_first(ring: RingCall, direction: str, plans: list[PatternPlan], order, routes: dict, stacked: dict,
-                q: torch.Tensor, k: torch.Tensor, masked: bool) -> list[int]:
-    """``order`` with what issues in microseconds first: local patterns that leave parts on a kernel that issues
-    quickly (``protocol.issues_quickly``), then stacks (their first launches are the gathers); the GPU starts on
-    them while the host prepares the slower calls. A part is combined in plan order whenever it was computed, and
-    the patterns merged into the running result keep their order, so the result is the same bits in any order.
-    Calls with ring patterns keep ``order``: it places their exchanges among the local work."""
-    order = list(order)
-    if any(p.ring_size > 1 for p in plans):
-        return order
-    quick = [i for i in order if i in routes and routes[i][2]
-             and issues_quickly(ring.kernel, direction, plans[i], ring.causal, q, k, masked)]
-    early = quick + [i for i in order if i in stacked]
-    return early + [i for i in order if i not in early]
 
 
 def _dense_forward(q, k, v, plan: PatternPlan, dense: PatternPlan, ring: RingCall) -> Part:
@@ -335,9 +316,6 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     order = [i for i, d in enumerate(dense) if d is None]
     at = RING_AFTER[ring.causal]
     order[at:at] = [i for i, d in enumerate(dense) if d is not None]
-    routes = {i: route(ring.kernel, ring.causal, "bwd", p, q, k, key_mask is not None)
-              for i, p in enumerate(plans) if i not in swaps and i not in stacked}
-    order = quick_first(ring, "bwd", plans, order, routes, stacked, q, k, key_mask is not None)
     travelling = Travelling()
     for i in swap_order(len(plans), swaps, order):
         plan = plans[i]
@@ -352,7 +330,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
                                   scale=ring.scale)
                 held.update(stack.slices(res))
             continue
-        split, pieces, part = routes[i]
+        split, pieces, part = route(ring.kernel, ring.causal, "bwd", plan, q, k, key_mask is not None)
         if part or dense[i] is not None:
             held[i] = (sides.issue(ring.kernel.backward_pattern_parts, q, k, v, plan, out, lse, dout,
                                    causal=ring.causal, scale=ring.scale, **own) if part

@@ -250,7 +250,6 @@ def _key_mask(key_mask: torch.Tensor | None, shape, device: torch.device, plan: 
 class FusedKernel:
     name = "fused"
     key_masks = True
-    quick_issue = True  # (``protocol.issues_quickly``) a geometry's launches are replayed: microseconds of host
     deterministic_backward = True  # every gradient element is owned by one program: no atomics
 
     def __init__(self, config: FusedConfig | None = None, *, dkdv: bool = True, epilogue_merge: bool = False) -> None:

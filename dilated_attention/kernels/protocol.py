@@ -176,20 +176,6 @@ def stacks(kernel, direction: str, plan: PatternPlan, causal: bool, q: torch.Ten
     return target is not None and stacks(target(direction, plan, causal, q, k, False), direction, plan, causal, q, k)
 
 
-def issues_quickly(kernel, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor,
-                   masked: bool = False) -> bool:
-    """Whether ``kernel`` issues ``plan``'s work in ``direction`` in microseconds of host time (``quick_issue``:
-    the fused kernel replays its launches per geometry; a library call with a Python entry point, cuDNN's or
-    flash-attn-4's, takes a tenth of a millisecond or more). A call issues such patterns first, so that the GPU
-    starts at once and runs them while the host prepares the slower calls. A router answers for its target."""
-    own = getattr(kernel, "quick_issue", None)
-    if own is not None:
-        return own
-    target = getattr(kernel, "target", None)
-    return target is not None and issues_quickly(target(direction, plan, causal, q, k, masked), direction, plan,
-                                                 causal, q, k, masked)
-
-
 def takes_padding_masks(kernel) -> bool:
     """``kernel.padding_masks`` (module doc), read as ``key_masks`` where a kernel does not set it."""
     return getattr(kernel, "padding_masks", kernel.key_masks)
