@@ -7,7 +7,10 @@ and memory-op durations), the gap between them (launch and Python overhead the G
 the kernels grouped by what they are (attention kernels, merge, elementwise, copies, fills), with
 the top kernels by name; the CPU time to issue one step, the top CPU operators by self time, and
 the runtime calls that block the CPU on the GPU. ``--api`` profiles the public call instead
-(``dilated_attention`` forward and autograd's backward: the schedule plus what the API adds).
+(``dilated_attention`` forward and autograd's backward: the schedule plus what the API adds). Where a lone
+step's GPU waits on the host: a second profile records CUDA activity only (the host then runs at its own
+speed), each step after a drained GPU and a marker kernel, and reports the GPU's wait for the step's first
+kernel and its idle time between kernels, by the kernel groups around each gap.
 
     python benchmarks/profile_pipeline.py [--methods auto,fused,cudnn-det] [--api] [--out /tmp/profile.json]
 """
@@ -125,6 +128,54 @@ def profile_step(step, reps: int) -> dict:
             "blocking_calls": [r for r in cpu if re.search(SYNCS, r["name"])]}
 
 
+MARKER = "spin_kernel"  # ``torch.cuda._sleep``'s kernel: marks where each step of ``idle_structure`` starts
+
+
+def idle_of(events: list[tuple[str, float, float]], marker: str = MARKER) -> dict:
+    """Where the GPU waited in steps each issued after a ``marker`` kernel: ``events`` are ``(name, start, end)``
+    of every GPU activity in microseconds. Per step (medians in ms): ``first_kernel_ms``, from the marker's end to
+    the step's first kernel (the host's time to issue it, the GPU idle); ``idle_ms``, the GPU idle between the
+    step's kernels (concurrent kernels count once); ``gaps``, that idle by the groups of the kernels before and
+    after each gap, in ms per step. Gaps under 5 us are launch spacing, not waits."""
+    steps: list[list[tuple[str, float, float]]] = []
+    for e in sorted(events, key=lambda e: e[1]):
+        if marker in e[0]:
+            steps.append([e])
+        elif steps:
+            steps[-1].append(e)
+    steps = [st for st in steps if len(st) > 1]
+    if not steps:
+        return {"steps": 0, "first_kernel_ms": 0.0, "idle_ms": 0.0, "gaps": {}}
+    firsts, idles, gaps = [], [], {}
+    for st in steps:
+        firsts.append((st[1][1] - st[0][2]) / 1000.0)
+        idle, busy_until = 0.0, st[1][2]
+        for prev, nxt in zip(st[1:], st[2:]):
+            busy_until = max(busy_until, prev[2])
+            gap = nxt[1] - busy_until
+            if gap > 5:
+                idle += gap
+                pair = f"{group_of(prev[0])} -> {group_of(nxt[0])}"
+                gaps[pair] = gaps.get(pair, 0.0) + gap / 1000.0 / len(steps)
+        idles.append(idle / 1000.0)
+    return {"steps": len(steps), "first_kernel_ms": statistics.median(firsts), "idle_ms": statistics.median(idles),
+            "gaps": dict(sorted(gaps.items(), key=lambda kv: -kv[1]))}
+
+
+def idle_structure(step, reps: int) -> dict:
+    """``idle_of`` ``reps`` lone steps, profiled with CUDA activity only (no host-side recording to slow the host)."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(1)  # the marker: a kernel of its own name just before the step
+            step()
+        torch.cuda.synchronize()
+    return idle_of([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA])
+
+
 # runtime calls that make the CPU wait for the GPU (the GPU then idles while the CPU issues the next work)
 SYNCS = r"Synchronize|cudaMalloc|cudaFree|cudaMemcpy(?!Async)|cudaHostAlloc"
 
@@ -184,6 +235,7 @@ def main(argv=None) -> int:
                    **profile_step(step, args.reps)}
             row["gap_ms"] = row["wall_ms"] - row["busy_ms"]
             row["cpu_issue_ms"] = issue_ms(step, args.reps)
+            row["gpu_waits"] = idle_structure(step, args.reps)
             if args.python_profile or args.pstats:
                 dump = (os.path.join(args.pstats, f"{method}_{'causal' if causal else 'full'}.pstats")
                         if args.pstats else None)
@@ -193,6 +245,10 @@ def main(argv=None) -> int:
             what = " forward" if args.forward_only else ""
             print(f"\n{method} causal={causal}{what}: wall {row['wall_ms']:.2f} ms, GPU busy {row['busy_ms']:.2f} ms, "
                   f"gap {row['gap_ms']:.2f} ms, CPU issue {row['cpu_issue_ms']:.2f} ms", flush=True)
+            waits = row["gpu_waits"]
+            print(f"  a lone step's GPU waits {waits['first_kernel_ms']:.2f} ms for its first kernel and idles "
+                  f"{waits['idle_ms']:.2f} ms between kernels" + "".join(
+                      f"; {ms:.2f} ms {pair}" for pair, ms in list(waits["gaps"].items())[:3]), flush=True)
             for name, grp in sorted(row["groups"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
                 print(f"  {name:16s} {grp['ms_per_step']:7.3f} ms  {grp['calls_per_step']:6.1f} calls", flush=True)
             for t in row["top"][:8]:

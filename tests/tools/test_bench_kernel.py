@@ -69,6 +69,27 @@ def test_profile_pipeline_groups_kernels_by_what_they_are():
     assert not prof.re.search(prof.SYNCS, "cudaMemcpyAsync")
 
 
+def test_profile_pipeline_finds_where_a_lone_step_waits():
+    """Steps after a marker kernel: the wait for each step's first kernel, the idle between its kernels (overlapping
+    kernels count once, spacing under 5 us is not a wait), and the idle by the kernel groups around it."""
+    prof = _benchmark("profile_pipeline")
+    marker = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
+    events = []
+    for t0, first in ((0.0, 500.0), (10_000.0, 700.0)):
+        events += [(marker, t0, t0 + 2),
+                   ("fwd_kernel", t0 + 2 + first, t0 + 1000),
+                   ("fwd_kernel", t0 + 900, t0 + 1500),  # overlaps the first (another stream)
+                   ("combine_kernel", t0 + 1503, t0 + 1600),  # 3 us after: launch spacing
+                   ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", t0 + 2200, t0 + 3000)]
+    waits = prof.idle_of(events[::-1])
+    assert waits["steps"] == 2
+    assert waits["first_kernel_ms"] == pytest.approx((0.5 + 0.7) / 2)
+    assert waits["idle_ms"] == pytest.approx(0.6)
+    assert waits["gaps"] == {"combine -> cuDNN attention": pytest.approx(0.6)}
+    assert prof.idle_of([("fwd_kernel", 0.0, 1.0)]) == {"steps": 0, "first_kernel_ms": 0.0, "idle_ms": 0.0,
+                                                         "gaps": {}}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_profile_pipeline_needs_a_gpu():
     with pytest.raises(SystemExit, match="needs a GPU"):
