@@ -198,6 +198,16 @@ def pace(fn, warmup: int, reps: int, device) -> float:
     return timed(fn, warmup, reps, device)
 
 
+def alternated(calls: list, warmup: int, reps: int, device) -> list[list[float]]:
+    """Each of ``calls`` timed at a training loop's pace (``pace``) once per round, round robin over
+    ``TRIAL_ROUNDS`` rounds (a slow spell of the machine hits every call alike): the rounds of each."""
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(TRIAL_ROUNDS):
+        for fn, ms in zip(calls, times):
+            ms.append(pace(fn, warmup, reps, device))
+    return times
+
+
 def flops_fwd(plans, bsz: int, seq: int, dim: int, causal: bool) -> float:
     """Unmasked forward work: 4*D per (query, visible key) pair, per covered head and segment."""
     total = 0.0
@@ -459,11 +469,8 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
     combos = [dict(zip(keys, combo)) for combo in itertools.product(*([name for name, _ in ranked[key][:2]]
                                                                         for key in keys))]
     kernels = [AutoKernel(impls, {**choices, **tried}) for tried in combos]
-    times = [[] for _ in combos]
-    for _ in range(TRIAL_ROUNDS):  # round robin: a slow spell of the machine hits every combination alike
-        for kernel, ms in zip(kernels, times):
-            ms.append(pace(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), warmup, reps,
-                           q.device))
+    times = alternated([lambda kernel=kernel: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale)
+                        for kernel in kernels], warmup, reps, q.device)
     peaks = [peak_extra(lambda: fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale), q.device)[0]
              for kernel in kernels]
     trials = [{"choices": tried, "ms": sorted(ms)[len(ms) // 2], "rounds": ms, "peak_bytes": peak}
@@ -494,16 +501,12 @@ def compare_tables(impls, tables: dict[str, dict], q, k, v, dout, segs, rates, c
     ``TRIAL_ROUNDS`` rounds at a training loop's pace (``pace``): ``{name: {"ms": median, "rounds": [...]}}``.
     Decides whether a run's ranking may replace the shipped table (``write_table``)."""
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    kernels = {name: AutoKernel(impls, choices) for name, choices in tables.items()}
-    times: dict[str, list[float]] = {name: [] for name in tables}
-    for _ in range(TRIAL_ROUNDS):
-        for name, kernel in kernels.items():
-            def api(kernel=kernel):
-                torch.autograd.grad(dilated_attention(*leaves, segs, rates, causal=causal, kernel=kernel), leaves,
-                                    dout)
+    def api(kernel):
+        return lambda kernel=kernel: torch.autograd.grad(
+            dilated_attention(*leaves, segs, rates, causal=causal, kernel=kernel), leaves, dout)
 
-            times[name].append(pace(api, warmup, reps, q.device))
-    return {name: {"ms": sorted(ts)[len(ts) // 2], "rounds": ts} for name, ts in times.items()}
+    times = alternated([api(AutoKernel(impls, choices)) for choices in tables.values()], warmup, reps, q.device)
+    return {name: {"ms": sorted(ts)[len(ts) // 2], "rounds": ts} for name, ts in zip(tables, times)}
 
 
 def lost_classes(result: dict) -> set[str]:
