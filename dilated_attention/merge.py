@@ -20,7 +20,6 @@ semantics the kernel is tested against (``merge_into_triton_`` runs it on CPU un
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from . import caches
 from .caches import remember
 from .patterns import PatternPlan
 from .replays import geometry
-from .triton_support import JITTED, Prepared, interpreting, launch_on, other_device, triton
+from .triton_support import JITTED, Prepared, interpreting, launch_on, made_current, triton
 from .views import chunk_views, compact_view, region_views
 
 tl = None if triton is None else triton.language
@@ -546,7 +545,7 @@ def _launch_combine(plan: _CombinePlan, running, parts: Sequence[Part], like: to
     if launch_combine is None:
         launch_combine = plan.launches[(out_strides, out.data_ptr() & 15)] = Prepared(
             triton_kernel("combine_kernel"), plan.grid, plan.meta, num_warps=COMBINE_WARPS)
-    with torch.cuda.device(like.device) if other_device(like.device) else contextlib.nullcontext():
+    with made_current(like.device):
         if weighted:  # the lse pass: each (row, head)'s merged lse and each part's weight
             weights = torch.empty((like.shape[0], plan.slots, like.shape[1] * like.shape[2]), dtype=torch.float32,
                                   device=like.device)

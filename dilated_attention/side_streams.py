@@ -36,8 +36,9 @@ class SideStreams:
         if index not in _STREAM_POOLS:
             _STREAM_POOLS[index] = tuple(torch.cuda.Stream(q.device) for _ in range(CAUSAL_PART_STREAMS))
         self.pool = _STREAM_POOLS[index]
-        for side in self.pool:  # the inputs were made on the caller's stream
-            side.wait_stream(self.main)
+        made = self.main.record_event()  # the inputs were made on the caller's stream (one event for every side)
+        for side in self.pool:
+            side.wait_event(made)
 
     def issue(self, fn, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """``fn``'s tensors, computed on the next side stream and handed to the caller's stream."""

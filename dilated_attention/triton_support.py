@@ -14,6 +14,7 @@ directly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -108,12 +109,15 @@ def other_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.current_device() != device.index
 
 
+def made_current(device: torch.device):
+    """A context in which ``device`` (a launch's tensors') is the current one: entered only where it is not
+    (``other_device``)."""
+    return torch.cuda.device(device) if other_device(device) else contextlib.nullcontext()
+
+
 def launch_on(device: torch.device, fn, grid: tuple, args: tuple, meta: dict, **options) -> None:
-    """``launch`` with ``device`` (the tensors') current (``other_device``)."""
-    if other_device(device):
-        with torch.cuda.device(device):
-            launch(fn, grid, args, meta, **options)
-    else:
+    """``launch`` with ``device`` (the tensors') current (``made_current``)."""
+    with made_current(device):
         launch(fn, grid, args, meta, **options)
 
 
@@ -143,4 +147,4 @@ class Prepared:
             self.compiled = _COMPILED.get(_key(self.fn, self.device, self.options, self.meta, args))
 
 
-__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "launch_on", "other_device", "triton"]
+__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "launch_on", "made_current", "other_device", "triton"]

@@ -74,3 +74,19 @@ def test_the_members_spans_tile_the_stack_buffer():
     stack = _stack()
     rows = [r for a, b in stack.spans for r in range(a, b)]
     assert rows == list(range(stack.rows))
+
+
+def test_a_geometrys_prepared_gather_follows_each_calls_tensors(monkeypatch):
+    """The gather's launch is prepared once per geometry (``stacking._GATHERS``): later calls of that geometry
+    gather their own tensor's rows, and a tensor of other strides or another dtype gets a launch of its own."""
+    monkeypatch.setattr(stacking, "_GATHERS", {})  # (other tests' geometries kept out of the count)
+    stack = _stack()
+    g = torch.Generator().manual_seed(5801)
+    first, second = (torch.randn((2, N, HEADS, DIM), generator=g).to(DEVICE) for _ in range(2))
+    assert torch.equal(stacking.gather(first, stack), _sliced(first, stack, False))
+    kept = len(stacking._GATHERS)
+    assert torch.equal(stacking.gather(second, stack), _sliced(second, stack, False))
+    assert len(stacking._GATHERS) == kept, "a second call of one geometry should reuse its prepared launch"
+    for other in (_layout(second, "transposed"), second.to(torch.bfloat16)):
+        assert torch.equal(stacking.gather(other, stack), _sliced(other, stack, False))
+    assert len(stacking._GATHERS) == kept + 2, "another layout or dtype should get a launch of its own"
