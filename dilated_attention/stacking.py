@@ -37,6 +37,7 @@ from .caches import remember
 from .kernels.protocol import stacks
 from .merge import MAX_GRID_Z, device_table, triton_kernel
 from .patterns import HeadChunk, PatternPlan
+from .replays import geometry
 from .triton_support import Prepared, interpreting, made_current, triton
 from .views import region_views, widened
 
@@ -134,9 +135,9 @@ def _launches(x: torch.Tensor) -> bool:
 
 
 GATHER_TILE = 4096  # elements per program (rows x dim block)
-# (stack, kv, the source's shape, strides, dtype, alignment, device) -> its Prepared launch: the launcher's binding,
-# specialization and constexprs are worked out once per geometry, not for each of a stacked backward's six gathers
-# (on an H200 they took a causal LongNet step's host 0.3-0.4 ms)
+# (stack, kv, the source's geometry) -> its Prepared launch: the launcher's binding, specialization and constexprs
+# are worked out once per geometry, not for each of a stacked backward's six gathers (on an H200 they took a causal
+# LongNet step's host 0.3-0.4 ms)
 _GATHERS = caches.table("stacking.gathers", 256)
 
 
@@ -144,7 +145,7 @@ def _gather_rows(x: torch.Tensor, buf: torch.Tensor, stack: Stack, kv: bool) -> 
     if x.dim() == 3:  # lse: rows of one element
         x, buf = x.unsqueeze(-1), buf.unsqueeze(-1)
     bsz, _, heads, dim = x.shape
-    key = (stack, kv, x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device())  # (buf: new, dense)
+    key = (stack, kv, geometry((x,)))  # (buf: new and dense, its geometry follows x's shape)
     launch = _GATHERS.get(key)
     if launch is None:
         block_d = max(16, triton.next_power_of_2(dim))

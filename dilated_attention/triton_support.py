@@ -147,4 +147,5 @@ class Prepared:
             self.compiled = _COMPILED.get(_key(self.fn, self.device, self.options, self.meta, args))
 
 
-__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "launch_on", "made_current", "other_device", "triton"]
+__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "launch_on", "made_current", "other_device",
+           "triton"]
