@@ -32,6 +32,9 @@ class SideStreams:
         if not (causal and q.is_cuda and CAUSAL_PART_STREAMS > 1) or torch.cuda.is_current_stream_capturing():
             return
         self.main = torch.cuda.current_stream(q.device)
+        # q's device current: switch streams with set_stream (torch.cuda.stream looks the current device up on
+        # every enter and exit, as much host time as a kernel launch); else through torch.cuda.stream's guard
+        self.direct = torch.cuda.current_device() == q.device.index
         index = q.device.index
         if index not in _STREAM_POOLS:
             _STREAM_POOLS[index] = tuple(torch.cuda.Stream(q.device) for _ in range(CAUSAL_PART_STREAMS))
@@ -44,9 +47,17 @@ class SideStreams:
         """``fn``'s tensors, computed on the next side stream and handed to the caller's stream."""
         if not self.pool:
             return fn(*args, **kwargs)
-        with torch.cuda.stream(self.pool[self.turn % len(self.pool)]):
-            result = fn(*args, **kwargs)
+        side = self.pool[self.turn % len(self.pool)]
         self.turn += 1
+        if not self.direct:
+            with torch.cuda.stream(side):
+                result = fn(*args, **kwargs)
+        else:
+            torch.cuda.set_stream(side)
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_stream(self.main)
         for t in result:
             t.record_stream(self.main)
         return result

@@ -320,7 +320,7 @@ def test_a_kernel_named_by_string_is_one_instance():
 def test_causal_side_streams_change_no_bit(monkeypatch, kernel):
     """Causal local patterns run on side streams (``side_streams.py``): each writes tensors of its own, so
     forward and gradients must equal the one-stream run bitwise, run after run, also when the caller's
-    stream is not the default one and allocates right after the call."""
+    stream is not the default one and allocates right after the call; the caller's stream is current after it."""
     import dilated_attention.side_streams as side_streams
 
     gen = torch.Generator(device="cuda").manual_seed(9)
@@ -335,6 +335,7 @@ def test_causal_side_streams_change_no_bit(monkeypatch, kernel):
         caller.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(caller):
             got = _run(lambda *a: dilated_attention(*a, segs, rates, causal=True, kernel=kernel), q, k, v, g)
+            assert torch.cuda.current_stream() == caller, "a call must leave the caller's stream current"
             junk = [torch.full_like(x, float("nan")) for x in got]  # reuses freed memory on the caller's stream
         torch.cuda.current_stream().wait_stream(caller)
         runs.append([x.clone() for x in got])
