@@ -10,7 +10,9 @@ the runtime calls that block the CPU on the GPU. ``--api`` profiles the public c
 (``dilated_attention`` forward and autograd's backward: the schedule plus what the API adds). Where a lone
 step's GPU waits on the host: a second profile records CUDA activity only (the host then runs at its own
 speed), each step after a drained GPU and a marker kernel, and reports the GPU's wait for the step's first
-kernel and its idle time between kernels, by the kernel groups around each gap.
+kernel and its idle time between kernels, by the kernel groups around each gap. ``--host-timeline``: what the
+host is doing meanwhile, as the times from a lone step's start at which it enters and leaves the forward, the
+backward and each kernel call (``host_cost.host_timeline``).
 
     python benchmarks/profile_pipeline.py [--methods auto,fused,cudnn-det] [--api] [--out /tmp/profile.json]
 """
@@ -47,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forward-only", action="store_true", help="profile the forward alone (no backward)")
     ap.add_argument("--api", action="store_true",
                     help="profile the public call (dilated_attention and autograd's backward) instead of the schedule")
+    ap.add_argument("--host-timeline", action="store_true",
+                    help="also print when, in a lone step's issue, the host enters (>) and leaves (<) the forward, the "
+                         "backward, each kernel call (by op), stack, combine and gradient sum: ms from the step's start (with --api)")
     return ap
 
 
@@ -59,12 +64,13 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from host_cost import issue_ms  # noqa: E402
+from host_cost import host_timeline, issue_ms  # noqa: E402
 
-from dilated_attention import dilated_attention  # noqa: E402
+from dilated_attention import dilated_attention, execution, ring  # noqa: E402
 from dilated_attention.kernels.dispatch import select_kernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
+from dilated_attention.kernels.guard import GuardedKernel  # noqa: E402
 
 GROUPS = [  # (group, pattern on the kernel name, any case), first match wins
     ("fused forward", r"fwd_kernel"),
@@ -180,6 +186,15 @@ def idle_structure(step, reps: int) -> dict:
 SYNCS = r"Synchronize|cudaMalloc|cudaFree|cudaMemcpy(?!Async)|cudaHostAlloc"
 
 
+def timeline_points() -> list[tuple]:
+    """What ``--host-timeline`` marks in the public call: its forward and backward, every kernel call by its op
+    (through the guard the call runs each kernel in), the stacked calls, the combine and the gradient sums."""
+    return [(execution, "forward", "forward"), (execution, "backward", "backward"),
+            (GuardedKernel, "call", lambda kernel, op, *args: op),
+            (ring, "stack_forward", "stack"), (ring, "stack_backward", "stack"),
+            (ring, "combine_results", "combine"), (ring, "sum_grads", "gradient sum")]
+
+
 def python_profile(step, reps: int, lines: int, order: str = "tottime", dump: str | None = None) -> str:
     """cProfile of ``reps`` steps (GPU drained before each): where the CPU issue time goes, by function
     (``dump``: also a pstats file of it, for ``python -m pstats`` or snakeviz)."""
@@ -198,7 +213,10 @@ def python_profile(step, reps: int, lines: int, order: str = "tottime", dump: st
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.host_timeline and not args.api:
+        parser.error("--host-timeline follows the public call: add --api")
     if not torch.cuda.is_available():
         raise SystemExit("profile_pipeline.py needs a GPU")
     segs = [int(x) for x in args.segments.split(",")]
@@ -236,6 +254,8 @@ def main(argv=None) -> int:
             row["gap_ms"] = row["wall_ms"] - row["busy_ms"]
             row["cpu_issue_ms"] = issue_ms(step, args.reps)
             row["gpu_waits"] = idle_structure(step, args.reps)
+            if args.host_timeline:
+                row["host_timeline"] = host_timeline(step, timeline_points(), args.reps)
             if args.python_profile or args.pstats:
                 dump = (os.path.join(args.pstats, f"{method}_{'causal' if causal else 'full'}.pstats")
                         if args.pstats else None)
@@ -257,6 +277,9 @@ def main(argv=None) -> int:
                 print(f"    CPU {t['self_ms_per_step']:7.3f} ms {t['calls_per_step']:5.1f}x  {t['name'][:80]}", flush=True)
             for t in row["blocking_calls"]:
                 print(f"    BLOCKING {t['self_ms_per_step']:7.3f} ms {t['calls_per_step']:5.1f}x  {t['name']}", flush=True)
+            if args.host_timeline:
+                print("  host timeline of a lone step, ms from its start: " + "  ".join(
+                    f"{name} {ms:.3f}" for name, ms in row["host_timeline"]), flush=True)
             if args.python_profile:
                 print(f"  cProfile over {args.reps} steps:\n{row['python_profile']}", flush=True)
     if args.out:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -88,6 +89,73 @@ def test_profile_pipeline_finds_where_a_lone_step_waits():
     assert waits["gaps"] == {"combine -> cuDNN attention": pytest.approx(0.6)}
     assert prof.idle_of([("fwd_kernel", 0.0, 1.0)]) == {"steps": 0, "first_kernel_ms": 0.0, "idle_ms": 0.0,
                                                          "gaps": {}}
+
+
+def test_host_timeline_marks_entries_and_returns_in_call_order():
+    """``host_cost.host_timeline``: each marked function's entry and return, by label (a label function reads the
+    call's arguments), in call order, times rising from the step's start; every attribute restored after, also
+    when the step raises; steps that mark different sequences and static methods are refused."""
+    import types
+
+    host_cost = _benchmark("host_cost")
+    ns = types.SimpleNamespace(inner=lambda x: time.sleep(0.002) or x, outer=None)
+    ns.outer = lambda x: ns.inner(x) + ns.inner(x)
+    original = (ns.inner, ns.outer)
+    timeline = host_cost.host_timeline(lambda: ns.outer(1), [(ns, "outer", "outer"), (ns, "inner", lambda x: f"in{x}")],
+                                       reps=3, warmup=1)
+    assert [name for name, _ in timeline] == ["outer>", "in1>", "in1<", "in1>", "in1<", "outer<", "issued"]
+    times = [ms for _, ms in timeline]
+    assert times == sorted(times) and times[2] - times[1] >= 2.0  # (the sleep inside)
+    assert (ns.inner, ns.outer) == original
+
+    calls = iter(range(100))
+    with pytest.raises(ValueError, match="different sequences"):
+        host_cost.host_timeline(lambda: ns.outer(1) if next(calls) % 2 else ns.inner(1), [(ns, "inner", "in")],
+                                reps=2, warmup=0)
+    assert (ns.inner, ns.outer) == original
+    with pytest.raises(ZeroDivisionError):
+        host_cost.host_timeline(lambda: ns.inner(0) / 0, [(ns, "inner", "in")], reps=1, warmup=0)
+    assert (ns.inner, ns.outer) == original
+
+    class Owner:
+        @staticmethod
+        def fixed():
+            return 1
+
+        def method(self):
+            return 2
+
+    class Heir(Owner):
+        pass
+
+    with pytest.raises(TypeError, match="Owner.fixed is staticmethod"):
+        host_cost.host_timeline(Owner.fixed, [(Owner, "fixed", "fixed")])
+    heir = Heir()
+    assert [n for n, _ in host_cost.host_timeline(lambda: heir.method(), [(Heir, "method", "m")], reps=1, warmup=0)] == [
+        "m>", "m<", "issued"]
+    assert "method" not in vars(Heir) and heir.method() == 2  # an inherited method is inherited again
+
+
+def test_profile_pipeline_host_timeline_follows_the_library_call():
+    """``--host-timeline``'s marks on a real call (CPU): forward, every kernel call by op, the combine, backward
+    and the gradient sums, in the order the library issues them; the library's functions restored after."""
+    prof = _benchmark("profile_pipeline")
+    host_cost = _benchmark("host_cost")
+    from dilated_attention import dilated_attention, execution
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 64, 4, 16, generator=gen, requires_grad=True) for _ in range(3))
+
+    def step():
+        dilated_attention(q, k, v, [16, 32, 64], [1, 2, 4]).backward(torch.randn(1, 64, 4, 16, generator=gen))
+
+    forward = execution.forward
+    names = [name for name, _ in host_cost.host_timeline(step, prof.timeline_points(), reps=2, warmup=1)]
+    assert execution.forward is forward
+    assert names[0] == "forward>" and names[-1] == "issued"
+    fwd, bwd = names[:names.index("forward<") + 1], names[names.index("backward>"):names.index("backward<") + 1]
+    assert fwd.count("forward_pattern>") == 3 and fwd[-3:] == ["combine>", "combine<", "forward<"]
+    assert bwd.count("backward_pattern_parts>") == 3 and bwd.count("gradient sum>") == 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
