@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="profile the public call (dilated_attention and autograd's backward) instead of the schedule")
     ap.add_argument("--host-timeline", action="store_true",
                     help="also print when, in a lone step's issue, the host enters (>) and leaves (<) the forward, the "
-                         "backward, each kernel call (by op), stack, combine and gradient sum: ms from the step's start (with --api)")
+                         "backward, each kernel call (by op), stack, combine and gradient sum: ms from the step's start "
+                         "(with --api)")
     return ap
 
 
@@ -68,9 +69,9 @@ from host_cost import host_timeline, issue_ms  # noqa: E402
 
 from dilated_attention import dilated_attention, execution, ring  # noqa: E402
 from dilated_attention.kernels.dispatch import select_kernel  # noqa: E402
+from dilated_attention.kernels.guard import GuardedKernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
-from dilated_attention.kernels.guard import GuardedKernel  # noqa: E402
 
 GROUPS = [  # (group, pattern on the kernel name, any case), first match wins
     ("fused forward", r"fwd_kernel"),
