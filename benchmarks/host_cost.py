@@ -13,6 +13,7 @@ the GPU waits before the first kernel, or between forward and backward, and on w
 from __future__ import annotations
 
 import functools
+import inspect
 import statistics
 import time
 from typing import Callable, Sequence
@@ -73,6 +74,8 @@ def host_timeline(step: Callable[[], None], points: Sequence[tuple[object, str, 
     that plans on its first call: raise ``warmup``). Every attribute is restored after."""
     import torch
 
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
     marks: list[tuple[str, float]] = []
 
     def marked(fn, label):
@@ -85,10 +88,6 @@ def host_timeline(step: Callable[[], None], points: Sequence[tuple[object, str, 
             finally:
                 marks.append((name + "<", time.perf_counter()))
         return wrapper
-
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    import inspect
 
     # (a class's own attribute is put back; one it inherits is removed again)
     saved = [(owner, attr, inspect.getattr_static(owner, attr), isinstance(owner, type) and attr not in vars(owner))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import caches
+from .triton_support import other_device
 
 
 CAUSAL_PART_STREAMS = 2  # side streams for causal local patterns (1: none); why, in SideStreams
@@ -34,7 +35,7 @@ class SideStreams:
         self.main = torch.cuda.current_stream(q.device)
         # q's device current: switch streams with set_stream (torch.cuda.stream looks the current device up on
         # every enter and exit, as much host time as a kernel launch); else through torch.cuda.stream's guard
-        self.direct = torch.cuda.current_device() == q.device.index
+        self.guarded = other_device(q.device)
         index = q.device.index
         if index not in _STREAM_POOLS:
             _STREAM_POOLS[index] = tuple(torch.cuda.Stream(q.device) for _ in range(CAUSAL_PART_STREAMS))
@@ -49,7 +50,7 @@ class SideStreams:
             return fn(*args, **kwargs)
         side = self.pool[self.turn % len(self.pool)]
         self.turn += 1
-        if not self.direct:
+        if self.guarded:
             with torch.cuda.stream(side):
                 result = fn(*args, **kwargs)
         else:
