@@ -734,7 +734,8 @@ class Runner:
                 seconds, loss = step(i)
                 times.append(self.max_over_ranks(seconds))
                 losses.append(loss)
-            state_gib = torch.cuda.memory_allocated() / 2**30 if self.cuda else None
+            # (the largest rank's: find_max's stop decisions read these and must agree on every rank)
+            state_gib = self.max_over_ranks(torch.cuda.memory_allocated() / 2**30) if self.cuda else None
             peak = self.max_over_ranks(torch.cuda.max_memory_allocated() / 2**30) if self.cuda else None
             if profile:  # one more step, the same, under the profiler (this rank's; rank 0's is saved)
                 from torch.profiler import ProfilerActivity
@@ -973,7 +974,10 @@ def find_max(runner: Runner, variant: str, start: int, save: Callable[[], None],
                 break
         if last is not None:
             ratio = step_flops(a, runner.shape, variant, n) / step_flops(a, runner.shape, variant, last["seq_len"])
-            if time.perf_counter() - t_start + 2.5 * last["step_s"] * ratio > a.time_budget:
+            # the slowest rank's clock decides: every rank stops at the same size (a rank that stopped alone
+            # would leave its peers waiting in the next size's collectives)
+            elapsed = runner.max_over_ranks(time.perf_counter() - t_start)
+            if elapsed + 2.5 * last["step_s"] * ratio > a.time_budget:
                 entry.update(stopped_at=n, why=f"time budget ({a.time_budget:.0f} s)")
                 break
         if n % k:

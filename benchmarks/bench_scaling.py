@@ -840,8 +840,11 @@ def probe(bench: Bench, comm, how: tuple[str | None, str], records: list, meta: 
             failure = "cap"
         elif last is not None and capacity and last[2] and last[2] * tokens / last[0] > capacity:
             failure = f"predicted OOM ({last[2] * tokens / last[0]:.0f} GiB > {capacity:.0f} GiB)"
-        elif last is not None and time.perf_counter() - start + 4 * last[1] / 1e3 > a.probe_seconds:
-            failure = "time budget"  # per-GPU work grows up to 4x per doubling (the N-long pattern)
+        elif last is not None and (bench.max_over_ranks(time.perf_counter() - start) + 4 * last[1] / 1e3
+                                   > a.probe_seconds):
+            # per-GPU work grows up to 4x per doubling (the N-long pattern); the slowest rank's clock decides, so
+            # every rank stops at the same size
+            failure = "time budget"
         if failure is None:
             progress.set_postfix_str(f"probe {tokens} tokens/GPU")
             failure, ms, peak = _probe_step(bench, comm, how[0], tokens)
