@@ -4,6 +4,7 @@ import json
 import math
 import os
 import sys
+import types
 
 import pytest
 
@@ -56,8 +57,6 @@ def test_pipelined_parses_steps_per_iteration():
 @pytest.mark.parametrize("pipelined, steps", [(0, 1), (3, 3)])
 def test_an_iteration_times_its_steps_back_to_back(pipelined, steps):
     """One timed iteration runs one step, or ``--pipelined``'s steps back to back, and records their mean."""
-    import types
-
     import torch
 
     args = bench_scaling.parse_args(["--iters", "4", "--min-iters", "4", "--warmup", "2"]
@@ -135,8 +134,6 @@ def test_plots_tables_and_validation(smoke_json, tmp_path):
 def test_probe_bisects_towards_the_first_size_that_does_not_fit(monkeypatch):
     """Sizes up to 5 x 64 tokens fit: doubling stops at 512 (OOM), bisection tries 384 (OOM), then 320 (runs);
     the next midpoint in whole multiples of 64 is 320 again, so it stops there."""
-    import types
-
     tried = []
 
     def step(bench, comm, strategy, tokens):
@@ -144,12 +141,34 @@ def test_probe_bisects_towards_the_first_size_that_does_not_fit(monkeypatch):
         return (None, 1.0, tokens / 64) if tokens <= 320 else ("OOM", 1.0, None)
 
     monkeypatch.setattr(bench_scaling, "_probe_step", step)
-    args = types.SimpleNamespace(tokens=[64], probe_cap=1 << 20, probe_seconds=1e9, probe_refine=3)
-    bench = types.SimpleNamespace(torch=None, args=args, env=types.SimpleNamespace(world_size=2, device="cpu"),
-                                  cuda=False, own_gib=lambda n: n / 1e9)
     records, meta = [], {}
-    progress = types.SimpleNamespace(set_postfix_str=lambda s: None)
-    bench_scaling.probe(bench, None, (None, "ring"), records, meta, progress)
+    bench_scaling.probe(_probe_bench(lambda seconds: seconds), None, (None, "ring"), records, meta, _NO_PROGRESS)
     assert tried == [64, 128, 256, 512, 384, 320]
     assert meta["probe"]["max_tokens"] == 2 * 320 and "2 bisection steps" in meta["probe"]["stop"]
     assert all(r["max_tokens"] == meta["probe"]["max_tokens"] for r in records)
+
+
+_NO_PROGRESS = types.SimpleNamespace(set_postfix_str=lambda s: None)
+
+
+def _probe_bench(max_over_ranks, probe_seconds: float = 1e9):
+    """A stand-in ``Bench`` for ``probe`` on 2 ranks: ``max_over_ranks`` is what the other ranks answer."""
+    args = types.SimpleNamespace(tokens=[64], probe_cap=1 << 20, probe_seconds=probe_seconds, probe_refine=3)
+    return types.SimpleNamespace(torch=None, args=args, env=types.SimpleNamespace(world_size=2, device="cpu"),
+                                 cuda=False, own_gib=lambda n: n / 1e9, max_over_ranks=max_over_ranks)
+
+
+def test_probe_stops_on_the_slowest_ranks_clock(monkeypatch):
+    """The time budget reads the slowest rank's elapsed time, so every rank stops at the same size: here this
+    rank's own clock is well inside the budget, a peer's is past it."""
+    tried = []
+
+    def step(bench, comm, strategy, tokens):
+        tried.append(tokens)
+        return None, 1.0, None
+
+    monkeypatch.setattr(bench_scaling, "_probe_step", step)
+    records, meta = [], {}
+    slowest = _probe_bench(lambda seconds: seconds + 100.0, probe_seconds=60.0)
+    bench_scaling.probe(slowest, None, (None, "ring"), records, meta, _NO_PROGRESS)
+    assert tried == [64] and meta["probe"]["stop"] == "time budget"
