@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -218,8 +218,10 @@ def _battery(rank: int, world_size: int, backends: list[str]) -> list[dict]:
     return [asdict(r) for r in run_battery(backends, torch.device("cpu"))]
 
 
-def spawn_battery(backends: list[str], world_size: int = 4) -> list[Result]:
-    return [Result(**x) for part in spawn_ranks(_battery, world_size, backends) for x in part]
+def spawn_battery(backends: list[str], world_size: int = 4, env: Mapping[str, str | None] | None = None
+                  ) -> list[Result]:
+    """The battery on ``world_size`` spawned gloo ranks (``env``: their environment's changes, ``spawn_ranks``'s)."""
+    return [Result(**x) for part in spawn_ranks(_battery, world_size, backends, env=env) for x in part]
 
 
 # -- torchrun entry point ------------------------------------------------------------------------

@@ -21,7 +21,8 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -47,12 +48,40 @@ def write_result(out_dir: str, rank: int, value: Any) -> None:
         json.dump(value, f)
 
 
-def run_spawned(fn: Callable[..., None], world_size: int, *args: Any, teardown_retry: bool = True) -> list[Any]:
+# The environment of a user's CPU process: Triton's kernels not interpreted, so the merges take their torch path (a
+# test process interprets them to check the kernels' code; in ranks that only run the library around them, the
+# interpreter costs minutes: a README example 90 s instead of 5)
+UNINTERPRETED: Mapping[str, str | None] = {"TRITON_INTERPRET": None}
+
+
+@contextmanager
+def environment(env: Mapping[str, str | None] | None) -> Iterator[None]:
+    """``os.environ`` with ``env`` applied (``None``: the variable removed), restored after: what processes started
+    inside inherit."""
+    def apply(values: Mapping[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    saved = {name: os.environ.get(name) for name in env or {}}
+    try:
+        apply(env or {})
+        yield
+    finally:
+        apply(saved)
+
+
+def run_spawned(fn: Callable[..., None], world_size: int, *args: Any, teardown_retry: bool = True,
+                env: Mapping[str, str | None] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, port, *args, out_dir)`` on ``world_size`` spawned processes, each ending with
     ``write_result(out_dir, rank, value)``; returns the values in rank order (``out_dir`` is then removed).
-    ``teardown_retry=False``: a crash at exit raises at once (for tests of clean exits)."""
-    results = _spawn_once(fn, world_size, args, teardown_retry)
-    return _spawn_once(fn, world_size, args, False) if results is None else results
+    ``teardown_retry=False``: a crash at exit raises at once (for tests of clean exits). ``env``: the processes'
+    environment changes (``environment``; e.g. ``UNINTERPRETED``)."""
+    with environment(env):
+        results = _spawn_once(fn, world_size, args, teardown_retry)
+        return _spawn_once(fn, world_size, args, False) if results is None else results
 
 
 def _spawn_once(fn: Callable[..., None], world_size: int, args: tuple, teardown_retry: bool) -> list[Any] | None:
@@ -85,21 +114,24 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     write_result(out_dir, rank, result)
 
 
-def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, teardown_retry: bool = True) -> list[Any]:
+def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, teardown_retry: bool = True,
+                env: Mapping[str, str | None] | None = None) -> list[Any]:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own gloo rank
-    (``teardown_retry``: see ``run_spawned``)."""
-    return run_spawned(_entry, world_size, fn, args, teardown_retry=teardown_retry)
+    (``teardown_retry``, ``env``: see ``run_spawned``)."""
+    return run_spawned(_entry, world_size, fn, args, teardown_retry=teardown_retry, env=env)
 
 
 _SIGNAL_DEATH = re.compile(r"Signal \d+ \(SIG\w+\) received")  # torchrun's summary of a rank killed by a signal
 
 
 def run_torchrun(args: list[str], *, cwd: str, done: str, nproc: int = 2, timeout: float = 240,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+                 env: Mapping[str, str | None] | None = None) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc_per_node=nproc *args`` in ``cwd`` on CPU ranks
-    (gloo, DeepSpeed's CPU accelerator, one thread a rank), output captured. Runs once more when a rank died of
-    a signal after the job printed ``done`` (a crash in the interpreter's teardown: ``spawn_ranks``'s rule)."""
-    full_env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
+    (gloo, DeepSpeed's CPU accelerator, one thread a rank; ``env``: changes, as ``run_spawned``'s), output
+    captured. Runs once more when a rank died of a signal after the job printed ``done`` (a crash in the
+    interpreter's teardown: ``spawn_ranks``'s rule)."""
+    with environment({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}):
+        full_env = dict(os.environ)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
     def run() -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ import pytest
 
 from dilated_attention.comm import BACKEND_NAMES, get_backend
 from dilated_attention.testing.harness import cases, spawn_battery
+from dilated_attention.testing.spawn import UNINTERPRETED
 
 # collective needs nothing beyond torch; the others run where their package is installed (CI installs both)
 INSTALLED = [n for n in BACKEND_NAMES if n == "collective" or importlib.util.find_spec(n) is not None]
@@ -37,7 +38,7 @@ def results():
 
         prebuild_ops()  # compile DeepSpeed's CPU op here, not in rank 0 while the others wait in new_group
     by_key: dict[tuple[str, str], list] = {}
-    for r in spawn_battery(INSTALLED, WORLD):
+    for r in spawn_battery(INSTALLED, WORLD, env=UNINTERPRETED):  # (the merges' kernels: tests/test_combine.py)
         case = r.case if r.case.startswith("P") else f"{r.case}@P{r.world}"
         by_key.setdefault((case, r.backend), []).append(r)
     return by_key

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from dilated_attention.integrations.huggingface import register_dilated_attention  # noqa: E402
 from dilated_attention.testing.compare import FLOOR, rel_err  # noqa: E402
-from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
+from dilated_attention.testing.spawn import UNINTERPRETED, spawn_ranks  # noqa: E402
 from dilated_attention.testing.oracle import dense_dilated_attention  # noqa: E402
 from dilated_attention.testing.scripts import load_script  # noqa: E402
 
@@ -398,7 +398,7 @@ def _sp_worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def sp_results() -> list[dict]:
-    return spawn_ranks(_sp_worker, 2)
+    return spawn_ranks(_sp_worker, 2, env=UNINTERPRETED)
 
 
 def test_sequence_parallel_logits_and_gradients_equal_single_process(sp_results):

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dilated_attention.testing.spawn import run_torchrun  # noqa: E402
+from dilated_attention.testing.spawn import UNINTERPRETED, run_torchrun  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_model.py")
@@ -33,7 +33,8 @@ def load_script():
 def test_tiny_run_on_two_ranks(tmp_path):
     proc = run_torchrun([SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,sdpa,ulysses,torch_cp",
                          "--ulysses-impl", "plain", "--find-max", "ours", "--time-budget", "3", "--profile", "--out",
-                         str(tmp_path)], cwd=ROOT, done="wrote", nproc=2, timeout=300)
+                         str(tmp_path)], cwd=ROOT, done="wrote", nproc=2, timeout=300,
+                         env=UNINTERPRETED)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((tmp_path / "model_cpu.json").read_text())
     assert set(data["runs"]) == {"2"} and "FSDP2 over 2 rank(s)" in data["runs"]["2"]["training"]

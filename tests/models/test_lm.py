@@ -30,7 +30,7 @@ from dilated_attention.models.lm import (  # noqa: E402
     reference_losses,
     sp_train,
 )
-from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
+from dilated_attention.testing.spawn import UNINTERPRETED, spawn_ranks  # noqa: E402
 
 STEPS = 5
 RTOL = 1e-5
@@ -100,7 +100,7 @@ def _deepspeed_worker(rank: int, world_size: int, sp_size: int, zero_stage: int,
 
 def _spawn(worker, world_size: int, *args) -> list[TrainResult]:
     prebuild_ops()  # compile DeepSpeed's CPU op once here, not in every spawned rank
-    return [TrainResult(**r) for per_rank in spawn_ranks(worker, world_size, *args) for r in per_rank]
+    return [TrainResult(**r) for per_rank in spawn_ranks(worker, world_size, *args, env=UNINTERPRETED) for r in per_rank]
 
 
 def losses_match(got: Sequence[float], want: Sequence[float], rtol: float = 1e-5, atol: float = 1e-6) -> bool:
@@ -170,7 +170,7 @@ def _torchrun(args: list[str]) -> str:
     from dilated_attention.testing.spawn import run_torchrun
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = run_torchrun(args, cwd=root, done="[train_lm] done:")
+    proc = run_torchrun(args, cwd=root, done="[train_lm] done:", env=UNINTERPRETED)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

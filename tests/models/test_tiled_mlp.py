@@ -27,7 +27,7 @@ from dilated_attention.models.hf_training import (  # noqa: E402
     shard_model,
     tile_mlp,
 )
-from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
+from dilated_attention.testing.spawn import UNINTERPRETED, spawn_ranks  # noqa: E402
 
 SHAPE = LlamaShape(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=48, vocab=64)
 SEED = 5
@@ -102,7 +102,7 @@ def _fsdp_runs(rank: int, world: int, impls: list[str]) -> list[dict[str, list]]
 
 def test_tiled_mlp_under_fsdp2_and_checkpointing():
     impls = ["chunked"] + (["deepspeed"] if deepspeed_tiled_mlp() is not None else [])
-    want, *runs = spawn_ranks(_fsdp_runs, 2, impls)[0]
+    want, *runs = spawn_ranks(_fsdp_runs, 2, impls, env=UNINTERPRETED)[0]
     assert len(runs) == len(impls)
     for got in runs:
         assert got.keys() == want.keys()

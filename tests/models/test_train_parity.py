@@ -39,7 +39,7 @@ from dilated_attention.models.hf_training import (  # noqa: E402
     train_step,
 )
 from dilated_attention.testing.oracle import pattern_masks  # noqa: E402
-from dilated_attention.testing.spawn import spawn_ranks  # noqa: E402
+from dilated_attention.testing.spawn import UNINTERPRETED, spawn_ranks  # noqa: E402
 
 SHAPE = LlamaShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=128)
 SEQ, BATCH, STEPS, SEED = 128, 2, 20, 7
@@ -139,7 +139,7 @@ def _one_device_losses() -> list[float]:
 
 
 def test_two_ranks_train_like_one_device():
-    ranks = spawn_ranks(_sequence_parallel_losses, 2)
+    ranks = spawn_ranks(_sequence_parallel_losses, 2, env=UNINTERPRETED)
     assert ranks[0] == ranks[1]  # every rank reports the whole batch's loss
     torch.set_num_threads(1)
     want = _one_device_losses()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dilated_attention import dilated_attention
 from dilated_attention.comm import BACKEND_NAMES, base, get_backend
 from dilated_attention.testing.harness import drift_strategies, drifts, run_out_of_step
-from dilated_attention.testing.spawn import spawn_ranks
+from dilated_attention.testing.spawn import UNINTERPRETED, spawn_ranks
 
 INSTALLED = [n for n in BACKEND_NAMES if n == "collective" or importlib.util.find_spec(n) is not None]
 TIMEOUT = 2.0  # seconds the library waits on a peer here
@@ -126,7 +126,7 @@ def _spawn(world: int) -> list[dict]:
         from dilated_attention.comm.deepspeed import prebuild_ops
 
         prebuild_ops()  # compiled here, not in a rank while the others wait
-    return spawn_ranks(_scenarios, world, INSTALLED)
+    return spawn_ranks(_scenarios, world, INSTALLED, env=UNINTERPRETED)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ Conventions for README authors (comment lines at the very top of a block):
 
 Blocks run with ``__name__ == "__main__"`` and must be small enough for a CPU
 (a few seconds). Each chain is one test, named by the file and line it starts on
-(``README.md:91``, ``docs/diagnostics.md:60``); a chain never crosses files.
+(``README.md:91``, ``docs/diagnostics.md:60``); a chain never crosses files. Every chain runs in spawned
+processes (one spawn per rank count) set up as a user's CPU process: Triton's kernels not interpreted
+(``testing.spawn.UNINTERPRETED``; the kernel tests check them in the interpreter).
 """
 
 from __future__ import annotations
@@ -141,9 +143,9 @@ for _doc in DOCS:
 
 
 @pytest.fixture(scope="module")
-def distributed_results() -> dict[str, list[str]]:
+def chain_results() -> dict[str, list[str]]:
     """One spawn per rank count, running all of that count's chains: ``name -> [error per rank]``."""
-    from dilated_attention.testing.spawn import spawn_ranks
+    from dilated_attention.testing.spawn import UNINTERPRETED, spawn_ranks
 
     out: dict[str, list[str]] = {}
     cuda = torch.cuda.is_available()
@@ -151,11 +153,11 @@ def distributed_results() -> dict[str, list[str]]:
         from dilated_attention.comm.deepspeed import prebuild_ops
 
         prebuild_ops()  # DeepSpeed compiles a CPU op on first use: once here, not in every rank
-    for ranks in sorted({c.ranks for c in CHAINS if c.ranks > 1}):
+    for ranks in sorted({c.ranks for c in CHAINS}):
         todo = [c for c in CHAINS if c.ranks == ranks and (cuda or c.needs_gpu is None)]
         if todo:
             payload = [{"line": c.line, "sources": c.sources, "ranks": c.ranks, "path": c.path} for c in todo]
-            for per_rank in spawn_ranks(_rank_worker, ranks, payload):
+            for per_rank in spawn_ranks(_rank_worker, ranks, payload, env=UNINTERPRETED):
                 for name, err in per_rank.items():
                     out.setdefault(name, []).append(err)
     return out
@@ -169,10 +171,7 @@ def test_readme_has_python_blocks():
 def test_readme_block_runs(chain, request):
     if chain.needs_gpu is not None and not torch.cuda.is_available():
         pytest.skip(f"needs a GPU: {chain.needs_gpu}")
-    if chain.ranks == 1:
-        run_chain(chain)
-        return
-    errors = request.getfixturevalue("distributed_results")[chain.name]
+    errors = request.getfixturevalue("chain_results")[chain.name]
     assert len(errors) == chain.ranks
     failed = [(r, e) for r, e in enumerate(errors) if e]
     assert not failed, f"rank {failed[0][0]}:\n{failed[0][1]}"
