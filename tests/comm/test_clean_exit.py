@@ -9,7 +9,7 @@ values die with ``fn``), so this runs a script under torchrun, several times, wi
 
 from __future__ import annotations
 
-from dilated_attention.testing.spawn import run_torchrun
+from dilated_attention.testing.spawn import UNINTERPRETED, run_torchrun
 
 _SCRIPT = '''
 import torch, torch.distributed as dist
@@ -31,5 +31,5 @@ def test_head_strategy_jobs_exit_cleanly_with_an_output_alive(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
     for _ in range(4):  # (with collectives on gloo, 4 of 8 runs aborted)
-        proc = run_torchrun([str(script)], cwd=str(tmp_path), done="not printed", timeout=120)
+        proc = run_torchrun([str(script)], cwd=str(tmp_path), done="not printed", timeout=120, env=UNINTERPRETED)
         assert proc.returncode == 0 and "job done" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

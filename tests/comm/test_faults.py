@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dilated_attention import dilated_attention
 from dilated_attention.comm import BACKEND_NAMES, PeerTimeoutError, get_backend
-from dilated_attention.testing.spawn import spawn_ranks
+from dilated_attention.testing.spawn import UNINTERPRETED, spawn_ranks
 
 WORLD = 3
 TIMEOUT = 2.0  # seconds the library waits on a peer in these tests
@@ -89,7 +89,7 @@ def outcomes(request):
         pytest.importorskip("fairscale")
     # each rank runs every scenario (init_process_group timeout 120 s); raises if any rank exits
     # non-zero, e.g. SIGABRT at exit after the errors (no second try)
-    return request.param, spawn_ranks(_scenarios, WORLD, request.param, teardown_retry=False)
+    return request.param, spawn_ranks(_scenarios, WORLD, request.param, teardown_retry=False, env=UNINTERPRETED)
 
 
 def _waiting_ranks_time_out(got, scenario, words):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from dilated_attention.testing.spawn import run_torchrun
+from dilated_attention.testing.spawn import UNINTERPRETED, run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +53,8 @@ def test_demo_under_torchrun_speaks_once():
 
     prebuild_ops()  # DeepSpeed compiles a CPU op on first use: not inside the timed ranks
     proc = run_torchrun(["launch/demo.py", "--seq-len", "256", "--patterns", "2", "--heads", "2", "--head-dim", "8",
-                         "--iters", "1"], cwd=ROOT, done="all backends match the single-device result")
+                         "--iters", "1"], cwd=ROOT, done="all backends match the single-device result",
+                        env=UNINTERPRETED)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     for i, label in enumerate(["single-device result", "backend collective", "backend fairscale",
