@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -49,28 +49,36 @@ def write_result(out_dir: str, rank: int, value: Any) -> None:
 
 
 # The environment of a user's CPU process: Triton's kernels not interpreted, so the merges take their torch path (a
-# test process interprets them to check the kernels' code; in ranks that only run the library around them, the
-# interpreter costs minutes: a README example 90 s instead of 5)
+# test process interprets them to check the kernels' code; ranks that only run the library around them would spend
+# most of their time in the interpreter)
 UNINTERPRETED: Mapping[str, str | None] = {"TRITON_INTERPRET": None}
+
+
+def _apply(target: MutableMapping[str, str], env: Mapping[str, str | None]) -> None:
+    for name, value in env.items():
+        if value is None:
+            target.pop(name, None)
+        else:
+            target[name] = value
+
+
+def environ_with(env: Mapping[str, str | None] | None) -> dict[str, str]:
+    """A copy of ``os.environ`` with ``env`` applied (``None``: the variable removed), for a subprocess."""
+    out = dict(os.environ)
+    _apply(out, env or {})
+    return out
 
 
 @contextmanager
 def environment(env: Mapping[str, str | None] | None) -> Iterator[None]:
     """``os.environ`` with ``env`` applied (``None``: the variable removed), restored after: what processes started
     inside inherit."""
-    def apply(values: Mapping[str, str | None]) -> None:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
     saved = {name: os.environ.get(name) for name in env or {}}
     try:
-        apply(env or {})
+        _apply(os.environ, env or {})
         yield
     finally:
-        apply(saved)
+        _apply(os.environ, saved)
 
 
 def run_spawned(fn: Callable[..., None], world_size: int, *args: Any, teardown_retry: bool = True,
@@ -130,8 +138,7 @@ def run_torchrun(args: list[str], *, cwd: str, done: str, nproc: int = 2, timeou
     (gloo, DeepSpeed's CPU accelerator, one thread a rank; ``env``: changes, as ``run_spawned``'s), output
     captured. Runs once more when a rank died of a signal after the job printed ``done`` (a crash in the
     interpreter's teardown: ``spawn_ranks``'s rule)."""
-    with environment({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}):
-        full_env = dict(os.environ)
+    full_env = environ_with({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
     def run() -> subprocess.CompletedProcess:

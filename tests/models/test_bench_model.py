@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dilated_attention.testing.spawn import UNINTERPRETED, run_torchrun  # noqa: E402
+from dilated_attention.testing.spawn import UNINTERPRETED, environ_with, run_torchrun  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_model.py")
@@ -69,7 +69,7 @@ def test_profile_run_on_cpu(tmp_path):
     and tabled."""
     proc = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,sdpa",
                            "--profile", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                          timeout=300, env=environ_with({"DS_ACCELERATOR": "cpu", **UNINTERPRETED}))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((tmp_path / "model_cpu.json").read_text())
     bench_model = load_script()

@@ -16,7 +16,7 @@ import gpu_tag  # noqa: E402
 import plot_scaling  # noqa: E402
 
 from cost_model_lib import validate  # noqa: E402
-from dilated_attention.testing.spawn import run_torchrun  # noqa: E402
+from dilated_attention.testing.spawn import UNINTERPRETED, run_torchrun  # noqa: E402
 
 RECORD_KEYS = {"impl", "strategy", "config", "causal", "gpus", "tokens_per_gpu", "layout", "ms", "efficiency",
                "peak_gib", "own_gib"}
@@ -72,7 +72,7 @@ def smoke_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
     proc = run_torchrun([os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--smoke", "--out", str(out), "--tag",
                          "smoke", "--profile", "--profile-trace", str(out / "traces"), "--compile"], cwd=ROOT,
-                        done=f"wrote {out}", env={"DILATED_ATTENTION_TIMEOUT": "60"}, timeout=180)
+                        done=f"wrote {out}", env={"DILATED_ATTENTION_TIMEOUT": "60", **UNINTERPRETED}, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out / "scaling_smoke_x2.json"
 

@@ -1,7 +1,8 @@
 """``spawn_ranks``: a rank that crashes at interpreter exit after returning its value gets one more run of the
 job; a crash that recurs, a crash before returning, and any crash with ``teardown_retry=False`` raise.
 An exception on one rank raises at once, without waiting for the others.
-``run_torchrun``: the same rule, with "returned" read as "the job printed its last line"."""
+``run_torchrun``: the same rule, with "returned" read as "the job printed its last line". ``env=``: the
+processes' environment changes, the caller's environment untouched."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import pytest
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-from dilated_attention.testing.spawn import spawn_ranks
+from dilated_attention.testing.spawn import UNINTERPRETED, environ_with, environment, spawn_ranks
 
 
 def _abort_at_exit(rank: int, world_size: int, folder: str, crashes: int) -> dict:
@@ -106,3 +107,21 @@ def test_run_torchrun_runs_once_more_after_a_crash_at_exit_past_done(tmp_path, c
     proc = run_torchrun([str(script), str(folder), str(crashes)], cwd=str(tmp_path), done=done, timeout=120)
     assert (proc.returncode == 0) == ok, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert len(os.listdir(folder)) == runs
+
+
+def _environ(rank: int, world_size: int) -> dict:
+    return {"interpret": os.environ.get("TRITON_INTERPRET"), "extra": os.environ.get("DILATED_ATTENTION_TEST_VAR")}
+
+
+def test_env_reaches_the_ranks_and_leaves_the_caller_as_it_was(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("DILATED_ATTENTION_TEST_VAR", raising=False)
+    env = {**UNINTERPRETED, "DILATED_ATTENTION_TEST_VAR": "set"}
+    assert spawn_ranks(_environ, 2, env=env) == [{"interpret": None, "extra": "set"}] * 2
+    assert os.environ["TRITON_INTERPRET"] == "1" and "DILATED_ATTENTION_TEST_VAR" not in os.environ
+    made = environ_with(env)
+    assert "TRITON_INTERPRET" not in made and made["DILATED_ATTENTION_TEST_VAR"] == "set"
+    with pytest.raises(RuntimeError), environment(env):  # restored when the body raises too
+        assert "TRITON_INTERPRET" not in os.environ
+        raise RuntimeError
+    assert os.environ["TRITON_INTERPRET"] == "1" and "DILATED_ATTENTION_TEST_VAR" not in os.environ
