@@ -14,13 +14,13 @@ import sys
 
 import pytest
 
-from dilated_attention.testing.spawn import UNINTERPRETED, run_torchrun
+from dilated_attention.testing.spawn import UNINTERPRETED, environ_with, run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args: list[str], env: dict[str, str] | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
+    full_env = environ_with({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})})
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
 
