@@ -25,6 +25,7 @@ if not CUDA:  # must precede the first kernel build; fused.py jits lazily at fir
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.chunk_loop import ChunkLoop  # noqa: E402
+from dilated_attention.kernels.fused import FusedConfig  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel, _expand_kv  # noqa: E402
 from dilated_attention.merge import Part, merge_pattern_, sum_grads  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
@@ -34,6 +35,9 @@ from dilated_attention.testing.oracle import dense_dilated_attention  # noqa: E4
 from dilated_attention.views import chunk_views, compact_view, dilated_view, pack_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+# The fused kernel's own tests pin 16-row tiles in the interpreter (its default there is larger, for speed), so
+# that their small segments span several query and key tiles, partial ones included; a GPU keeps its pinned config.
+SMALL_TILES = None if CUDA else FusedConfig(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
 
 
 class LowpTorch:

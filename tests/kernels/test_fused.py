@@ -5,8 +5,8 @@ Triton's interpreter up on CPU, so it is imported first)."""
 from __future__ import annotations
 
 from kernel_checks import (  # noqa: I001
-    CUDA, DEVICE, DTYPES, LOWP, PAT_DIM, PAT_N, REF, REF_P, check_packed_ring_block, check_pattern_local, chunk_rows,
-    d64, judge, plans_for, rand, rand5, seeded,
+    CUDA, DEVICE, DTYPES, LOWP, PAT_DIM, PAT_N, REF, REF_P, SMALL_TILES, check_packed_ring_block, check_pattern_local,
+    chunk_rows, d64, judge, plans_for, rand, rand5, seeded,
 )
 
 import pytest  # noqa: E402
@@ -24,7 +24,7 @@ from dilated_attention.kernels.fused import (  # noqa: E402
 )
 from dilated_attention.testing.compare import as_layout, rel_err  # noqa: E402
 
-FUSED = FusedKernel()
+FUSED = FusedKernel(SMALL_TILES)
 # sizes by device: (block rows M, key rows, head dim)
 BLOCK_SHAPES = [(200, 200, 64), (256, 130, 128), (64, 64, 256)] if CUDA else [(24, 24, 32), (8, 20, 32)]
 # head dims that are not powers of two (padded inside the kernel): interpreter on small shapes, GPU on real ones

@@ -5,10 +5,10 @@ guarded ``exp(s - lse)`` of the backward: ``P = 0`` where ``lse = -inf``). It ru
 in float64 (the oracle) and in the inputs' dtype (the plain-torch result the
 tolerance rule of ``testing/compare.py`` scales from). Without CUDA the kernels
 run in Triton's interpreter on small shapes. Inputs are fresh draws from a
-``torch.Generator`` with a fixed seed per case; the interpreter's tiles are 16
-rows, so the "half" masks below mask whole key tiles (and, with the GPU sizes,
-whole GPU tiles), and "by_offset" masks different tiles for different dilation
-offsets.
+``torch.Generator`` with a fixed seed per case; the tests pin 16-row tiles in
+the interpreter (``kernel_checks.SMALL_TILES``), so the "half" masks below mask
+whole key tiles (and, with the GPU sizes, whole GPU tiles), and "by_offset" masks
+different tiles for different dilation offsets.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from dilated_attention.kernels.fused import FusedKernel, _key_mask  # noqa: E402
+from kernel_checks import SMALL_TILES  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.testing.compare import assert_within_rule  # noqa: E402
 from dilated_attention.views import pack_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-FUSED = FusedKernel()
+FUSED = FusedKernel(SMALL_TILES)
 LOW = torch.bfloat16 if CUDA else torch.float16
 INF = float("inf")
 
