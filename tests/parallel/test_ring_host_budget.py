@@ -49,7 +49,7 @@ def _count_step(rank: int, world: int) -> dict:
     result = {}
     for causal in (False, True):
         g = torch.Generator().manual_seed(5801 + causal)  # the same global inputs on every rank
-        q, k, v, dout = (torch.randn(1, rows * world, 8, 16, generator=g) for _ in range(4))
+        q, k, v, dout = (torch.randn(1, rows * world, 4, 16, generator=g) for _ in range(4))
         mine = slice(rank * rows, (rank + 1) * rows)
         leaves = [x[:, mine].clone().requires_grad_() for x in (q, k, v)]
         kw = dict(causal=causal, kernel="fused", comm="collective", strategy="ring")
