@@ -673,7 +673,7 @@ def main(argv=None):
     if args.write_table:
         return write_table(args.write_table, tuple(args.table_classes.split(",")), force=args.force_table)
     if args.smoke:
-        args.batch, args.seq, args.heads, args.dim = 1, 64, 4, 16
+        args.batch, args.seq, args.heads, args.dim = 1, 64, 2, 16
         args.segments, args.rates, args.warmup, args.reps = "16,32,64", "1,2,4", 0, 1
         args.dtype = "float32"
         args.methods = "fused,auto,auto-any,reference"
