@@ -6,7 +6,8 @@ calls the fused kernel's step makes around its launches (replayed after the firs
 An eager call is host-bound on a GPU (docs/performance.md): every operation dispatched costs microseconds of
 Python and C++ between kernel launches. A change that adds per-call work shows here as a higher count; the
 bounds are the counts of today's code plus a little room, so raise one only for a reason that is worth its host
-time (and say it in the commit).
+time (and say it in the commit). Each count empties the library's caches before its warm-up call: a cache that
+earlier tests in the process left near its bound would start over during the warm-up and miss in the counted call.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def test_a_longnet_step_dispatches_no_more_operations_than_its_budget(causal, mo
     merge_launch = triton_support.launch
     monkeypatch.setattr(triton_support, "launch", launch)  # (every merge, combine and gather launch goes through it)
     kernel = CudnnKernel(ops)
-    _fresh_caches()
+    caches.clear_caches()  # (module doc: a count starts from empty caches)
     # one call first: plans, tables and views of this configuration made and cached (a second changes no count)
     dilated_attention(*leaves, SEGMENTS, RATES, causal=causal, kernel=kernel).backward(dout)
     for x in leaves:
@@ -93,12 +94,6 @@ def test_a_longnet_step_dispatches_no_more_operations_than_its_budget(causal, mo
     assert total <= bound_ops and calls <= bound_calls, (
         f"one LongNet forward+backward dispatched {total} operations around {calls} kernel calls, over its budget "
         f"of {bound_ops} around {bound_calls}; most: {most}")
-
-
-def _fresh_caches() -> None:
-    """Every cache emptied before a count's warm-up call: a cache that earlier tests in this process left near its
-    bound would start over during the warm-up and miss in the counted call (Python calls, not the step's)."""
-    caches.clear_caches()
 
 
 def _assert_oracle(q, k, v, dout, causal, out, leaves, segments=SEGMENTS, rates=RATES) -> None:
@@ -143,7 +138,7 @@ def test_a_fused_longnet_step_makes_no_more_python_calls_than_its_budget(causal,
         out.backward(dout)
         return out
 
-    _fresh_caches()
+    caches.clear_caches()  # (module doc: a count starts from empty caches)
     step()  # first: plans, replays and tables of this configuration made and kept (a second changes no count)
     calls[0] = launches[0] = 0
     sys.setprofile(count)  # (CPU: autograd runs the backward on this thread)
