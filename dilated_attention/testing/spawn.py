@@ -4,12 +4,14 @@
 group, calls ``fn(rank, world, *args)`` on each, and returns the per-rank return
 values (JSON round-tripped: dicts, lists, numbers, strings). ``fn`` must be a
 module-level function (it is pickled by name). A rank that exits non-zero (an
-exception, or a signal such as SIGABRT at exit) makes ``spawn_ranks`` raise, with one
-exception: a rank killed by a signal after it destroyed its group and returned its value
+exception, or a signal such as SIGABRT at exit) makes ``spawn_ranks`` raise, with two
+exceptions. A rank killed by a signal after it destroyed its group and returned its value
 died in the interpreter's teardown (a gloo worker thread releasing a tensor while Python
-shuts down, seen rarely on loaded machines); the job then runs once more and raises if it
-recurs. ``run_spawned`` is the same for a worker that joins its own group and writes its
-result (``write_result``); ``run_torchrun`` runs a script under torchrun by the same rule.
+shuts down, seen rarely on loaded machines): the job runs once more and raises if it
+recurs. A rendezvous port that another process took between its choice and rank 0's
+listening on it: the ranks start again on another. ``run_spawned`` is the same for a worker
+that joins its own group and writes its result (``write_result``); ``run_torchrun`` runs a
+script under torchrun by the teardown rule.
 """
 
 from __future__ import annotations
@@ -98,8 +100,7 @@ def _spawn_once(fn: Callable[..., None], world_size: int, args: tuple, teardown_
 
     with tempfile.TemporaryDirectory(prefix="dilated_attention_") as out_dir:
         try:
-            mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size,
-                               start_method="spawn")
+            _start_on_a_free_port(fn, world_size, args, out_dir)
         except mp.ProcessExitedException as exc:
             returned = os.path.exists(_result_path(out_dir, exc.error_index))
             if not (teardown_retry and exc.signal_name and returned):
@@ -112,6 +113,26 @@ def _spawn_once(fn: Callable[..., None], world_size: int, args: tuple, teardown_
             with open(_result_path(out_dir, rank)) as f:
                 results.append(json.load(f))
         return results
+
+
+PORT_ATTEMPTS = 3
+
+
+def _start_on_a_free_port(fn: Callable[..., None], world_size: int, args: tuple, out_dir: str) -> None:
+    """``fn``'s ranks started on a port that was free a moment ago, and again on another where some other process
+    took it in between (rank 0's store then cannot listen, before any rank ran past joining its group)."""
+    import torch.multiprocessing as mp
+
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            mp.start_processes(fn, args=(world_size, free_port(), *args, out_dir), nprocs=world_size,
+                               start_method="spawn")
+            return
+        except mp.ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                raise
+            print("run_spawned: the rendezvous port was taken before rank 0 listened on it; starting the ranks on "
+                  "another", file=sys.stderr, flush=True)
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:

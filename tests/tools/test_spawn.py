@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import time
 
 import pytest
@@ -125,3 +126,27 @@ def test_env_reaches_the_ranks_and_leaves_the_caller_as_it_was(monkeypatch):
         assert "TRITON_INTERPRET" not in os.environ
         raise RuntimeError
     assert os.environ["TRITON_INTERPRET"] == "1" and "DILATED_ATTENTION_TEST_VAR" not in os.environ
+
+
+def _rank_of(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_a_rendezvous_port_taken_before_rank_0_listens_starts_the_ranks_on_another(monkeypatch, capfd):
+    from dilated_attention.launch_utils import free_port
+    from dilated_attention.testing import spawn
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])  # the first port handed out is held by another process's listener
+        monkeypatch.setattr(spawn, "free_port", lambda: next(ports, None) or free_port())
+        assert spawn_ranks(_rank_of, 2) == [0, 1]
+    assert "rendezvous port was taken" in capfd.readouterr().err
+    monkeypatch.setattr(spawn, "PORT_ATTEMPTS", 1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(spawn, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(ProcessRaisedException, match="EADDRINUSE"):  # attempts spent: the error itself
+            spawn_ranks(_rank_of, 2)
