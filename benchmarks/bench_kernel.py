@@ -1,6 +1,6 @@
 """Single-GPU kernel benchmark: every implementation ``kernel="auto"`` can choose, the library path, the ceilings.
 
-The pipelines are the library's own ring schedule on one device (``ring.ring_forward``/``ring_backward``:
+The pipelines are the library's own ring schedule on one device (``ring.block.block_forward``/``block_backward``:
 each local pattern a compact part combined once at the end, or merged into a running fp32 result, as the
 kernel's ``parts`` says); the "kernel" rows run the patterns alone (forward: compact results; backward:
 ``backward_pattern`` of every plan, with the final merged ``out``/``lse``, into fp32 accumulators).
@@ -48,7 +48,7 @@ Causal split (``--causal-block N[,N...]``): the ``flash4`` and ``cudnn-det`` met
 implementations of those names) run with ``causal_block`` = the first value (0: never split; without the
 option each kernel's default), and each further value adds the methods ``flash4-cb<N>`` and
 ``cudnn-det-cb<N>``: so ``--causal-block 0,2048`` times unsplit and split in one run. The split happens in the
-library's schedule (``ring.py``), so it shows in the pipeline, ``api`` and full-attention rows, not in the
+library's schedule (``ring/block.py``), so it shows in the pipeline, ``api`` and full-attention rows, not in the
 ``kernel`` rows (patterns called alone). The JSON records the values (``meta.causal_block``).
 
 Writes ``kernel_<gpu>.json`` (everything, the markdown included), ``.md`` and ``.png`` into ``--out``,
@@ -157,7 +157,8 @@ from dilated_attention.kernels.flash4 import unavailable_reason as flash4_unavai
 from dilated_attention.kernels.fused import FusedKernel, default_config  # noqa: E402
 from dilated_attention.kernels.registry import KERNELS, build_kernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
-from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
+from dilated_attention.ring.block import block_backward, block_forward  # noqa: E402
+from dilated_attention.ring.routes import RingCall, plan_ring  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TABLE_FILE = os.path.join(ROOT, "dilated_attention", "kernels", "auto_table.py")
@@ -223,17 +224,17 @@ def fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=True):
     if not merge:
         return [kernel.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
     # exactly what the library's forward does around the kernels (the ring schedule on one device)
-    return ring_forward(q, k, v, None, RingCall(tuple(plans), None, RingLayout(), 0, kernel, causal, scale))
+    return block_forward(q, k, v, None, RingCall(plan_ring(plans, kernel, q, k, causal=causal, scale=scale), None, 0))
 
 
 def library_backward(kernel, q, k, v, plans, out, lse, dout, causal, scale):
     # exactly what the library's backward does around the kernels (the ring schedule on one device)
-    return ring_backward(q, k, v, None, out, lse, dout, RingCall(tuple(plans), None, RingLayout(), 0, kernel,
-                                                                 causal, scale))
+    return block_backward(q, k, v, None, (out, lse, dout),
+                          RingCall(plan_ring(plans, kernel, q, k, causal=causal, scale=scale), None, 0))
 
 
 def fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale):
-    """One training step's attention on one device, as the library runs it: ``ring_forward`` + ``ring_backward``."""
+    """One training step's attention on one device, as the library runs it: ``block_forward`` + ``block_backward``."""
     out, lse = fwd_pipeline(kernel, q, k, v, plans, causal, scale)
     return library_backward(kernel, q, k, v, plans, out, lse, dout, causal, scale)
 
@@ -389,7 +390,7 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                     grads.append(acc)
                 r["rel_vs_fused"] = max([_rel(rows_o, rows_r)] + [_rel(a, b) for a, b in zip(grads[0], ref_b)])
                 r["bwd_reproducible"] = all(torch.equal(a, b) for a, b in zip(*grads))
-                # what the library calls (ring.py): a compact part (combined once at the end, not timed here),
+                # what the library calls (ring/block.py): a compact part (combined once at the end, not timed here),
                 # or the pattern merged into a running result, the first one fresh when it covers everything
                 fresh = p is plans[0] and p.covers_all(q.shape[2], k.shape[2])
                 run_o = torch.zeros(q.shape, dtype=torch.float32, device=dev)
@@ -456,7 +457,7 @@ def refine_by_pipeline(impls, choices, ranked, q, k, v, dout, plans, causal, sca
 
     Patterns timed one by one hide what overlaps in the pipeline (one implementation's host work runs
     under the previous pattern's kernels), so where the runner-up of a key is within ``CLOSE_CALL`` of its
-    fastest, every combination of the two is timed as ``ring_forward`` + ``ring_backward`` through an
+    fastest, every combination of the two is timed as ``block_forward`` + ``block_backward`` through an
     ``AutoKernel`` (deterministic backward) and the fastest combination is kept (``pick_trial``). Returns
     ``(choices, trials)``; a trial is ``{"choices": {key: name}, "ms": median, "rounds": [...], "peak_bytes":
     int}`` for the keys tried, timed at a training loop's pace (``pace``: back to back on a GPU) in

@@ -1004,7 +1004,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from dilated_attention import causal_share, memory, ring_swaps, set_memory_bound
+    from dilated_attention import memory, set_memory_bound
+    from dilated_attention.ring import routes
+    from dilated_attention.ring.cross_share import Helper
     from dilated_attention.comm import get_backend
 
     if args.memory_bound is not None:
@@ -1030,10 +1032,10 @@ def main(argv: list[str] | None = None) -> int:
         "strategy_argument": strategies_ok, "layout_argument": layouts_ok,
         "waits": ("host" if comm.host_waits else "stream") if comm is not None else None,
         "memory_bound": list(memory.BOUND.key),  # head chunks: set_memory_bound's rule
-        "share_min_rows": causal_share.SHARE_MIN_ROWS,  # causal rings on full rows this long share their cross blocks
-        "share_guests": causal_share.Helper.order,  # a helper's guests' backward: one per idle step
-        # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring_swaps.py)
-        "swap_compact": [ring_swaps.swaps_rings(False), ring_swaps.swaps_rings(True)],
+        "share_min_rows": routes.TUNING.share_min_rows,  # causal rings on full rows this long share their cross blocks
+        "share_guests": Helper.order,  # a helper's guests' backward: one per idle step
+        # (non-causal, causal): dilated rings whose ranks divide the heads run head-parallel (ring/swapped.py)
+        "swap_compact": [routes.TUNING.swaps_rings(False), routes.TUNING.swaps_rings(True)],
         "waits_asked": args.waits, "warmup": args.warmup, "iters": args.iters,
         "timing": "median forward+backward over iterations, slowest rank, " + ("CUDA events" if bench.cuda else "wall clock")
                   + (f"; an iteration is the mean of {args.pipelined} steps run back to back" if args.pipelined

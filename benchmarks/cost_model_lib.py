@@ -40,12 +40,12 @@ streams (compute, communication) and a host thread (``_Timeline``):
   the transfer ends, and work it then issues to an idle GPU starts ``dispatch_us`` later. A
   scaling JSON says which mode it measured (``meta.waits``; files without it were host-timed).
 - **Strategies**: ring (rank ``K-1``, the slowest when causal, is replayed; with ``balanced``,
-  the zigzag order, and on rings of full rows of at least ``causal_share.SHARE_MIN_ROWS`` and at most
-  ``causal_share.SHARE_MAX_RANKS`` ranks, which share their cross blocks, every step after its own is half
-  a block (a helper runs one guest's backward per idle step, ``causal_share.Helper``; files measured before
+  the zigzag order, and on rings of full rows of at least ``ring.routes.Tuning.share_min_rows`` and at most
+  ``Tuning.share_max_ranks`` ranks, which share their cross blocks, every step after its own is half
+  a block (a helper runs one guest's backward per idle step, ``ring.cross_share.Helper``; files measured before
   that say ``meta.share_guests = "at_once"`` or nothing: there the first rank ran every guest's at its first
   idle step, ``guests_at_once``, which held back the dK/dV accumulator passing it, the last rank's own, by
-  ``G - 2`` half blocks); causal dilated rings whose ranks divide the heads run head-parallel, ``ring_swaps.py``: the
+  ``G - 2`` half blocks); causal dilated rings whose ranks divide the heads run head-parallel, ``ring/swapped.py``: the
   segment's compact rows of ``1/G`` of the heads gathered by one all-to-all, computed whole, sent home),
   head (Ulysses: four all-to-alls and copies, then the whole sequence for ``H/K``
   heads), hybrid (all-to-all inside teams of ``A``, ring across teams on ``A L`` rows with ``H/A`` heads).
@@ -70,9 +70,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from dilated_attention.causal_share import SHARE_MAX_RANKS, SHARE_MIN_ROWS
 from dilated_attention.patterns import hybrid_team_size, longnet_offsets
-from dilated_attention.ring_swaps import swaps_rings
+from dilated_attention.ring import routes
 
 STRATEGIES = ("ring", "head", "hybrid")
 LONGNET_SEGMENTS = (2048, 8192, 32768, 131072)  # followed by N itself
@@ -371,7 +370,7 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
         heads_range = (lay.head0, lay.head0 + lay.heads)
         pairs = packed_pairs(p.heads, p.hkv, r, heads_range)
         if swap[p.causal] and r > 1 and not balanced and pairs == lay.kv_heads \
-                and lay.heads % g == 0 and lay.kv_heads % g == 0:  # ring_swaps.swap_members
+                and lay.heads % g == 0 and lay.kv_heads % g == 0:  # ring.routes._swap_members
             _swapped(tl, p, lay, hw, direction, g, m)
             continue
         half = b * m * pairs * d  # elements of K (or V) of a block
@@ -380,7 +379,7 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
         block_flops = pattern_flops(m, m, 1, heads=lay.heads, head_dim=d, batch=b)
         tl.run(pass_ms(2 * half * 2 * e, 2 * runs, hw))  # pack_kv: read + write both halves
         pos = g - 1  # the last rank of the ring: sees every earlier block when causal
-        shared = share_rows is not None and r == 1 and lay.rows >= share_rows and g <= SHARE_MAX_RANKS  # causal_share.plan_share
+        shared = share_rows is not None and r == 1 and lay.rows >= share_rows and g <= routes.TUNING.share_max_ranks  # routes.plan_share
         seen, grads_end = 0, None
         for step in range(g):
             kv_end = tl.send(transfer_ms(2 * half * e, link, hw)) if step < g - 1 else None
@@ -418,7 +417,7 @@ def _attention(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction:
 
 
 def _swapped(tl: _Timeline, p: Problem, lay: _Layout, hw: Hardware, direction: str, g: int, m: float) -> None:
-    """A ring pattern run head-parallel (``ring_swaps.py``) on ``g`` ranks of ``m`` compact rows each: its compact
+    """A ring pattern run head-parallel (``ring/swapped.py``) on ``g`` ranks of ``m`` compact rows each: its compact
     q, k, v (backward: and out, dO) packed and sent, the whole segment computed for ``1/g`` of the heads, the
     results packed and sent home (lse left out: ``1/D`` of a tensor)."""
     d, e, b = p.head_dim, p.dtype_bytes, p.batch
@@ -444,12 +443,12 @@ def _swap(tl: _Timeline, nbytes: float, team: int, before: tuple[float, int], af
 
 
 def rank_ms(p: Problem, gpus: int, team: int, hw: Hardware, *, balanced: bool = False,
-            host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
+            host_waits: bool = False, share_rows: int | None = routes.TUNING.share_min_rows,
             swap: tuple[bool, bool] | None = None, guests_at_once: bool = False) -> tuple[float, float]:
     """(ms, compute-stream busy ms) of one forward+backward on the slowest rank: all-to-all inside
     teams of ``team`` ranks (1: none), then every pattern locally or as a ring across teams."""
     tl = _Timeline(hw, host_waits)
-    swap = (swaps_rings(False), swaps_rings(True)) if swap is None else swap
+    swap = (routes.TUNING.swaps_rings(False), routes.TUNING.swaps_rings(True)) if swap is None else swap
     local = p.tokens / gpus
     hl, hk = p.heads // team, _local_kv_heads(p, team)
     lay = _Layout(local * team, hl, hk, head0=(team - 1) * hl, stride=team)  # last lane of the last team
@@ -486,17 +485,17 @@ def memory_gib(p: Problem, tokens_per_gpu: float) -> float:
 
 
 def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = H200,
-            *, balanced: bool = False, host_waits: bool = False, share_rows: int | None = SHARE_MIN_ROWS,
+            *, balanced: bool = False, host_waits: bool = False, share_rows: int | None = routes.TUNING.share_min_rows,
             swap: tuple[bool, bool] | None = None, guests_at_once: bool = False) -> Prediction | None:
     """Predicted forward+backward on ``gpus`` GPUs, or None where the strategy cannot run.
 
     ``balanced``: causal rings in zigzag order (``layout="zigzag"``: every step half a block).
-    ``share_rows``: causal rings on full rows of at least this many share their cross blocks (``causal_share.Share``;
+    ``share_rows``: causal rings on full rows of at least this many share their cross blocks (``ring.routes.Share``;
     ``None``: none do, the code before sharing). ``guests_at_once``: their first rank runs every guest's backward at
-    its first idle step (the order of files measured before ``causal_share.Helper``); default: one guest per idle
+    its first idle step (the order of files measured before ``ring.cross_share.Helper``); default: one guest per idle
     step, the library's order.
     ``swap``: (non-causal, causal) whether dilated rings whose ranks divide the heads run head-parallel
-    (``ring_swaps.py``); ``None``: as ``ring_swaps.SWAPPED_RINGS`` says.
+    (``ring/swapped.py``); ``None``: as ``ring.routes.Tuning.swapped_rings`` says.
     ``host_waits``: every exchange waited for on the host; default stream-ordered (module doc).
     """
     if strategy not in STRATEGIES:
@@ -528,7 +527,7 @@ def predict(p: Problem, gpus: int, strategy: str = "ring", hw: Hardware = H200,
 
 def best(p: Problem, gpus: int, hw: Hardware = H200, *, balanced: bool = False,
          host_waits: bool = False) -> Prediction:
-    """The fastest feasible strategy by this model (``strategy.py`` holds what was measured)."""
+    """The fastest feasible strategy by this model (``auto_strategy.py`` holds what was measured)."""
     preds = [x for s in STRATEGIES
              if (x := predict(p, gpus, s, hw, balanced=balanced, host_waits=host_waits)) is not None]
     return min(preds, key=lambda x: x.ms)
@@ -682,7 +681,7 @@ def file_host_waits(meta: dict) -> bool:
 
 
 def file_share_rows(meta: dict) -> int | None:
-    """The ``causal_share.SHARE_MIN_ROWS`` a scaling JSON was measured with (``meta.share_min_rows``); files without it
+    """The ``ring.routes.Tuning.share_min_rows`` a scaling JSON was measured with (``meta.share_min_rows``); files without it
     were measured before causal rings shared their cross blocks: ``None``."""
     return meta.get("share_min_rows")
 
@@ -694,7 +693,7 @@ def file_guests_at_once(meta: dict) -> bool:
 
 
 def file_swap(meta: dict) -> tuple[bool, bool]:
-    """The ``ring_swaps.SWAPPED_RINGS`` (non-causal, causal) a scaling JSON was measured with (``meta.swap_compact``);
+    """The ``ring.routes.Tuning.swapped_rings`` (non-causal, causal) a scaling JSON was measured with (``meta.swap_compact``);
     files without it were measured before dilated rings ran head-parallel: neither."""
     return tuple(meta.get("swap_compact", (False, False)))
 

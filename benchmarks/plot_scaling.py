@@ -95,7 +95,7 @@ MODES = {"ours": "eager", "ours+graph": "replayed"}
 
 
 def auto_choices(records: list[dict], gpus: int = 2, tokens: int = 32768) -> dict[tuple[bool, bool, str], str]:
-    """``strategy="auto"``'s table (``dilated_attention/strategy.py``) from one run's library records at ``gpus``
+    """``strategy="auto"``'s table (``dilated_attention/auto_strategy.py``) from one run's library records at ``gpus``
     and ``tokens`` per GPU: ``{(dense, causal, layout): "ring" | "head"}``, ``dense`` meaning full attention.
 
     Rule: each strategy's worse ratio to the fastest strategy over the modes the run timed (eager; replayed in a

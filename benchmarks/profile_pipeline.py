@@ -1,6 +1,6 @@
 """Where the library path's time goes on one GPU: a kernel-level profile of forward + backward.
 
-Runs the library's ring schedule on one device (``ring_forward`` + ``ring_backward``, as
+Runs the library's ring schedule on one device (``block_forward`` + ``block_backward``, as
 ``bench_kernel.py``'s pipeline rows) under ``torch.profiler`` and reports, per kernel choice and
 causal flag: wall time per step (CUDA events, no profiler), GPU busy time per step (sum of kernel
 and memory-op durations), the gap between them (launch and Python overhead the GPU waits on), and
@@ -71,7 +71,8 @@ from dilated_attention import dilated_attention, execution, ring  # noqa: E402
 from dilated_attention.kernels.dispatch import select_kernel  # noqa: E402
 from dilated_attention.kernels.guard import GuardedKernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
-from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward  # noqa: E402
+from dilated_attention.ring.block import block_backward, block_forward  # noqa: E402
+from dilated_attention.ring.routes import RingCall, plan_ring  # noqa: E402
 
 GROUPS = [  # (group, pattern on the kernel name, any case), first match wins
     ("fused forward", r"fwd_kernel"),
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
     for method in args.methods.split(","):
         kernel = select_kernel(method, q, k)
         for causal in (False, True):
-            call = RingCall(plans, None, RingLayout(), 0, kernel, causal, args.dim ** -0.5)
+            call = RingCall(plan_ring(plans, kernel, q, k, causal=causal, scale=args.dim ** -0.5), None, 0)
 
             def step():
                 if args.api:
@@ -244,9 +245,9 @@ def main(argv=None) -> int:
                     if not args.forward_only:
                         out.backward(dout)
                     return
-                out, lse = ring_forward(q, k, v, None, call)
+                out, lse = block_forward(q, k, v, None, call)
                 if not args.forward_only:
-                    ring_backward(q, k, v, None, out.to(q.dtype), lse, dout, call)
+                    block_backward(q, k, v, None, (out.to(q.dtype), lse, dout), call)
 
             row = {"method": method, "kernel": kernel.name, "causal": causal, "forward_only": args.forward_only,
                    "api": args.api,

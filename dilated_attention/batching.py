@@ -28,6 +28,12 @@ class Batch:
     length: int
     spans: tuple[tuple[int, int], ...] | None
     plans: tuple[tuple[PatternPlan, ...], ...]  # per head range (``Schedule.heads``)
+    rings: tuple = ()  # per head range, its routes (``ring.routes.RingPlan``); () when planned for shapes only
+
+    @property
+    def count(self) -> int:
+        """Batch rows per caller's batch row: one per document, or 1."""
+        return len(self.spans) if self.spans else 1
 
 
 def whole_batches(segment_lengths, dilation_rates, n: int, docs, pad: bool, plan) -> tuple[Batch, ...]:

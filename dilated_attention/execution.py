@@ -2,7 +2,7 @@
 
 ``forward`` computes a call from its ``planning.Schedule`` and returns what ``backward`` needs: gather the key
 mask across ranks, swap sequence for heads inside teams (``head_parallel.py``; in head chunks where the schedule
-says so), run every pattern locally or as a ring (``ring.py``) over the rank's block or the whole sequence's
+says so), run every pattern by its route, locally or as a ring (``ring/``) over the rank's block or the whole sequence's
 batches (``batching.py``), and swap back. ``backward`` is its exact gradient, from the final ``out`` and ``lse``.
 Eager calls wrap the pair in ``Attention`` (an ``autograd.Function`` that ``torch.func`` transforms); under
 ``torch.compile`` the same pair runs inside ``custom_ops.py``'s ops.
@@ -21,8 +21,8 @@ from .head_parallel import (heads_to_sequence, heads_to_sequence_backward, membe
 from .memory import HeadRange
 from .merge import accum_dtype
 from .planning import Schedule
-from .ring import ring_backward, ring_forward
-from .ring_steps import RingCall
+from .ring.block import block_backward, block_forward
+from .ring.routes import RingCall
 
 
 def unit_head_dim(x: torch.Tensor) -> torch.Tensor:
@@ -62,26 +62,26 @@ def attend_backward(spec: Schedule, call: int, q, k, v, key_mask, out, lse, dout
 
 def forward_by_heads(heads: tuple[HeadRange, ...], rings: tuple[RingCall, ...], q, k, v, key_mask
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ring_forward`` over every head range in turn, each writing its heads of one ``(out, lse)``."""
+    """``block_forward`` over every head range in turn, each writing its heads of one ``(out, lse)``."""
     if not heads:
-        return ring_forward(q, k, v, key_mask, rings[0])
+        return block_forward(q, k, v, key_mask, rings[0])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
     for r, ring in zip(heads, rings):
-        ring_forward(r.query(q), r.kv(k), r.kv(v), key_mask, ring, into=(r.query(out), r.query(lse)))
+        block_forward(r.query(q), r.kv(k), r.kv(v), key_mask, ring, into=(r.query(out), r.query(lse)))
     return out, lse
 
 
 def backward_by_heads(heads: tuple[HeadRange, ...], rings: tuple[RingCall, ...], q, k, v, key_mask, out, lse, dout
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ring_backward`` over every head range in turn, each writing its heads of ``(dq, dk, dv)`` (a kv head's
+    """``block_backward`` over every head range in turn, each writing its heads of ``(dq, dk, dv)`` (a kv head's
     query heads are all in its range, so each gradient element is written once)."""
     if not heads:
-        return ring_backward(q, k, v, key_mask, out, lse, dout, rings[0])
+        return block_backward(q, k, v, key_mask, (out, lse, dout), rings[0])
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     for r, ring in zip(heads, rings):
-        ring_backward(r.query(q), r.kv(k), r.kv(v), key_mask, r.query(out), r.query(lse), r.query(dout), ring,
-                      into=(r.query(grads[0]), r.kv(grads[1]), r.kv(grads[2])))
+        block_backward(r.query(q), r.kv(k), r.kv(v), key_mask, (r.query(out), r.query(lse), r.query(dout)), ring,
+                       into=(r.query(grads[0]), r.kv(grads[1]), r.kv(grads[2])))
     return grads
 
 

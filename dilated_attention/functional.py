@@ -5,7 +5,7 @@ and agrees on it across ranks; ``execution.Attention`` computes it under autogra
 ``backward``). Under ``torch.compile`` the call is one custom op (``custom_ops.py``) running the same two steps.
 Strategies (``comm`` given, ``P`` ranks, docs/design.md section 2) are one code path with a team size ``A``: an
 all-to-all inside teams of ``A`` consecutive ranks swaps sequence for heads (``head_parallel.py``), then every
-pattern runs locally or as a ring across teams (``ring.py``), then a second all-to-all swaps back.
+pattern runs locally or as a ring across teams (``ring/``), then a second all-to-all swaps back.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Head chunks: a long call runs its heads in a few groups, one after another, to bound its scratch memory.
 
 A call's scratch is what it holds besides its own q, k, v, out, dout, dq, dk, dv: the fp32 accumulators
-of patterns merged in place (``ring.py``), the compact parts of local patterns, and a ring's packed K/V
+of patterns merged in place (``ring/block.py``), the compact parts of local patterns, and a ring's packed K/V
 blocks and fp32 dK/dV accumulators in flight. Every one of them is per head, so running the heads in
 ``C`` chunks divides them by ``C``; the results are written into head slices of the call's output and
-gradients (``ring_forward``/``ring_backward``'s ``into``), so nothing is copied. The cost is more,
+gradients (``block_forward``/``block_backward``'s ``into``), so nothing is copied. The cost is more,
 smaller kernel calls and ring messages, which is why short calls run whole. The head strategy's swaps
 count as scratch too (its head-layout tensors): in chunks they move one chunk's heads at a time, and the
 backward swaps the chunk's q, k, v, out again rather than keeping them (``head_parallel.py``).
@@ -20,11 +20,11 @@ docs/performance.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from .patterns import PatternPlan
+from .ring.routes import Routes
 
 DEFAULT_SCRATCH_SHARE = 0.4  # peak memory target: 1.4 x the call's own bytes
 # own bytes (4 GiB: 131072 tokens of 16 x 128 bf16 heads) below which a call runs whole: LongNet's calls at
@@ -65,26 +65,32 @@ class HeadRange:
         return x[:, :, self.k0:self.k1]
 
 
-def scratch_bytes(plans: Sequence[PatternPlan], leaves_part: Callable[[PatternPlan], bool], rows: int,
-                  heads: int, kv_heads: int, dim: int, elem: int, causal: bool = False) -> int:
-    """Estimated scratch of one batch row's backward (the larger pass) over ``rows`` rows.
+def scratch_bytes(routes: Routes, rows: int, heads: int, kv_heads: int, dim: int, elem: int,
+                  causal: bool = False) -> int:
+    """Estimated scratch of one batch row's backward (the larger pass) over ``rows`` rows, from its ``routes``.
 
-    ``leaves_part(plan)``: whether that pattern's gradients are compact parts (a local pattern on a kernel
-    with parts, or a ring on compact rows: ``ring.leaves_part``); any other accumulates into fp32 tensors of the
-    full shape. ``causal``: rings on the full rows share their cross blocks (``causal_share.py``); the first rank of a
-    ring of ``G`` holds ``G - 1`` later ranks' half rows (q, out, dout; lse and dQ in fp32) and its own K/V block
-    packed again."""
+    A pattern whose gradients are compact parts (``Route.leaves_part``) holds them in the inputs' dtype; any other
+    accumulates into fp32 tensors of the full shape. A ring holds its packed K/V block and the next one, and fp32
+    dK/dV scratch, outgoing and incoming. ``causal``: rings on the full rows share their cross blocks
+    (``ring/cross_share.py``); the first rank of a ring of ``G`` holds ``G - 1`` later ranks' half rows (q, out,
+    dout; lse and dQ in fp32) and its own K/V block packed again. Stacks add their gathered rows
+    (``gathered_bytes``)."""
     per_row = (heads + 2 * kv_heads) * dim  # dq, dk, dv elements of one row
-    merged = [p for p in plans if p.chunks and not leaves_part(p)]
-    running = ACCUM_BYTES * rows * per_row if merged else 0
-    parts = sum(elem * (rows // p.dilation) * per_row for p in plans if p.chunks and p not in merged)
-    # a ring: its packed K/V block and the next one (input dtype), and fp32 dK/dV scratch, outgoing, incoming
+    running = ACCUM_BYTES * rows * per_row if any(not r.leaves_part for r in routes.routes) else 0
+    parts = sum(elem * (rows // r.plan.dilation) * per_row for r in routes.routes if r.leaves_part)
     ring = max((2 * (rows // p.dilation) * p.packed_heads * dim * (2 * elem + 3 * ACCUM_BYTES)
-                + (causal and not leaves_part(p)) * (2 * (rows // p.dilation) * p.packed_heads * dim * elem
-                                                     + (p.ring_size - 1) * rows // 2 * heads
-                                                     * (3 * elem * dim + ACCUM_BYTES * (dim + 1)))
-                for p in plans if p.chunks and p.ring_size > 1), default=0)
-    return running + parts + ring
+                + (causal and not r.leaves_part) * (2 * (rows // p.dilation) * p.packed_heads * dim * elem
+                                                    + (p.ring_size - 1) * rows // 2 * heads
+                                                    * (3 * elem * dim + ACCUM_BYTES * (dim + 1)))
+                for r in routes.routes for p in (r.plan,) if p.ring_size > 1), default=0)
+    return running + parts + ring + gathered_bytes(routes, rows, heads, kv_heads, dim, elem)
+
+
+def gathered_bytes(routes: Routes, rows: int, heads: int, kv_heads: int, dim: int, elem: int) -> int:
+    """What a stacked backward over ``rows`` rows (of every batch row) holds at once besides its parts: the largest
+    stack's gathered q, out, dout, k, v (the inputs' dtype, ``elem`` bytes) and lse (fp32); 0 if nothing stacks."""
+    return max((sum(rows // p.dilation for p in s.plans) * ((3 * heads + 2 * kv_heads) * dim * elem + 4 * heads)
+                for s in routes.stacks()), default=0)
 
 
 def set_memory_bound(scratch_share: float = DEFAULT_SCRATCH_SHARE, from_bytes: int = DEFAULT_SCRATCH_FLOOR

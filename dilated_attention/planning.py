@@ -2,7 +2,7 @@
 
 ``schedule`` validates a call (``validation.py``) and decides everything but the data: the strategy's team size
 ``A`` (``"ring"`` is ``A = 1``, ``"head"`` is ``A = P``, ``"hybrid"`` in between, ``"auto"`` what
-``strategy.py`` measured fastest), how heads are dealt over a team (``head_parallel.HeadSplit``), the pattern
+``auto_strategy.py`` measured fastest), how heads are dealt over a team (``head_parallel.HeadSplit``), the pattern
 plans (of the rings across teams, or of the whole sequence's batches: ``batching.py``), the kernel, and the
 head chunks that bound its memory (``memory.py``). ``prepare`` adds, with ``comm``, the call's number and the
 cross-rank agreement (``consistency.agree``); a repeated call reuses its schedule (``schedule_key``) and its
@@ -24,50 +24,51 @@ from .batching import Batch, pads, whole_batches
 from .caches import typed
 from .comm.base import CommBackend
 from .consistency import agree, call_signature, signature_text
+from .auto_strategy import auto_team_size, pattern_spans
 from .head_parallel import HeadSplit, HeadSwap
 from .kernels.dispatch import select_kernel
 from .kernels.guard import guard_kernel
 from .kernels.protocol import PatternKernel
 from .memory import HeadRange, head_ranges, own_bytes, scratch_bytes
 from .patterns import PatternPlan, hybrid_team_size, plan_patterns, zigzag_half
-from .ring import leaves_part
-from .ring_steps import RingCall, RingLayout
-from .stacking import gathered_bytes
-from .strategy import auto_team_size, pattern_spans
+from .ring import routes
+from .ring.layout import RingLayout
+from .ring.routes import RingCall, RingPlan, Routes, plan_ring, stand_in
 from .validation import check_cu_seqlens, check_flags, check_key_padding_mask, check_scale, check_tensors
 from .views import layout_key
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """What a call decided before touching data: strategy, plans and kernel, for forward and backward."""
+    """What a call decided before touching data: strategy, plans, kernel and every pattern's route, for forward and
+    backward."""
 
     backend: CommBackend | None
     strategy: str
     team: int  # ranks that swap sequence for heads (1: no swap)
     split: HeadSplit
     batches: tuple[Batch, ...] | None  # the whole sequence on this rank (team == world)
-    plans: tuple[tuple[PatternPlan, ...], ...] | None  # else this rank's block of rings across teams (per head range)
+    blocks: tuple[RingPlan, ...] | None  # else this rank's block of rings across teams (per head range)
     docs: tuple[int, ...] | None
-    kernel: PatternKernel | None  # None when planned for shapes only
+    kernel: PatternKernel | None  # None when planned for shapes only (then no routes either)
     causal: bool
     scale: float
-    zigzag: bool = False  # the shards are in the zigzag layout (ring.RingLayout), over more than one rank
+    zigzag: bool = False  # the shards are in the zigzag layout (ring.layout.RingLayout), over more than one rank
     heads: tuple[HeadRange, ...] = ()  # the head chunks run one after another (``memory.py``); () = all at once
 
     def rings(self, call: int, batch: Batch | None = None) -> tuple[RingCall, ...]:
-        """Per head range: rings across teams, or (a whole-sequence ``batch``) every pattern local."""
+        """Per head range: the rank's block of rings across teams, or (a whole-sequence ``batch``) a block whose
+        every pattern is local."""
         if batch is not None:
-            return tuple(RingCall(p, None, RingLayout(), 0, self.kernel, self.causal, self.scale)
-                         for p in batch.plans)
-        return tuple(RingCall(p, self.backend, RingLayout(self.team, self.zigzag), call, self.kernel, self.causal,
-                              self.scale) for p in self.plans)
+            return tuple(RingCall(r, None, 0) for r in batch.rings)
+        return tuple(RingCall(r, self.backend, call) for r in self.blocks)
 
     def chunk(self, i: int) -> Schedule:
         """Head chunk ``i`` alone, on tensors holding only its heads (a head strategy's chunked swap)."""
-        batches = None if self.batches is None else tuple(replace(b, plans=(b.plans[i],)) for b in self.batches)
-        plans = None if self.plans is None else (self.plans[i],)
-        return replace(self, batches=batches, plans=plans, heads=())
+        batches = None if self.batches is None else \
+            tuple(replace(b, plans=(b.plans[i],), rings=(b.rings[i],)) for b in self.batches)
+        blocks = None if self.blocks is None else (self.blocks[i],)
+        return replace(self, batches=batches, blocks=blocks, heads=())
 
     def swap(self, call: int) -> HeadSwap:
         first = self.backend.rank - self.backend.rank % self.team
@@ -75,11 +76,9 @@ class Schedule:
                         f"call {call}, strategy {self.strategy!r} (team of {self.team})", call, self.zigzag)
 
 
-
-
 def team_size(strategy: str, world: int, heads: int, auto: Callable[[], int]) -> int:
     """Ranks that swap sequence for heads (``A``): 1 for ``"ring"``, the world for ``"head"``, ``auto()``
-    (``strategy.py``: what the scaling benchmark measured fastest) for ``"auto"``. ``hybrid``: a2a
+    (``auto_strategy.py``: what the scaling benchmark measured fastest) for ``"auto"``. ``hybrid``: a2a
     inside a node (``LOCAL_WORLD_SIZE`` ranks) and the ring across nodes when that divides the heads,
     else the largest proper divisor of the world that divides the heads.
     """
@@ -177,7 +176,7 @@ def schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend |
             reason = backend.check_device(name, t) if t is not None else None
             if reason is not None:
                 raise ValueError(reason)
-    chosen, ranges = None, ()
+    chosen, ranges, blocks = None, (), None
     if not shapes_only:
         masked = key_mask is not None or (batches is not None and any(pads(b, local * world) for b in batches))
         # without a key_padding_mask, the only masks are the padding ``_run_mask`` adds
@@ -190,35 +189,43 @@ def schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend |
             call = hooks.Call(q, k, v, segment_lengths, dilation_rates, backend, options, record, meta)
             chosen = hooks.apply_kernel_hooks(chosen, call)
         chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
-        ranges = head_chunks(chosen, q, k, split, batches, plans, local * team, causal, masked)
+
+        def routed(plans: tuple[PatternPlan, ...], batch: Batch | None, part: HeadRange | None = None) -> RingPlan:
+            """The routes of a block of ``plans``: a whole-sequence ``batch``, else this rank's block of rings."""
+            part = part or HeadRange(0, split.local_heads, 0, split.local_kv_heads)
+            rows, count = (local * team, bsz) if batch is None else (batch.length, bsz * batch.count)
+            qs, ks = (stand_in(x, (count, rows, h, x.shape[-1])) for x, h in ((q, part.h1 - part.h0),
+                                                                             (k, part.k1 - part.k0)))
+            return plan_ring(plans, chosen, qs, ks, causal=causal, scale=scale,
+                             masked=key_mask is not None or (batch is not None and pads(batch, local * world)),
+                             comm=None if batch is not None else backend,
+                             layout=RingLayout() if batch is not None else RingLayout(team, zigzag))
+
+        if batches is not None:
+            batches = tuple(replace(b, rings=(routed(b.plans[0], b),)) for b in batches)
+            largest = max(batches, key=lambda b: b.length * b.count)  # documents of one length run as batch rows
+            ranges = head_chunks(q, split, largest.length * largest.count * bsz, causal, largest.rings[0].backward)
+        else:
+            blocks = (routed(plans[0], None),)
+            ranges = head_chunks(q, split, local * team * bsz, causal, blocks[0].backward)
         if ranges:  # re-planned per head range
             if batches is not None:
-                batches = tuple(replace(b, plans=tuple(plan(b.length, part=r) for r in ranges)) for b in batches)
+                batches = tuple(replace(b, plans=ps, rings=tuple(routed(p, b, r) for p, r in zip(ps, ranges)))
+                                for b in batches for ps in (tuple(plan(b.length, part=r) for r in ranges),))
             else:
-                plans = tuple(plan(local * world, local * team, layout, r) for r in ranges)
-    return Schedule(backend, strategy, team, split, batches, plans, docs, chosen, causal, scale, zigzag, ranges)
+                blocks = tuple(routed(plan(local * world, local * team, layout, r), None, r) for r in ranges)
+    return Schedule(backend, strategy, team, split, batches, blocks, docs, chosen, causal, scale, zigzag, ranges)
 
 
-def head_chunks(kernel: PatternKernel, q, k, split: HeadSplit, batches, plans, rows: int, causal: bool,
-                 masked: bool) -> tuple[HeadRange, ...]:
-    """The head ranges a call runs in (``memory.py``'s rule, from its whole-heads plans); () for all at once."""
-    length = rows
-    if batches is not None:  # the largest batch: documents of one padded length run as batch rows
-        batch = max(batches, key=lambda b: b.length * (len(b.spans) if b.spans else 1))
-        plans, length, rows = batch.plans[0], batch.length, batch.length * (len(batch.spans) if batch.spans else 1)
-    else:
-        plans = plans[0]
-    rows *= q.shape[0]
+def head_chunks(q, split: HeadSplit, rows: int, causal: bool, routes: Routes) -> tuple[HeadRange, ...]:
+    """The head ranges a call runs in (``memory.py``'s rule), from the backward ``routes`` of its largest block on
+    whole heads, of ``rows`` rows in all (every batch row); () for all at once."""
     shape = (split.local_heads, split.local_kv_heads, q.shape[-1], q.element_size())
     own = own_bytes(rows, *shape)
-    # stand-ins for the tensors the attention reads (the head layout where a team swaps): their shapes, dtype, device
-    q, k = (x.new_empty(()).expand(1, length, heads, x.shape[-1]) for x, heads in ((q, shape[0]), (k, shape[1])))
 
-    def scratch() -> int:  # (asked only of calls long enough to chunk: it asks the kernel about every pattern)
-        attend = scratch_bytes(plans, lambda p: leaves_part(kernel, causal, "bwd", p, q, k, masked), rows, *shape,
-                               causal=causal) + gathered_bytes(kernel, plans, q, k, causal, masked, rows, *shape)
+    def scratch() -> int:  # (asked only of calls long enough to chunk)
         # the head strategy's swaps: the head-layout q, k, v, out, dout and gradients, own bytes' worth
-        return attend + (own if split.team > 1 else 0)
+        return scratch_bytes(routes, rows, *shape, causal=causal) + (own if split.team > 1 else 0)
 
     ranges = head_ranges(scratch, own, split.local_heads, split.local_kv_heads)
     return ranges if len(ranges) > 1 else ()
@@ -277,7 +284,8 @@ def schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tup
     host-bound: a training loop's repeated calls reuse the schedule (``prepare`` adds what a call with ``comm``
     reads besides). Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
     property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment), and
-    the environment variables the kernel choice reads, and the head-chunk rule's settings (``memory.py``)."""
+    the environment variables the kernel choice reads, the head-chunk rule's settings (``memory.py``) and the routes'
+    (``ring.routes.Tuning``)."""
     if options["key_padding_mask"] is not None or options["cu_seqlens"] is not None or hooks.active():
         return None
     # (tensor subclasses and torch.func's wrapped tensors, which have no storage: planned every time)
@@ -286,7 +294,7 @@ def schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tup
     try:
         key = (typed(segment_lengths), typed(dilation_rates), *map(layout_key, (q, k, v)),
                *((name, typed(value)) for name, value in options.items()),
-               *(os.environ.get(name) for name in KERNEL_CHOICE_ENV), memory.BOUND.key)
+               *(os.environ.get(name) for name in KERNEL_CHOICE_ENV), memory.BOUND.key, routes.TUNING)
         hash(key)
     except TypeError:  # not iterable, or an unhashable kernel object: plan it every time
         return None
@@ -347,7 +355,7 @@ def signature_text_of(q, k, v, segment_lengths, dilation_rates, spec: Schedule |
                          f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
     if requires_grad is not None:
         sig["requires_grad"] = dict(zip("qkv", requires_grad))
-    # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (strategy.py)
+    # the resolved strategy: "auto" reads the GPU model, which may differ between ranks (auto_strategy.py)
     sig["strategy's team (1: ring, the world: head)"] = spec.team if spec is not None else None
     sig["head chunks (set_memory_bound)"] = max(1, len(spec.heads)) if spec is not None else None
     return signature_text(sig)

@@ -144,6 +144,15 @@ def widened(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return src, dst
 
 
+def compact(x: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
+    """A new compact ``(B, L / r, H, ...)`` copy of the rows and heads ``plan`` reads of ``x`` (a compact ring's
+    query-side rows, ``ring/routes.py``)."""
+    out = x.new_empty((x.shape[0], x.shape[1] // plan.dilation, *x.shape[2:]))
+    for rows, part in region_views(x, out, plan):
+        part.copy_(rows)
+    return out
+
+
 def pack_kv(k: torch.Tensor, v: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
     """Copy the dilated K and V rows every chunk needs into one contiguous send buffer.
 

@@ -376,7 +376,8 @@ def test_ring_mixing_parts_and_a_fresh_in_place_pattern_matches_the_oracle(causa
     from dilated_attention.kernels.fused import FusedKernel
     from dilated_attention.kernels.chunk_loop import ChunkLoop
     from dilated_attention.kernels.reference import ReferenceKernel
-    from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward
+    from dilated_attention.ring.block import block_backward, block_forward
+    from dilated_attention.ring.routes import RingCall, plan_ring
     from dilated_attention.testing.oracle import dense_dilated_attention
 
     segs, rates, heads, dim = [16, 8], [2, 1], 4, 16
@@ -389,9 +390,9 @@ def test_ring_mixing_parts_and_a_fresh_in_place_pattern_matches_the_oracle(causa
     assert plans[1].covers_all(heads, heads)
     gen = torch.Generator().manual_seed(21 + causal)
     q, k, v, dout = (torch.randn(2, N, heads, dim, generator=gen).to(DEVICE) for _ in range(4))
-    ring = RingCall(tuple(plans), None, RingLayout(), 0, kern, causal, dim ** -0.5)
-    out, lse = ring_forward(q, k, v, None, ring)
-    grads = ring_backward(q, k, v, None, out, lse, dout, ring)
+    ring = RingCall(plan_ring(plans, kern, q, k, causal=causal, scale=dim ** -0.5), None, 0)
+    out, lse = block_forward(q, k, v, None, ring)
+    grads = block_backward(q, k, v, None, (out, lse, dout), ring)
     leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
     want = dense_dilated_attention(*leaves, segs, rates, causal=causal)
     want_grads = torch.autograd.grad(want, leaves, dout.double().cpu())

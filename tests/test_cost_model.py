@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from dilated_attention import ring_swaps
+from dilated_attention.ring import routes
 from dilated_attention.testing.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -389,7 +389,7 @@ def test_validate_round_trip(tmp_path):
     records.append({"impl": "torch_cp", "strategy": "ring", "config": "full", "causal": True, "gpus": 4,
                     "tokens_per_gpu": 4096, "ms": 1.0, "efficiency": 0.5, "peak_gib": 1.0})
     path = tmp_path / "scaling_test_x4.json"
-    swap = [ring_swaps.swaps_rings(False), ring_swaps.swaps_rings(True)]  # what predict() models
+    swap = [routes.TUNING.swaps_rings(False), routes.TUNING.swaps_rings(True)]  # what predict() models
     path.write_text(json.dumps({"meta": {"heads": 16, "head_dim": 128, "batch": 1, "waits": "stream",
                                          "swap_compact": swap}, "records": records}))
     rows = validate([str(path)], hw)
@@ -437,7 +437,7 @@ def test_cli_validate_and_calibrate(capsys, tmp_path):
 
 
 def test_swapped_causal_rings_are_balanced_where_the_ranks_divide_the_heads():
-    """``ring_swaps.py`` in the model: a causal dilated ring whose ranks divide the heads computes the segment
+    """``ring/swapped.py`` in the model: a causal dilated ring whose ranks divide the heads computes the segment
     for ``1/G`` of the heads on every rank, so the replayed last rank is faster than its unbalanced ring; where
     the ranks do not divide the heads, or the ring is not causal, nothing changes."""
     hw = graph_replay(H100)

@@ -318,10 +318,10 @@ def test_a_kernel_named_by_string_is_one_instance():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams are CUDA streams")
 @pytest.mark.parametrize("kernel", ["auto", "fused"])
 def test_causal_side_streams_change_no_bit(monkeypatch, kernel):
-    """Causal local patterns run on side streams (``side_streams.py``): each writes tensors of its own, so
+    """Causal local patterns run on side streams (``ring/side_streams.py``): each writes tensors of its own, so
     forward and gradients must equal the one-stream run bitwise, run after run, also when the caller's
     stream is not the default one and allocates right after the call; the caller's stream is current after it."""
-    import dilated_attention.side_streams as side_streams
+    from dilated_attention.ring import routes, side_streams
 
     gen = torch.Generator(device="cuda").manual_seed(9)
     q, k, v, g = (torch.randn(2, 4096, 8, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -329,11 +329,10 @@ def test_causal_side_streams_change_no_bit(monkeypatch, kernel):
     segs, rates = [512, 1024, 2048, 4096], [1, 2, 4, 8]
     runs = []
     for streams in (1, 2, 1, 2):
-        monkeypatch.setattr(side_streams, "CAUSAL_PART_STREAMS", streams)
         monkeypatch.setattr(side_streams, "_STREAM_POOLS", {})
         caller = torch.cuda.Stream()
         caller.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(caller):
+        with torch.cuda.stream(caller), routes.tuned(causal_part_streams=streams):
             got = _run(lambda *a: dilated_attention(*a, segs, rates, causal=True, kernel=kernel), q, k, v, g)
             assert torch.cuda.current_stream() == caller, "a call must leave the caller's stream current"
             junk = [torch.full_like(x, float("nan")) for x in got]  # reuses freed memory on the caller's stream

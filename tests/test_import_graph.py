@@ -9,6 +9,8 @@
   kernel hooks, never on the call path;
 * a module imports the package's own modules at module level, except where a lazy import keeps an
   optional dependency (or an optional tool) off the import path: ``LAZY`` says why for each;
+* planning decides each pattern's route and never runs one: ``planning``, ``memory`` and the routes themselves
+  (``ring.routes``) reach none of the ring's executor modules (``PLANNERS``, ``RING_EXECUTORS``);
 * importing the package leaves torch's Dynamo unloaded (a subprocess checks).
 """
 
@@ -30,6 +32,12 @@ LAZY = {
     (f"{PACKAGE}.comm", f"{PACKAGE}.comm.fairscale"): "a backend's module loads when the backend is named",
     (f"{PACKAGE}.comm", f"{PACKAGE}.comm.deepspeed"): "a backend's module loads when the backend is named",
 }
+
+
+# What plans a call, and the ring's modules that run one: the first never reach the second.
+PLANNERS = (f"{PACKAGE}.planning", f"{PACKAGE}.memory", f"{PACKAGE}.ring.routes", f"{PACKAGE}.ring.layout")
+RING_EXECUTORS = tuple(f"{PACKAGE}.ring.{m}" for m in ("block", "kv_ring", "cross_share", "square_split", "swapped",
+                                                       "stacking", "side_streams"))
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,25 @@ def test_no_import_cycles():
     detail = [[f"{e.source} -> {e.target} (line {e.line})" for e in EDGES
                if e.source in c and e.target in c and e.source != e.target] for c in cycles]
     assert not cycles, f"import cycles: {detail}"
+
+
+def _reached(name: str) -> set[str]:
+    """Every module ``name`` imports, directly or through others."""
+    seen, todo = set(), [name]
+    while todo:
+        source = todo.pop()
+        for edge in (e for e in EDGES if e.source == source):
+            if edge.target not in seen:
+                seen.add(edge.target)
+                todo.append(edge.target)
+    return seen
+
+
+def test_planning_reaches_no_ring_executor():
+    assert set(RING_EXECUTORS) <= set(MODULES), sorted(set(RING_EXECUTORS) - set(MODULES))
+    for name in PLANNERS:
+        assert not _reached(name) & set(RING_EXECUTORS), (name, sorted(_reached(name) & set(RING_EXECUTORS)))
+    assert f"{PACKAGE}.ring.kv_ring" in _reached(f"{PACKAGE}.execution")  # (the check can see an executor)
 
 
 def test_the_core_imports_nothing_above_it():

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from dilated_attention import dilated_attention, memory, ring, set_memory_bound
+from dilated_attention import dilated_attention, memory, set_memory_bound
 from dilated_attention.memory import HeadRange, head_ranges, own_bytes, scratch_bytes
+from dilated_attention.ring import block
+from dilated_attention.ring.routes import Route, Routes, Way
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import LAYOUTS, as_layout, assert_within_rule
 from dilated_attention.testing.oracle import dense_dilated_attention
@@ -47,6 +49,12 @@ def test_small_calls_run_whole():
     assert len(head_ranges(10**12, memory.BOUND.floor, 16, 16)) == 16
 
 
+def _routes(plans, leaves_part) -> Routes:
+    """Routes that leave parts where ``leaves_part(plan)`` says, else merge in place."""
+    return Routes(tuple(Route(i, p, Way.PART if leaves_part(p) else Way.MERGED) for i, p in enumerate(plans)),
+                  tuple(range(len(plans))))
+
+
 def test_scratch_estimate_counts_running_parts_and_ring():
     plans = plan_patterns([8, 32], [1, 2], seq_len=64, local_len=16, num_heads=4, num_kv_heads=2)
     local, spanning = plans
@@ -57,20 +65,20 @@ def test_scratch_estimate_counts_running_parts_and_ring():
     running = 4 * rows * per_row
     part = elem * rows * per_row
     ring_bytes = 2 * (rows // 2) * spanning.packed_heads * dim * (2 * elem + 3 * 4)
-    got = scratch_bytes(plans, lambda p: p.ring_size == 1, rows, 4, 2, dim, elem)
+    got = scratch_bytes(_routes(plans, lambda p: p.ring_size == 1), rows, 4, 2, dim, elem)
     assert got == running + part + ring_bytes
-    # a ring on compact rows (ring.leaves_part) leaves parts too: no full-shape fp32 accumulators at all
+    # a ring on compact rows (Way.COMPACT_RING) leaves parts too: no full-shape fp32 accumulators at all
     ring_part = elem * (rows // 2) * per_row
-    assert scratch_bytes(plans, lambda p: True, rows, 4, 2, dim, elem) == part + ring_part + ring_bytes
+    assert scratch_bytes(_routes(plans, lambda p: True), rows, 4, 2, dim, elem) == part + ring_part + ring_bytes
     # a kernel without parts: both patterns merge in place
-    assert scratch_bytes(plans[:1], lambda p: False, rows, 4, 2, dim, elem) == running
+    assert scratch_bytes(_routes(plans[:1], lambda p: False), rows, 4, 2, dim, elem) == running
     # causal: a ring on the full rows shares its cross blocks: its first rank holds the later ranks' half rows
     # (q, out, dout; lse and dQ in fp32) and its own K/V packed again; a ring on compact rows does not share
     repacked = 2 * (rows // 2) * spanning.packed_heads * dim * elem
     guests = repacked + (spanning.ring_size - 1) * (rows // 2) * 4 * (3 * elem * dim + 4 * (dim + 1))
-    assert scratch_bytes(plans, lambda p: p.ring_size == 1, rows, 4, 2, dim, elem, causal=True) \
+    assert scratch_bytes(_routes(plans, lambda p: p.ring_size == 1), rows, 4, 2, dim, elem, causal=True) \
         == running + part + ring_bytes + guests
-    assert scratch_bytes(plans, lambda p: True, rows, 4, 2, dim, elem, causal=True) == part + ring_part + ring_bytes
+    assert scratch_bytes(_routes(plans, lambda p: True), rows, 4, 2, dim, elem, causal=True) == part + ring_part + ring_bytes
     assert own_bytes(rows, 4, 2, dim, elem) == 4 * elem * rows * 6 * dim
 
 
@@ -100,15 +108,15 @@ def test_chunked_call_matches_oracle(forced, monkeypatch, causal, config, kernel
     dout = torch.randn(2, n, heads, 8, generator=gen, dtype=torch.float64)
     kw = dict(segment_lengths=segs, dilation_rates=rates, causal=causal, softmax_scale=0.3)
     seen = []
-    real = ring.ring_forward
+    real = block.block_forward
 
     def spy(q_, *args, **kwargs):
         seen.append(q_.shape[2])
         return real(q_, *args, **kwargs)
 
-    monkeypatch.setattr("dilated_attention.execution.ring_forward", spy)
+    monkeypatch.setattr("dilated_attention.execution.block_forward", spy)
     got = _run(dilated_attention, q, k, v, dout, kernel=kernel, **kw)
-    assert seen == [heads // kv_heads] * kv_heads  # one ring_forward per kv group, on its query heads
+    assert seen == [heads // kv_heads] * kv_heads  # one block_forward per kv group, on its query heads
     want = _run(dense_dilated_attention, q, k, v, dout, **kw)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_within_rule(name, g, w, context=f"seed {seed}, layout {layout}")

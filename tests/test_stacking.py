@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from dilated_attention import stacking
+from dilated_attention.ring import routes, stacking
 from dilated_attention.patterns import plan_patterns
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,10 +20,10 @@ GROUPED = dict(heads=8, kv_heads=4, segments=[8, 16, 32, 64], rates=[1, 2, 4, 8]
 
 
 def _stack(heads: int = HEADS, kv_heads: int = HEADS, segments=SEGMENTS, rates=RATES, members: int = 3
-           ) -> stacking.Stack:
+           ) -> routes.Stack:
     plans = plan_patterns(segments, rates, seq_len=N, local_len=N, num_heads=heads, num_kv_heads=kv_heads,
                           mode="longnet")
-    (stack,) = stacking._plan_stacks(tuple(plans), N, heads, kv_heads)
+    (stack,) = routes.find_stacks(tuple(plans), N, heads, kv_heads)
     assert len(stack.members) == members
     return stack
 
@@ -40,7 +40,7 @@ def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x
 
 
-def _sliced(x: torch.Tensor, stack: stacking.Stack, kv: bool) -> torch.Tensor:
+def _sliced(x: torch.Tensor, stack: routes.Stack, kv: bool) -> torch.Tensor:
     """What the stack buffer holds, by plain slicing: member ``p``'s compact row ``j`` of head ``h`` is row
     ``j * r + offset(h)``."""
     heads = x.shape[2]

@@ -1,4 +1,4 @@
-"""strategy="auto": the team size the scaling benchmark measured fastest (dilated_attention/strategy.py)."""
+"""strategy="auto": the team size the scaling benchmark measured fastest (dilated_attention/auto_strategy.py)."""
 
 import glob
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from dilated_attention import memory
-from dilated_attention.strategy import MEASURED, MEASURED_ON, auto_team_size, pattern_spans
+from dilated_attention.auto_strategy import MEASURED, MEASURED_ON, auto_team_size, pattern_spans
 from dilated_attention.testing.scripts import load_script
 
 LONGNET = ([2048, 8192, 32768, 65536], [1, 2, 4, 8])  # N = 65536 on 2 ranks of 32768

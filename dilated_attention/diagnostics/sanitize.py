@@ -8,7 +8,7 @@ which prints a marker line naming every Triton kernel launch and the Python fram
 that made it. The summariser attributes each sanitizer report to the kernel named
 in the report and to the last launch marker before it, so a finding reads
 "memcheck: 12 x Invalid __global__ read of size 2 bytes in _fwd_kernel, launched
-from dilated_attention/ring.py:63 (_ring_forward)".
+from dilated_attention/ring/kv_ring.py:80 (ring_forward)".
 
 ``summarise(text)`` also works on a log captured elsewhere (``--parse LOG``), e.g.
 from a cluster job.

@@ -9,14 +9,16 @@ runs them all).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import causal_share, memory
+from .. import memory
 from ..comm import get_backend
 from ..distributed import shard_indices
 from ..functional import dilated_attention
+from ..ring import routes
 from .compare import as_layout, rel_err, tolerance
 from .oracle import dense_dilated_attention
 
@@ -44,7 +46,7 @@ class Case:
     docs: tuple[int, ...] | None = None  # cu_seqlens over the global sequence (batch 1)
     shards: str = "contiguous"  # the shard layout (dilated_attention's layout=): which rows each rank holds
     head_chunks: bool = False  # run the heads in as many chunks as there are kv heads (memory.py's rule forced)
-    shared: bool = False  # causal rings share their cross blocks at any length (causal_share.SHARE_MIN_ROWS = 0)
+    shared: bool = False  # causal rings share their cross blocks at any length (``routes.tuned(share_min_rows=0)``)
 
     @property
     def seq_len(self) -> int:
@@ -226,19 +228,17 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
         masks["key_padding_mask"] = masks["key_padding_mask"][:, rows].to(device)
     if "cu_seqlens" in masks:
         masks["cu_seqlens"] = masks["cu_seqlens"].to(device)
-    rule = memory.BOUND.key, causal_share.SHARE_MIN_ROWS
+    rule = memory.BOUND.key
     if case.head_chunks:
         memory.set_memory_bound(0.0, 0)
-    if case.shared:
-        causal_share.SHARE_MIN_ROWS = 0
     try:
-        out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode,
-                                causal=case.causal, comm=comm, kernel=case.kernel, strategy=case.strategy,
-                                layout=case.shards, **masks)
-        grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
+        with routes.tuned(share_min_rows=0) if case.shared else contextlib.nullcontext():
+            out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode,
+                                    causal=case.causal, comm=comm, kernel=case.kernel, strategy=case.strategy,
+                                    layout=case.shards, **masks)
+            grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
     finally:
-        memory.set_memory_bound(*rule[0])
-        causal_share.SHARE_MIN_ROWS = rule[1]
+        memory.set_memory_bound(*rule)
     got = [t.detach().cpu() for t in (out, *grads)]
     errors = {n: rel_err(g, o[:, rows]) for n, g, o in zip(names, got, oracle)}
     ok = all(errors[n] <= tol[n] for n in names) and all(torch.isfinite(g).all().item() for g in got)

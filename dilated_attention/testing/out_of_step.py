@@ -43,8 +43,8 @@ def drifts(world: int) -> list[Drift]:
     """Each case keeps every exchange the same size (so without stamps it is a silent wrong result). Not mode
     under hybrid: there grouped mode leaves a lane without the ring longnet runs, so a peer waits (a timeout).
     (The causal flag keeps them the same here, with one kv head: long causal rings share their cross blocks,
-    ``causal_share.Share``, and causal rings on compact rows whose ranks divide the heads run head-parallel,
-    ``ring_swaps.py``, both with exchanges of their own, so ranks that drift between such a call and another
+    ``ring.routes.Share``, and causal rings on compact rows whose ranks divide the heads run head-parallel,
+    ``ring/swapped.py``, both with exchanges of their own, so ranks that drift between such a call and another
     fail loudly, a gloo error or the process group's timeout, not with the stamps' ``ValueError``.)"""
     n, m = 16 * world, 24 * world
     base = {"segment_lengths": (8, n), "dilation_rates": (1, 2)}

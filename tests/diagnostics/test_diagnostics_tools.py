@@ -459,7 +459,7 @@ def test_guard_explains_a_sticky_cuda_error_and_lets_value_errors_through():
 # -- sanitizer wrapper -------------------------------------------------------------------------------
 
 MEMCHECK_LOG = f"""\
-{sanitize.MARK} _fwd_kernel from dilated_attention/kernels/fused.py:281 (_forward) via dilated_attention/ring.py:63 (_ring_forward)
+{sanitize.MARK} _fwd_kernel from dilated_attention/kernels/fused.py:281 (_forward) via dilated_attention/ring/kv_ring.py:80 (ring_forward)
 ========= COMPUTE-SANITIZER
 ========= Invalid __global__ read of size 2 bytes
 =========     at _fwd_kernel+0x1a30 in /work/dilated_attention/kernels/_fused_triton.py:88

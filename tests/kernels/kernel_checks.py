@@ -29,7 +29,8 @@ from dilated_attention.kernels.fused import FusedConfig  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel, _expand_kv  # noqa: E402
 from dilated_attention.merge import Part, merge_pattern_, sum_grads  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
-from dilated_attention.ring import RingCall, RingLayout, ring_forward  # noqa: E402
+from dilated_attention.ring.block import block_forward  # noqa: E402
+from dilated_attention.ring.routes import RingCall, plan_ring  # noqa: E402
 from dilated_attention.testing.compare import as_layout, assert_within_rule, rel_err  # noqa: E402
 from dilated_attention.testing.oracle import dense_dilated_attention  # noqa: E402
 from dilated_attention.views import chunk_views, compact_view, dilated_view, pack_kv  # noqa: E402
@@ -162,8 +163,8 @@ def plans_for(mode, heads, kv_heads, local_len, seq_len, segs=None, rates=None):
 
 def final_out_lse(q, k, v, plans, causal, scale):
     """Merged (out, lse) of all local plans, the way the library combines them, fp64 kernel."""
-    out, lse = ring_forward(d64(q), d64(k), d64(v), None, RingCall(tuple(plans), None, RingLayout(), 0, REF_P,
-                                                                   causal, scale))
+    q, k, v = d64(q), d64(k), d64(v)
+    out, lse = block_forward(q, k, v, None, RingCall(plan_ring(plans, REF_P, q, k, causal=causal, scale=scale), None, 0))
     return out, lse.float()
 
 

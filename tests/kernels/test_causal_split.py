@@ -1,5 +1,5 @@
 """Long causal squares split into one causal call of their diagonal blocks and non-causal rectangles
-(``causal_split.py``, a kernel's ``causal_block``), forced on at small sizes (segments of 64 rows, blocks
+(``ring/routes.py`` and ``ring/square_split.py``, a kernel's ``causal_block``), forced on at small sizes (segments of 64 rows, blocks
 of 4), against the float64 oracle: forward and backward through the public API and the ring functions.
 
 Kernels: ``flash4`` on the float64 stand-in ``FakeFA4`` (``test_flash4.py``; the real one where it runs), the
@@ -25,8 +25,9 @@ from dilated_attention.kernels.cudnn import CudnnKernel
 from dilated_attention.kernels.flash4 import CAUSAL_BLOCK, Flash4Kernel
 from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.patterns import plan_patterns
-from dilated_attention.causal_split import WHOLE_BLOCKS, causal_split
-from dilated_attention.ring import RingCall, RingLayout, ring_backward, ring_forward
+from dilated_attention.ring.block import block_backward, block_forward
+from dilated_attention.ring.layout import RingLayout
+from dilated_attention.ring.routes import TUNING, RingCall, plan_ring, split_pieces
 from dilated_attention.testing.compare import as_layout, assert_within_rule
 from dilated_attention.testing.oracle import dense_dilated_attention
 
@@ -55,14 +56,14 @@ class Recorder(KernelWrapper):
 
 def expected(segs, rates, block, batch=1) -> dict[tuple[int, bool], int]:
     """The calls a causal pattern set splits into, per (segment rows, causal), written out independently of
-    ``causal_split``: a square of ``M <= WHOLE_BLOCKS * block`` dilated rows whole; else blocks of
+    ``split_pieces``: a square of ``M <= TUNING.whole_blocks * block`` dilated rows whole; else blocks of
     ``b = M / 2^j`` dilated rows (the least ``j`` with ``b <= block``), one causal call of the diagonal, then one
     rectangle of ``t / 2`` rows for each span ``t = M, M/2, ..., 2b``. ``batch``: batch rows whose spans do not
     fold into one batch dim (one call per row where a piece has several spans)."""
     out: dict[tuple[int, bool], int] = {}
     for w, r in zip(segs, rates):
         m = w // r
-        if m <= WHOLE_BLOCKS * block:
+        if m <= TUNING.whole_blocks * block:
             out[(w, True)] = out.get((w, True), 0) + 1
             continue
         b = m
@@ -85,7 +86,7 @@ def test_pieces_cover_the_causal_square_once(m, block, r):
     """Every (query, key) pair with key <= query in exactly one piece, no other pair in any; every causal
     piece at most ``block`` rows; one causal call and one rectangle per halving level."""
     (plan,) = plan_patterns([m * r], [r], seq_len=m * r, local_len=m * r, num_heads=r, num_kv_heads=r)
-    pieces = causal_split(plan, block)
+    pieces = split_pieces(plan, block)
     seen = torch.zeros(m, m, dtype=torch.int64)
     for p in pieces:
         assert p.plan.local_segment % r == 0 and p.plan.dilation == r
@@ -106,11 +107,11 @@ def test_pieces_cover_the_causal_square_once(m, block, r):
 
 @pytest.mark.parametrize("m,block", [(64, 64), (64, 100), (64, 0), (64, 16), (32, 8), (36, 8), (7, 2)])
 def test_no_split_where_the_rule_says_so(m, block):
-    """A square of at most four blocks (``WHOLE_BLOCKS``), a block of 0, or rows that do not halve down to the
+    """A square of at most four blocks (``Tuning.whole_blocks``), a block of 0, or rows that do not halve down to the
     block: one call."""
-    assert WHOLE_BLOCKS == 4
+    assert TUNING.whole_blocks == 4
     (plan,) = plan_patterns([m], [1], seq_len=m, local_len=m, num_heads=2, num_kv_heads=2)
-    assert causal_split(plan, block) == ()
+    assert split_pieces(plan, block) == ()
 
 
 def test_causal_block_is_validated_and_chosen_per_instance():
@@ -179,7 +180,7 @@ def test_public_api_matches_oracle(fa4, kernel, case):
     want = expected(segs, rates, BLOCK, bsz if layout == "transposed" else 1)
     assert rec.counts("forward_pattern", "forward_pattern_into") == want, rec.calls
     assert rec.counts("backward_pattern", "backward_pattern_parts") == want, rec.calls
-    whole = {(w, True) for w, r in zip(segs, rates) if w // r <= WHOLE_BLOCKS * BLOCK}
+    whole = {(w, True) for w, r in zip(segs, rates) if w // r <= TUNING.whole_blocks * BLOCK}
     assert set(rec.counts("forward_pattern", "backward_pattern_parts")) <= whole, "a split left parts"
     assert len(whole) < len(segs), "no pattern split"
 
@@ -255,9 +256,9 @@ class _OneRank:
                                                      ("flash4", torch.bfloat16, 1, "head_slice"),
                                                      ("cudnn-view", torch.bfloat16, 2, "contiguous")])
 def test_ring_own_block_splits(fa4, kernel, dtype, bsz, layout, r):
-    """A ring's causal own-block call (packed K/V) split like a local square: ``ring_forward``/``ring_backward``
+    """A ring's causal own-block call (packed K/V) split like a local square: ``block_forward``/``block_backward``
     on a one-rank zigzag ring (a segment of two chunks, ring size 2, one member) against the float64 oracle.
-    At rate 2 the ring runs on compact rows (``ring_steps.dense_view``: a dense square of ``N / 2`` rows, whose
+    At rate 2 the ring runs on compact rows (``routes.dense_view``: a dense square of ``N / 2`` rows, whose
     query-side copies fold into the batch dim in every layout); at rate 1 on the caller's rows."""
     heads, kv_heads = 4, 2
     seed = seeded("causal-split-ring", kernel, dtype, bsz, layout)
@@ -269,10 +270,12 @@ def test_ring_own_block_splits(fa4, kernel, dtype, bsz, layout, r):
                           layout="zigzag")
     assert [p.ring_size for p in plans] == [1, 2]
     rec = Recorder(_kernel(kernel, BLOCK))
-    ring = RingCall(plans, _OneRank(), RingLayout(zigzag=True), 0, rec, True, DIM**-0.5)
     q, k, v = (as_layout(x.to(dtype), layout) for x in base)
-    out, lse = ring_forward(q, k, v, None, ring)
-    grads = ring_backward(q, k, v, None, out, lse, dout.to(dtype), ring)
+    one = _OneRank()
+    ring = RingCall(plan_ring(plans, rec, q, k, causal=True, scale=DIM**-0.5, comm=one, layout=RingLayout(zigzag=True)),
+                    one, 0)
+    out, lse = block_forward(q, k, v, None, ring)
+    grads = block_backward(q, k, v, None, (out, lse, dout.to(dtype)), ring)
 
     def dense(xs, do):
         xs = [x.detach().requires_grad_(True) for x in xs]

@@ -34,7 +34,9 @@ from kernel_checks import (  # noqa: I001
     seeded,
 )
 
-from dilated_attention import clear_caches, dilated_attention, stacking
+from dilated_attention import clear_caches, dilated_attention
+from dilated_attention.memory import gathered_bytes
+from dilated_attention.ring import routes
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel, readable
 from dilated_attention.kernels.auto import AutoKernel
 from dilated_attention.kernels.fused import FusedKernel
@@ -608,7 +610,7 @@ def test_call_plans_replay_per_geometry():
 
 
 # ---------------------------------------------------------------------------
-# Stacked local patterns (``stacking.py``) through the API
+# Stacked local patterns (``ring/stacking.py``) through the API
 
 STACK_SEGS, STACK_RATES = [N // 8, N // 4, N // 2, N], [1, 2, 4, 8]  # every dilated pattern N // 8 compact rows
 
@@ -670,11 +672,10 @@ def test_patterns_stack_only_where_they_should(case, monkeypatch):
                                                               f"fwd/dilated/causal/D{DIM}/float32/short": "cudnn"})
         if case == "fused":
             kern = fused
-    if case == "one pattern":
-        monkeypatch.setattr(stacking, "STACK_MIN_PATTERNS", 4)
     q, k, v = (x.float().requires_grad_() for x in base)
-    out = dilated_attention(q, k, v, STACK_SEGS, STACK_RATES, causal=case != "non-causal", kernel=kern)
-    out.backward(dout.float())
+    with routes.tuned(stack_min_patterns=4 if case == "one pattern" else routes.TUNING.stack_min_patterns):
+        out = dilated_attention(q, k, v, STACK_SEGS, STACK_RATES, causal=case != "non-causal", kernel=kern)
+        out.backward(dout.float())
     stacked_rows = 2 * (N // 2 + N // 4 + N // 8)
     stacked = [c[0] for c in ops.calls if c[1][0] * c[1][2] == stacked_rows]
     assert stacked == (["fwd"] if case == "auto" else []), (case, seed, ops.calls)
@@ -688,9 +689,12 @@ def test_gathered_bytes_are_the_largest_stacks_inputs():
                           mode="longnet")
     q = torch.empty(1, N, 4, DIM)
     rows = N // 2 + N // 4 + N // 8
-    args = (q, q, True, False, N, 4, 4, DIM, 2)
-    assert stacking.gathered_bytes(CudnnKernel(MathOps()), plans, *args) == rows * ((3 * 4 + 2 * 4) * DIM * 2 + 16)
-    assert stacking.gathered_bytes(FusedKernel(), plans, *args) == 0
-    masked = (q, q, True, True, N, 4, 4, DIM, 2)
-    assert stacking.gathered_bytes(CudnnKernel(MathOps()), plans, *masked) == 0
+
+    def gathered(kernel, masked: bool) -> int:
+        ring = routes.plan_ring(plans, kernel, q, q, causal=True, scale=1.0, masked=masked)
+        return gathered_bytes(ring.backward, N, 4, 4, DIM, 2)
+
+    assert gathered(CudnnKernel(MathOps()), False) == rows * ((3 * 4 + 2 * 4) * DIM * 2 + 16)
+    assert gathered(FusedKernel(), False) == 0
+    assert gathered(CudnnKernel(MathOps()), True) == 0
 

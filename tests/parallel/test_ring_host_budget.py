@@ -20,7 +20,7 @@ from dilated_attention.testing.spawn import spawn_ranks
 
 SEGMENTS, RATES = [16, 32, 128, 256], [1, 2, 4, 8]  # LongNet on 128 rows per rank: the last pattern spans both
 # ops dispatched around the kernels per forward+backward on a rank (non-causal: a ring of two steps; causal: the
-# spanning pattern swapped for heads, ``ring_swaps.py``)
+# spanning pattern swapped for heads, ``ring/swapped.py``)
 BUDGET = {False: 170, True: 300}
 
 needs_triton = pytest.mark.skipif(merge.triton is None or not merge.interpreting(),

@@ -1,11 +1,11 @@
-"""Causal rings on contiguous blocks share their cross blocks (``causal_share.py``).
+"""Causal rings on contiguous blocks share their cross blocks (``ring/cross_share.py``).
 
 Without sharing, ring position ``p`` computes ``p`` earlier blocks whole and the last rank does all the cross
 work. Shared, each rank computes the first half of its rows against earlier blocks and the second half of every
 later rank's rows against its own K/V. The schedule's balance is checked without ranks; spawned gloo ranks run
 causal cases (full attention, key padding, GQA, LongNet's compact rings) with sharing on and off against the float64
 oracle, and count the exchanges that carry the shared rows (sharing forced at these short lengths:
-``causal_share.SHARE_MIN_ROWS``, ``causal_share.SHARE_MIN_COMPACT_ROWS``).
+``routes.tuned(share_min_rows=0, share_min_compact_rows=0)``).
 The harness battery in ``tests/comm/test_backends.py`` runs shared rings at
 ``K = 2..4`` on every backend, bitwise across them.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilated_attention import causal_share, ring_swaps
 from dilated_attention.patterns import plan_patterns
-from dilated_attention.causal_share import plan_share
-from dilated_attention.ring_steps import RingLayout, dense_view, half_calls, step_calls
+from dilated_attention.ring import routes
+from dilated_attention.ring.layout import RingLayout, half_calls, step_calls
+from dilated_attention.ring.routes import dense_view, plan_share
 from dilated_attention.testing.spawn import spawn_ranks
 
 
@@ -28,9 +28,12 @@ def _work(calls) -> float:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
-def test_shared_causal_ring_is_balanced(world, monkeypatch):
-    monkeypatch.setattr(causal_share, "SHARE_MIN_ROWS", 0)
-    monkeypatch.setattr(causal_share, "SHARE_MAX_RANKS", world)
+def test_shared_causal_ring_is_balanced(world):
+    with routes.tuned(share_min_rows=0, share_max_ranks=world):
+        _balanced(world)
+
+
+def _balanced(world: int) -> None:
     local = 16
     (plan,) = plan_patterns([local * world], [1], seq_len=local * world, local_len=local, num_heads=2, num_kv_heads=2)
     members = tuple(range(world))
@@ -50,25 +53,29 @@ def test_shared_causal_ring_is_balanced(world, monkeypatch):
     assert sum(work) == sum(unshared)  # the same pairs, moved
 
 
-def test_share_applies_to_long_causal_contiguous_rings_on_the_callers_rows(monkeypatch):
+def test_share_applies_to_long_causal_contiguous_rings_on_the_callers_rows():
     (plan,) = plan_patterns([64], [4], seq_len=64, local_len=32, num_heads=4, num_kv_heads=4)
     ranks = (0, 1)
-    monkeypatch.setattr(causal_share, "SHARE_MIN_ROWS", 0)
+    with routes.tuned(share_min_rows=0):
+        _shares(plan, ranks)
+    with routes.tuned(share_min_rows=64):
+        assert plan_share(plan, RingLayout(), True, ranks, 1, 32) is None  # a short block: not worth it
+        assert plan_share(plan, RingLayout(), True, ranks, 1, 64) is not None
+    # LongNet's compact rows: their own length, read on the dense view (whole rows at any even count)
+    dense = dense_view(plan)
+    with routes.tuned(share_min_compact_rows=10):
+        assert plan_share(dense, RingLayout(), True, ranks, 1, 10, compact=True) is not None
+        assert plan_share(dense, RingLayout(), True, ranks, 1, 8, compact=True) is None
+
+
+def _shares(plan, ranks) -> None:
     assert plan_share(plan, RingLayout(), True, ranks, 1, 32) is not None
     assert plan_share(plan, RingLayout(), False, ranks, 1, 32) is None  # non-causal rings are balanced already
     assert plan_share(plan, RingLayout(zigzag=True), True, ranks, 1, 32) is None  # zigzag balances by its layout
     assert plan_share(plan, RingLayout(), True, (1,), 1, 32) is None  # a ring of one rank
-    long_ring = tuple(range(causal_share.SHARE_MAX_RANKS + 1))
+    long_ring = tuple(range(routes.TUNING.share_max_ranks + 1))
     assert plan_share(plan, RingLayout(), True, long_ring, 1, 32) is None  # a long ring
     assert plan_share(plan, RingLayout(), True, ranks, 1, 36) is None  # half a block is not whole dilated rows
-    monkeypatch.setattr(causal_share, "SHARE_MIN_ROWS", 64)
-    assert plan_share(plan, RingLayout(), True, ranks, 1, 32) is None  # a short block: not worth it
-    assert plan_share(plan, RingLayout(), True, ranks, 1, 64) is not None
-    # LongNet's compact rows: their own length, read on the dense view (whole rows at any even count)
-    dense = dense_view(plan)
-    monkeypatch.setattr(causal_share, "SHARE_MIN_COMPACT_ROWS", 10)
-    assert plan_share(dense, RingLayout(), True, ranks, 1, 10, compact=True) is not None
-    assert plan_share(dense, RingLayout(), True, ranks, 1, 8, compact=True) is None
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -85,19 +92,16 @@ def _worker(rank: int, world: int) -> dict:
              Case("longnet", world, (8, 16, n), (1, 2, 4), causal=True),  # compact rings
              Case("longnet-gqa", world, (8, n), (2, 4), causal=True, heads=8, kv_heads=2, dim=16)]
     res: dict = {}
-    kept = causal_share.SHARE_MIN_ROWS, causal_share.SHARE_MIN_COMPACT_ROWS, ring_swaps.SWAPPED_RINGS
-    ring_swaps.SWAPPED_RINGS = "none"  # compact rings stay rings (tests/parallel/test_swapped_ring.py swaps them)
-    try:
-        with recorded_exchanges("shared cross blocks") as shared:
-            for on in (True, False):
-                causal_share.SHARE_MIN_ROWS = causal_share.SHARE_MIN_COMPACT_ROWS = 0 if on else 1 << 30
+    with recorded_exchanges("shared cross blocks") as shared:
+        for on in (True, False):
+            least = 0 if on else 1 << 30
+            # compact rings stay rings (tests/parallel/test_swapped_ring.py swaps them)
+            with routes.tuned(share_min_rows=least, share_min_compact_rows=least, swapped_rings="none"):
                 for i, case in enumerate(cases):
                     before = len(shared)
                     got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 900 + i)
                     res[f"{case.name}-{'shared' if on else 'unshared'}"] = (got.ok, got.message,
                                                                             len(shared) - before)
-    finally:
-        causal_share.SHARE_MIN_ROWS, causal_share.SHARE_MIN_COMPACT_ROWS, ring_swaps.SWAPPED_RINGS = kept
     return res
 
 
@@ -114,11 +118,11 @@ def _order_worker(rank: int, world: int) -> list[str]:
     """This rank's backward as events: each ring step's block arriving, each guest helped."""
     import torch.distributed as dist
 
-    from dilated_attention import ring
+    from dilated_attention.ring import cross_share, kv_ring
     from dilated_attention.testing.harness import Case, run_case
 
     events: list[str] = []
-    blocks, step = ring._ring_blocks, causal_share.Helper.step
+    blocks, step = kv_ring._ring_blocks, cross_share.Helper.step
 
     def recorded_blocks(*args):
         for item in blocks(*args):
@@ -129,15 +133,13 @@ def _order_worker(rank: int, world: int) -> list[str]:
         events.append("help")
         return step(self, scratch)
 
-    ring._ring_blocks, causal_share.Helper.step = recorded_blocks, recorded_step
-    kept = causal_share.SHARE_MIN_ROWS
-    causal_share.SHARE_MIN_ROWS = 0
+    kv_ring._ring_blocks, cross_share.Helper.step = recorded_blocks, recorded_step
     try:
-        got, _ = run_case(Case("full", world, (16 * world,), (1,), causal=True), "collective", dist.group.WORLD,
-                          torch.device("cpu"), 950)
+        with routes.tuned(share_min_rows=0):
+            got, _ = run_case(Case("full", world, (16 * world,), (1,), causal=True), "collective", dist.group.WORLD,
+                              torch.device("cpu"), 950)
     finally:
-        ring._ring_blocks, causal_share.Helper.step = blocks, step
-        causal_share.SHARE_MIN_ROWS = kept
+        kv_ring._ring_blocks, cross_share.Helper.step = blocks, step
     assert got.ok, got.message
     return [e for e in events if not e.startswith("forward")]
 

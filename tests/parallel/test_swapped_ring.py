@@ -1,4 +1,4 @@
-"""Rings on compact rows run head-parallel where their ranks divide the heads (``ring_swaps.py``).
+"""Rings on compact rows run head-parallel where their ranks divide the heads (``ring/swapped.py``).
 
 A spanning dilated pattern (every LongNet pattern longer than a rank's block) is dense attention on its compact
 rows. Where the ring's ``G`` ranks divide the query and kv heads, one all-to-all gives each rank the whole
@@ -14,53 +14,68 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilated_attention import ring, ring_swaps
-from dilated_attention.ring_steps import RingCall, RingLayout, dense_ring
+from dilated_attention.kernels.chunk_loop import ChunkLoop
+from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.patterns import plan_patterns
+from dilated_attention.ring import block, routes, swapped
+from dilated_attention.ring.layout import RingLayout
+from dilated_attention.ring.routes import Way, dense_ring, plan_ring
 from dilated_attention.testing.spawn import spawn_ranks
+
+KERNEL = ChunkLoop(ReferenceKernel())
+Q, K = torch.empty(1, 16, 4, 8), torch.empty(1, 16, 2, 8)
 
 
 class _Fake:
-    """What ``swap_members`` reads of a backend."""
+    """What the routes read of a backend."""
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world_size = rank, world
 
 
-def _call(causal: bool, world: int, rank: int, layout: RingLayout = RingLayout()) -> RingCall:
-    return RingCall((), _Fake(rank, world), layout, 0, None, causal, 1.0)
+def _members(plan, causal: bool, world: int, rank: int, layout: RingLayout = RingLayout(), q=Q, k=K,
+             masked: bool = False):
+    """The swapped ring's members where ``plan`` runs swapped (``Way.SWAPPED``), else ``None``."""
+    ring = plan_ring([plan], KERNEL, q, k, causal=causal, scale=1.0, masked=masked, comm=_Fake(rank, world),
+                     layout=layout)
+    route = ring.forward.routes[0]
+    return route.members if route.way is Way.SWAPPED else None
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_swap_applies_to_compact_rings_whose_ranks_divide_the_heads(causal, monkeypatch):
-    q, k = torch.empty(1, 16, 4, 8), torch.empty(1, 16, 2, 8)
+def test_swap_applies_to_compact_rings_whose_ranks_divide_the_heads(causal):
     (local, spanning) = plan_patterns([16, 32], [1, 2], seq_len=32, local_len=16, num_heads=4, num_kv_heads=2)
-    assert (ring_swaps.swap_members(spanning, False, _call(causal, 2, 1), q, k) is not None) == causal  # the default
-    monkeypatch.setattr(ring_swaps, "SWAPPED_RINGS", "all")
-    assert ring_swaps.swap_members(spanning, False, _call(causal, 2, 1), q, k) == (0, 1)
-    assert ring_swaps.swap_members(local, False, _call(causal, 2, 1), q, k) is None  # a local pattern
-    assert ring_swaps.swap_members(spanning, True, _call(causal, 2, 1), q, k) is None  # a key mask: the ring
-    assert ring_swaps.swap_members(spanning, False, _call(causal, 2, 1, RingLayout(zigzag=True)), q, k) is None
-    (odd,) = plan_patterns([48], [2], seq_len=48, local_len=16, num_heads=4, num_kv_heads=2)
-    assert ring_swaps.swap_members(odd, False, _call(causal, 3, 0), q, k) is None  # 3 ranks do not divide 4 heads
-    (full,) = plan_patterns([32], [1], seq_len=32, local_len=16, num_heads=4, num_kv_heads=2)
-    assert ring_swaps.swap_members(full, False, _call(causal, 2, 0), q, k) is None  # rate 1: the caller's rows
-    # grouped mode: heads 3-5 only, reading both kv heads, whose other query heads it does not read
-    grouped = plan_patterns([8, 32, 32], [1, 2, 4], seq_len=32, local_len=16, num_heads=8, num_kv_heads=2,
-                            mode="grouped")[1]
-    q8 = torch.empty(1, 16, 8, 8)
-    assert dense_ring(grouped, False, RingLayout(), q8, k) is not None
-    assert ring_swaps.swap_members(grouped, False, _call(causal, 2, 0), q8, k) is None
+    assert (_members(spanning, causal, 2, 1) is not None) == causal  # the default
+    with routes.tuned(swapped_rings="all"):
+        assert _members(spanning, causal, 2, 1) == (0, 1)
+        assert _members(local, causal, 2, 1) is None  # a local pattern
+        assert _members(spanning, causal, 2, 1, masked=True) is None  # a key mask: the ring
+        assert _members(spanning, causal, 2, 1, RingLayout(zigzag=True)) is None
+        (odd,) = plan_patterns([48], [2], seq_len=48, local_len=16, num_heads=4, num_kv_heads=2)
+        assert _members(odd, causal, 3, 0) is None  # 3 ranks do not divide 4 heads
+        (full,) = plan_patterns([32], [1], seq_len=32, local_len=16, num_heads=4, num_kv_heads=2)
+        assert _members(full, causal, 2, 0) is None  # rate 1: the caller's rows
+        # grouped mode: heads 3-5 only, reading both kv heads, whose other query heads it does not read
+        grouped = plan_patterns([8, 32, 32], [1, 2, 4], seq_len=32, local_len=16, num_heads=8, num_kv_heads=2,
+                                mode="grouped")[1]
+        q8 = torch.empty(1, 16, 8, 8)
+        assert dense_ring(grouped, False, RingLayout(), q8, K) is not None
+        assert _members(grouped, causal, 2, 0, q=q8) is None
 
 
-def test_swapped_patterns_run_where_the_schedule_says(monkeypatch):
-    monkeypatch.setattr(ring_swaps, "SWAP_AFTER", 1)
-    swaps = {2: None}
-    assert ring_swaps.swap_order(3, swaps) == [0, 2, 1]
-    assert ring_swaps.swap_order(3, swaps, [1, 0, 2]) == [1, 2, 0]
-    assert ring_swaps.swap_order(1, {0: None}) == [0]
-    monkeypatch.setattr(ring_swaps, "SWAP_AFTER", 1 << 30)
-    assert ring_swaps.swap_order(3, {0: None}) == [1, 2, 0]
+def test_swapped_patterns_run_where_the_routes_say():
+    """A swapped pattern is computed after ``Tuning.swap_after`` of the others, in both directions."""
+    plans = plan_patterns([8, 16, 32], [1, 1, 2], seq_len=32, local_len=16, num_heads=4, num_kv_heads=2)
+
+    def orders(after: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        with routes.tuned(swap_after=after):
+            ring = plan_ring(plans, KERNEL, Q, K, causal=True, scale=1.0, comm=_Fake(1, 2))
+        assert ring.forward.routes[2].way is Way.SWAPPED
+        return ring.forward.order, ring.backward.order
+
+    assert orders(1) == ((0, 2, 1), (0, 2, 1))
+    assert orders(0) == ((2, 0, 1), (2, 0, 1))
+    assert orders(1 << 30) == ((0, 1, 2), (0, 1, 2))
 
 
 def _schedules(rank: int, world: int) -> dict:
@@ -73,21 +88,22 @@ def _schedules(rank: int, world: int) -> dict:
     comm = get_backend("collective")
     gen = torch.Generator().manual_seed(rank)
     q, k, v, dout = (torch.randn(2, 16, 4, 8, generator=gen, dtype=torch.float64) for _ in range(4))
-    results, kept, computed = [], (ring_swaps.SWAP_AFTER, ring_swaps.at_turn), []
-    original = ring.swap_forward
-    ring.swap_forward = lambda swap: (computed.append(swap.plan.index), original(swap))[1]
+    results, kept, computed = [], swapped.at_turn, []
+    original = block.swap_forward
+    block.swap_forward = lambda swap: (computed.append(swap.route.plan.index), original(swap))[1]
     try:
         for after in (0, 1, 1 << 30):
             for at_turn in (False, True):
-                ring_swaps.SWAP_AFTER, ring_swaps.at_turn = after, lambda sides, at_turn=at_turn: at_turn
+                swapped.at_turn = lambda sides, at_turn=at_turn: at_turn
                 x = [t.clone().requires_grad_() for t in (q, k, v)]
-                out = dilated_attention(*x, [8, 16, 16 * world], [1, 1, 2], causal=True, comm=comm,
-                                        strategy="ring")
-                out.backward(dout)
+                with routes.tuned(swap_after=after):
+                    out = dilated_attention(*x, [8, 16, 16 * world], [1, 1, 2], causal=True, comm=comm,
+                                            strategy="ring")
+                    out.backward(dout)
                 results.append([out.detach(), *(t.grad for t in x)])
     finally:
-        ring.swap_forward = original
-        ring_swaps.SWAP_AFTER, ring_swaps.at_turn = kept
+        block.swap_forward = original
+        swapped.at_turn = kept
     return {"equal": all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r)),
             "swapped": computed}
 
@@ -118,13 +134,11 @@ def _worker(rank: int, world: int) -> dict:
     if world == 4:  # a pattern spanning 2 of the 4 ranks beside one spanning all 4
         cases.append(Case("two-rings", world, (8, 32, n), (1, 2, 4), causal=True))
     res: dict = {}
-    kept = ring_swaps.SWAPPED_RINGS
-    try:
-        with recorded_exchanges("head swap", packed) as swapped:
-            for on in (True, False):
-                ring_swaps.SWAPPED_RINGS = "all" if on else "none"
+    with recorded_exchanges("head swap", packed) as swaps_seen:
+        for on in (True, False):
+            with routes.tuned(swapped_rings="all" if on else "none"):
                 for i, case in enumerate(cases):
-                    before = len(swapped)
+                    before = len(swaps_seen)
                     got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 950 + i)
                     chunks = case.kv_heads if case.head_chunks else 1
                     # per spanning pattern on compact rows whose ring divides the heads of each of `chunks` head
@@ -135,9 +149,7 @@ def _worker(rank: int, world: int) -> dict:
                                 and (case.heads // chunks) % g == 0 and (case.kv_heads // chunks) % g == 0
                                 for g in rings)
                     res[f"{case.name}, swap {'on' if on else 'off'}"] = (got.ok, got.message,
-                                                                         len(swapped) - before, 4 * chunks * swaps)
-    finally:
-        ring_swaps.SWAPPED_RINGS = kept
+                                                                         len(swaps_seen) - before, 4 * chunks * swaps)
     return res
 
 
@@ -160,7 +172,7 @@ def test_travelling_results_are_awaited_once_the_next_pattern_is_issued():
         def land(self):
             landed.append(self.name)
 
-    travelling, a, b = ring_swaps.Travelling(), Swap("a"), Swap("b")
+    travelling, a, b = swapped.Travelling(), Swap("a"), Swap("b")
     for swap in (None, a, b):  # a pattern, then two swaps: nothing awaited yet
         travelling.turn(swap)
     assert landed == []

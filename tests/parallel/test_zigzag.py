@@ -14,7 +14,8 @@ import torch
 from dilated_attention import DilatedAttention, dilated_attention
 from dilated_attention.distributed import shard_indices, shard_sequence
 from dilated_attention.patterns import plan_patterns
-from dilated_attention.ring_steps import RingLayout, dense_ring, step_calls
+from dilated_attention.ring.layout import RingLayout, step_calls
+from dilated_attention.ring.routes import dense_ring
 from dilated_attention.testing.harness import zigzag_cases
 from dilated_attention.testing.spawn import spawn_ranks
 
@@ -182,24 +183,21 @@ def test_one_device_zigzag_is_the_natural_order():
 
 def _ring_order_worker(rank: int, world: int) -> dict:
     """Gradients of a LongNet ring call (a compact ring among local patterns that leave parts) with the
-    backward's rings run at every position among the other patterns: bitwise the same (``ring.RING_AFTER``)."""
-    from dilated_attention import ring
+    backward's rings run at every position among the other patterns: bitwise the same (``Tuning.ring_after``)."""
     from dilated_attention.comm import get_backend
+    from dilated_attention.ring import routes
 
     comm = get_backend("collective")
     g = torch.Generator().manual_seed(40 + rank)
     q, k, v, dout = (torch.randn(2, 32, 4, 8, generator=g) for _ in range(4))
-    grads, kept = {}, dict(ring.RING_AFTER)
-    try:
-        for at in (0, 1, 2, 1 << 30):
-            ring.RING_AFTER = {False: at, True: at}
-            for causal in (False, True):
-                x = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = {}
+    for at in (0, 1, 2, 1 << 30):
+        for causal in (False, True):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            with routes.tuned(ring_after=(at, at)):
                 dilated_attention(*x, [8, 16, 64], [1, 2, 4], causal=causal, comm=comm,
                                   strategy="ring").backward(dout)
-                grads[(at, causal)] = [t.grad for t in x]
-    finally:
-        ring.RING_AFTER = kept
+            grads[(at, causal)] = [t.grad for t in x]
     plans = plan_patterns([8, 16, 64], [1, 2, 4], seq_len=64, local_len=32, num_heads=4, num_kv_heads=4)
     return {"compact_rings": sum(dense_ring(p, False, RingLayout(), q, k) is not None for p in plans),
             "equal": all(torch.equal(a, b) for (at, c), got in grads.items()

@@ -4,11 +4,11 @@ A dilated pattern run locally on strided views is a few kernel calls of a few hu
 (LongNet ``r = 16`` over one 32768-row segment: 16 heads of 2048 compact rows, one call of 256 tiles; ``r = 4``:
 four calls). A causal call that small leaves the GPU idle in its tail. LongNet's dilated patterns all read
 ``w / r`` compact rows per segment (2048 for ``w = [2048, 4096, ..., 32768]``, ``r = [1, 2, ..., 16]``): their
-compact rows (``ring_steps.compact``: row ``j`` of head ``h`` is the segment's row ``j * r + offset(h)``) copied
+compact rows (``views.compact``: row ``j`` of head ``h`` is the segment's row ``j * r + offset(h)``) copied
 side by side into one buffer are dense attention over segments of that length, one call for all of them,
 and each pattern's compact part of the result (and of the gradients) is a slice of it. The copies cost a read
 and a write of the rows, and the backward copies ``out``, ``dout`` and ``lse`` too, which it holds while the
-call runs (``gathered_bytes``: about 0.8 x the call's own bytes more at the backward's peak for LongNet).
+call runs (``memory.gathered_bytes``: about 0.8 x the call's own bytes more at the backward's peak for LongNet).
 
 Measured on an H200 (LongNet 32768 tokens, causal, 16 x 128 heads, bf16, forward+backward, issued back to
 back, two runs): ``kernel="flash4"`` 8.34-8.43 -> 5.61-5.74 ms stacked, ``"cudnn"`` 6.97-8.37 -> 5.95-6.77 ms,
@@ -20,95 +20,22 @@ at 1.5-2 ms less host issue), so they do not stack.
 
 A pattern joins a stack where it is local (``ring_size == 1``), dilated, unmasked, and gives every query and kv
 head one offset (so its compact layout holds each row and head once and a query head's kv head reads the same
-offset), and where the kernel says so (``protocol.stacks``: cuDNN's and flash-attn-4's, whose calls on views cost
+offset), and where the kernel says so (``routes.py`` decides it: ``protocol.stacks``: cuDNN's and flash-attn-4's, whose calls on views cost
 more than copying the rows; ``auto`` answers for the kernel its table names for the stack's dense pattern; the
 fused kernel reads a pattern's views in one launch anyway).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-
 import torch
 
-from . import caches
-from .caches import remember
-from .kernels.protocol import stacks
-from .merge import MAX_GRID_Z, device_table, triton_kernel
-from .patterns import HeadChunk, PatternPlan
-from .replays import geometry
-from .triton_support import Prepared, interpreting, made_current, triton
-from .views import region_views, widened
-
-# Stacks of at least this many patterns run stacked (one pattern alone would gain only its own calls' tails).
-STACK_MIN_PATTERNS = 2
-
-
-@dataclass(frozen=True)
-class Stack:
-    """Local patterns (``members``: their indices in the call's plan list) run as one ``dense`` pattern over a
-    buffer holding each member's compact rows at ``spans`` (first row, end row) of its rows dim."""
-
-    members: tuple[int, ...]
-    plans: tuple[PatternPlan, ...]
-    spans: tuple[tuple[int, int], ...]
-    dense: PatternPlan
-    rows: int
-
-    def slices(self, results: tuple[torch.Tensor, ...]) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
-        """Each member's index and its compact parts of the stack's ``results``: their rows at its span."""
-        for i, (a, b) in zip(self.members, self.spans):
-            yield i, tuple(x[:, a:b] for x in results)
-
-
-def _joins(plan: PatternPlan, heads: int, kv_heads: int) -> bool:
-    """Whether ``plan`` may join a stack (module doc): local, dilated, one offset for every query and kv head."""
-    if plan.ring_size != 1 or plan.dilation == 1:
-        return False
-    offsets, kv_offsets = plan.head_offsets(heads), plan.head_offsets(kv_heads, kv=True)
-    return offsets is not None and kv_offsets is not None and -1 not in offsets and -1 not in kv_offsets
-
-
-@caches.memoize("stacking.stacks", 256)  # asked per call and direction; a model has few configurations
-def _plan_stacks(plans: tuple[PatternPlan, ...], rows: int, heads: int, kv_heads: int) -> tuple[Stack, ...]:
-    """Every group of joining patterns with one compact segment length, on blocks of ``rows`` rows."""
-    by_length: dict[int, list[int]] = {}
-    for i, p in enumerate(plans):
-        if _joins(p, heads, kv_heads):
-            by_length.setdefault(p.local_segment // p.dilation, []).append(i)
-    out = []
-    for m, members in by_length.items():
-        spans, at = [], 0
-        for i in members:
-            spans.append((at, at + rows // plans[i].dilation))
-            at = spans[-1][1]
-        first = plans[members[0]]
-        dense = PatternPlan(first.index, m, 1, m, 1, (HeadChunk(0, 0, heads, 0, kv_heads, 0),), ((0, 0, heads),))
-        out.append(Stack(tuple(members), tuple(plans[i] for i in members), tuple(spans), dense, at))
-    return tuple(out)
-
-
-def plan_stacks(kernel, direction: str, plans: list[PatternPlan], q: torch.Tensor, k: torch.Tensor, causal: bool,
-                masked: bool) -> dict[int, Stack]:
-    """The stacks of an unmasked causal call's local patterns in ``direction``, by member index (every member of a
-    stack maps to it); empty where the kernel would not run a stack (``protocol.stacks``), a key mask is given or
-    the call is not causal (module doc)."""
-    if masked or not causal:
-        return {}
-    found = _plan_stacks(tuple(plans), q.shape[1], q.shape[2], k.shape[2])
-    return {i: s for s in found
-            if len(s.members) >= STACK_MIN_PATTERNS and stacks(kernel, direction, s.dense, causal, q, k)
-            for i in s.members}
-
-
-def gathered_bytes(kernel, plans, q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool, rows: int,
-                   heads: int, kv_heads: int, dim: int, elem: int) -> int:
-    """What a stacked backward over ``rows`` rows (of every batch row) holds at once besides its parts: the largest
-    stack's gathered q, out, dout, k, v (the inputs' dtype, ``elem`` bytes) and lse (fp32); 0 if nothing stacks."""
-    found = set(plan_stacks(kernel, "bwd", list(plans), q, k, causal, masked).values())
-    return max((sum(rows // p.dilation for p in s.plans) * ((3 * heads + 2 * kv_heads) * dim * elem + 4 * heads)
-                for s in found), default=0)
+from .. import caches
+from ..caches import remember
+from ..merge import MAX_GRID_Z, device_table, triton_kernel
+from ..replays import geometry
+from ..triton_support import Prepared, interpreting, made_current, triton
+from ..views import region_views, widened
+from .routes import Stack
 
 
 def gather(x: torch.Tensor, stack: Stack, kv: bool = False) -> torch.Tensor:
@@ -175,7 +102,3 @@ def stack_backward(kernel, stack: Stack, q, k, v, out, lse, dout, *, causal: boo
     qs, os_, ls, ds = (gather(x, stack) for x in (q, out, lse, dout))
     return kernel.backward_pattern_parts(qs, gather(k, stack, kv=True), gather(v, stack, kv=True), stack.dense,
                                          os_, ls, ds, causal=causal, scale=scale)
-
-
-__all__ = ["STACK_MIN_PATTERNS", "Stack", "gather", "gathered_bytes", "plan_stacks", "stack_backward",
-           "stack_forward"]

@@ -1,25 +1,19 @@
-"""Where a ring's rows are: which ranks hold which chunks, which kernel calls one ring step makes, and the
-compact rows a dilated ring pattern runs on.
+"""Where a ring's rows are: which ranks hold which chunks, and which kernel calls one ring step makes.
 
 ``RingLayout`` deals the sequence's chunks to ranks (consecutive blocks, or zigzag halves); ``step_calls``
 compares a step's query chunks with the visiting key chunks by global chunk id and answers with the kernel calls
-(``StepCall``) that cover what is visible. ``RingCall`` is what one call's rings need besides tensors.
-``dense_ring`` says where a ring pattern runs on compact copies of its query rows (``compact``), read with
-``dense_view``: rate 1, the layout of the packed K/V blocks.
+(``StepCall``) that cover what is visible.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from . import caches
-from .comm.base import CommBackend
-from .kernels.protocol import PatternKernel
-from .patterns import PatternPlan
-from .views import region_views
+from .. import caches
+from ..patterns import PatternPlan
 
 
 class Visibility(enum.Enum):
@@ -80,7 +74,7 @@ class StepCall:
     causal: bool
 
 
-@caches.memoize("ring_steps.step_calls", 4096)  # asked per pattern and ring step; a model has few configurations
+@caches.memoize("layout.step_calls", 4096)  # asked per pattern and ring step; a model has few configurations
 def step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, blocks: int, rows: int, causal: bool,
                 shared: bool = False) -> tuple[StepCall, ...]:
     """The kernel calls of a ring step on block ``own`` (``rows`` rows) with block ``src``'s K/V.
@@ -112,7 +106,7 @@ def step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, blocks
                  for i, j in pairs if seen[i][j] is not Visibility.HIDDEN)
 
 
-@caches.memoize("ring_steps.half_calls", 1024)  # asked per shared ring step; a model has few configurations
+@caches.memoize("layout.half_calls", 1024)  # asked per shared ring step; a model has few configurations
 def half_calls(plan: PatternPlan, src: int, rows: int) -> tuple[StepCall, StepCall]:
     """Half of a block's ``rows`` query rows against both halves of block ``src``'s packed K/V, non-causal:
     two calls of half blocks (a kernel call's queries and keys have equally many rows per segment)."""
@@ -134,57 +128,3 @@ def block_mask(key_mask: torch.Tensor | None, block: int, length: int) -> dict:
 
 def call_mask(key_mask: torch.Tensor | None, call: StepCall) -> dict:
     return {} if key_mask is None else {"key_mask": key_mask[:, call.mask]}
-
-
-@dataclass(frozen=True)
-class RingCall:
-    """What one call's attention on this rank's block needs besides tensors (forward and backward)."""
-
-    plans: tuple[PatternPlan, ...]
-    comm: CommBackend | None
-    layout: RingLayout
-    call: int
-    kernel: PatternKernel
-    causal: bool
-    scale: float
-
-
-@caches.memoize("ring_steps.dense_view", 256)  # asked per ring pattern and call; a model has few configurations
-def dense_view(plan: PatternPlan) -> PatternPlan:
-    """``plan`` read on its compact rows (``(B, L / r, H, D)``: row ``j`` of head ``h`` is the block's row
-    ``j * r + offset(h)``): rate 1, every chunk at offset 0, segments ``1 / r`` as long."""
-    r = plan.dilation
-    runs: list[tuple[int, int, int]] = []
-    for _, h0, h1 in plan.head_runs:  # one offset now: adjacent runs join
-        if runs and runs[-1][2] == h0:
-            runs[-1] = (0, runs[-1][1], h1)
-        else:
-            runs.append((0, h0, h1))
-    return PatternPlan(plan.index, plan.segment // r, 1, plan.local_segment // r, plan.ring_size,
-                       tuple(replace(c, offset=0) for c in plan.chunks), tuple(runs))
-
-
-def dense_ring(plan: PatternPlan, masked: bool, layout: RingLayout, q: torch.Tensor, k: torch.Tensor
-                ) -> PatternPlan | None:
-    """``dense_view(plan)`` where a ring pattern can run on compact rows (``ring.py``'s module doc), else ``None``: rate
-    above 1, no key mask (its rows differ per head offset), each query and kv head in one chunk, the packed
-    heads the kv heads in order (so the dK/dV accumulator is the kv part), whole dilated rows per chunk."""
-    if plan.ring_size == 1 or plan.dilation == 1 or masked:
-        return None
-    heads, kv_heads = q.shape[2], k.shape[2]
-    if plan.head_offsets(heads) is None or plan.head_offsets(kv_heads, kv=True) is None:
-        return None
-    if plan.packed_heads != kv_heads or any(c.buffer_head != c.k0 for c in plan.chunks):
-        return None
-    if q.shape[1] % (plan.dilation * (2 if layout.zigzag else 1)):
-        return None
-    return dense_view(plan)
-
-
-def compact(x: torch.Tensor, plan: PatternPlan) -> torch.Tensor:
-    """A new compact ``(B, L / r, H, ...)`` copy of the rows and heads ``plan`` reads of ``x``."""
-    out = x.new_empty((x.shape[0], x.shape[1] // plan.dilation, *x.shape[2:]))
-    for rows, part in region_views(x, out, plan):
-        part.copy_(rows)
-    return out
-

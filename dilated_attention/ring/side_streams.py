@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from . import caches
-from .triton_support import other_device
+from .. import caches
+from ..triton_support import other_device
+from . import routes
 
 
-CAUSAL_PART_STREAMS = 2  # side streams for causal local patterns (1: none); why, in SideStreams
 _STREAM_POOLS: dict[int, tuple[torch.cuda.Stream, ...]] = {}
 caches.register("side_streams.pools", _STREAM_POOLS.__len__)  # held: one pool per device, reused by every call
 
@@ -30,7 +30,8 @@ class SideStreams:
         and ``issue`` runs inline."""
         self.pool: tuple[torch.cuda.Stream, ...] = ()
         self.turn = 0
-        if not (causal and q.is_cuda and CAUSAL_PART_STREAMS > 1) or torch.cuda.is_current_stream_capturing():
+        streams = routes.TUNING.causal_part_streams
+        if not (causal and q.is_cuda and streams > 1) or torch.cuda.is_current_stream_capturing():
             return
         self.main = torch.cuda.current_stream(q.device)
         # q's device current: switch streams with set_stream (torch.cuda.stream looks the current device up on
@@ -38,7 +39,7 @@ class SideStreams:
         self.guarded = other_device(q.device)
         index = q.device.index
         if index not in _STREAM_POOLS:
-            _STREAM_POOLS[index] = tuple(torch.cuda.Stream(q.device) for _ in range(CAUSAL_PART_STREAMS))
+            _STREAM_POOLS[index] = tuple(torch.cuda.Stream(q.device) for _ in range(streams))
         self.pool = _STREAM_POOLS[index]
         made = self.main.record_event()  # the inputs were made on the caller's stream (one event for every side)
         for side in self.pool:
