@@ -38,7 +38,7 @@ from . import caches
 from .comm import CommBackend, resolve_comm
 from .comm.base import live_backend
 from .execution import backward, forward, saved_like
-from .planning import prepare, schedule
+from .planning import CallOptions, prepare, schedule
 from .validation import check_flags, check_scale_type
 
 # torch.library.custom_op and register_autograd arrived in torch 2.4; without them a compiled call
@@ -114,18 +114,17 @@ def _lookup(key: str):
     return None if key == "" else _OBJECTS.get(key, key)
 
 
-def _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout, key_padding_mask,
-             cu_seqlens) -> dict:
-    return dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
-                cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
-                strategy=strategy, kernel=_lookup(kernel), layout=layout)
+def _options(segment_lengths, dilation_rates, mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy,
+             kernel, layout, key_padding_mask, cu_seqlens) -> CallOptions:
+    """The op's flat arguments as the call's options (``kernel`` looked up from its key)."""
+    return CallOptions(segment_lengths, dilation_rates, mode, causal, softmax_scale, key_padding_mask, cu_seqlens,
+                       pad_to_segments, head_offsets, strategy, _lookup(kernel), layout)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths, dilation_rates, *, mode: str,
-           causal: bool, softmax_scale: float | None, key_padding_mask: torch.Tensor | None,
-           cu_seqlens: torch.Tensor | None, pad_to_segments: bool, head_offsets: str, comm, strategy: str,
-           kernel, layout: str) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, options: CallOptions) -> torch.Tensor:
     """``dilated_attention`` under ``torch.compile``: the op call (traced), everything else inside it."""
+    (segment_lengths, dilation_rates, mode, causal, softmax_scale, key_padding_mask, cu_seqlens, pad_to_segments,
+     head_offsets, strategy, kernel, layout) = options
     # Type errors the op's schema would blur (a bool is not a scale; an int is not a flag), as eager raises them.
     check_flags(causal, pad_to_segments, strategy, layout)
     check_scale_type(softmax_scale)
@@ -148,10 +147,10 @@ def _attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
                  causal: bool, softmax_scale: float | None, pad_to_segments: bool, head_offsets: str, comm: str,
                  strategy: str, kernel: str, layout: str, requires_grad: list[bool]
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
-                       key_padding_mask, cu_seqlens)
+    options = _options(segment_lengths, dilation_rates, mode, causal, softmax_scale, pad_to_segments, head_offsets,
+                       strategy, kernel, layout, key_padding_mask, cu_seqlens)
     backend = resolve_comm(_lookup(comm))
-    spec, call = prepare(q, k, v, segment_lengths, dilation_rates, backend, requires_grad, **options)
+    spec, call = prepare(q, k, v, backend, requires_grad, options)
     out, saved = forward(spec, call, q, k, v, key_padding_mask)
     number = torch.full((), call, dtype=torch.int64, device=q.device)
     _CALL_NUMBERS[number.data_ptr()] = call
@@ -161,10 +160,9 @@ def _attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_
 
 def _attend_fake(q, k, v, key_padding_mask, cu_seqlens, segment_lengths, dilation_rates, mode, causal,
                  softmax_scale, pad_to_segments, head_offsets, comm, strategy, kernel, layout, requires_grad):
-    options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
-                       key_padding_mask, cu_seqlens)
-    spec = schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
-                    shapes_only=True, **options)
+    options = _options(segment_lengths, dilation_rates, mode, causal, softmax_scale, pad_to_segments, head_offsets,
+                       strategy, kernel, layout, key_padding_mask, cu_seqlens)
+    spec = schedule(q, k, v, resolve_comm(_lookup(comm)), options, shapes_only=True)
     saved = saved_like(spec, q, k, key_padding_mask)
     return q.new_empty(q.shape), saved + [torch.empty((), dtype=torch.int64, device=q.device)]
 
@@ -175,11 +173,10 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    causal: bool, softmax_scale: float | None, pad_to_segments: bool, head_offsets: str, comm: str,
                    strategy: str, kernel: str, layout: str, requires_grad: list[bool]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _options(mode, causal, softmax_scale, pad_to_segments, head_offsets, strategy, kernel, layout,
-                       key_padding_mask, cu_seqlens)
+    options = _options(segment_lengths, dilation_rates, mode, causal, softmax_scale, pad_to_segments, head_offsets,
+                       strategy, kernel, layout, key_padding_mask, cu_seqlens)
     # The forward planned this call successfully: the same plan (no new agreement, no debug record).
-    spec = schedule(q, k, v, segment_lengths, dilation_rates, backend=resolve_comm(_lookup(comm)),
-                    record=False, **options)
+    spec = schedule(q, k, v, resolve_comm(_lookup(comm)), options, record=False)
     grads = backward(spec, _call_number(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
     return tuple(g.contiguous() for g in grads)
 

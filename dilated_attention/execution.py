@@ -10,6 +10,8 @@ Eager calls wrap the pair in ``Attention`` (an ``autograd.Function`` that ``torc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
@@ -22,6 +24,7 @@ from .memory import HeadRange
 from .merge import accum_dtype
 from .planning import Schedule
 from .ring.block import block_backward, block_forward
+from .ring.padding import move_rows
 from .ring.routes import RingCall
 
 
@@ -99,9 +102,23 @@ def gather_mask(backend: CommBackend, mask: torch.Tensor | None, call: int, team
     return torch.cat([member_rows(rows, zigzag) for rows in teams], dim=1).bool()
 
 
+def _padded_rows(spec: Schedule, call: int, x: torch.Tensor, to_padded: bool, direction: str, fill=0
+                 ) -> torch.Tensor:
+    """``x``'s rows moved to the padded shards of ``spec.padded`` or back (``ring/padding.py``)."""
+    what = f"call {call}, {direction}: rows {'to' if to_padded else 'from'} the padded shards"
+    return move_rows(x, spec.padded, spec.backend, to_padded, what, spec.backend.stamp(call, direction), fill)
+
+
 def forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The computation: ``(out, saved)``, ``saved`` being the tensors it made that ``backward`` needs
     (the q/k/v/mask/out/lse the attention saw, where they are not the caller's)."""
+    if spec.padded is not None:  # shards the segments do not tile: the call on padded shards, pad keys masked
+        mask = key_padding_mask if key_padding_mask is not None else \
+            torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
+        inputs = [_padded_rows(spec, call, x, True, "forward") for x in (q, k, v)]
+        inputs.append(_padded_rows(spec, call, mask, True, "forward", fill=True))
+        out, saved = forward(replace(spec, padded=None), call, *inputs)
+        return _padded_rows(spec, call, out, False, "forward"), [*inputs, out, *saved]
     q, k, v = unit_head_dim(q), unit_head_dim(k), unit_head_dim(v)
     saved, mask = [], key_padding_mask
     if spec.backend is not None and mask is not None:
@@ -131,6 +148,11 @@ def forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch
 def backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out, saved: list[torch.Tensor], dout
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``forward``'s ``out`` for ``dout`` (exact: the kernels' backward on the final out/lse)."""
+    if spec.padded is not None:  # (``forward``): the padded call's gradients, moved back
+        q, k, v, mask, out, *saved = saved
+        grads = backward(replace(spec, padded=None), call, q, k, v, mask, out, saved,
+                         _padded_rows(spec, call, dout, True, "backward"))
+        return tuple(_padded_rows(spec, call, g, False, "backward") for g in grads)
     saved = list(saved)
     mask = saved.pop(0) if spec.backend is not None and key_padding_mask is not None else key_padding_mask
     if spec.team == 1:
@@ -160,6 +182,12 @@ def backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out, saved: l
 
 def saved_like(spec: Schedule, q, k, key_padding_mask) -> list[torch.Tensor]:
     """Empty tensors shaped as ``forward``'s ``saved`` (for a custom op's fake implementation)."""
+    if spec.padded is not None:
+        rows = spec.padded.shard
+        q, k = (x.new_empty((x.shape[0], rows, *x.shape[2:])) for x in (q, k))
+        mask = q.new_empty(q.shape[:2], dtype=torch.bool)
+        return [q, k, k.new_empty(k.shape), mask, q.new_empty(q.shape),
+                *saved_like(replace(spec, padded=None), q, k, mask)]
     bsz, local, heads, dim = q.shape
     acc = accum_dtype(q.dtype)
     saved = []

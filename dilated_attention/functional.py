@@ -18,7 +18,7 @@ from . import custom_ops as _ops
 from .comm import CommBackend, resolve_comm
 from .execution import Attention
 from .kernels.protocol import BlockKernel, PatternKernel
-from .planning import prepare
+from .planning import CallOptions, prepare
 from .validation import STRATEGIES
 
 __all__ = ["STRATEGIES", "dilated_attention"]
@@ -68,12 +68,11 @@ def dilated_attention(
     ``torch.compile`` the call is one custom op (``custom_ops.py``); ``torch.func.grad``/``vjp``
     work, ``vmap`` works without ``comm``, forward-mode AD (``jvp``) raises.
     """
-    options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
-                   cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
-                   strategy=strategy, kernel=kernel, layout=layout)
+    options = CallOptions(segment_lengths, dilation_rates, mode, causal, softmax_scale, key_padding_mask, cu_seqlens,
+                          pad_to_segments, head_offsets, strategy, kernel, layout)
     if torch.compiler.is_compiling() and _ops.AVAILABLE:
         # One opaque op: no graph break, and what talks to other ranks runs inside it, never in the graph.
-        return _ops.attend(q, k, v, segment_lengths, dilation_rates, comm=comm, **options)
+        return _ops.attend(q, k, v, comm, options)
     backend = resolve_comm(comm)
-    spec, call = prepare(q, k, v, segment_lengths, dilation_rates, backend, None, **options)
+    spec, call = prepare(q, k, v, backend, None, options)
     return Attention.apply(q, k, v, key_padding_mask, spec, call)[0]

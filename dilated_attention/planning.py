@@ -15,7 +15,7 @@ import os
 import weakref
 import zlib
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -30,9 +30,9 @@ from .kernels.dispatch import select_kernel
 from .kernels.guard import guard_kernel
 from .kernels.protocol import PatternKernel
 from .memory import HeadRange, head_ranges, own_bytes, scratch_bytes
-from .patterns import PatternPlan, hybrid_team_size, plan_patterns, zigzag_half
+from .patterns import PatternPlan, hybrid_team_size, padded_length, plan_patterns, zigzag_half
 from .ring import routes
-from .ring.layout import RingLayout
+from .ring.layout import Padded, RingLayout, padded_shard
 from .ring.routes import RingCall, RingPlan, Routes, plan_ring, stand_in
 from .validation import check_cu_seqlens, check_flags, check_key_padding_mask, check_scale, check_tensors
 from .views import layout_key
@@ -55,6 +55,7 @@ class Schedule:
     scale: float
     zigzag: bool = False  # the shards are in the zigzag layout (ring.layout.RingLayout), over more than one rank
     heads: tuple[HeadRange, ...] = ()  # the head chunks run one after another (``memory.py``); () = all at once
+    padded: Padded | None = None  # rings over shards the segments do not tile: their padded shards
 
     def rings(self, call: int, batch: Batch | None = None) -> tuple[RingCall, ...]:
         """Per head range: the rank's block of rings across teams, or (a whole-sequence ``batch``) a block whose
@@ -116,15 +117,34 @@ def ring_plans(segment_lengths, dilation_rates, n: int, local: int, heads: int, 
 
 
 
-def schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend | None, mode, causal,
-              softmax_scale, key_padding_mask, cu_seqlens, pad_to_segments, head_offsets, strategy, kernel,
-              layout: str = "contiguous", shapes_only: bool = False, record: bool = True) -> Schedule:
+class CallOptions(NamedTuple):
+    """A call's arguments besides ``q``, ``k``, ``v`` and ``comm``, as ``dilated_attention`` takes them: what travels
+    from the API to the op and the plan (a tuple: a schedule's key reads it without a Python call)."""
+
+    segment_lengths: Sequence[int]
+    dilation_rates: Sequence[int]
+    mode: str = "longnet"
+    causal: bool = False
+    softmax_scale: float | None = None
+    key_padding_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    pad_to_segments: bool = True
+    head_offsets: str = "spread"
+    strategy: str = "auto"
+    kernel: object = "auto"
+    layout: str = "contiguous"
+
+
+def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBackend | None, options: CallOptions,
+             *, shapes_only: bool = False, record: bool = True) -> Schedule:
     """Validate a call and decide everything but the data: raises ``ValueError``/``TypeError``.
 
     ``shapes_only``: what output shapes need, from shapes alone (no ``cu_seqlens`` values, no kernel):
     a custom op's fake implementation. ``record``: kernel hooks may record the call (once per call, not
     again when a compiled backward plans it anew).
     """
+    (segment_lengths, dilation_rates, mode, causal, softmax_scale, key_padding_mask, cu_seqlens, pad_to_segments,
+     head_offsets, strategy, kernel, layout) = options
     world = backend.world_size if backend is not None else 1
     check_tensors(q, k, v)
     check_flags(causal, pad_to_segments, strategy, layout)
@@ -162,7 +182,8 @@ def schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend |
             head_start=lane * split.local_heads + part.h0, total_heads=heads, layout=shards,
         )
 
-    batches = plans = None
+    batches = plans = padded = None
+    shard = local  # rows of this rank's shard that the rings see
     if team == world:  # the whole sequence on this rank: padding and documents are local matters
         batches = whole_batches(segment_lengths, dilation_rates, local * world, docs, pad_to_segments, plan)
     elif cu_seqlens is not None:
@@ -170,7 +191,18 @@ def schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend |
                          f"'auto' with the {heads} heads divisible by the {world} ranks); got "
                          f"strategy={strategy!r} with a ring over {world // team} shards")
     else:  # rings across teams; a team's rows are in the shards' layout (head_parallel.member_rows)
-        plans = (plan(local * world, local * team, layout),)
+        if pad_to_segments and not zigzag:  # shards the segments do not tile run padded (``ring.layout.Padded``)
+            least = padded_length(segment_lengths, dilation_rates, local * world)
+
+            def fits(rows: int) -> bool:
+                return rows * world >= least and ring_plans(segment_lengths, dilation_rates, rows * world,
+                                                            rows * team, heads, k.shape[2], layout)
+
+            if not fits(local):
+                shard = padded_shard(fits, local, world, least, segment_lengths) or local
+        if shard != local:
+            padded = Padded(local * world, local, shard, world)
+        plans = (plan(shard * world, shard * team, layout),)
     if backend is not None:
         for name, t in (("q", q), ("k", k), ("v", v), ("key_padding_mask", key_mask)):
             reason = backend.check_device(name, t) if t is not None else None
@@ -178,26 +210,27 @@ def schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend |
                 raise ValueError(reason)
     chosen, ranges, blocks = None, (), None
     if not shapes_only:
-        masked = key_mask is not None or (batches is not None and any(pads(b, local * world) for b in batches))
+        masked = key_mask is not None or padded is not None or \
+            (batches is not None and any(pads(b, local * world) for b in batches))
         # without a key_padding_mask, the only masks are the padding ``_run_mask`` adds
         chosen = select_kernel(kernel, q, k, masked, padding_only=key_mask is None)
         meta = {}
         if hooks.active():  # none by default (debug mode, the runtime audit): one module-global check
-            options = dict(mode=mode, causal=causal, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
-                           cu_seqlens=cu_seqlens, pad_to_segments=pad_to_segments, head_offsets=head_offsets,
-                           strategy=strategy, kernel=kernel, layout=layout)
-            call = hooks.Call(q, k, v, segment_lengths, dilation_rates, backend, options, record, meta)
+            named = options._asdict()
+            del named["segment_lengths"], named["dilation_rates"]
+            call = hooks.Call(q, k, v, segment_lengths, dilation_rates, backend, named, record, meta)
             chosen = hooks.apply_kernel_hooks(chosen, call)
         chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
 
         def routed(plans: tuple[PatternPlan, ...], batch: Batch | None, part: HeadRange | None = None) -> RingPlan:
             """The routes of a block of ``plans``: a whole-sequence ``batch``, else this rank's block of rings."""
             part = part or HeadRange(0, split.local_heads, 0, split.local_kv_heads)
-            rows, count = (local * team, bsz) if batch is None else (batch.length, bsz * batch.count)
+            rows, count = (shard * team, bsz) if batch is None else (batch.length, bsz * batch.count)
             qs, ks = (stand_in(x, (count, rows, h, x.shape[-1])) for x, h in ((q, part.h1 - part.h0),
                                                                              (k, part.k1 - part.k0)))
             return plan_ring(plans, chosen, qs, ks, causal=causal, scale=scale,
-                             masked=key_mask is not None or (batch is not None and pads(batch, local * world)),
+                             masked=key_mask is not None or padded is not None
+                             or (batch is not None and pads(batch, local * world)),
                              comm=None if batch is not None else backend,
                              layout=RingLayout() if batch is not None else RingLayout(team, zigzag))
 
@@ -207,14 +240,15 @@ def schedule(q, k, v, segment_lengths, dilation_rates, *, backend: CommBackend |
             ranges = head_chunks(q, split, largest.length * largest.count * bsz, causal, largest.rings[0].backward)
         else:
             blocks = (routed(plans[0], None),)
-            ranges = head_chunks(q, split, local * team * bsz, causal, blocks[0].backward)
+            ranges = head_chunks(q, split, shard * team * bsz, causal, blocks[0].backward)
         if ranges:  # re-planned per head range
             if batches is not None:
                 batches = tuple(replace(b, plans=ps, rings=tuple(routed(p, b, r) for p, r in zip(ps, ranges)))
                                 for b in batches for ps in (tuple(plan(b.length, part=r) for r in ranges),))
             else:
-                blocks = tuple(routed(plan(local * world, local * team, layout, r), None, r) for r in ranges)
-    return Schedule(backend, strategy, team, split, batches, blocks, docs, chosen, causal, scale, zigzag, ranges)
+                blocks = tuple(routed(plan(shard * world, shard * team, layout, r), None, r) for r in ranges)
+    return Schedule(backend, strategy, team, split, batches, blocks, docs, chosen, causal, scale, zigzag, ranges,
+                    padded)
 
 
 def head_chunks(q, split: HeadSplit, rows: int, causal: bool, routes: Routes) -> tuple[HeadRange, ...]:
@@ -277,7 +311,7 @@ def _clear_schedules() -> None:
 caches.register("planning.backend_schedules", _fullest_schedules, SCHEDULES_KEPT, _clear_schedules)
 
 
-def schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tuple | None:
+def schedule_key(q, k, v, options: CallOptions) -> tuple | None:
     """Everything a single-device call's ``schedule`` reads, as a key, or ``None`` where it reads more (a key
     mask or documents: their values; a kernel hook: it may record each call). Validating and planning a call costs
     about 0.2 ms of host time (0.6 ms with ``comm``, and 0.2 more for the signature), and a LongNet forward is
@@ -286,14 +320,13 @@ def schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tup
     property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment), and
     the environment variables the kernel choice reads, the head-chunk rule's settings (``memory.py``) and the routes'
     (``ring.routes.Tuning``)."""
-    if options["key_padding_mask"] is not None or options["cu_seqlens"] is not None or hooks.active():
+    if options.key_padding_mask is not None or options.cu_seqlens is not None or hooks.active():
         return None
     # (tensor subclasses and torch.func's wrapped tensors, which have no storage: planned every time)
     if not all(type(t) is torch.Tensor for t in (q, k, v)) or torch._C._are_functorch_transforms_active():
         return None
     try:
-        key = (typed(segment_lengths), typed(dilation_rates), *map(layout_key, (q, k, v)),
-               *((name, typed(value)) for name, value in options.items()),
+        key = (*map(layout_key, (q, k, v)), *map(typed, options),
                *(os.environ.get(name) for name in KERNEL_CHOICE_ENV), memory.BOUND.key, routes.TUNING)
         hash(key)
     except TypeError:  # not iterable, or an unhashable kernel object: plan it every time
@@ -301,19 +334,19 @@ def schedule_key(q, k, v, segment_lengths, dilation_rates, options: dict) -> tup
     return key
 
 
-def prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | None,
-            requires_grad: list[bool] | None, **options) -> tuple[Schedule, int]:
+def prepare(q, k, v, backend: CommBackend | None, requires_grad: list[bool] | None, options: CallOptions
+            ) -> tuple[Schedule, int]:
     """Plan the call and, with ``comm``, count it and agree on it across ranks: ``(schedule, call number)``.
 
     With ``comm`` a rank's own invalid inputs are raised in the agreement, so every rank raises together.
     ``requires_grad``: what the caller's inputs had (a compiled graph's op sees detached tensors).
     A repeated call reuses its schedule and, with ``comm``, its signature's text (``schedule_key``).
     """
-    key = schedule_key(q, k, v, segment_lengths, dilation_rates, options)
+    key = schedule_key(q, k, v, options)
     if backend is None:
         spec = SCHEDULES.get(key) if key is not None else None
         if spec is None:
-            spec = schedule(q, k, v, segment_lengths, dilation_rates, backend=None, **options)
+            spec = schedule(q, k, v, None, options)
             if key is not None:
                 SCHEDULES[key] = spec
         return spec, 0
@@ -327,13 +360,13 @@ def prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | Non
         spec, text = replace(cached[0], backend=backend), cached[1]
     else:
         try:
-            spec = schedule(q, k, v, segment_lengths, dilation_rates, backend=backend, **options)
+            spec = schedule(q, k, v, backend, options)
         except (ValueError, TypeError) as exc:
             error = exc
     state.calls += 1
     if backend.check_calls:
         if text is None:  # (an entry made with check_calls=False has none yet)
-            text = signature_text_of(q, k, v, segment_lengths, dilation_rates, spec, options, requires_grad)
+            text = signature_text_of(q, k, v, spec, options, requires_grad)
         agree(backend, state, text, error, q if isinstance(q, torch.Tensor) else torch.empty(0))
     elif error is not None:
         raise error
@@ -342,15 +375,15 @@ def prepare(q, k, v, segment_lengths, dilation_rates, backend: CommBackend | Non
     return spec, state.calls
 
 
-def signature_text_of(q, k, v, segment_lengths, dilation_rates, spec: Schedule | None, options: dict,
+def signature_text_of(q, k, v, spec: Schedule | None, options: CallOptions,
                       requires_grad: list[bool] | None) -> str:
     """What every rank must agree on for this call (``consistency.call_signature``), as the text compared."""
-    kernel, docs = options["kernel"], spec.docs if spec is not None else None
-    same = {name: options[name] for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
-                                             "pad_to_segments", "layout")}
-    sig = call_signature(q, k, v, segment_lengths, dilation_rates, **same,
+    kernel, docs = options.kernel, spec.docs if spec is not None else None
+    same = {name: getattr(options, name) for name in ("mode", "causal", "softmax_scale", "head_offsets", "strategy",
+                                                      "pad_to_segments", "layout")}
+    sig = call_signature(q, k, v, options.segment_lengths, options.dilation_rates, **same,
                          kernel=kernel if isinstance(kernel, str) else type(kernel).__name__,
-                         key_padding_mask=options["key_padding_mask"] is not None,
+                         key_padding_mask=options.key_padding_mask is not None,
                          cu_seqlens=None if docs is None else
                          f"{len(docs) - 1} documents, crc32 {zlib.crc32(str(docs).encode())}")
     if requires_grad is not None:

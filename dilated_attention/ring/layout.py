@@ -1,4 +1,5 @@
-"""Where a ring's rows are: which ranks hold which chunks, and which kernel calls one ring step makes.
+"""Where a ring's rows are: which ranks hold which chunks, which kernel calls one ring step makes, and the padded
+shards of a sequence the segments do not tile (``Padded``).
 
 ``RingLayout`` deals the sequence's chunks to ranks (consecutive blocks, or zigzag halves); ``step_calls``
 compares a step's query chunks with the visiting key chunks by global chunk id and answers with the kernel calls
@@ -8,6 +9,7 @@ compares a step's query chunks with the visiting key chunks by global chunk id a
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,3 +130,43 @@ def block_mask(key_mask: torch.Tensor | None, block: int, length: int) -> dict:
 
 def call_mask(key_mask: torch.Tensor | None, call: StepCall) -> dict:
     return {} if key_mask is None else {"key_mask": key_mask[:, call.mask]}
+
+
+@dataclass(frozen=True)
+class Padded:
+    """A ring over shards the segments do not tile: the sequence of ``rows`` rows (``world`` shards of ``local``
+    rows, as the caller holds them) padded at its end to ``world * shard`` rows, re-cut into shards of ``shard``
+    rows that the patterns tile (``padded_shard``). The pad rows' keys are masked and their rows dropped, so results
+    and gradients are those of the unpadded rows, as the single-device call pads (docs/design.md section 2)."""
+
+    rows: int
+    local: int
+    shard: int
+    world: int
+
+    def moves(self, rank: int, to_padded: bool) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int]]]:
+        """This rank's row moves: ``(sends, receives)``, sends ``(peer, first, end, at)`` (this rank's rows
+        ``[first, end)`` to the peer's rows from ``at``), receives ``(peer, first, end)`` (this rank's rows from
+        the peer), peers ascending. ``to_padded``: from the caller's shards to the padded ones, else back."""
+        mine, theirs = (self.local, self.shard) if to_padded else (self.shard, self.local)
+        sends, receives = [], []
+        for peer in range(self.world):
+            a, b = max(rank * mine, peer * theirs), min((rank + 1) * mine, (peer + 1) * theirs, self.rows)
+            if a < b:
+                sends.append((peer, a - rank * mine, b - rank * mine, a - peer * theirs))
+            a, b = max(peer * mine, rank * theirs), min((peer + 1) * mine, (rank + 1) * theirs, self.rows)
+            if a < b:
+                receives.append((peer, a - rank * theirs, b - rank * theirs))
+        return sends, receives
+
+
+def padded_shard(fits, local: int, world: int, least: int, segments: Sequence[int]) -> int | None:
+    """The fewest rows ``>= local`` per shard, ``world`` shards holding at least ``least`` rows, for which
+    ``fits(shard)`` (the patterns tile such shards); ``None`` if none up to four times the rows needed.
+
+    A pattern local to a shard must tile it (a multiple of the shortest segment it holds) and a spanning one must be
+    whole shards: so the candidates are the multiples of the shortest segment and its divisors."""
+    first, w = max(local, -(-least // world)), min(segments)
+    candidates = sorted({d for d in range(1, w + 1) if w % d == 0 and d >= first}
+                        | set(range(-(-first // w) * w, 4 * max(first, w) + 1, w)))
+    return next((shard for shard in candidates if fits(shard)), None)

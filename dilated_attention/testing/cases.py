@@ -111,6 +111,9 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
                         docs=(0, 5, 5, n // 2 + 3, n)))
     out.append(Case(f"P{world}-head-padded", world, (8, 32), (1, 2), causal=True, heads=heads, kv_heads=4,
                     local_len=12, strategy="head"))
+    # shards the segments do not tile, on the ring: the rows move to padded shards (ring/padding.py)
+    out.append(Case(f"P{world}-ring-padded-causal", world, (8, 32), (1, 2), causal=True, heads=4, kv_heads=2,
+                    local_len=12, layout="transposed"))
     out.append(Case(f"P{world}-masked-bfloat16", world, *spanning, causal=True, heads=4, kv_heads=2, dim=16,
                     dtype="bfloat16", masked=True))
     # head chunks (memory.py): each kv group's heads in turn, written into slices of one result
