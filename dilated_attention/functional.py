@@ -58,7 +58,7 @@ def dilated_attention(
     sequence with ``comm``, the same on every rank; needs the whole sequence per
     rank, i.e. the ``"head"`` strategy): each document runs alone. A length the
     segments do not tile is padded internally (masked pad keys) unless
-    ``pad_to_segments=False``; with ``comm`` only the ``"head"`` strategy pads.
+    ``pad_to_segments=False`` (with ``comm`` a ring runs on padded shards the segments tile).
     ``head_offsets="torchscale"`` selects torchscale's head-offset rule.
     ``layout="zigzag"`` (with ``comm``): the shards are in zigzag order (``distributed.shard_indices``: rank
     ``j`` of ``K`` holds chunks ``j`` and ``2K - 1 - j`` of ``2K``), which balances causal rings; the
