@@ -24,7 +24,7 @@ from ..merge import Part, accum_dtype, combine_results, sum_grads
 from ..views import compact, pack_kv, unpack_add_
 from .kv_ring import compact_backward, compact_forward, ring_backward, ring_forward
 from .layout import block_mask
-from .routes import Route, RingCall, RingPlan, Way
+from .routes import RingCall, RingPlan, Route, Routes, Way
 from .side_streams import SideStreams
 from .square_split import split_backward, split_forward
 from .stacking import stack_backward, stack_forward
@@ -39,6 +39,101 @@ def _checked(plan: RingPlan, key_mask: torch.Tensor | None) -> None:
                            f"{'with' if key_mask is not None else 'without'} one: plan the call again")
 
 
+class _Pass:
+    """One direction over a block's routes: each way's computation (``_Forward``, ``_Backward``), run in route
+    order; each pattern's result kept by position (``held``), merged ones in one running fp32 result."""
+
+    def __init__(self, ring: RingCall, routes: Routes, q, k, v, key_mask, saved=()) -> None:
+        plan, comm = ring.plan, ring.comm
+        _checked(plan, key_mask)
+        self.ring, self.routes, self.key_mask, self.saved = ring, routes, key_mask, saved
+        self.q, self.k, self.v = q, k, v
+        self.kernel, self.causal, self.scale = plan.kernel, plan.causal, plan.scale
+        self.own = block_mask(key_mask, comm.rank // plan.layout.stride if comm is not None else 0, q.shape[1])
+        self.running, self.held = None, {}
+        self.sides = SideStreams(q, self.causal)
+
+    def sends(self, route: Route) -> list[torch.Tensor]:
+        """What a swapped pattern sends out (``swapped.py``): its compact query rows and packed K/V, and in the
+        backward its compact ``out``, ``dout`` and ``lse``."""
+        out = (self.saved[0], self.saved[2], self.saved[1]) if self.saved else ()
+        return [compact(self.q, route.plan), *pack_kv(self.k, self.v, route.plan),
+                *(compact(x, route.plan) for x in out)]
+
+    def run(self) -> None:
+        swaps = start_swaps(self.ring, self.routes, self.direction, self.sends, self.sides)
+        ways = {Way.SWAPPED: lambda i, route: run_swap(swaps[i], self.swap, self.sends, self.sides),
+                Way.STACKED: self.stacked, Way.PART: self.part, Way.COMPACT_RING: self.compact_ring,
+                Way.MERGED: self.merged}
+        travelling = Travelling()
+        for i in self.routes.order:
+            travelling.turn(swaps.get(i))
+            route = self.routes.routes[i]
+            ways[route.way](i, route)
+        self.sides.join()
+        for i, swap in swaps.items():
+            self.held[i] = swap.home()
+
+    def stacked(self, i: int, route: Route) -> None:
+        if i not in self.held:  # the stack's first member: one call for every member
+            self.held.update(route.stack.slices(self.sides.issue(self.stack_call, self.kernel, route.stack, self.q,
+                                                                 self.k, self.v, *self.saved, causal=self.causal,
+                                                                 scale=self.scale)))
+
+
+class _Forward(_Pass):
+    direction, swap, stack_call = "forward", staticmethod(swap_forward), staticmethod(stack_forward)
+
+    def part(self, i: int, route: Route) -> None:
+        self.held[i] = self.sides.issue(self.kernel.forward_pattern, self.q, self.k, self.v, route.plan,
+                                        packed=False, causal=self.causal, scale=self.scale, **self.own)
+
+    def compact_ring(self, i: int, route: Route) -> None:
+        self.held[i] = compact_forward(self.q, self.k, self.v, route, self.ring)
+
+    def merged(self, i: int, route: Route) -> None:
+        q, k, v = self.q, self.k, self.v
+        if self.running is None:
+            self.running = (torch.empty(q.shape, dtype=accum_dtype(q.dtype), device=q.device),
+                            torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device))
+            if not route.fresh:  # rows no pattern covers stay (0, -inf)
+                clear_result_(*self.running)
+        if route.pieces:
+            split_forward(self.kernel, route.pieces, q, k, v, *self.running, packed=False, scale=self.scale,
+                          fresh=route.fresh)
+        elif route.plan.ring_size == 1:
+            self.kernel.forward_pattern_into(q, k, v, route.plan, *self.running, packed=False, causal=self.causal,
+                                             scale=self.scale, fresh=route.fresh, **self.own)
+        else:
+            ring_forward(q, k, v, self.key_mask, route, self.ring, self.running)
+
+
+class _Backward(_Pass):
+    direction, swap, stack_call = "backward", staticmethod(swap_backward), staticmethod(stack_backward)
+
+    def part(self, i: int, route: Route) -> None:
+        self.held[i] = self.sides.issue(self.kernel.backward_pattern_parts, self.q, self.k, self.v, route.plan,
+                                        *self.saved, causal=self.causal, scale=self.scale, **self.own)
+
+    def compact_ring(self, i: int, route: Route) -> None:
+        self.held[i] = compact_backward(self.q, self.k, self.v, self.saved, route, self.ring)
+
+    def merged(self, i: int, route: Route) -> None:
+        q, k, v = self.q, self.k, self.v
+        if self.running is None:
+            new = torch.empty if route.fresh else torch.zeros
+            self.running = tuple(new(x.shape, dtype=accum_dtype(q.dtype), device=x.device) for x in (q, k, v))
+        if route.pieces:
+            split_backward(self.kernel, route.pieces, q, k, v, *self.saved, *self.running, packed=False,
+                           scale=self.scale, fresh=route.fresh)
+        elif route.plan.ring_size == 1:
+            self.kernel.backward_pattern(q, k, v, route.plan, *self.saved, *self.running, packed=False,
+                                         causal=self.causal, scale=self.scale, fresh=route.fresh, **self.own)
+        else:
+            home = ring_backward(q, k, v, self.key_mask, route, self.ring, self.saved, self.running[0])
+            unpack_add_(self.running[1], self.running[2], home, route.plan)
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, ring: RingCall,
                   into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over this rank's block: ``(out, lse)``. ``into``: ``(out, lse)`` views (a head range of the
@@ -47,51 +142,10 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     ``key_mask``: ``None`` or bool ``(B, blocks * L)`` over the whole sequence, ``True`` = excluded key.
     Not differentiable itself: ``block_backward`` is its exact gradient (``execution.py`` pairs them).
     """
-    plan, comm = ring.plan, ring.comm
-    _checked(plan, key_mask)
-    own = block_mask(key_mask, comm.rank // plan.layout.stride if comm is not None else 0, q.shape[1])
-    kernel, causal, scale = plan.kernel, plan.causal, plan.scale
-    running, parts = None, {}
-
-    def sends(route: Route) -> list[torch.Tensor]:
-        return [compact(q, route.plan), *pack_kv(k, v, route.plan)]
-
-    sides = SideStreams(q, causal)
-    swaps = start_swaps(ring, plan.forward, "forward", sends, sides)
-    travelling = Travelling()
-    for i in plan.forward.order:
-        route = plan.forward.routes[i]
-        travelling.turn(swaps.get(i))
-        way = route.way
-        if way is Way.SWAPPED:
-            run_swap(swaps[i], swap_forward, sends, sides)
-        elif way is Way.STACKED:
-            if i not in parts:  # the stack's first member: one call for every member
-                res = sides.issue(stack_forward, kernel, route.stack, q, k, v, causal=causal, scale=scale)
-                for j, part in route.stack.slices(res):
-                    parts[j] = Part(plan.plans[j], *part)
-        elif way is Way.PART:
-            parts[i] = Part(route.plan, *sides.issue(kernel.forward_pattern, q, k, v, route.plan, packed=False,
-                                                     causal=causal, scale=scale, **own))
-        elif way is Way.COMPACT_RING:
-            parts[i] = compact_forward(q, k, v, route, ring)
-        else:
-            if running is None:
-                running = (torch.empty(q.shape, dtype=accum_dtype(q.dtype), device=q.device),
-                           torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device))
-                if not route.fresh:  # rows no pattern covers stay (0, -inf)
-                    clear_result_(*running)
-            if route.pieces:
-                split_forward(kernel, route.pieces, q, k, v, *running, packed=False, scale=scale, fresh=route.fresh)
-            elif route.plan.ring_size == 1:
-                kernel.forward_pattern_into(q, k, v, route.plan, *running, packed=False, causal=causal, scale=scale,
-                                            fresh=route.fresh, **own)
-            else:
-                ring_forward(q, k, v, key_mask, route, ring, running)
-    sides.join()
-    for i, swap in swaps.items():
-        parts[i] = Part(plan.plans[i], *swap.home())
-    return combine_results(running, [parts[i] for i in sorted(parts)], q, into, consume=True)  # in plan order
+    step = _Forward(ring, ring.plan.forward, q, k, v, key_mask)
+    step.run()
+    parts = [Part(ring.plan.plans[i], *step.held[i]) for i in sorted(step.held)]  # in plan order
+    return combine_results(step.running, parts, q, into, consume=True)
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -100,52 +154,11 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``block_forward``'s ``out`` for ``dout``, from ``saved = (out, lse, dout)`` (the final
     ``out`` and ``lse``); ``into``: views (a head range of the caller's gradients) to write them to."""
-    plan, comm = ring.plan, ring.comm
-    _checked(plan, key_mask)
     out, lse, dout = saved
-    own = block_mask(key_mask, comm.rank // plan.layout.stride if comm is not None else 0, q.shape[1])
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
-    kernel, causal, scale = plan.kernel, plan.causal, plan.scale
-    running, held = None, {}
-    sides = SideStreams(q, causal)
-
-    def sends(route: Route) -> list[torch.Tensor]:
-        return [compact(q, route.plan), *pack_kv(k, v, route.plan), *(compact(x, route.plan) for x in (out, dout, lse))]
-
-    swaps = start_swaps(ring, plan.backward, "backward", sends, sides)
-    travelling = Travelling()
-    for i in plan.backward.order:
-        route = plan.backward.routes[i]
-        travelling.turn(swaps.get(i))
-        way = route.way
-        if way is Way.SWAPPED:
-            run_swap(swaps[i], swap_backward, sends, sides)
-        elif way is Way.STACKED:
-            if i not in held:  # the stack's first member: one call for every member
-                res = sides.issue(stack_backward, kernel, route.stack, q, k, v, out, lse, dout, causal=causal,
-                                  scale=scale)
-                held.update(route.stack.slices(res))
-        elif way is Way.PART:
-            held[i] = sides.issue(kernel.backward_pattern_parts, q, k, v, route.plan, out, lse, dout, causal=causal,
-                                  scale=scale, **own)
-        elif way is Way.COMPACT_RING:
-            held[i] = compact_backward(q, k, v, (out, lse, dout), route, ring)
-        else:
-            if running is None:
-                new = torch.empty if route.fresh else torch.zeros
-                running = tuple(new(x.shape, dtype=accum_dtype(q.dtype), device=x.device) for x in (q, k, v))
-            if route.pieces:
-                split_backward(kernel, route.pieces, q, k, v, out, lse, dout, *running, packed=False, scale=scale,
-                               fresh=route.fresh)
-            elif route.plan.ring_size == 1:
-                kernel.backward_pattern(q, k, v, route.plan, out, lse, dout, *running, packed=False, causal=causal,
-                                        scale=scale, fresh=route.fresh, **own)
-            else:
-                home = ring_backward(q, k, v, key_mask, route, ring, (out, lse, dout), running[0])
-                unpack_add_(running[1], running[2], home, route.plan)
-    sides.join()
-    for i, swap in swaps.items():
-        held[i] = swap.home()
-    parts = [[Part(plan.plans[i], held[i][g], kv=g > 0) for i in sorted(held)] for g in range(3)]  # in plan order
+    step = _Backward(ring, ring.plan.backward, q, k, v, key_mask, (out, lse, dout))
+    step.run()
+    held, running = step.held, step.running
+    parts = [[Part(ring.plan.plans[i], held[i][g], kv=g > 0) for i in sorted(held)] for g in range(3)]  # plan order
     return tuple(sum_grads(running[g] if running is not None else None, parts[g], x,
                            None if into is None else into[g], consume=True) for g, x in enumerate((q, k, v)))

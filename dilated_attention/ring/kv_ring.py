@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from ..kernels.protocol import clear_result_
-from ..merge import Part, accum_dtype, add_into_, merge_into_
+from ..merge import accum_dtype, add_into_, merge_into_
 from ..views import compact, pack_kv
 from .cross_share import Helper, post_guests, return_results
 from .layout import StepCall, call_mask, describe, half_calls, step_calls
@@ -175,14 +175,15 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     return incoming
 
 
-def compact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: Route, ring: RingCall) -> Part:
-    """A compact ring (module doc): its result as a compact part."""
+def compact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: Route, ring: RingCall
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compact ring (module doc): its result as a compact part, ``(out, lse)``."""
     qc = compact(q, route.plan)
     out = torch.empty(qc.shape, dtype=accum_dtype(q.dtype), device=q.device)
     lse = torch.empty(qc.shape[:3], dtype=out.dtype, device=q.device)
     clear_result_(out, lse)
     ring_forward(qc, k, v, None, route, ring, (out, lse))
-    return Part(route.plan, out.to(q.dtype), lse)
+    return out.to(q.dtype), lse
 
 
 def compact_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -20,9 +20,9 @@ at 1.5-2 ms less host issue), so they do not stack.
 
 A pattern joins a stack where it is local (``ring_size == 1``), dilated, unmasked, and gives every query and kv
 head one offset (so its compact layout holds each row and head once and a query head's kv head reads the same
-offset), and where the kernel says so (``routes.py`` decides it: ``protocol.stacks``: cuDNN's and flash-attn-4's, whose calls on views cost
-more than copying the rows; ``auto`` answers for the kernel its table names for the stack's dense pattern; the
-fused kernel reads a pattern's views in one launch anyway).
+offset), and where the kernel says so (``routes.py`` decides it, asking ``protocol.stacks``: cuDNN's and
+flash-attn-4's, whose calls on views cost more than copying the rows; ``auto`` answers for the kernel its table
+names for the stack's dense pattern; the fused kernel reads a pattern's views in one launch anyway).
 """
 
 from __future__ import annotations
