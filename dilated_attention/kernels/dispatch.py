@@ -26,7 +26,8 @@ from ..callers import user_stacklevel
 from .auto import AutoKernel, available_choices, device_choices, nondeterministic_allowed, ranked, table_gap
 from .chunk_loop import ChunkLoop
 from .flash4 import unavailable_reason as flash4_unavailable
-from .protocol import REQUIRED_MEMBERS, BlockKernel, PatternKernel, PatternKernelBase, takes_masks, takes_padding_masks
+from .protocol import (OPTIONAL_MEMBERS, REQUIRED_MEMBERS, BlockKernel, PatternKernel, PatternKernelBase, takes_masks,
+                       takes_padding_masks)
 from .registry import FLASH4_NAMES, KERNEL_NAMES, KERNELS, build_kernel
 from .wrapper import WithDefaults
 
@@ -53,6 +54,7 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
     elif isinstance(kernel, PatternKernelBase) or isinstance(kernel, PatternKernel):
         chosen = kernel
     elif not (missing := [m for m in REQUIRED_MEMBERS if not hasattr(kernel, m)]):
+        _check_no_partial_defaults(kernel)
         chosen = WithDefaults(kernel)  # written without PatternKernel's optional members: their defaults
     elif isinstance(kernel, BlockKernel):
         chosen = ChunkLoop(kernel)
@@ -70,6 +72,16 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
     if reason is not None:
         raise ValueError(f"kernel={chosen.name!r} cannot run on these inputs: {reason}")
     return chosen
+
+
+def _check_no_partial_defaults(kernel) -> None:
+    """A kernel of the required members only may not set what only ``PatternKernelBase``'s members read (the optional
+    members would not see it): ``TypeError`` naming the fix."""
+    settings = [m for m in ("padding_masks", "causal_block", *OPTIONAL_MEMBERS) if hasattr(kernel, m)]
+    if settings:
+        raise TypeError(f"kernel {type(kernel).__name__} sets {sorted(set(settings))} but not every optional "
+                        f"PatternKernel member {list(OPTIONAL_MEMBERS)}: derive it from "
+                        f"dilated_attention.kernels.PatternKernelBase, which reads them (kernels/protocol.py)")
 
 
 def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:

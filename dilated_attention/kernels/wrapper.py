@@ -99,7 +99,7 @@ class WithDefaults(KernelWrapper):
 
 
 def declared(kernel) -> PatternKernel:
-    """``kernel`` where it has every ``PatternKernel`` member, else (only the required ones) ``WithDefaults(kernel)``."""
+    """``kernel`` where it has every ``PatternKernel`` member, else (required ones only) ``WithDefaults(kernel)``."""
     if isinstance(kernel, PatternKernelBase) or isinstance(kernel, PatternKernel):
         return kernel
     return WithDefaults(kernel)
