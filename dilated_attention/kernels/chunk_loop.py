@@ -12,8 +12,7 @@ import torch
 from ..merge import accum_dtype, merge_pattern_
 from ..patterns import PatternPlan
 from ..views import chunk_views, compact_view, dilated_view, new_grad_parts, packed_view
-from .protocol import BlockKernel, clear_grads_
-from .wrapper import KernelWrapper
+from .protocol import BlockKernel, PatternKernelBase, clear_grads_
 
 
 def _mask_view(key_mask, plan, chunk):
@@ -29,11 +28,20 @@ def _kv_views(k, v, plan, chunk, packed):
     return chunk_views(k, plan, chunk, kv=True), chunk_views(v, plan, chunk, kv=True)
 
 
-class ChunkLoop(KernelWrapper):
+class ChunkLoop(PatternKernelBase):
     """A ``PatternKernel`` made from a ``BlockKernel`` (``inner``, whose name, flags and ``supports`` it takes):
-    one block call per head chunk, on strided views."""
+    one block call per head chunk, on strided views. Its ``causal_block`` is 0 unless set (any kernel may carry
+    one); it does not stack patterns."""
 
-    inner: BlockKernel
+    def __init__(self, inner: BlockKernel) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.key_masks = inner.key_masks
+        self.padding_masks = inner.key_masks  # a block kernel takes a padding mask as any key mask
+        self.deterministic_backward = inner.deterministic_backward
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        return self.inner.supports(q, k)
 
     def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
                         key_mask: torch.Tensor | None = None):

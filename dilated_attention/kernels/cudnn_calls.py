@@ -1,8 +1,9 @@
-"""The cuDNN kernel's views and call plans (``cudnn.py``): which head chunks share one call, the strided
-``(B', h, M, D)`` views of a group's operands and targets, how a group's batch dims split into calls, and the
-call plans (``_ForwardCall``, ``_BackwardCall``) built once per geometry and replayed (``_ViewSpec``).
+"""The view kernel's views and call plans (``view_kernel.py``: cuDNN's and flash-attn-4's kernels): which head
+chunks share one call, the strided ``(B', h, M, D)`` views of a group's operands and targets, how a group's batch
+dims split into calls, and the call plans (``_ForwardCall``, ``_BackwardCall``) built once per geometry and
+replayed (``_ViewSpec``).
 
-``CudnnKernel`` runs the calls planned here; everything here is views and copies, no attention op.
+``ViewKernel`` runs the calls planned here; everything here is views and copies, no attention op.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ from ..callers import user_stacklevel
 from .auto import AutoKernel, available_choices, device_choices, nondeterministic_allowed, ranked, table_gap
 from .chunk_loop import ChunkLoop
 from .flash4 import unavailable_reason as flash4_unavailable
-from .protocol import PATTERN_KERNEL_MEMBERS, BlockKernel, PatternKernel, takes_masks, takes_padding_masks
+from .protocol import (OPTIONAL_MEMBERS, REQUIRED_MEMBERS, BlockKernel, PatternKernel, PatternKernelBase, takes_masks,
+                       takes_padding_masks)
 from .registry import FLASH4_NAMES, KERNEL_NAMES, KERNELS, build_kernel
+from .wrapper import WithDefaults
 
 _warned = caches.keys("dispatch.warned", 256)
 _auto_kernels = caches.table("dispatch.auto_kernels", 64)  # per GPU model and determinism setting
@@ -39,7 +41,8 @@ _make = caches.memoize("dispatch.kernels", len(KERNELS))(build_kernel)
 
 def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k: torch.Tensor,
                   masked: bool = False, padding_only: bool = False) -> PatternKernel:
-    """The pattern-level kernel to run (a ``BlockKernel`` object is wrapped in ``ChunkLoop``);
+    """The pattern-level kernel to run (a ``BlockKernel`` object is wrapped in ``ChunkLoop``, a ``PatternKernel``
+    written without the optional members in ``WithDefaults``);
     ``masked``: the call has key masks, so the kernel must take them; ``padding_only``: they are all
     padding masks (``protocol.py``), which a kernel with ``padding_masks`` takes too."""
     if isinstance(kernel, str):  # (first: a Protocol isinstance check costs 20 us)
@@ -48,12 +51,14 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
         if kernel == "auto":
             return _auto(q, k, masked)
         chosen = _make(kernel)
-    elif isinstance(kernel, PatternKernel):
+    elif isinstance(kernel, PatternKernelBase) or isinstance(kernel, PatternKernel):
         chosen = kernel
+    elif not (missing := [m for m in REQUIRED_MEMBERS if not hasattr(kernel, m)]):
+        _check_no_partial_defaults(kernel)
+        chosen = WithDefaults(kernel)  # written without PatternKernel's optional members: their defaults
     elif isinstance(kernel, BlockKernel):
         chosen = ChunkLoop(kernel)
     else:
-        missing = [m for m in PATTERN_KERNEL_MEMBERS if not hasattr(kernel, m)]  # (for the message only)
         raise TypeError(
             f"kernel must be one of {KERNEL_NAMES}, a BlockKernel or a PatternKernel, got {type(kernel).__name__}"
             + (f" (as a PatternKernel it lacks {missing}; parts/backward_pattern_parts are new in this release, "
@@ -67,6 +72,16 @@ def select_kernel(kernel: str | BlockKernel | PatternKernel, q: torch.Tensor, k:
     if reason is not None:
         raise ValueError(f"kernel={chosen.name!r} cannot run on these inputs: {reason}")
     return chosen
+
+
+def _check_no_partial_defaults(kernel) -> None:
+    """A kernel of the required members only may not set what only ``PatternKernelBase``'s members read (the optional
+    members would not see it): ``TypeError`` naming the fix."""
+    settings = [m for m in ("padding_masks", "causal_block", *OPTIONAL_MEMBERS) if hasattr(kernel, m)]
+    if settings:
+        raise TypeError(f"kernel {type(kernel).__name__} sets {sorted(set(settings))} but not every optional "
+                        f"PatternKernel member {list(OPTIONAL_MEMBERS)}: derive it from "
+                        f"dilated_attention.kernels.PatternKernelBase, which reads them (kernels/protocol.py)")
 
 
 def _auto(q: torch.Tensor, k: torch.Tensor, masked: bool) -> PatternKernel:

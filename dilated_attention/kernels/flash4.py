@@ -1,8 +1,8 @@
 """flash-attn-4 (FlashAttention's CuTe-DSL kernels for Hopper and Blackwell) as a pattern kernel: ``kernel="flash4"``.
 
-``Flash4Kernel`` is the cuDNN kernel's zero-copy view logic (``cudnn.CudnnKernel``: a pattern's head
-chunks stacked into the batch dimension of a few strided views, its forward parts and backward targets)
-on FA4's ops (``Flash4Ops``) instead of cuDNN's: one FA4 call per (pattern, head-offset group), every
+``Flash4Kernel`` is the zero-copy view logic the cuDNN kernel runs on too (``view_kernel.ViewKernel``: a
+pattern's head chunks stacked into the batch dimension of a few strided views, its forward parts and backward
+targets) on FA4's ops (``Flash4Ops``) instead of cuDNN's: one FA4 call per (pattern, head-offset group), every
 segment of the pattern in the batch dimension of one view ``x.view(B, S, M, r, H, D)[:, :, :, o, h0:h1]``,
 read in place. FA4 reads any layout whose last dim is contiguous, whose address is 16-byte aligned and
 whose other strides are multiples of 16 bytes (``views.readable``); an operand that is not is copied
@@ -48,7 +48,7 @@ import inspect
 import torch
 
 from .. import caches
-from .cudnn import CudnnKernel
+from .view_kernel import AttentionOps, ViewKernel
 
 DTYPES = (torch.float16, torch.bfloat16)
 INSTALL = 'pip install ".[flash4]" (or "dilated-attention[flash4]")'
@@ -147,9 +147,9 @@ def _empty_seq_major(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((b, m, h, d), dtype=x.dtype, device=x.device)
 
 
-class Flash4Ops:
-    """FA4's forward and backward with ``cudnn.CudnnOps``' contract: 4D ``(B', h, M, D)`` views (what
-    ``CudnnKernel`` builds), results in the same layout, written into given views where asked.
+class Flash4Ops(AttentionOps):
+    """FA4's forward and backward as ``AttentionOps``: 4D ``(B', h, M, D)`` views (what ``ViewKernel`` builds),
+    results in the same layout, written into given views where asked.
 
     ``deterministic=False`` (kernel ``"flash4-nondet"``): FA4's default backward, whose dQ accumulation is
     not ordered; for ``DILATED_ATTENTION_NONDETERMINISTIC=1`` (its causal backward needs no split).
@@ -202,8 +202,8 @@ class Flash4Ops:
         return into if into is not None else tuple(_seq_major(g) for g in grads)  # (``into``: no copy after)
 
 
-class Flash4Kernel(CudnnKernel):
-    """``PatternKernel`` on flash-attn-4: the cuDNN kernel's zero-copy view logic on ``Flash4Ops``."""
+class Flash4Kernel(ViewKernel):
+    """``PatternKernel`` on flash-attn-4: the zero-copy view logic (``ViewKernel``) on ``Flash4Ops``."""
 
     key_masks = False  # other masked work runs on the fused kernel; padding masks are taken (see the module doc)
 

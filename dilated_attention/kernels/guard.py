@@ -32,7 +32,7 @@ import torch
 from .. import caches
 from ..callers import user_stacklevel
 from .dispatch import select_kernel
-from .protocol import CALL_ARGUMENTS
+from .protocol import CALL_ARGUMENTS, Op, run
 from .wrapper import KernelWrapper
 
 RESOURCE = re.compile(r"out of resource|outofresources|shared memory|too many resources requested|"
@@ -119,15 +119,16 @@ class GuardedKernel(KernelWrapper):
         ``ChunkLoop``, leaves parts wherever the layout allows, at least where this kernel does)."""
         return self.fallback_kernel(q, k, masked) if self._key(q) in _fallen_back else self.inner
 
-    def call(self, op: str, args: tuple, kwargs: dict[str, Any]):
+    def call(self, op: Op, args: tuple, kwargs: dict[str, Any]):
         q, k, plan = args[0], args[1], args[3]
         key = self._key(q)
         if key in _fallen_back:
-            return getattr(self.fallback_kernel(q, k, "key_mask" in kwargs), op)(*args, **kwargs)
-        accs = {"backward_pattern": args[7:], "forward_pattern_into": args[4:6]}.get(op, ())
+            return run(op, self.fallback_kernel(q, k, "key_mask" in kwargs), args, kwargs)
+        # the accumulators a call adds into (dq, dk, dv; the running out, lse)
+        accs = args[7:] if op == Op.BACKWARD else args[4:6] if op == Op.FORWARD_INTO else ()
         snapshot = [a.clone() for a in accs] if accs and key not in _proven else None
         try:
-            result = getattr(self.inner, op)(*args, **kwargs)
+            result = run(op, self.inner, args, kwargs)
             if accs:
                 _proven.add(key)
             return result
@@ -147,7 +148,7 @@ class GuardedKernel(KernelWrapper):
                     warnings.warn(f"dilated_attention: {where} could not launch ({reason}); using the {fb.name!r} "
                                   f"path for {q.dtype} head dim {q.shape[-1]} from now on", RuntimeWarning,
                                   stacklevel=user_stacklevel())
-                return getattr(fb, op)(*args, **kwargs)
+                return run(op, fb, args, kwargs)
             sticky = kind == "sticky"
             msg = (f"{type(exc).__name__} in {where}: {str(exc).strip().splitlines()[0][:500]}\n"
                    f"{_describe(args, CALL_ARGUMENTS[op])}\n")

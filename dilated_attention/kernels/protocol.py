@@ -44,8 +44,8 @@ drives it chunk by chunk on strided views. A kernel that changes another one
   whose results the caller discards (packed documents and segment padding, which the library
   makes itself: ``batching.py``). Every dilated view of such a mask keeps a prefix of its keys,
   so a kernel can take it as per-view lengths. A kernel with ``key_masks = False`` may set
-  ``padding_masks = True`` (optional, read as ``key_masks`` where absent) to take padding masks
-  only; it may leave the padding rows' results (out, lse, gradients) unspecified.
+  ``padding_masks = True`` to take padding masks only (a kernel with ``key_masks`` takes them whatever it
+  says: ``takes_padding_masks``); it may leave the padding rows' results (out, lse, gradients) unspecified.
 * backward takes the final merged ``out``/``lse``/``dout`` in full layout
   (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``dq``
   (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``), or (``backward_pattern_parts``,
@@ -53,17 +53,26 @@ drives it chunk by chunk on strided views. A kernel that changes another one
 * ``parts`` says, per local pattern and direction, which of the two a strategy calls: compact parts
   are combined in one pass at the end (``merge.combine_results``/``sum_grads``). A part is a new tensor
   the caller owns: the combine may write the call's result over a rate-1 part (``merge._reused``).
-* ``causal_block`` (optional, read as 0 where absent, so kernels written without it keep working): a
-  kernel whose causal calls are slow on long squares sets it to ``b > 0``, and the strategy then splits a
-  causal square of more than ``causal_split.WHOLE_BLOCKS * b`` dilated rows into one causal call of its diagonal
-  blocks (at most ``b`` rows each) and non-causal calls of the rectangles below them (``causal_split.py``), each an
-  ordinary call on views. Strategies read it through ``causal_block(kernel, ...)``, which asks a wrapper
-  (``split_block``: its own ``causal_block``, else its target's for that pattern and direction).
+* ``split_block`` answers, per pattern and direction, the causal block of the kernel that runs that pattern's
+  causal calls (0: none; ``PatternKernelBase.causal_block`` by default): a kernel whose causal calls are slow on long
+  squares sets ``causal_block = b > 0``, and the strategy then splits a causal square of more than
+  ``causal_split.WHOLE_BLOCKS * b`` dilated rows into one causal call of its diagonal blocks (at most ``b`` rows
+  each) and non-causal calls of the rectangles below them (``causal_split.py``), each an ordinary call on views.
+* ``stacks`` answers whether local dilated patterns run stacked as one dense pattern (``stacking.py``): kernels
+  whose calls on strided views cost more than copying the rows (cuDNN's, flash-attn-4's) say yes.
+
+Members: ``PatternKernel`` declares every member a strategy reads. ``padding_masks``, ``split_block`` and
+``stacks`` are optional for a kernel written on its own: ``PatternKernelBase`` gives them their defaults (no
+padding masks beyond ``key_masks``, no causal split, no stacking), and a kernel that implements only the required
+members (``REQUIRED_MEMBERS``) is given them by ``wrapper.declared`` where it enters (``select_kernel``, a
+wrapper). A kernel that changes another one derives from ``wrapper.KernelWrapper``, which answers the optional
+members for the kernel it would run (its ``target``), so nothing unwraps a wrapper.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -101,15 +110,24 @@ class BlockKernel(Protocol):
 
 @runtime_checkable
 class PatternKernel(Protocol):
-    """All heads of one pattern on one (local or ring) block; layouts in the module doc. A kernel may also set
-    ``causal_block`` (module doc; not a member here, so ``isinstance`` accepts kernels without it)."""
+    """All heads of one pattern on one (local or ring) block: every member a strategy reads (layouts, and which
+    members are optional, in the module doc)."""
 
     name: str
     key_masks: bool  # accepts ``key_mask=`` (see the module doc)
+    padding_masks: bool  # accepts padding masks (module doc) even where ``key_masks`` is False
     deterministic_backward: bool  # the same inputs give bitwise-equal gradients on every run
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         """``None`` if this kernel can run on these inputs, else the reason it cannot."""
+
+    def split_block(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
+        """The causal block (module doc) of ``plan``'s causal calls in ``direction`` (``"fwd"``/``"bwd"``); 0: the
+        strategy splits no causal square."""
+
+    def stacks(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether local dilated patterns run stacked as the one dense pattern ``plan`` in ``direction``
+        (``stacking.py``)."""
 
     def forward_pattern(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, *,
@@ -153,54 +171,89 @@ class PatternKernel(Protocol):
         in the inputs' dtype; called only where ``parts("bwd", ...)`` said yes (others raise ``ValueError``)."""
 
 
-def causal_block(kernel, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
-    """The ``causal_block`` (module doc) of the kernel that runs ``plan``'s causal calls in ``direction``; 0: none.
-    A kernel's own where it sets one; else a kernel that routes calls (``wrapper.KernelWrapper``) answers
-    through ``split_block``."""
-    block = getattr(kernel, "causal_block", None)
-    if block is not None:
-        return block
-    routed = getattr(kernel, "split_block", None)
-    return routed(direction, plan, q, k) if routed is not None else 0
+class PatternKernelBase:
+    """``PatternKernel``'s optional members at their defaults: a kernel class derives from it and implements the
+    required ones (``REQUIRED_MEMBERS``), setting only the optional ones it changes."""
+
+    padding_masks: bool = False  # (a kernel with ``key_masks`` takes padding masks whatever this says)
+    causal_block: int = 0  # what ``split_block`` answers: 0, never split
+
+    def split_block(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
+        """This kernel's ``causal_block``, for every pattern and direction."""
+        return self.causal_block
+
+    def stacks(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """No: patterns run one by one."""
+        return False
 
 
-def stacks(kernel, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
+def causal_block(kernel: PatternKernel, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor) -> int:
+    """The causal block (module doc) of the kernel that runs ``plan``'s causal calls in ``direction``; 0: none."""
+    return kernel.split_block(direction, plan, q, k)
+
+
+def stacks(kernel: PatternKernel, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor,
+           k: torch.Tensor) -> bool:
     """Whether local dilated patterns run stacked as the one dense pattern ``plan`` in ``direction``
-    (``stacking.py``): a kernel's own ``stacks_patterns`` where it sets one (kernels whose calls on strided views
-    cost more than copying the rows: cuDNN's, flash-attn-4's); a kernel that routes calls (``target``) answers
-    for the kernel it would run ``plan`` on; others do not."""
-    own = getattr(kernel, "stacks_patterns", None)
-    if own is not None:
-        return own
-    target = getattr(kernel, "target", None)
-    return target is not None and stacks(target(direction, plan, causal, q, k, False), direction, plan, causal, q, k)
+    (``stacking.py``; module doc)."""
+    return kernel.stacks(direction, plan, causal, q, k)
 
 
-def takes_padding_masks(kernel) -> bool:
-    """``kernel.padding_masks`` (module doc), read as ``key_masks`` where a kernel does not set it."""
-    return getattr(kernel, "padding_masks", kernel.key_masks)
+def takes_padding_masks(kernel: PatternKernel) -> bool:
+    """Whether ``kernel`` takes padding masks (module doc): any kernel with ``key_masks``, and those that say so."""
+    return kernel.key_masks or kernel.padding_masks
 
 
-def takes_masks(kernel, padding_only: bool) -> bool:
+def takes_masks(kernel: PatternKernel, padding_only: bool) -> bool:
     """Whether ``kernel`` takes a call's key masks: any (``key_masks``), or padding masks only
     (``padding_masks``) where the call's masks are all padding."""
-    return kernel.key_masks or (padding_only and takes_padding_masks(kernel))
+    return kernel.key_masks or (padding_only and kernel.padding_masks)
 
 
-# What a PatternKernel has (named in select_kernel's error for an object that implements only part of it)
-PATTERN_KERNEL_MEMBERS = ("name", "key_masks", "deterministic_backward", "supports", "forward_pattern",
-                          "forward_pattern_into", "backward_pattern", "parts", "backward_pattern_parts")
+# What every PatternKernel has (named in select_kernel's error for an object that implements only part of it),
+# and what ``PatternKernelBase`` (or ``wrapper.declared``) gives one that lacks it
+REQUIRED_MEMBERS = ("name", "key_masks", "deterministic_backward", "supports", "forward_pattern",
+                    "forward_pattern_into", "backward_pattern", "parts", "backward_pattern_parts")
+OPTIONAL_MEMBERS = ("padding_masks", "split_block", "stacks")
+
+
+class Op(str, Enum):
+    """A computing method of ``PatternKernel``, as a wrapper sees each call (``wrapper.KernelWrapper.call``);
+    equal to the method's name."""
+
+    FORWARD = "forward_pattern"
+    FORWARD_INTO = "forward_pattern_into"
+    BACKWARD = "backward_pattern"
+    BACKWARD_PARTS = "backward_pattern_parts"
+
+    __str__ = str.__str__  # (the method's name, in messages)
+    __format__ = str.__format__
+
 
 # Each computing method's positional arguments (its keywords: packed, causal, scale, key_mask, fresh) and
 # direction: what a wrapper sees of every call (``wrapper.KernelWrapper.call``).
 CALL_ARGUMENTS = {
-    "forward_pattern": ("q", "k", "v", "plan"),
-    "forward_pattern_into": ("q", "k", "v", "plan", "out", "lse"),
-    "backward_pattern": ("q", "k", "v", "plan", "out", "lse", "dout", "dq", "dk", "dv"),
-    "backward_pattern_parts": ("q", "k", "v", "plan", "out", "lse", "dout"),
+    Op.FORWARD: ("q", "k", "v", "plan"),
+    Op.FORWARD_INTO: ("q", "k", "v", "plan", "out", "lse"),
+    Op.BACKWARD: ("q", "k", "v", "plan", "out", "lse", "dout", "dq", "dk", "dv"),
+    Op.BACKWARD_PARTS: ("q", "k", "v", "plan", "out", "lse", "dout"),
 }
-DIRECTION = {"forward_pattern": "fwd", "forward_pattern_into": "fwd", "backward_pattern": "bwd",
-             "backward_pattern_parts": "bwd"}
+DIRECTION = {Op.FORWARD: "fwd", Op.FORWARD_INTO: "fwd", Op.BACKWARD: "bwd", Op.BACKWARD_PARTS: "bwd"}
+
+
+def run(op: Op, kernel: PatternKernel, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``kernel``'s method ``op`` called with ``args`` (its positional arguments, ``CALL_ARGUMENTS[op]``) and
+    ``kwargs``: how a wrapper passes a call on."""
+    match op:
+        case Op.FORWARD:
+            return kernel.forward_pattern(*args, **kwargs)
+        case Op.FORWARD_INTO:
+            return kernel.forward_pattern_into(*args, **kwargs)
+        case Op.BACKWARD:
+            return kernel.backward_pattern(*args, **kwargs)
+        case Op.BACKWARD_PARTS:
+            return kernel.backward_pattern_parts(*args, **kwargs)
+    raise ValueError(f"op must be one of {[o.value for o in Op]}, got {op!r}")
 
 
 def clear_result_(out: torch.Tensor, lse: torch.Tensor) -> None:

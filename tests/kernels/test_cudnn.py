@@ -40,10 +40,11 @@ from dilated_attention.ring import routes
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel, readable
 from dilated_attention.kernels.auto import AutoKernel
 from dilated_attention.kernels.fused import FusedKernel
+from dilated_attention.kernels.view_kernel import AttentionOps
 from dilated_attention.testing.compare import LAYOUTS, assert_within_rule
 
 
-class MathOps:
+class MathOps(AttentionOps):
     """cuDNN's two ops in float64 plain torch, with cuDNN's input rules asserted."""
 
     name = "math"

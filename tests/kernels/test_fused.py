@@ -14,14 +14,8 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from dilated_attention.kernels.fused import (  # noqa: E402
-    FusedConfig,
-    FusedKernel,
-    gpu_config,
-    interpreting,
-    padded_dim,
-    shared_memory_reason,
-)
+from dilated_attention.kernels.fused import FusedKernel, interpreting  # noqa: E402
+from dilated_attention.kernels.fused_config import FusedConfig, gpu_config, padded_dim, shared_memory_reason  # noqa: E402
 from dilated_attention.testing.compare import as_layout, rel_err  # noqa: E402
 
 FUSED = FusedKernel(SMALL_TILES)
