@@ -1,7 +1,7 @@
 """The one seam where tools outside the core plug into a call: kernel hooks, registered at run time.
 
 The core imports nothing of ``diagnostics/``: debug mode and the runtime audit register a hook here while
-they are on, and ``functional`` hands each kernel a call planned to every registered hook, in registration
+they are on, and ``planning`` shows the kernel it chose for a call to every registered hook, in registration
 order (each may return it wrapped, see ``kernels.wrapper.KernelWrapper``). With none registered, the
 default, a call runs no hook code and reuses its schedule; with any, each call is planned and shown to them
 anew (a hook may record the call).
@@ -36,30 +36,41 @@ class Call:
 
 
 KernelHook = Callable[[PatternKernel, Call], PatternKernel]
-_HOOKS: tuple[KernelHook, ...] = ()
+
+
+class KernelHooks:
+    """The registered hooks, in registration order: one registry per process (``HOOKS``), changed only by
+    ``add_kernel_hook`` and ``remove_kernel_hook``. Each change replaces the tuple, so a call going through the
+    hooks sees one set even if a hook adds or removes one meanwhile."""
+
+    __slots__ = ("hooks",)
+
+    def __init__(self) -> None:
+        self.hooks: tuple[KernelHook, ...] = ()
+
+
+HOOKS = KernelHooks()
 
 
 def active() -> bool:
-    """Is any hook registered? (One global read: the call path asks on every call.)"""
-    return bool(_HOOKS)
+    """Is any hook registered? (One attribute read: the call path asks on every call.)"""
+    return bool(HOOKS.hooks)
 
 
 def add_kernel_hook(hook: KernelHook) -> None:
     """Show every call's kernel to ``hook`` from now on (once, however often added)."""
-    global _HOOKS
-    if hook not in _HOOKS:
-        _HOOKS = (*_HOOKS, hook)
+    if hook not in HOOKS.hooks:
+        HOOKS.hooks = (*HOOKS.hooks, hook)
 
 
 def remove_kernel_hook(hook: KernelHook) -> None:
-    global _HOOKS
-    _HOOKS = tuple(h for h in _HOOKS if h != hook)
+    HOOKS.hooks = tuple(h for h in HOOKS.hooks if h != hook)
 
 
 @contextlib.contextmanager
 def kernel_hook(hook: KernelHook) -> Iterator[None]:
     """``hook`` registered inside a ``with`` block (removed on exit unless it was registered before)."""
-    added = hook not in _HOOKS
+    added = hook not in HOOKS.hooks
     add_kernel_hook(hook)
     try:
         yield
@@ -70,10 +81,10 @@ def kernel_hook(hook: KernelHook) -> Iterator[None]:
 
 def apply_kernel_hooks(kernel: PatternKernel, call: Call) -> PatternKernel:
     """``kernel`` as every registered hook leaves it, in registration order."""
-    for hook in _HOOKS:
+    for hook in HOOKS.hooks:
         kernel = hook(kernel, call)
     return kernel
 
 
-__all__ = ["Call", "KernelHook", "active", "add_kernel_hook", "apply_kernel_hooks", "kernel_hook",
+__all__ = ["Call", "KernelHook", "KernelHooks", "active", "add_kernel_hook", "apply_kernel_hooks", "kernel_hook",
            "remove_kernel_hook"]

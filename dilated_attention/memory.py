@@ -19,7 +19,7 @@ docs/performance.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -34,17 +34,21 @@ DEFAULT_SCRATCH_FLOOR = 1 << 32
 ACCUM_BYTES = 4  # fp32 accumulators (merge.accum_dtype)
 
 
+@dataclass(frozen=True, slots=True)
 class MemoryBound:
-    """The head-chunk rule's settings, process-wide (``set_memory_bound``): ``share`` of a call's own bytes in
-    scratch, for calls whose own bytes reach ``floor``. ``key`` is both, as planning's schedule keys read it."""
+    """The head-chunk rule's settings: ``share`` of a call's own bytes in scratch, for calls whose own bytes reach
+    ``floor``; ``key`` is both, as planning's schedule keys read it. Immutable: the process-wide rule is ``BOUND``,
+    which only ``set_memory_bound`` replaces (a reader holding one rule never sees it change)."""
 
-    __slots__ = ("share", "floor", "key")
+    share: float
+    floor: int
+    key: tuple[float, int] = field(init=False, repr=False, compare=False)
 
-    def __init__(self, share: float, floor: int) -> None:
-        self.share, self.floor, self.key = share, floor, (share, floor)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.share, self.floor))
 
 
-BOUND = MemoryBound(DEFAULT_SCRATCH_SHARE, DEFAULT_SCRATCH_FLOOR)
+BOUND = MemoryBound(DEFAULT_SCRATCH_SHARE, DEFAULT_SCRATCH_FLOOR)  # replaced only by set_memory_bound
 
 
 @dataclass(frozen=True)
@@ -107,8 +111,9 @@ def set_memory_bound(scratch_share: float = DEFAULT_SCRATCH_SHARE, from_bytes: i
                          f"got {scratch_share!r}")
     if isinstance(from_bytes, bool) or not isinstance(from_bytes, int) or from_bytes < 0:
         raise ValueError(f"from_bytes must be an int >= 0 (0: every call), got {from_bytes!r}")
+    global BOUND
     previous = BOUND.key
-    BOUND.__init__(float(scratch_share), from_bytes)
+    BOUND = MemoryBound(float(scratch_share), from_bytes)
     return previous
 
 

@@ -22,8 +22,8 @@ from dilated_attention.views import chunk_views, compact_view
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-needs_kernel = pytest.mark.skipif(merge_mod.triton is None or not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
-                                  reason="needs Triton and CUDA or TRITON_INTERPRET=1")
+KERNEL = merge_mod.triton is not None and (CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs Triton and CUDA or TRITON_INTERPRET=1")
 NEG = float("-inf")
 N, DIM = 32, 24
 
@@ -123,6 +123,52 @@ def test_combine_results_nan_and_inf_propagate_like_merge_two():
     assert torch.equal(torch.isnan(out), torch.isnan(want_out)) and torch.isnan(out).any()
     assert torch.equal(torch.isnan(lse), torch.isnan(want_lse))
     assert torch.equal(torch.isposinf(lse), torch.isposinf(want_lse))
+
+
+def _far_apart_lse(gen, shape):
+    """An lse of up to ±40 plus, per element, one of 0, ±100, ±150, ±200, an eighth of it empty (``-inf``): two
+    parts (or a part and the running result) then differ by 100 to 400 where fp32's ``exp`` of the difference
+    overflows unless the combine shifts by the largest."""
+    offsets = torch.tensor([0.0, 100.0, -100.0, 150.0, -150.0, 200.0, -200.0])
+    lse = 40 * (2 * torch.rand(shape, generator=gen) - 1) + offsets[torch.randint(0, 7, shape, generator=gen)]
+    return torch.where(torch.randint(0, 8, shape, generator=gen) == 0, NEG, lse).to(DEVICE)
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_combining_far_apart_parts_is_finite_and_exact(running):
+    """Parts and a running result whose lse differ by 100-400 either way, and empty rows next to them: the
+    combine kernel (``combine_lse_kernel``'s one log-sum-exp, where it runs) and the fp32 torch path (merging
+    the parts one by one) are finite and match the float64 combine."""
+    gen = torch.Generator().manual_seed(61 + running)
+    heads = 4
+    plans = _plans(heads, heads, [8, 16, 32], [1, 2, 4])
+    parts = []
+    for plan in plans[1:] if running else plans:
+        lse = _far_apart_lse(gen, (2, N // plan.dilation, heads))
+        out = _rand(gen, *lse.shape, DIM).masked_fill_(torch.isneginf(lse).unsqueeze(-1), float("nan"))  # (garbage)
+        parts.append(Part(plan, out, lse))
+    run = (_rand(gen, 2, N, heads, DIM), _far_apart_lse(gen, (2, N, heads))) if running else None
+    if running:
+        run[0].masked_fill_(torch.isneginf(run[1]).unsqueeze(-1), 0.0)  # (an empty running row is (0, -inf))
+    like = torch.empty(2, N, heads, DIM, device=DEVICE)
+    want_out, want_lse = combine_results(None if run is None else tuple(t.double() for t in run),
+                                         [_f64(p) for p in parts], like.double())
+    fin = torch.isfinite(want_lse)
+    assert fin.any() and not fin.all()
+    results = {}
+    if KERNEL:
+        assert merge_mod._combine_reason(run, parts, like) is None
+        results["kernel"] = combine_results(None if run is None else tuple(t.clone() for t in run), parts, like)
+    out, lse = (run[0].clone(), run[1].clone()) if running else (
+        torch.zeros(like.shape, device=DEVICE), torch.full(like.shape[:3], NEG, device=DEVICE))
+    for part in parts:  # the torch path of the combine: each part merged in turn (merge_two in fp32 off CUDA)
+        merge_mod.merge_pattern_(out, lse, part.plan, part.out, part.lse)
+    results["merged one by one"] = (out, lse)
+    for name, (out, lse) in results.items():
+        assert torch.isfinite(out).all(), f"{name}: NaN or inf in the out"
+        assert torch.equal(torch.isneginf(lse), ~fin), f"{name}: empty rows differ"
+        torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=1e-6, atol=1e-5, msg=name)
+        torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @needs_kernel

@@ -34,6 +34,26 @@ def test_no_hook_by_default_and_debug_mode_registers_one_while_on():
     assert not hooks.active()
 
 
+def test_hooks_run_in_registration_order_each_call_seeing_the_set_it_started_with():
+    order: list[str] = []
+
+    def first(kernel, call):
+        order.append("first")
+        hooks.remove_kernel_hook(first)  # (takes effect from the next call on)
+        return kernel
+
+    def second(kernel, call):
+        order.append("second")
+        return kernel
+
+    q = torch.randn(1, 16, 2, 8)
+    with hooks.kernel_hook(first), hooks.kernel_hook(second):
+        hooks.add_kernel_hook(second)  # registered once however often added
+        dilated_attention(q, q, q, [8, 16], [1, 2])
+        dilated_attention(q, q, q, [8, 16], [1, 2])
+    assert order == ["first", "second", "second"] and not hooks.active()
+
+
 def test_a_hook_sees_each_call_and_its_wrapper_runs_every_kernel_call():
     seen: list[hooks.Call] = []
     wrappers: list[Counting] = []

@@ -219,6 +219,10 @@ CASES = {
     "ring_mask_causal": ("ring", [8, 32], [1, 2], 32, None, True, 2, 1, True, False),
     # head strategy: documents that span ranks, lengths the segments do not tile, plus a mask
     "head_docs": ("head", [4, 8, 16], [1, 2, 4], 32, [0, 11, 11, 27, 32], True, 4, 2, True, False),
+    # ... and without a key mask: only the padding of short documents is masked (``batching.pads``); the last
+    # document (5 rows) and the one before it (11 rows, beside a whole 16-row one) are padded. Not causal: causal
+    # rows never see the pad keys after them, so a lost pad mask shows only here
+    "head_docs_unmasked": ("head", [4, 8, 16], [1, 2, 4], 32, [0, 16, 27, 32], False, 4, 2, False, False),
     # head strategy pads a global length the segments do not tile (36 = 3 x 12, segment 16)
     "head_pad": ("head", [8, 16], [1, 2], 36, None, False, 3, 3, False, True),
 }

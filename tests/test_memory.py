@@ -152,6 +152,16 @@ def test_set_memory_bound_moves_the_rule_and_checks_its_arguments():
         memory.set_memory_bound(*default)
 
 
+def test_a_rule_is_a_value_that_set_memory_bound_replaces(bound):
+    """``memory.BOUND`` is immutable: a reader holding the rule keeps it, the next reader gets the new one."""
+    held = memory.BOUND
+    assert bound(0.25, 7) == held.key
+    assert memory.BOUND is not held and memory.BOUND.key == (0.25, 7) and memory.BOUND.floor == 7
+    assert held.key == (held.share, held.floor) == (memory.DEFAULT_SCRATCH_SHARE, memory.DEFAULT_SCRATCH_FLOOR)
+    with pytest.raises(AttributeError):  # (dataclasses.FrozenInstanceError)
+        memory.BOUND.share = 0.5
+
+
 def test_a_bound_call_matches_the_oracle_and_the_whole_call():
     gen = torch.Generator().manual_seed(31)
     q = torch.randn(1, 64, 8, 8, generator=gen, dtype=torch.float64)

@@ -350,3 +350,70 @@ def test_fresh_torch_path_equals_merging_into_a_cleared_result():
     merge_pattern_(*want, plan, part_out, part_lse)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+# ---------------------------------------------------------------------------
+# Partials whose lse are far apart: in fp32, exp() of a difference past ~88 overflows, so the merge must shift by
+# the larger lse (and by 0 only where both rows are empty). Checked against float64 weights computed here.
+
+GAPS = (100.0, 130.0, 160.0, 200.0)
+
+
+def _far_apart(gen, rows=64, dim=8):
+    """fp32 partials ``(out_a, lse_a, out_b, lse_b)``: per row, ``lse_b - lse_a`` is one of ``±GAPS`` around an
+    lse of up to ±60, or one side is empty (``-inf``) next to a finite lse of ±100..200, or both are empty."""
+    base = 60 * (2 * torch.rand(rows, generator=gen, dtype=torch.float64) - 1)
+    gap = torch.tensor(GAPS, dtype=torch.float64)[torch.randint(0, len(GAPS), (rows,), generator=gen)]
+    sign = torch.where(torch.rand(rows, generator=gen) < 0.5, -1.0, 1.0).double()
+    lse_a, lse_b = base.clone(), base + sign * gap
+    far = sign * (100 + 100 * torch.rand(rows, generator=gen, dtype=torch.float64))
+    kind = torch.arange(rows) % 8  # 0: a empty, 1: b empty, 2: both, else a gap
+    lse_a = torch.where(kind == 0, NEG, torch.where(kind == 1, far, lse_a))
+    lse_b = torch.where(kind == 1, NEG, torch.where(kind == 0, far, lse_b))
+    lse_a[kind == 2], lse_b[kind == 2] = NEG, NEG
+    out_a, out_b = (torch.randn(rows, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    return out_a.float(), lse_a.float(), out_b.float(), lse_b.float()
+
+
+def _merged_f64(out_a, lse_a, out_b, lse_b):
+    """The merge in float64 from its definition: each side weighted by its share of ``exp(lse)``."""
+    out_a, lse_a, out_b, lse_b = (t.double() for t in (out_a, lse_a, out_b, lse_b))
+    lse = torch.logaddexp(lse_a, lse_b)
+    live = torch.isfinite(lse)
+    w_a = torch.where(live, torch.exp(lse_a - torch.where(live, lse, 0.0)), 0.0)
+    w_b = torch.where(live, torch.exp(lse_b - torch.where(live, lse, 0.0)), 0.0)
+    return w_a[:, None] * out_a + w_b[:, None] * out_b, lse
+
+
+def _assert_far_apart_merged(out, lse, want_out, want_lse):
+    assert torch.isfinite(out).all(), "NaN or inf in a merged out"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), "empty rows differ"
+    live = torch.isfinite(want_lse)
+    assert torch.isfinite(lse[live]).all(), "a live row's merged lse is not finite"
+    torch.testing.assert_close(lse[live].double(), want_lse[live], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
+    assert out[~live].eq(0).all()
+
+
+def test_merge_two_of_far_apart_partials_is_finite_and_exact():
+    """The torch path in fp32: gaps of 100-200 both ways, and empty rows next to an lse of ±100..200."""
+    out_a, lse_a, out_b, lse_b = _far_apart(torch.Generator().manual_seed(41))
+    out, lse = merge_two(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == lse.dtype == torch.float32
+    _assert_far_apart_merged(out, lse, *_merged_f64(out_a, lse_a, out_b, lse_b))
+    swapped, swapped_lse = merge_two(out_b, lse_b, out_a, lse_a)  # the larger lse on either side
+    _assert_far_apart_merged(swapped, swapped_lse, *_merged_f64(out_a, lse_a, out_b, lse_b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("swap", [False, True], ids=["running_first", "partial_first"])
+def test_kernel_merge_of_far_apart_partials_is_finite_and_exact(swap):
+    """``merge_kernel``'s weights (``_merge_triton.merge_weights``) on the same partials, the running result
+    either side of each gap."""
+    out_a, lse_a, out_b, lse_b = _far_apart(torch.Generator().manual_seed(43))
+    if swap:
+        out_a, lse_a, out_b, lse_b = out_b, lse_b, out_a, lse_a
+    want_out, want_lse = _merged_f64(out_a, lse_a, out_b, lse_b)
+    out, lse = out_a.clone().to(DEVICE), lse_a.clone().to(DEVICE)
+    merge_into_triton_(out, lse, out_b.to(DEVICE), lse_b.to(DEVICE))
+    _assert_far_apart_merged(out.cpu(), lse.cpu(), want_out, want_lse)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from ..caches import capturing, register
 from .stamps import STAMP_BYTES, WORDS, Ledger, Stamp, block_tail, handshake, verdict
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # backends alive (weakly held), for ``live_backend``
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every backend alive (added by CommBackend.__init__), for live_backend
 register("comm.live_backends", _LIVE.__len__)  # held weakly: each goes with its backend
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import os
 import warnings
@@ -63,17 +64,34 @@ def _env_fraction(name: str) -> float:
         return 0.0
 
 
-# On: ``_hook`` is registered at the kernel seam. Everything else is only touched while it is.
-_ENABLED: bool = False
-_settings: dict[str, Any] = {
-    "shadow": _env_fraction(ENV + "_SHADOW"),
-    "sync": True,
-    "repro_dir": os.environ.get(ENV + "_DIR") or "dilated_attention_repro",
-    "save_tensors": _env_flag(ENV + "_TENSORS"),
-}
-_history: collections.deque = collections.deque(maxlen=8)
-_last_tensors: dict[str, torch.Tensor] = {}
-_shadow_count = 0
+@dataclasses.dataclass(frozen=True)
+class DebugSettings:
+    """What debug mode does while on (``debug()``'s arguments; the defaults from the environment)."""
+
+    shadow: float = 0.0  # fraction of kernel calls recomputed by the reference kernel
+    sync: bool = True  # synchronise after each kernel call on CUDA
+    repro_dir: str = "dilated_attention_repro"
+    save_tensors: bool = False  # save the last call's tensors next to a repro
+
+
+@dataclasses.dataclass
+class DebugState:
+    """Debug mode's state in this process: one instance, ``STATE``, owned by this module. ``enabled`` and
+    ``settings`` are set by ``DILATED_ATTENTION_DEBUG`` at import and by ``debug()``, which restores them (and
+    ``history``) on exit; on, ``_hook`` is registered at the kernel seam, and everything else is only touched
+    while it is. ``history`` (recent calls' metadata) and ``last_tensors`` are a record for repros, not a cache:
+    ``clear_history`` empties them, ``clear_caches`` does not."""
+
+    enabled: bool = False
+    settings: DebugSettings = DebugSettings()
+    history: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=8))
+    last_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    shadow_count: int = 0  # kernel calls seen by the shadow sampling
+
+
+STATE = DebugState(settings=DebugSettings(shadow=_env_fraction(ENV + "_SHADOW"),
+                                          repro_dir=os.environ.get(ENV + "_DIR") or "dilated_attention_repro",
+                                          save_tensors=_env_flag(ENV + "_TENSORS")))
 
 
 class DebugCheckError(ValueError):
@@ -89,14 +107,13 @@ class ShadowMismatch(AssertionError):
 
 
 def enabled() -> bool:
-    """Is debug mode on? (One global read: call sites may test it on every call.)"""
-    return _ENABLED
+    """Is debug mode on? (One attribute read: call sites may test it on every call.)"""
+    return STATE.enabled
 
 
 def _set_enabled(on: bool) -> None:
-    global _ENABLED
-    _ENABLED = bool(on)
-    (hooks.add_kernel_hook if _ENABLED else hooks.remove_kernel_hook)(_hook)
+    STATE.enabled = bool(on)
+    (hooks.add_kernel_hook if STATE.enabled else hooks.remove_kernel_hook)(_hook)
 
 
 def _hook(kernel, call: hooks.Call):
@@ -125,29 +142,27 @@ def debug(enabled: bool = True, *, shadow: float | None = None, sync: bool = Tru
     many calls' metadata to keep. ``repro_dir``: where repro files go.
     ``save_tensors``: also save the last call's real tensors next to the repro.
     """
-    global _history
     if shadow is not None and not (isinstance(shadow, (int, float)) and 0.0 <= shadow <= 1.0):
         raise ValueError(f"shadow must be a fraction in [0, 1], got {shadow!r}")
     if history is not None and (not isinstance(history, int) or history < 1):
         raise ValueError(f"history must be a positive int, got {history!r}")
-    saved = (_ENABLED, dict(_settings), _history)
-    _set_enabled(enabled)
+    changes: dict[str, Any] = {"sync": bool(sync)}
     if shadow is not None:
-        _settings["shadow"] = float(shadow)
+        changes["shadow"] = float(shadow)
     if repro_dir is not None:
-        _settings["repro_dir"] = os.fspath(repro_dir)
+        changes["repro_dir"] = os.fspath(repro_dir)
     if save_tensors is not None:
-        _settings["save_tensors"] = bool(save_tensors)
-    _settings["sync"] = bool(sync)
+        changes["save_tensors"] = bool(save_tensors)
+    saved = (STATE.enabled, STATE.settings, STATE.history)
+    _set_enabled(enabled)
+    STATE.settings = dataclasses.replace(STATE.settings, **changes)
     if history is not None:
-        _history = collections.deque(_history, maxlen=history)
+        STATE.history = collections.deque(STATE.history, maxlen=history)
     try:
         yield
     finally:
-        was_enabled, old, _history = saved
+        was_enabled, STATE.settings, STATE.history = saved
         _set_enabled(was_enabled)
-        _settings.clear()
-        _settings.update(old)
 
 
 # -- call metadata -------------------------------------------------------------------------------
@@ -155,22 +170,21 @@ def debug(enabled: bool = True, *, shadow: float | None = None, sync: bool = Tru
 
 def record_call(meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Keep ``meta`` in the ring buffer of recent calls (and the real tensors, if asked to save them)."""
-    if not _ENABLED:
+    if not STATE.enabled:
         return
-    _history.append(dict(meta))
-    if tensors is not None and _settings["save_tensors"]:
-        _last_tensors.clear()
-        _last_tensors.update({n: t.detach() for n, t in tensors.items()})
+    STATE.history.append(dict(meta))
+    if tensors is not None and STATE.settings.save_tensors:
+        STATE.last_tensors = {n: t.detach() for n, t in tensors.items()}
 
 
 def last_calls() -> list[dict[str, Any]]:
     """Metadata of the most recent calls, oldest first."""
-    return [dict(m) for m in _history]
+    return [dict(m) for m in STATE.history]
 
 
 def clear_history() -> None:
-    _history.clear()
-    _last_tensors.clear()
+    STATE.history.clear()
+    STATE.last_tensors = {}
 
 
 # -- tensor checks ---------------------------------------------------------------------------------
@@ -242,7 +256,7 @@ def check_tensor(name: str, t: Any, meta: dict[str, Any] | None = None, *, shape
 
 def check_send(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> None:
     """A tensor about to be sent must be contiguous, aligned, inside its storage and finite."""
-    if not _ENABLED:
+    if not STATE.enabled:
         return
     check_tensor("send buffer", tensor, meta)
     if not tensor.is_contiguous():
@@ -273,10 +287,9 @@ def _covered_heads(plan) -> list[int]:
 
 def _shadow_due() -> bool:
     """Deterministic sampling: calls i where floor((i+1)f) > floor(i f) (exactly fraction f of calls)."""
-    global _shadow_count
-    f = _settings["shadow"]
-    i = _shadow_count
-    _shadow_count += 1
+    f = STATE.settings.shadow
+    i = STATE.shadow_count
+    STATE.shadow_count += 1
     return f > 0 and math.floor((i + 1) * f) > math.floor(i * f)
 
 
@@ -315,7 +328,7 @@ class DebugKernel(KernelWrapper):
     def _call(self, meta, q, fn, *args, **kwargs):
         try:
             result = fn(*args, **kwargs)
-            if _settings["sync"]:
+            if STATE.settings.sync:
                 _sync(q.device)
             return result
         except (DebugCheckError, ShadowMismatch):
@@ -453,7 +466,7 @@ def _layout(t: torch.Tensor) -> str:
 
 def wrap_kernel(kernel, meta: dict[str, Any] | None = None):
     """``kernel`` (a PatternKernel) with debug checks around every call; ``kernel`` itself when off."""
-    if not _ENABLED or isinstance(kernel, DebugKernel):
+    if not STATE.enabled or isinstance(kernel, DebugKernel):
         return kernel
     return DebugKernel(kernel, meta)
 
@@ -466,16 +479,16 @@ def on_exception(exc: BaseException, meta: dict[str, Any] | None = None) -> str 
 
     ``meta`` is the failing call's ``call_meta`` (the last recorded call if None).
     """
-    if not _ENABLED or getattr(exc, "_dilated_attention_repro", None):
+    if not STATE.enabled or getattr(exc, "_dilated_attention_repro", None):
         return getattr(exc, "_dilated_attention_repro", None)
-    spec = dict(meta) if meta else (dict(_history[-1]) if _history else None)
+    spec = dict(meta) if meta else (dict(STATE.history[-1]) if STATE.history else None)
     if spec is None or "q" not in spec:
         return None
     spec["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-    spec["recent_calls"] = len(_history)
+    spec["recent_calls"] = len(STATE.history)
     try:
-        path = repro.write(spec, directory=_settings["repro_dir"],
-                           tensors=dict(_last_tensors) if _settings["save_tensors"] else None)
+        path = repro.write(spec, directory=STATE.settings.repro_dir,
+                           tensors=dict(STATE.last_tensors) if STATE.settings.save_tensors else None)
     except Exception as write_error:  # never hide the user's error behind ours
         warnings.warn(f"dilated_attention debug: could not write a repro ({write_error})", stacklevel=2)
         return None

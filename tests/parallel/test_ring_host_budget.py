@@ -4,9 +4,10 @@ Triton's interpreter (each one launch, as on a GPU).
 
 Eager ring steps on two GPUs are host-bound where the one-GPU step is not (docs/performance.md, "Two GPUs,
 eager"): the ring's exchanges, the causal pattern's head swap and their packing dispatch ten times the operations
-of a one-GPU step on the same kernel. A change that adds per-call work shows here as a higher count; the bounds are
-today's counts plus a little room, so lower them with the work, and raise one only for a reason worth its host
-time (say it in the commit). The counts include gloo's host-side stamp exchanges, which NCCL runs on the device.
+of a one-GPU step on the same kernel. A change that adds per-call work shows here as a higher count: each bound is
+the count measured (the same on both ranks and in every run), so a single added operation fails the test. A bound
+is lowered with the work, and raised only in a commit that says why the added host work is worth its time. The
+counts include gloo's host-side stamp exchanges, which NCCL runs on the device.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from dilated_attention.testing.spawn import spawn_ranks
 
 SEGMENTS, RATES = [16, 32, 128, 256], [1, 2, 4, 8]  # LongNet on 128 rows per rank: the last pattern spans both
 # ops dispatched around the kernels per forward+backward on a rank (non-causal: a ring of two steps; causal: the
-# spanning pattern swapped for heads, ``ring/swapped.py``)
-BUDGET = {False: 170, True: 300}
+# spanning pattern swapped for heads, ``ring/swapped.py``), as measured. A bound is the measurement: raised only in
+# a commit that explains why.
+BUDGET = {False: 159, True: 281}
 
 needs_triton = pytest.mark.skipif(merge.triton is None or not merge.interpreting(),
                                   reason="counts on CPU: needs Triton's interpreter (TRITON_INTERPRET=1, as without "
