@@ -31,6 +31,16 @@ import torch.distributed as dist
 DEVICES = ("auto", "cuda", "cpu")
 
 
+def say(text: str, rank: int | None = None, file=None) -> None:
+    """Write ``text``, each of its lines prefixed ``[rank r]`` when ``rank`` is given, in one write, flushed
+    (``file``: default ``sys.stdout``): the lines of ranks sharing a terminal never cut into one another."""
+    stream = sys.stdout if file is None else file
+    prefix = "" if rank is None else f"[rank {rank}] "
+    stream.flush()  # what was written before goes first, on its own
+    stream.write("".join(f"{prefix}{line}\n" for line in (str(text).splitlines() or [""])))
+    stream.flush()
+
+
 def int_list(text: str) -> list[int]:
     """argparse type for comma-separated integers (``--segments 2048,8192``)."""
     try:

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .. import diagnostics as d
+from ..comm import deepspeed as deepspeed_comm
 from ..diagnostics import health
-from ..launch_utils import init_distributed, leave_process_group
+from ..launch_utils import init_distributed, leave_process_group, say
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +70,14 @@ def _ring(a) -> int:
     device, local, rank, world = env.device, env.local_rank, env.rank, env.world_size
     backends = a.backend or (health.installed_backends() if a.distributed else ["collective"])
     bad = 0
+    if "deepspeed" in backends and device.type == "cpu":
+        # DeepSpeed builds its CPU op on first use (minutes): here, before any wait runs against --timeout
+        try:
+            deepspeed_comm.prebuild_ops()
+        except (ImportError, RuntimeError) as exc:
+            say(f"FAIL: {exc}", rank, file=sys.stderr)
+            leave_process_group(barrier=False)
+            return 1
     if a.distributed:
         drop = set()
         if a.simulate_dead_link:
@@ -83,9 +92,9 @@ def _ring(a) -> int:
             for name in backends:
                 rows = health.check_backend(name, device, timeout=a.timeout, sizes_bytes=sizes, iters=a.iters,
                                             drop_links=drop)
-                for r in rows:
-                    if r.gbps is None:
-                        print(f"[rank {rank}] {r.text()}", flush=True)
+                lines = [r.text() for r in rows if r.gbps is None]
+                if lines:
+                    say("\n".join(lines), rank)
                 bad += sum(not r.ok for r in rows)
                 mine = [r for r in rows if r.gbps is not None]
                 every = health.with_timeout(lambda: _gather_object(mine, world), a.timeout,
@@ -97,14 +106,15 @@ def _ring(a) -> int:
                     for line in health.link_table(every, hosts, gpus, topo):
                         print("   " + line, flush=True)
         except (health.HealthTimeout, RuntimeError) as exc:
-            # the process group cannot be trusted after a hang: say what we saw and leave now
-            print(f"[rank {rank}] FAIL: {exc}", flush=True)
-            sys.stdout.flush()
+            # the process group cannot be trusted after a hang: say what we saw and leave now (a DeepSpeed op
+            # build cut short removes its lock first: os._exit skips the build's own clean-up)
+            say(f"FAIL: {exc}", rank, file=sys.stderr)
+            deepspeed_comm.release_build_lock()
             os._exit(1)
     for name in backends:
         rows = d.check_ring(name, device)
-        for check, ok, detail in rows:
-            print(f"[rank {rank}] {name:10s} {check:24s} {'ok' if ok else 'FAIL'}  {detail}", flush=True)
+        say("\n".join(f"{name:10s} {check:24s} {'ok' if ok else 'FAIL'}  {detail}" for check, ok, detail in rows),
+            rank)
         bad += sum(not ok for _, ok, _ in rows)
     flag = torch.tensor([bad], device=device)
     dist.all_reduce(flag)
