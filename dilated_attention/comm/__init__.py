@@ -65,4 +65,4 @@ def resolve_comm(comm: str | CommBackend | None) -> CommBackend | None:
     return hit[1]
 
 
-__all__ = ["BACKEND_NAMES", "TIMEOUT_ENV", "CommBackend", "PeerTimeoutError", "get_backend", "resolve_comm"]
+__all__ = ["BACKEND_NAMES", "CommBackend", "PeerTimeoutError", "get_backend", "resolve_comm"]

@@ -467,4 +467,4 @@ def register_dilated_attention(
     return name
 
 
-__all__ = ["register_dilated_attention", "DilatedAttentionForTransformers"]
+__all__ = ["register_dilated_attention"]
