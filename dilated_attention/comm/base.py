@@ -65,6 +65,12 @@ class Pending(Protocol):
     def wait(self) -> None: ...
 
 
+def install_hint(extra: str) -> str:
+    """How to install an optional backend: the package's extra, at the tested versions from a checkout."""
+    return (f'pip install "dilated-attention[{extra}]" (from a checkout: '
+            f'pip install -c launch/constraints.txt ".[{extra}]")')
+
+
 class _DropLines(io.TextIOBase):
     """A text stream that passes each whole line written to it on to ``target`` at once, except lines containing
     one of ``noise``; a line is written in one piece, so lines of other threads and processes never split it."""

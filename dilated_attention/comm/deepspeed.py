@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import CommBackend, without_setup_prints
+from .base import CommBackend, install_hint, without_setup_prints
 
 _BUILT = "built successfully"  # DeepSpeed prints this from every rank that loads its CPU communication op
 _SHM_OP = "deepspeed_shm_comm"  # the name of DeepSpeed's CPU shared-memory op (its builder's NAME)
@@ -53,7 +53,7 @@ def _ds_comm():
     try:
         import deepspeed.comm as ds_comm
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("comm='deepspeed' needs deepspeed (pip install deepspeed)") from exc
+        raise ImportError(f"comm='deepspeed' needs deepspeed: {install_hint('deepspeed')}") from exc
     return ds_comm
 
 

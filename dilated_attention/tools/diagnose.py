@@ -25,7 +25,8 @@ import torch.distributed as dist
 from .. import diagnostics as d
 from ..comm import deepspeed as deepspeed_comm
 from ..diagnostics import health
-from ..launch_utils import init_distributed, leave_process_group, say
+from ..launch_utils import (init_distributed, leave_process_group, positive_float, positive_int, positive_list,
+                            say)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,15 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=["env", "views", "kernels", "ring"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--head-dim", type=positive_int, default=64)
     p.add_argument("--isolate", action="store_true", help="each kernel in its own process (survives CUDA faults)")
     p.add_argument("--backend", action="append", choices=["collective", "fairscale", "deepspeed"],
                    help="repeatable (default: collective; with --distributed: every installed backend)")
     p.add_argument("--distributed", action="store_true", help="ring: link health check and bandwidth first")
-    p.add_argument("--timeout", type=float, default=30.0, help="ring --distributed: seconds any one wait may take")
-    p.add_argument("--sizes-mb", default="1,16,64", help="ring --distributed: buffer sizes for bandwidth (MiB)")
-    p.add_argument("--iters", type=int, default=5, help="ring --distributed: timed exchanges per size")
+    p.add_argument("--timeout", type=positive_float, default=30.0, help="ring --distributed: seconds any one wait may take")
+    p.add_argument("--sizes-mb", type=positive_list(float), default=[1.0, 16.0, 64.0],
+                   help="ring --distributed: buffer sizes for bandwidth (MiB, comma-separated)")
+    p.add_argument("--iters", type=positive_int, default=5, help="ring --distributed: timed exchanges per size")
     p.add_argument("--simulate-dead-link", default=None, metavar="SRC,DST",
                    help="ring --distributed: SRC skips its ping to DST (to see what a dead link looks like)")
     a = p.parse_args(argv)
@@ -83,7 +85,7 @@ def _ring(a) -> int:
         if a.simulate_dead_link:
             src, dst = (int(x) for x in a.simulate_dead_link.split(","))
             drop.add((src, dst))
-        sizes = [int(float(x) * 2**20) for x in a.sizes_mb.split(",") if x.strip()]
+        sizes = [max(1, int(x * 2**20)) for x in a.sizes_mb]
         try:
             hosts = health.with_timeout(lambda: _gather_object(health.host_info(), world), a.timeout,
                                         "gathering host names from every rank", device)
