@@ -109,25 +109,28 @@ def shm_op_dir() -> str | None:
     return os.path.join(root, builder.NAME)
 
 
+def _holds(pid: int | str, target: str) -> bool:
+    """Whether process ``pid`` has the file ``target`` (a real path) open."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # gone, or another user's
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _lock_holders(lock: str) -> list[int] | None:
     """Process ids of this host that have ``lock`` open (torch's FileBaton keeps it open while it builds);
     None where ``/proc`` cannot tell."""
     if not os.path.isdir("/proc/self/fd"):
         return None
-    target, holders = os.path.realpath(lock), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # gone, or another user's
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    holders.append(int(pid))
-                    break
-            except OSError:
-                continue
-    return holders
+    target = os.path.realpath(lock)
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if _holds(pid, target)]
 
 
 def _stale_lock_error(lock: str, why: str) -> RuntimeError:
@@ -137,14 +140,17 @@ def _stale_lock_error(lock: str, why: str) -> RuntimeError:
         f"another sharing the folder), remove it and run again: rm -f {lock}")
 
 
-def check_build_lock(build_dir: str, grace: float | None = None, poll: float = 0.25) -> None:
+def check_build_lock(build_dir: str, grace: float | None = None, poll: float = 0.5) -> None:
     """Return once ``build_dir`` has no build lock; wait while a live build holds it; raise ``RuntimeError``
     naming the lock and the command that removes it when no process of this host holds it for ``grace``
     seconds (default ``STALE_LOCK_GRACE_S``; where ``/proc`` is missing: when the lock is older than 10 min)."""
     lock = os.path.join(build_dir, "lock")
     grace = STALE_LOCK_GRACE_S if grace is None else grace
-    unheld_since = None
+    unheld_since, builder = None, None
     while os.path.exists(lock):
+        if builder is not None and _holds(builder, os.path.realpath(lock)):
+            time.sleep(poll)  # the build seen last still runs (one process's files to look at, not the host's)
+            continue
         holders = _lock_holders(lock)
         now = time.monotonic()
         if holders is None:
@@ -155,7 +161,7 @@ def check_build_lock(build_dir: str, grace: float | None = None, poll: float = 0
             if age > _UNSEEN_LOCK_S:
                 raise _stale_lock_error(lock, f"is {age / 60:.0f} min old")
         elif holders:
-            unheld_since = None  # a live build: torch waits for it
+            unheld_since, builder = None, holders[0]  # a live build: torch waits for it
         elif unheld_since is None:
             unheld_since = now
         elif now - unheld_since >= grace:

@@ -127,8 +127,9 @@ BUILD = textwrap.dedent("""
             time.sleep(120)
 
     if sys.argv[1] == "thread":  # a tool's watchdog thread builds; the main thread is interrupted
+        lock = os.path.join(ds.shm_op_dir(), "lock")
         threading.Thread(target=build, daemon=True).start()
-        while not os.path.exists(os.path.join(ds.shm_op_dir(), "lock")):
+        while not os.path.exists(lock):
             time.sleep(0.05)
         raise KeyboardInterrupt
     build()  # the main thread builds; torchrun sends SIGTERM
