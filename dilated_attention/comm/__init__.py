@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..caches import register
-from .base import TIMEOUT_ENV, CommBackend, PeerTimeoutError
+from .base import CommBackend, PeerTimeoutError
 
 BACKEND_NAMES = ("collective", "fairscale", "deepspeed")
 
