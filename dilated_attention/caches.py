@@ -214,7 +214,3 @@ def clear_caches() -> None:
     for entry in _REGISTRY.values():
         if entry.clear is not None:
             entry.clear()
-
-
-__all__ = ["CacheInfo", "KeySet", "Table", "cache_info", "capturing", "clear_caches", "held_for_graphs", "keys",
-           "memoize", "register", "remember", "rows_on", "table", "typed"]

@@ -86,5 +86,4 @@ def apply_kernel_hooks(kernel: PatternKernel, call: Call) -> PatternKernel:
     return kernel
 
 
-__all__ = ["Call", "KernelHook", "KernelHooks", "active", "add_kernel_hook", "apply_kernel_hooks", "kernel_hook",
-           "remove_kernel_hook"]
+__all__ = ["Call", "KernelHook", "active", "add_kernel_hook", "kernel_hook", "remove_kernel_hook"]

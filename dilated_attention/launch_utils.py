@@ -31,12 +31,60 @@ import torch.distributed as dist
 DEVICES = ("auto", "cuda", "cpu")
 
 
+def say(text: str, rank: int | None = None, file=None) -> None:
+    """Write ``text``, each of its lines prefixed ``[rank r]`` when ``rank`` is given, in one write, flushed
+    (``file``: default ``sys.stdout``): the lines of ranks sharing a terminal never cut into one another."""
+    stream = sys.stdout if file is None else file
+    prefix = "" if rank is None else f"[rank {rank}] "
+    stream.flush()  # what was written before goes first, on its own
+    stream.write("".join(f"{prefix}{line}\n" for line in (str(text).splitlines() or [""])))
+    stream.flush()
+
+
 def int_list(text: str) -> list[int]:
     """argparse type for comma-separated integers (``--segments 2048,8192``)."""
     try:
         return [int(x) for x in text.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _number(kind: type, text: str, ok, rule: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer above 0 (a count)."""
+    return _number(int, text, lambda x: x > 0, "a positive integer")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0 (seconds, sizes)."""
+    return _number(float, text, lambda x: 0 < x < float("inf"), "a positive number")
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1] (a rate)."""
+    return _number(float, text, lambda x: 0 <= x <= 1, "a fraction in [0, 1]")
+
+
+def positive_list(kind: type):
+    """argparse type: comma-separated numbers above 0 (``--world-sizes 1,2,4``)."""
+    one = positive_int if kind is int else positive_float
+
+    def parse(text: str) -> list:
+        values = [one(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"must be comma-separated positive numbers, got {text!r}")
+        return values
+
+    return parse
 
 
 class RankZeroParser(argparse.ArgumentParser):

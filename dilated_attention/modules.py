@@ -18,14 +18,15 @@ from torch import nn
 
 from .comm import CommBackend
 from .functional import dilated_attention
-from .patterns import check_layout
+from .validation import check_call_options
 
 
 class DilatedAttention(nn.Module):
     """Holds a pattern; ``forward(q, k, v)`` on ``(B, N, H, D)`` tensors (local shards with ``comm``, in the
     order ``layout`` names: ``distributed.shard_sequence(x, comm, layout=...)`` makes them).
 
-    Every argument is ``dilated_attention``'s (see its docstring and docs/design.md).
+    Every argument is ``dilated_attention``'s (see its docstring and docs/design.md); those that do not depend on
+    the tensors are checked here, with the call's messages.
     """
 
     def __init__(
@@ -43,7 +44,8 @@ class DilatedAttention(nn.Module):
         layout: str = "contiguous",
     ) -> None:
         super().__init__()
-        check_layout(layout)
+        check_call_options(segment_lengths, dilation_rates, mode=mode, causal=causal, softmax_scale=softmax_scale,
+                           head_offsets=head_offsets, comm=comm, strategy=strategy, kernel=kernel, layout=layout)
         self.segment_lengths = list(segment_lengths)
         self.dilation_rates = list(dilation_rates)
         self.mode, self.causal, self.softmax_scale = mode, causal, softmax_scale

@@ -59,6 +59,3 @@ def replay(recipe: tuple, env: dict, device: torch.device) -> dict:
     for launch, slots, rest in steps:
         launch(*[None if s is None else env[s] for s in slots], *rest)
     return env
-
-
-__all__ = ["RECIPES", "geometry", "remember", "replay"]

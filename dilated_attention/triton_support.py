@@ -145,7 +145,3 @@ class Prepared:
         if self.compiled is None and DIRECT and not interpreting():
             self.device = torch.cuda.current_device()
             self.compiled = _COMPILED.get(_key(self.fn, self.device, self.options, self.meta, args))
-
-
-__all__ = ["JITTED", "Prepared", "TRITON_ERROR", "interpreting", "launch", "launch_on", "made_current", "other_device",
-           "triton"]

@@ -1,7 +1,9 @@
 """What a call's arguments must be: each check raises ``ValueError``/``TypeError`` naming the argument and a fix.
 
 Planning (``planning.py``) runs them on every call it plans; under ``torch.compile`` the custom ops run the type
-checks that the op schema would blur (``custom_ops.py``).
+checks that the op schema would blur (``custom_ops.py``). The layers (``modules.py``) run
+``check_call_options`` at construction: what can be checked before a tensor is seen fails on the line that
+built the layer, with the message the call would give.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import Sequence
 
 import torch
 
-from .patterns import check_layout
+from .comm import check_comm
+from .kernels.registry import KERNEL_NAMES
+from .patterns import HEAD_OFFSET_RULES, MODES, _check_int_list, check_layout
 
 STRATEGIES = ("auto", "ring", "head", "hybrid")
 
@@ -111,3 +115,35 @@ def check_flags(causal, pad_to_segments, strategy, layout="contiguous") -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     check_layout(layout)
+
+
+def check_pattern_lists(segment_lengths, dilation_rates) -> None:
+    """The rules ``segment_lengths`` and ``dilation_rates`` obey whatever the sequence (ints, as many of one
+    as of the other, at least one pattern, positive): the first checks of ``patterns.validate_patterns``."""
+    segs = _check_int_list("segment_lengths", segment_lengths)
+    rates = _check_int_list("dilation_rates", dilation_rates)
+    if len(segs) != len(rates):
+        raise ValueError(
+            f"segment_lengths and dilation_rates must have equal lengths, got {len(segs)} and {len(rates)}"
+        )
+    if not segs:
+        raise ValueError("segment_lengths must hold at least one pattern, got []")
+    for name, vals in (("segment_lengths", segs), ("dilation_rates", rates)):
+        if any(x <= 0 for x in vals):
+            raise ValueError(f"{name} must all be positive, got {vals}")
+
+
+def check_call_options(segment_lengths, dilation_rates, *, mode="longnet", causal=False, softmax_scale=None,
+                       head_offsets="spread", comm=None, strategy="auto", kernel="auto", layout="contiguous") -> None:
+    """Every argument of ``dilated_attention`` that does not depend on the tensors, with the call's messages
+    (the sequence-dependent pattern rules, a kernel object and the backend's process group wait for the call)."""
+    check_pattern_lists(segment_lengths, dilation_rates)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if head_offsets not in HEAD_OFFSET_RULES:
+        raise ValueError(f"head_offsets must be one of {HEAD_OFFSET_RULES}, got {head_offsets!r}")
+    check_scale_type(softmax_scale)
+    check_flags(causal, True, strategy, layout)
+    check_comm(comm)
+    if isinstance(kernel, str) and kernel not in KERNEL_NAMES:
+        raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")

@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.segments = [args.seq_len // 2 ** (m - 1 - i) for i in range(m)]
     args.rates = [2**i for i in range(m)]
     args.prog = p.prog
+    missing = [name for name in args.backends or () if name not in available_backends()]
+    if missing:  # one line, before any rank starts (demo.sh checks the arguments first)
+        p.error(f"--backends {' '.join(missing)}: not installed; install the extra: "
+                + " && ".join(f'pip install -c launch/constraints.txt ".[{name}]"' for name in missing))
     if args.check_args:
         sys.exit(0)
     return args

@@ -145,3 +145,62 @@ def test_multihead_passes_key_padding_mask_through():
     want = mha.out_proj(rearrange(att, "b n h d -> b n (h d)"))
     torch.testing.assert_close(mha(x, key_padding_mask=pad), want, rtol=0, atol=0)
     assert not torch.allclose(mha(x)[1], want[1])
+
+
+def _message_of_the_call(**options) -> str:
+    """What ``dilated_attention`` itself raises for these options (the layer must say the same)."""
+    q = torch.randn(1, 256, 4, 32, generator=torch.Generator().manual_seed(9))
+    segments, rates = options.pop("segment_lengths", [256]), options.pop("dilation_rates", [1])
+    with pytest.raises((ValueError, TypeError)) as raised:
+        dilated_attention(q, q, q, segments, rates, **options)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("options", [
+    {"comm": "nccl-typo"}, {"comm": 3}, {"strategy": "rign"}, {"mode": "longent"}, {"kernel": "fusd"},
+    {"layout": "zigzig"}, {"head_offsets": "spreed"}, {"segment_lengths": [256, 512, 1024], "dilation_rates": [1, 2]},
+    {"segment_lengths": [], "dilation_rates": []}, {"dilation_rates": [0]}, {"segment_lengths": [256.0]},
+    {"softmax_scale": "0.1"}, {"causal": 1},
+])
+def test_layers_reject_wrong_options_at_construction_with_the_calls_message(options):
+    want = _message_of_the_call(**dict(options))
+    segments, rates = options.pop("segment_lengths", [256]), options.pop("dilation_rates", [1])
+    with pytest.raises((ValueError, TypeError)) as raised:
+        DilatedAttention(segments, rates, **options)
+    assert str(raised.value) == want
+    options.pop("softmax_scale", None)  # (not an argument of the multi-head layer)
+    if options or segments != [256] or rates != [1]:
+        with pytest.raises((ValueError, TypeError)) as raised:
+            MultiheadDilatedAttention(128, 4, segments, rates, **options)
+        assert str(raised.value) == want
+
+
+def test_layers_accept_every_valid_option_name():
+    for mode in ("longnet", "grouped"):
+        for strategy in ("auto", "ring", "head", "hybrid"):
+            DilatedAttention([8, 16], [1, 2], mode=mode, strategy=strategy, comm="collective", layout="zigzag",
+                             kernel="reference", head_offsets="torchscale")
+
+
+def test_misuse_warning_through_a_layer_points_at_the_calling_line():
+    import warnings
+
+    from dilated_attention.misuse import MisuseWarning
+
+    class Block(torch.nn.Module):  # a user's model: the layer called from its forward
+        def __init__(self):
+            super().__init__()
+            self.attn = DilatedAttention([64], [1])
+
+        def forward(self, x):
+            return self.attn(x, x, x)
+
+    # heads first (B, H, N, D) = (1, 41, 3, 8) read as 3 tokens of 41 heads: a MisuseWarning (once per shape:
+    # a call of a shape seen before reuses its plan)
+    for heads, model in ((41, lambda t: Block().attn(t, t, t)), (43, Block())):
+        x = torch.randn(1, 3, heads, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x)
+        mine = [w for w in caught if issubclass(w.category, MisuseWarning)]
+        assert mine and all(w.filename == __file__ for w in mine), [(w.filename, w.lineno) for w in caught]

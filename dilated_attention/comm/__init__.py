@@ -8,9 +8,19 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..caches import register
-from .base import TIMEOUT_ENV, CommBackend, PeerTimeoutError
+from .base import CommBackend, PeerTimeoutError
 
 BACKEND_NAMES = ("collective", "fairscale", "deepspeed")
+
+
+def check_comm(comm: object) -> None:
+    """Raise unless ``comm`` is ``None``, a backend name or a ``CommBackend`` (creates nothing)."""
+    if isinstance(comm, str):
+        if comm not in BACKEND_NAMES:  # (get_backend's message)
+            raise ValueError(f"comm must be one of {BACKEND_NAMES}, a CommBackend or None, got {comm!r}")
+    elif comm is not None and not isinstance(comm, CommBackend):
+        raise TypeError(f"comm must be None, a backend name {BACKEND_NAMES} or a CommBackend, "
+                        f"got {type(comm).__name__}")
 
 
 def get_backend(name: str, group: dist.ProcessGroup | None = None, *, timeout: float | timedelta | None = None,
@@ -44,16 +54,15 @@ def _release_named_backends() -> None:
 
 def resolve_comm(comm: str | CommBackend | None) -> CommBackend | None:
     """A backend object; a name maps to one backend per process group set-up (so its agreed-call cache persists)."""
+    check_comm(comm)
     if comm is None or isinstance(comm, CommBackend):
         return comm
-    if isinstance(comm, str):
-        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        hit = _by_name.get(comm)
-        if hit is None or hit[0] is not world:
-            hit = (world, get_backend(comm))
-            _by_name[comm] = hit
-        return hit[1]
-    raise TypeError(f"comm must be None, a backend name {BACKEND_NAMES} or a CommBackend, got {type(comm).__name__}")
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    hit = _by_name.get(comm)
+    if hit is None or hit[0] is not world:
+        hit = (world, get_backend(comm))
+        _by_name[comm] = hit
+    return hit[1]
 
 
-__all__ = ["BACKEND_NAMES", "TIMEOUT_ENV", "CommBackend", "PeerTimeoutError", "get_backend", "resolve_comm"]
+__all__ = ["BACKEND_NAMES", "CommBackend", "PeerTimeoutError", "get_backend", "resolve_comm"]

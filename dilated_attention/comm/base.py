@@ -65,19 +65,53 @@ class Pending(Protocol):
     def wait(self) -> None: ...
 
 
+def install_hint(extra: str) -> str:
+    """How to install an optional backend: the package's extra, at the tested versions from a checkout."""
+    return (f'pip install "dilated-attention[{extra}]" (from a checkout: '
+            f'pip install -c launch/constraints.txt ".[{extra}]")')
+
+
+class _DropLines(io.TextIOBase):
+    """A text stream that passes each whole line written to it on to ``target`` at once, except lines containing
+    one of ``noise``; a line is written in one piece, so lines of other threads and processes never split it."""
+
+    def __init__(self, target, noise: tuple[str, ...]) -> None:
+        self.target, self.noise, self.partial = target, noise, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")
+        kept = "".join(line + "\n" for line in lines if not any(n in line for n in self.noise))
+        if kept:
+            self.target.write(kept)
+            self.target.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def close_line(self) -> None:
+        """Pass on what is left of an unfinished last line."""
+        if self.partial and not any(n in self.partial for n in self.noise):
+            self.target.write(self.partial)
+            self.target.flush()
+        self.partial = ""
+
+
 @contextlib.contextmanager
 def without_setup_prints(*noise: str):
     """Run a third-party set-up step without the set-up lines it ``print``s (once per rank in a user's own
-    script): lines containing one of ``noise`` are dropped, anything else it prints still appears.
+    script): lines containing one of ``noise`` are dropped, every other line goes to the real ``sys.stdout``
+    as it is written (whichever thread writes it: a tool's failure message printed meanwhile still shows).
     Warnings and log records are not prints: they pass untouched."""
-    captured = io.StringIO()
+    stream = _DropLines(sys.stdout, noise)
     try:
-        with contextlib.redirect_stdout(captured):
+        with contextlib.redirect_stdout(stream):
             yield
     finally:
-        kept = [line for line in captured.getvalue().splitlines(keepends=True) if not any(n in line for n in noise)]
-        if kept:
-            sys.stdout.write("".join(kept))
+        stream.close_line()
 
 
 class PeerTimeoutError(TimeoutError):

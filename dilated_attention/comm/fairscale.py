@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..caches import register
 from ..callers import user_stacklevel
-from .base import group_timeout, without_setup_prints
+from .base import group_timeout, install_hint, without_setup_prints
 from .collective import CollectiveBackend
 
 _announced: set[str] = set()  # said once per process: that we initialised fairscale ourselves
@@ -33,7 +33,7 @@ def _fairscale_mp():
     try:
         from fairscale.nn.model_parallel import initialize as mp
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("comm='fairscale' needs fairscale (pip install fairscale)") from exc
+        raise ImportError(f"comm='fairscale' needs fairscale: {install_hint('fairscale')}") from exc
     return mp
 
 

@@ -345,7 +345,3 @@ def runtime_audit(*, kernels: bool = True, comm: bool = True, torch_p2p: bool = 
             hooks.remove_kernel_hook(hook)
         for owner, attr, value in reversed(saved):
             setattr(owner, attr, value)
-
-
-__all__ = ["RuntimeAudit", "RuntimeFinding", "StaticFinding", "default_root", "runtime_audit", "scan_paths",
-           "scan_source"]

@@ -103,7 +103,14 @@ def check_views(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list
 def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, kernels=KERNELS, heads: int = 4,
                   kv_heads: int = 2, seq_len: int = 256, head_dim: int = 64, causal: bool = True,
                   isolate: bool = False) -> list[dict]:
-    """Each kernel vs the fp64 oracle (forward, backward) on one LongNet pattern set."""
+    """Each kernel vs the fp64 oracle (forward, backward) on one LongNet pattern set; one dict per kernel
+    (``ok``: True, False, or None where the kernel declined the inputs, with a ``note``).
+
+    The inputs: one batch row of ``seq_len`` tokens, ``heads`` query heads and ``kv_heads`` key/value heads
+    (fewer than ``heads``: grouped-query attention), ``head_dim`` wide, causal or not, patterns
+    ``[N/4, N/2, N]`` at rates ``[1, 2, 4]``. ``isolate``: each kernel in a subprocess of its own, so that a
+    kernel that crashes the process (a CUDA fault) is reported as that kernel's failure and the others still
+    run."""
     if isolate:
         return [_isolated(k, device, dtype, heads, kv_heads, seq_len, head_dim, causal) for k in kernels]
     gen = torch.Generator().manual_seed(0)

@@ -137,10 +137,14 @@ def debug(enabled: bool = True, *, shadow: float | None = None, sync: bool = Tru
           repro_dir: str | os.PathLike | None = None, save_tensors: bool | None = None) -> Iterator[None]:
     """Turn debug mode on (or off) inside a ``with`` block; settings are restored on exit.
 
-    ``shadow``: fraction in [0, 1] of kernel calls re-checked against the reference
-    kernel. ``sync``: synchronise after each kernel call on CUDA. ``history``: how
-    many calls' metadata to keep. ``repro_dir``: where repro files go.
-    ``save_tensors``: also save the last call's real tensors next to the repro.
+    ``shadow``: fraction in [0, 1] of kernel calls re-checked against the reference kernel (default 0).
+    ``sync``: wait for the GPU after each kernel call, so that an asynchronous CUDA fault is raised by the
+    kernel that caused it, with its call's shapes and strides, instead of by a later unrelated line (slower;
+    no effect on CPU). ``history``: how many recent calls' shapes, strides and options to keep (default 8);
+    a repro file records how many there were. ``repro_dir``: where repro files go (default
+    ``./dilated_attention_repro``). ``save_tensors``: also save the failing call's real input tensors next
+    to its repro, so that a data-dependent failure replays exactly (files as large as the tensors; by
+    default the repro records shapes and layouts and replays on random values).
     """
     if shadow is not None and not (isinstance(shadow, (int, float)) and 0.0 <= shadow <= 1.0):
         raise ValueError(f"shadow must be a fraction in [0, 1], got {shadow!r}")
@@ -503,9 +507,3 @@ def on_exception(exc: BaseException, meta: dict[str, Any] | None = None) -> str 
 
 
 _set_enabled(_env_flag(ENV))
-
-__all__ = [
-    "DebugCheckError", "DebugKernel", "KernelFault", "ShadowMismatch", "call_meta", "check_send", "check_tensor",
-    "clear_history", "debug", "describe_tensor", "enabled", "last_calls", "layout_problems", "on_exception",
-    "record_call", "self_overlapping", "wrap_kernel",
-]

@@ -530,6 +530,3 @@ def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float 
         if other.failure and not res.failure:
             res.failure = other.failure
     return res
-
-
-__all__ = ["FuzzResult", "check_invalid", "fuzz", "fuzz_spawned", "random_invalid", "random_spec", "spec_options"]

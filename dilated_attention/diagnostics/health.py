@@ -278,7 +278,3 @@ def link_table(bandwidth: list[list[Check]], hosts: list[str], gpus: list[int | 
 
 def host_info() -> str:
     return socket.gethostname()
-
-
-__all__ = ["Check", "HealthTimeout", "check_backend", "expected_gbps", "installed_backends", "link_table",
-           "parse_topology", "physical_gpu", "ring_sizes", "topology_matrix", "with_timeout"]

@@ -43,6 +43,4 @@ from .repro_replay import (NAMES, SCALE_FLOOR, ZERO_RESIDUE, Report, _judge, bui
                            build_inputs, build_mask, random_mask, replay_spawned, run_spec, strided_random)
 from .repro_summary import describe_call, summary  # noqa: F401
 
-__all__ = ["Report", "build_cu_seqlens", "build_inputs", "build_mask", "call_extras", "call_meta", "capture",
-           "describe_call", "describe_mask", "describe_tensor", "load", "random_mask", "replay_spawned", "run_spec",
-           "strided_random", "write"]
+__all__ = ["capture"]

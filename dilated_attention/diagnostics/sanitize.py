@@ -203,7 +203,3 @@ def run(tool: str, command: list[str], *, sanitizer: str | None = None, timeout:
         rep.note = f"the workload itself failed (exit {rc}); its last lines:\n{tail}"
     rep.log = out  # type: ignore[attr-defined]
     return rep
-
-
-__all__ = ["Finding", "MARK", "SanitizeReport", "TOOLS", "default_command", "find_sanitizer", "gpu_problem",
-           "repro_command", "run", "summarise"]

@@ -282,7 +282,10 @@ class DilatedAttentionForTransformers:
                 "slice of the packed position_ids (shard_sequence(position_ids, comm))")
 
 
-TESTED_TRANSFORMERS = ("5.23", "5.24")  # the minor releases whose mask composition is recognised below
+# The oldest and newest minor releases tested: the attention and mask interfaces exist from 5.0 on, and the
+# mask compositions of every release between are recognised below. Older releases raise, newer ones warn.
+TESTED_TRANSFORMERS = ("5.0", "5.25")
+SUPPORTED_TRANSFORMERS = "transformers>=5.0,<5.26"  # the pip requirement of those releases (the hf extra)
 
 
 def _transformers_version() -> str:
@@ -292,8 +295,9 @@ def _transformers_version() -> str:
 
 
 def _version_note() -> str:
-    return (f"transformers {_transformers_version()} (this integration is tested with "
-            f"{' and '.join(TESTED_TRANSFORMERS)}; install a tested one: pip install 'transformers>=5.23,<5.25')")
+    oldest, newest = TESTED_TRANSFORMERS
+    return (f"transformers {_transformers_version()} (this integration supports {oldest} to {newest}; "
+            f"install one of those: pip install '{SUPPORTED_TRANSFORMERS}')")
 
 
 def _cells(fn: Callable) -> dict[str, Any]:
@@ -383,9 +387,13 @@ def check_mask_function(mask_function: Callable | None) -> None:
 
 
 def _mask_interface(comm: CommBackend | None) -> Callable:
-    def padding_only_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                          mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    def padding_only_mask(batch_size: int, q_length: int | None = None, kv_length: int = 0, q_offset: int = 0,
+                          kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None,
+                          **kwargs: Any):
         """The mask transformers builds for this attention: ``None``, or the 2D padding mask.
+
+        The query side is not read: early 5.x releases pass it as ``cache_position`` (in ``kwargs``), later
+        ones as ``q_length`` and ``q_offset``.
 
         The causal structure comes from the ``causal`` flag and packed documents from the
         positions (see the attention); any other structure (sliding windows, chunks, overlays)
@@ -405,7 +413,8 @@ def _mask_interface(comm: CommBackend | None) -> Callable:
 
 
 def _check_version() -> None:
-    """Refuse releases older than the tested ones (their masks differ); warn on newer, untested ones."""
+    """Refuse releases older than the oldest supported one (no attention interface); warn on newer, untested
+    ones."""
     version = _transformers_version()
     try:
         minor = tuple(int(x) for x in version.split(".")[:2])
@@ -458,4 +467,4 @@ def register_dilated_attention(
     return name
 
 
-__all__ = ["register_dilated_attention", "DilatedAttentionForTransformers"]
+__all__ = ["register_dilated_attention"]

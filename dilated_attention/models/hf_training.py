@@ -420,9 +420,3 @@ def train_step(module: nn.Module, opt: torch.optim.Optimizer, scheduler, batch: 
     if loss_group is not None:
         torch.distributed.all_reduce(total, group=loss_group)
     return total.item()
-
-
-__all__ = ["IGNORE_INDEX", "LlamaShape", "SequenceParallelLoss", "attended_pairs", "build_llama",
-           "dense_causal_pairs", "deepspeed_tiled_loss", "deepspeed_tiled_mlp", "learnable_tokens",
-           "longnet_schedule", "make_optimizer", "model_flops", "sequence_parallel_batch", "shard_model",
-           "shift_labels", "tile_mlp", "tiled_lm_loss", "train_step"]

@@ -79,6 +79,3 @@ def replay_problem(step: int, runs: Counter) -> str | None:
     if step >= 2 and runs:
         return f"step {step}: the cudagraph tree ran the op instead of replaying it ({dict(runs)})"
     return None
-
-
-__all__ = ["capture", "eager_and_compiled", "op_runs", "replay_problem"]

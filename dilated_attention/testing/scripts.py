@@ -14,6 +14,3 @@ def load_script(path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-__all__ = ["load_script"]

@@ -26,6 +26,7 @@ import torch
 
 from ..diagnostics import audit
 from ..functional import dilated_attention
+from ..launch_utils import say
 from ..testing.compare import LAYOUTS, as_layout
 
 
@@ -64,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{files} files scanned, {len(findings)} finding(s)"
               + ("" if findings else ": no strided view reaches a gather, a send or a kernel launch unguarded"))
         return 1 if findings else 0
-    rank = os.environ.get("RANK")
-    tag = f"[rank {rank}] " if rank is not None else ""
+    rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
     with audit.runtime_audit(torch_p2p=a.torch_p2p) as rec:
         if rest:
             sys.argv = rest
@@ -74,17 +74,15 @@ def main(argv: list[str] | None = None) -> int:
                 runpy.run_path(rest[0], run_name="__main__")
             except SystemExit as exc:
                 if exc.code not in (0, None):
-                    print(f"{tag}the script exited with {exc.code}")
+                    say(f"the script exited with {exc.code}", rank)
         else:
             _demo()
     found = rec.dedup()
     errors = [f for f in found if f.severity == "error"]
-    for f in found:
-        if f.severity == "error" or a.notes:
-            print(tag + f.text())
     notes = len(found) - len(errors)
-    print(f"{tag}{rec.checked} tensors checked at kernel and communication entry points: {len(errors)} problem(s)"
-          + (f", {notes} note(s) (--notes lists them)" if notes and not a.notes else ""))
+    say("\n".join([f.text() for f in found if f.severity == "error" or a.notes]
+                  + [f"{rec.checked} tensors checked at kernel and communication entry points: {len(errors)} problem(s)"
+                     + (f", {notes} note(s) (--notes lists them)" if notes and not a.notes else "")]), rank)
     return 1 if errors else 0
 
 

@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 from .. import diagnostics as d
+from ..comm import deepspeed as deepspeed_comm
 from ..diagnostics import health
-from ..launch_utils import init_distributed, leave_process_group
+from ..launch_utils import (init_distributed, leave_process_group, positive_float, positive_int, positive_list,
+                            say)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,15 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=["env", "views", "kernels", "ring"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--head-dim", type=positive_int, default=64)
     p.add_argument("--isolate", action="store_true", help="each kernel in its own process (survives CUDA faults)")
     p.add_argument("--backend", action="append", choices=["collective", "fairscale", "deepspeed"],
                    help="repeatable (default: collective; with --distributed: every installed backend)")
     p.add_argument("--distributed", action="store_true", help="ring: link health check and bandwidth first")
-    p.add_argument("--timeout", type=float, default=30.0, help="ring --distributed: seconds any one wait may take")
-    p.add_argument("--sizes-mb", default="1,16,64", help="ring --distributed: buffer sizes for bandwidth (MiB)")
-    p.add_argument("--iters", type=int, default=5, help="ring --distributed: timed exchanges per size")
+    p.add_argument("--timeout", type=positive_float, default=30.0, help="ring --distributed: seconds any one wait may take")
+    p.add_argument("--sizes-mb", type=positive_list(float), default=[1.0, 16.0, 64.0],
+                   help="ring --distributed: buffer sizes for bandwidth (MiB, comma-separated)")
+    p.add_argument("--iters", type=positive_int, default=5, help="ring --distributed: timed exchanges per size")
     p.add_argument("--simulate-dead-link", default=None, metavar="SRC,DST",
                    help="ring --distributed: SRC skips its ping to DST (to see what a dead link looks like)")
     a = p.parse_args(argv)
@@ -69,12 +72,20 @@ def _ring(a) -> int:
     device, local, rank, world = env.device, env.local_rank, env.rank, env.world_size
     backends = a.backend or (health.installed_backends() if a.distributed else ["collective"])
     bad = 0
+    if "deepspeed" in backends and device.type == "cpu":
+        # DeepSpeed builds its CPU op on first use (minutes): here, before any wait runs against --timeout
+        try:
+            deepspeed_comm.prebuild_ops()
+        except (ImportError, RuntimeError) as exc:
+            say(f"FAIL: {exc}", rank, file=sys.stderr)
+            leave_process_group(barrier=False)
+            return 1
     if a.distributed:
         drop = set()
         if a.simulate_dead_link:
             src, dst = (int(x) for x in a.simulate_dead_link.split(","))
             drop.add((src, dst))
-        sizes = [int(float(x) * 2**20) for x in a.sizes_mb.split(",") if x.strip()]
+        sizes = [max(1, int(x * 2**20)) for x in a.sizes_mb]
         try:
             hosts = health.with_timeout(lambda: _gather_object(health.host_info(), world), a.timeout,
                                         "gathering host names from every rank", device)
@@ -83,9 +94,9 @@ def _ring(a) -> int:
             for name in backends:
                 rows = health.check_backend(name, device, timeout=a.timeout, sizes_bytes=sizes, iters=a.iters,
                                             drop_links=drop)
-                for r in rows:
-                    if r.gbps is None:
-                        print(f"[rank {rank}] {r.text()}", flush=True)
+                lines = [r.text() for r in rows if r.gbps is None]
+                if lines:
+                    say("\n".join(lines), rank)
                 bad += sum(not r.ok for r in rows)
                 mine = [r for r in rows if r.gbps is not None]
                 every = health.with_timeout(lambda: _gather_object(mine, world), a.timeout,
@@ -97,14 +108,15 @@ def _ring(a) -> int:
                     for line in health.link_table(every, hosts, gpus, topo):
                         print("   " + line, flush=True)
         except (health.HealthTimeout, RuntimeError) as exc:
-            # the process group cannot be trusted after a hang: say what we saw and leave now
-            print(f"[rank {rank}] FAIL: {exc}", flush=True)
-            sys.stdout.flush()
+            # the process group cannot be trusted after a hang: say what we saw and leave now (a DeepSpeed op
+            # build cut short removes its lock first: os._exit skips the build's own clean-up)
+            say(f"FAIL: {exc}", rank, file=sys.stderr)
+            deepspeed_comm.release_build_lock()
             os._exit(1)
     for name in backends:
         rows = d.check_ring(name, device)
-        for check, ok, detail in rows:
-            print(f"[rank {rank}] {name:10s} {check:24s} {'ok' if ok else 'FAIL'}  {detail}", flush=True)
+        say("\n".join(f"{name:10s} {check:24s} {'ok' if ok else 'FAIL'}  {detail}" for check, ok, detail in rows),
+            rank)
         bad += sum(not ok for _, ok, _ in rows)
     flag = torch.tensor([bad], device=device)
     dist.all_reduce(flag)

@@ -24,6 +24,7 @@ import sys
 import torch
 
 from ..diagnostics import fuzz
+from ..launch_utils import fraction, positive_float, positive_int, positive_list
 
 
 def _csv(text: str) -> list[str]:
@@ -32,17 +33,17 @@ def _csv(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", type=int, default=None, help="number of cases (default 200 unless --seconds)")
-    p.add_argument("--seconds", type=float, default=None, help="time budget")
+    p.add_argument("--cases", type=positive_int, default=None, help="number of cases (default 200 unless --seconds)")
+    p.add_argument("--seconds", type=positive_float, default=None, help="time budget")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--kernels", type=_csv, default=None, help="comma list (default: auto,reference,sdpa)")
     p.add_argument("--dtypes", type=_csv, default=None, help="comma list (default: float64,float32,bfloat16)")
-    p.add_argument("--world-sizes", type=lambda s: [int(x) for x in _csv(s)], default=[1],
+    p.add_argument("--world-sizes", type=positive_list(int), default=[1],
                    help="comma list; above 1 spawns gloo ranks on CPU")
     p.add_argument("--backend", default="collective", choices=["collective", "fairscale", "deepspeed"])
-    p.add_argument("--invalid-fraction", type=float, default=0.2)
-    p.add_argument("--option-rate", type=float, default=None,
+    p.add_argument("--invalid-fraction", type=fraction, default=0.2)
+    p.add_argument("--option-rate", type=fraction, default=None,
                    help="how often each of key_padding_mask, cu_seqlens, an untiled length is used (default 0.3)")
     p.add_argument("--out", default="fuzz_repro", help="where the repro of a finding goes")
     p.add_argument("--no-progress", action="store_true")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..comm import get_backend
 from ..diagnostics import repro
-from ..launch_utils import init_distributed, leave_process_group
+from ..launch_utils import init_distributed, leave_process_group, say
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +85,7 @@ def _torchrun(spec, a, use_cuda: bool, world: int) -> int:
         return 2
     rep = repro.run_spec(spec, comm=get_backend(a.backend or spec.get("backend") or "collective"), device=device,
                          kernel=a.kernel)
-    print(rep.text(), flush=True)
+    say(rep.text())  # (its lines carry the rank already)
     bad = torch.tensor([int(not rep.ok)], device=device)
     dist.all_reduce(bad)
     if dist.get_rank() == 0:

@@ -610,4 +610,5 @@ def test_ring_health_check_passes_on_healthy_gloo_ranks():
 def test_ring_health_check_names_a_dead_link_within_the_timeout():
     proc = _torchrun(3, "--timeout", "2", "--simulate-dead-link", "1,2")
     assert proc.returncode != 0
-    assert "[rank 2] FAIL: rank 1 -> rank 2 did not complete within 2 s" in proc.stdout, proc.stdout[-3000:]
+    # on stderr, as a whole line (the terminal sees it whatever stdout is doing)
+    assert "\n[rank 2] FAIL: rank 1 -> rank 2 did not complete within 2 s\n" in "\n" + proc.stderr, proc.stderr[-3000:]

@@ -257,8 +257,26 @@ def test_collator_offsets_are_remembered_per_tensor_object_not_per_id():
     assert memo.get(cu_q, ("offsets",), compute) == 4
 
 
-def test_packed_mask_compositions_of_both_tested_releases_are_read():
-    """5.23 wraps the packed-document mask around the remapped base; 5.24 the other way round."""
+def test_packed_mask_composition_without_remapping_is_read():
+    """Releases before 5.23 put the packed-document mask beside the base mask (no position remapping)."""
+    from transformers.masking_utils import (and_masks, bidirectional_mask_function, causal_mask_function,
+                                            packed_sequence_mask_function)
+
+    from dilated_attention.integrations.huggingface import check_mask_function
+
+    docs = torch.zeros(1, 8, dtype=torch.long)
+    for base in (causal_mask_function, bidirectional_mask_function):
+        check_mask_function(and_masks(base, packed_sequence_mask_function(docs)))
+    with pytest.raises(ValueError, match="does not recognise"):
+        check_mask_function(and_masks(lambda b, h, i, j: i == j, packed_sequence_mask_function(docs)))
+
+
+def test_packed_mask_compositions_with_remapping_are_read():
+    """5.23 wraps the packed-document mask around the remapped base; 5.24 on the other way round."""
+    import transformers.masking_utils as mu
+
+    if not hasattr(mu, "remap_positions_for_packed_sequence"):
+        pytest.skip(f"transformers {transformers.__version__} does not remap packed positions (new in 5.23)")
     from transformers.masking_utils import (and_masks, bidirectional_mask_function, causal_mask_function,
                                             packed_sequence_mask_function, remap_positions_for_packed_sequence)
 
@@ -274,12 +292,16 @@ def test_packed_mask_compositions_of_both_tested_releases_are_read():
         check_mask_function(and_masks(unknown, packed_sequence_mask_function(docs)))
 
 
-def test_untested_transformers_releases_are_named(monkeypatch):
+def test_unsupported_transformers_releases_are_named(monkeypatch, recwarn):
     import dilated_attention.integrations.huggingface as hf
 
-    monkeypatch.setattr(hf, "_transformers_version", lambda: "5.17.0")
-    with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0 .*tested with 5\.23 and 5\.24"):
+    monkeypatch.setattr(hf, "_transformers_version", lambda: "4.57.6")
+    with pytest.raises(RuntimeError, match=r"transformers 4\.57\.6 .*supports 5\.0 to 5\.25.*'transformers>=5\.0,<5\.26'"):
         register_dilated_attention([N], [1], name="test-old-release")
+    for supported in ("5.0.0", "5.17.0", "5.25.0"):  # the bounds, and one between
+        monkeypatch.setattr(hf, "_transformers_version", lambda: supported)
+        assert register_dilated_attention([N], [1], name="test-supported-release") == "test-supported-release"
+    assert not [w for w in recwarn if "transformers" in str(w.message)]
     monkeypatch.setattr(hf, "_transformers_version", lambda: "5.31.0")
     with pytest.warns(UserWarning, match=r"untested transformers 5\.31\.0"):
         register_dilated_attention([N], [1], name="test-new-release")
@@ -309,7 +331,7 @@ def test_unsupported_features_raise():
                         (or_masks(causal_mask_function, lambda b, h, i, j: i == j), "a custom mask overlay")):
         with pytest.raises(ValueError, match=f"causal or full attention, .* asks for {what}"):
             mask_fn(1, N, N, mask_function=other)
-    with pytest.raises(ValueError, match=r"cannot tell what .* transformers 5\.\d+.* tested with 5\.23 and 5\.24"):
+    with pytest.raises(ValueError, match=r"cannot tell what .* transformers 5\.\d+.* supports 5\.0 to 5\.25"):
         mask_fn(1, N, N, mask_function=lambda b, h, i, j: i >= j)  # a composition it does not know
     with pytest.raises(TypeError, match=r"unsupported keyword\(s\) \['causal'\]"):
         register_dilated_attention([N], [1], name="test-bad", causal=True)

@@ -46,6 +46,19 @@ def test_bad_argument_is_one_line_from_rank_zero(script, args, message):
     assert (other.returncode, other.stdout, other.stderr) == (2, "", "")
 
 
+def test_demo_names_the_extra_of_a_missing_backend_in_one_line(tmp_path):
+    """fairscale made unimportable (as in an environment without it): one line from rank 0, the extra to install."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['fairscale'] = None\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT]), "WORLD_SIZE": "2"}
+    rank0 = _run(["launch/demo.py", "--backends", "fairscale"], env={**env, "RANK": "0"})
+    assert rank0.returncode == 2 and rank0.stdout == "", rank0.stderr
+    assert rank0.stderr.strip().splitlines() == [
+        'demo.py: error: --backends fairscale: not installed; install the extra: '
+        'pip install -c launch/constraints.txt ".[fairscale]" (--help lists the options)'], rank0.stderr
+    other = _run(["launch/demo.py", "--backends", "fairscale"], env={**env, "RANK": "1"})
+    assert (other.returncode, other.stdout, other.stderr) == (2, "", "")
+
+
 def test_demo_under_torchrun_speaks_once():
     pytest.importorskip("fairscale")
     pytest.importorskip("deepspeed")
