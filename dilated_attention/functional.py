@@ -21,8 +21,6 @@ from .kernels.protocol import BlockKernel, PatternKernel
 from .planning import CallOptions, prepare
 from .validation import STRATEGIES
 
-__all__ = ["STRATEGIES", "dilated_attention"]
-
 
 def dilated_attention(
     q: torch.Tensor,

@@ -132,6 +132,3 @@ def head_ranges(scratch: int | Callable[[], int], own: int, heads: int, kv_heads
         chunks = next((c for c in counts if scratch <= BOUND.share * own * c), counts[-1])
     group, kv = heads // kv_heads, kv_heads // chunks
     return tuple(HeadRange(i * kv * group, (i + 1) * kv * group, i * kv, (i + 1) * kv) for i in range(chunks))
-
-
-__all__ = ["BOUND", "HeadRange", "MemoryBound", "head_ranges", "own_bytes", "scratch_bytes", "set_memory_bound"]

@@ -202,7 +202,12 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
                 shard = padded_shard(fits, local, world, least, segment_lengths) or local
         if shard != local:
             padded = Padded(local * world, local, shard, world)
-        plans = (plan(shard * world, shard * team, layout),)
+        try:
+            plans = (plan(shard * world, shard * team, layout),)
+        except ValueError as exc:  # in the numbers the caller passed: shards, not the sequence they make
+            fix = "" if pad_to_segments else "; pad_to_segments=True runs them on padded shards"
+            raise ValueError(f"{exc}: with comm the sequence is the {world} ranks' shards of {local} rows each "
+                             f"({local * world} rows){fix}") from None
     if backend is not None:
         for name, t in (("q", q), ("k", k), ("v", v), ("key_padding_mask", key_mask)):
             reason = backend.check_device(name, t) if t is not None else None

@@ -221,8 +221,3 @@ def device_choices(device: torch.device) -> dict[str, str]:
     """The shipped table's choices for this GPU model (empty if it was never measured)."""
     name = torch.cuda.get_device_name(device)
     return dict(auto_table.TABLE.get(name, {}).get("choices", {}))
-
-
-__all__ = ["AutoKernel", "CLASS_FALLBACK", "DIRECTIONS", "LENGTH_CLASSES", "LONG_ROWS", "SHORT_ROWS",
-           "available_choices", "device_choices", "length_class", "lookup_keys", "normalize_choices",
-           "nondeterministic_allowed", "ranked", "table_gap", "table_key"]

@@ -122,6 +122,3 @@ class CudnnDkdvKernel(PatternKernelBase):
         kw = dict(packed=packed, causal=causal, scale=scale, fresh=fresh)  # each part starts its own grads
         self.cudnn.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
         self.fused.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
-
-
-__all__ = ["CudnnDkdvKernel", "CudnnKernel", "CudnnOps", "readable"]

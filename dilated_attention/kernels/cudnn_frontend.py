@@ -241,7 +241,3 @@ class CudnnFrontendOps(CudnnOps):
         if len(self._graphs) > _GRAPHS_KEPT:
             self._graphs.popitem(last=False)
         return entry, True
-
-
-__all__ = ["BATCH_WORKSPACE_LIMIT", "CAUSAL_BLOCK", "CudnnFrontendOps", "WORKSPACE_LIMIT", "split_plan",
-           "workspace_estimate"]

@@ -211,6 +211,3 @@ class Flash4Kernel(ViewKernel):
         """``causal_block``: causal squares of more than four times this many dilated rows are split into blocks of
         at most this many (module doc); 0: never."""
         super().__init__(ops if ops is not None else Flash4Ops(), causal_block=causal_block)
-
-
-__all__ = ["CAUSAL_BLOCK", "DTYPES", "Flash4Kernel", "Flash4Ops", "unavailable_reason"]

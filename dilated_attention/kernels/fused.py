@@ -534,6 +534,3 @@ def _check_acc(name: str, x: torch.Tensor, shape) -> None:
     if x.dim() == 4 and x.stride(-1) != 1:
         raise ValueError(f"{name} (an accumulator the kernel writes) must have unit stride in its head dim, "
                          f"got strides {tuple(x.stride())}")
-
-
-__all__ = ["FusedKernel", "FusedConfig", "default_config", "interpreting", "padded_dim", "shared_memory_reason"]

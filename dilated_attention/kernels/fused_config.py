@@ -102,6 +102,3 @@ def shared_memory_reason(cfg: FusedConfig, dim: int, dtype: torch.dtype, limit: 
 def _shared_memory(index: int) -> int:
     """Shared memory a block may opt in to on CUDA device ``index``."""
     return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
-
-
-__all__ = ["FusedConfig", "default_config", "gpu_config", "padded_dim", "shared_memory_reason"]

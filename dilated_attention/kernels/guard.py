@@ -170,6 +170,3 @@ def reset() -> None:
     _warned.clear()
     _fallen_back.clear()
     _proven.clear()
-
-
-__all__ = ["GuardedKernel", "KernelError", "classify_error", "guard_kernel", "reset"]

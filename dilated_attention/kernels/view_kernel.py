@@ -352,6 +352,3 @@ class ViewKernel(PatternKernelBase):
             store(*item)
         if written is not None and not compact:
             written |= kv_heads
-
-
-__all__ = ["AttentionOps", "ViewKernel", "check_causal_block"]

@@ -103,6 +103,3 @@ def declared(kernel) -> PatternKernel:
     if isinstance(kernel, PatternKernelBase) or isinstance(kernel, PatternKernel):
         return kernel
     return WithDefaults(kernel)
-
-
-__all__ = ["KernelWrapper", "WithDefaults", "declared"]
