@@ -76,7 +76,8 @@ the first length counts as that size (measured, not run again), so ``--seq-lens 
 
 Results: ``<out>/model_<gpu>.{json,md,png}`` (``<gpu>`` as ``gpu_tag.py`` names it; ``cpu`` on CPU),
 written by rank 0 after every record; each GPU count's ``runs`` entry states the GPU, the commands, the package
-versions and the code (git commit and date, or ``--code-version`` where the tree has no git history). Runs
+versions and the code (git commit and date, or ``--code-version`` where the tree has no git history), and each
+record's ``provenance`` the command, versions, code and date that made it. Runs
 with other GPU counts are kept in the same file (a record is replaced when a run measures the same variant, GPU
 count and length again, so several commands at one GPU count fill one file); ``--fresh`` starts the file anew.
 ``--plot-only JSON`` rewrites the ``.md`` and ``.png`` from a results file without running anything.
@@ -1181,6 +1182,8 @@ def main(argv: list[str] | None = None) -> int:
             if env.rank == 0:
                 progress.write(f"  {variant:8s} N={n:>9,d} x{k}: skipped: {err}")
         else:
+            # what made it, kept with it: one GPU count's records may come from several commands and installs
+            res["provenance"] = {key: meta[key] for key in ("command", "code", "date", "versions")}
             data["records"].append(res)
             measured.append(res)
             if env.rank == 0:

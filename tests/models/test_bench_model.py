@@ -79,6 +79,9 @@ def test_profile_run_on_cpu(tmp_path):
     assert {s["variant"]: s["reason"] for s in data["skipped"]} == {"sdpa_cudnn": "sdpa_cudnn needs CUDA",
                                                                    "flash4": "flash4 needs CUDA"}
     assert data["runs"]["1"]["code"] and data["runs"]["1"]["commands"]
+    for r in data["records"]:  # each record says what made it
+        assert r["provenance"]["command"].startswith("bench_model.py --tiny") and r["provenance"]["code"]
+        assert r["provenance"]["versions"]["torch"] and r["provenance"]["date"]
     for r in data["records"]:
         p = r["profile"]
         assert set(p["ms"]) == set(bench_model.PROFILE_CATEGORIES)
