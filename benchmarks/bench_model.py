@@ -1,6 +1,8 @@
 """Model benchmark: a Hugging Face Llama trained sequence parallel, dilated attention against dense peers.
 
-    python benchmarks/bench_model.py --seq-lens 32768,65536                  # one GPU: ours and sdpa
+    python benchmarks/bench_model.py --seq-lens 32768,65536                  # one GPU: ours and the dense peers
+    python benchmarks/bench_model.py --seq-lens 524288 --variants ours,flash4 --warmup 1 --steps 1 \\
+        --find-max ours,flash4                                                  # one GPU: the longest sequence
     torchrun --standalone --nproc_per_node=4 benchmarks/bench_model.py --seq-lens 131072,524288
     torchrun --standalone --nproc_per_node=4 benchmarks/bench_model.py --variants ours --seq-lens 524288 \\
         --find-max ours --time-budget 420
@@ -40,7 +42,11 @@ Variants (``--variants``):
   (``register_dilated_attention(..., comm=)``), LongNet patterns ``w = [2048, 8192, 32768, ...]`` (x4)
   while shorter than N, then N, with ``r = [1, 2, 4, ...]`` (x2); ``--first-segment``,
   ``--segment-factor``, ``--rate-factor`` change them. Stated in ``meta.patterns`` per length.
-- ``sdpa``: transformers' dense causal ``sdpa`` attention, one GPU only.
+- ``sdpa``: transformers' dense causal ``sdpa`` attention (PyTorch picks the kernel), one GPU only.
+- ``sdpa_cudnn``: dense causal SDPA forced to cuDNN (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``; the KV heads
+  shared through ``enable_gqa`` where cuDNN takes it, else repeated), one GPU only, CUDA only.
+- ``flash4``: dense causal flash-attn-4 through transformers' attention interface (``flash_attention_4``), one
+  GPU only, where flash-attn-4 is installed.
 - ``ulysses``: dense causal attention, DeepSpeed Ulysses (all-to-all from sequence shards to head
   groups around transformers' ``sdpa``): DeepSpeed's ``UlyssesSPAttentionHF`` (Arctic Long Sequence
   Training's Hugging Face path) where it imports, else a plain all-to-all written here
@@ -48,8 +54,9 @@ Variants (``--variants``):
 - ``torch_cp``: dense causal attention, PyTorch context parallel (``context_parallel``, cuDNN SDPA ring,
   its load-balanced order of the tokens), GPUs only.
 
-A variant that does not import, does not apply (one GPU, CPU) or does not fit (out of memory) is
-recorded in ``skipped`` with the reason, and the run goes on.
+Every variant runs on the same memory ladder (below). A variant that does not import, does not apply (one GPU,
+CPU) or does not fit (out of memory) is recorded in ``skipped`` with the reason, and the run goes on. "vs best
+dense" is against the fastest dense record at the same GPU count and length.
 
 Measured per record: step time, global tokens/s, peak memory per GPU (largest rank, model state
 included), losses of every step, and model FLOPs utilization: FLOPs of the step / (time x K x
@@ -64,12 +71,15 @@ Recomputation (checkpointing, the tiled loss) is not counted.
 largest ``--seq-lens``) until it runs out of memory, a size is predicted not to fit (no rung of the ladder
 fits; or, on the rung the last size ran on, its peak extrapolated linearly from the last one beyond
 ``--memory-limit`` of the GPU), or the next size would not finish within ``--time-budget`` seconds of the
-search: one warm-up and one timed step per size, each on its own rung of the ladder.
+search: one warm-up and one timed step per size, each on its own rung of the ladder. A record of the same run at
+the first length counts as that size (measured, not run again), so ``--seq-lens N --find-max V`` measures N once.
 
 Results: ``<out>/model_<gpu>.{json,md,png}`` (``<gpu>`` as ``gpu_tag.py`` names it; ``cpu`` on CPU),
-written by rank 0 after every record. Runs with other GPU counts are kept in the same file (a record
-is replaced when a run measures the same variant, GPU count and length again, so several commands at one
-GPU count fill one file); ``--fresh`` starts the file anew.
+written by rank 0 after every record; each GPU count's ``runs`` entry states the GPU, the commands, the package
+versions and the code (git commit and date, or ``--code-version`` where the tree has no git history), and each
+record's ``provenance`` the command, versions, code and date that made it. Runs
+with other GPU counts are kept in the same file (a record is replaced when a run measures the same variant, GPU
+count and length again, so several commands at one GPU count fill one file); ``--fresh`` starts the file anew.
 ``--plot-only JSON`` rewrites the ``.md`` and ``.png`` from a results file without running anything.
 
 ``--profile``: what limits a step. After each record's timed steps, one more step runs the same way under
@@ -108,8 +118,9 @@ from bench_scaling import interval_total, interval_union  # noqa: E402
 from cli_types import name_list, positive_int_list  # noqa: E402
 from gpu_tag import gpu_tag, package_versions  # noqa: E402
 
-VARIANTS = ("ours", "sdpa", "ulysses", "torch_cp")
-DENSE = ("sdpa", "ulysses", "torch_cp")
+VARIANTS = ("ours", "sdpa", "sdpa_cudnn", "flash4", "ulysses", "torch_cp")
+DENSE = ("sdpa", "sdpa_cudnn", "flash4", "ulysses", "torch_cp")
+ONE_GPU_DENSE = ("sdpa", "sdpa_cudnn", "flash4")
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "mlp": 96, "vocab": 160,
         "seq_lens": [256], "first_segment": 32, "warmup": 1, "steps": 2, "loss_chunk": 64, "mlp_tile": 48}
 PENDING = "started but never finished: the job hung or crashed here (an out-of-memory on one rank while the " \
@@ -184,6 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--out", default="benchmarks/results")
     g.add_argument("--tag", default=None, help="file name model_<tag>.* (default: the GPU name, cpu on CPU)")
     g.add_argument("--fresh", action="store_true", help="start the results file anew (default: merge into it)")
+    g.add_argument("--code-version", default=None, metavar="TEXT",
+                   help="the code's commit and date for the results (default: git's, where the tree has its history)")
     g.add_argument("--plot-only", default=None, metavar="JSON", help="rewrite the .md and .png of a results file")
     a = p.parse_args(argv)
     if a.plot_only:
@@ -417,6 +430,50 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
     return out.transpose(1, 2).contiguous(), None
 
 
+def takes_gqa(backend, query, key, value) -> bool:
+    """Whether SDPA's ``backend`` takes these causal inputs with fewer KV heads (``enable_gqa``) as they are."""
+    import torch.backends.cuda as tbc
+    from torch.nn.attention import SDPBackend
+
+    check = {SDPBackend.CUDNN_ATTENTION: tbc.can_use_cudnn_attention, SDPBackend.FLASH_ATTENTION:
+             tbc.can_use_flash_attention, SDPBackend.EFFICIENT_ATTENTION: tbc.can_use_efficient_attention}.get(backend)
+    return check is None or check(tbc.SDPAParams(query, key, value, None, 0.0, True, True), False)
+
+
+def forced_sdpa(backend) -> Callable:
+    """Causal SDPA on ``backend`` alone (``sdpa_kernel``): an attention function of transformers' interface (q
+    ``(B, H, L, D)`` -> ``(B, L, H, D)``), as transformers' ``sdpa`` with the kernel chosen. Fewer KV heads go
+    in as they are (``enable_gqa``) where the backend takes them, else repeated. A backend that cannot run the
+    inputs raises (SDPA's "no available kernel"): the record says so."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        gqa = groups > 1 and takes_gqa(backend, query, key, value)
+        if groups > 1 and not gqa:
+            key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def flash4_interface() -> str:
+    """transformers' name of flash-attn-4 (``flash_attention_4``); ``Skip`` where it is not installed or this
+    transformers has no such attention."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.utils import is_flash_attn_4_available
+
+    name = "flash_attention_4"
+    if name not in AttentionInterface() or name not in AttentionMaskInterface():
+        raise Skip(f"transformers {package_versions('transformers')['transformers']} has no {name} attention")
+    if not is_flash_attn_4_available():
+        raise Skip("flash-attn-4 is not installed (pip install flash-attn-4)")
+    return name
+
+
 def attention_for(variant: str, args, shape, n: int, env, comm, state: dict) -> tuple[str, str]:
     """Register ``variant``'s attention with transformers: ``(attn_implementation name, what runs)``."""
     import torch.distributed as dist
@@ -429,12 +486,23 @@ def attention_for(variant: str, args, shape, n: int, env, comm, state: dict) -> 
         segs, rates = patterns(args, n)
         name = register_dilated_attention(segs, rates, comm=comm, kernel=args.kernel, name=f"dilated_{n}")
         return name, f"dilated attention w={segs} r={rates}, kernel={args.kernel}" + (", ring over K" if comm else "")
-    if variant == "sdpa":
+    if variant in ONE_GPU_DENSE:
         if k > 1:
             raise Skip("dense attention on one process only: its sequence-parallel forms are ulysses and torch_cp")
-        return "sdpa", "transformers' sdpa, causal"
+        if variant == "sdpa":
+            return "sdpa", "transformers' sdpa, causal (PyTorch picks the kernel)"
+        if env.device.type != "cuda":
+            raise Skip(f"{variant} needs CUDA")
+        if variant == "flash4":
+            return flash4_interface(), "flash-attn-4 through transformers' flash_attention_4, causal"
+        from torch.nn.attention import SDPBackend
+
+        AttentionInterface.register("sdpa_cudnn_bench", forced_sdpa(SDPBackend.CUDNN_ATTENTION))
+        AttentionMaskInterface.register("sdpa_cudnn_bench", _no_mask)
+        return "sdpa_cudnn_bench", ("SDPA forced to cuDNN (sdpa_kernel CUDNN_ATTENTION), causal; KV heads shared "
+                                    "(enable_gqa) where cuDNN takes them, else repeated")
     if k == 1:
-        raise Skip("one GPU: nothing to exchange (the one-GPU dense peer is sdpa)")
+        raise Skip(f"one GPU: nothing to exchange (the one-GPU dense peers are {', '.join(ONE_GPU_DENSE)})")
     if variant == "ulysses":
         if shape.heads % k:
             raise Skip(f"Ulysses needs the ranks ({k}) to divide the heads ({shape.heads})")
@@ -860,16 +928,19 @@ def best_dense(records: list[dict], k: int, n: int) -> dict | None:
 def render_md(data: dict) -> str:
     lines = ["# Model benchmark: Llama trained sequence parallel, dilated attention vs dense peers", ""]
     for k, meta in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
+        versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items() if version)
+        commands = "; ".join(f"`{c}`" for c in meta.get("commands", [meta["command"]]))
         lines += [f"- {k} x {meta['gpu']}: {meta['model']}; {meta['training']}; timing: {meta['timing']}; "
-                  f"MFU against {meta['peak_tflops']} TFLOP/s per GPU ({meta['flops']}); "
-                  f"torch {meta['versions'].get('torch')}, transformers {meta['versions'].get('transformers')}, "
-                  f"deepspeed {meta['versions'].get('deepspeed')}. Patterns of ours: {meta['pattern_rule']}."]
+                  f"MFU against {meta['peak_tflops']} TFLOP/s per GPU ({meta['flops']}); {versions}. Patterns of "
+                  f"ours: {meta['pattern_rule']}. Code: {meta.get('code', 'not recorded')}; last run "
+                  f"{meta['date']}. Commands: {commands}."]
     lines += ["", "| GPUs | tokens/seq | variant | step s | tokens/s | vs best dense | MFU | peak GiB/GPU | checkpointing "
               "| loss first -> last |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     ordered = sorted(data["records"], key=lambda r: (r["gpus"], r["seq_len"], VARIANTS.index(r["variant"])))
     for r in ordered:
         ref = best_dense(data["records"], r["gpus"], r["seq_len"])
-        vs = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref and r["variant"] == "ours" else ""
+        vs = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x {ref['variant']}" \
+            if ref and r["variant"] == "ours" else ""
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['variant']} | {r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | {vs} | {100 * r['mfu']:.1f}% | {peak} | {r.get('checkpointing', 'layer')} | "
@@ -911,7 +982,7 @@ def render_png(data: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"ours": "o-", "sdpa": "s--", "ulysses": "^--", "torch_cp": "v--"}
+    styles = {"ours": "o-", "sdpa": "s--", "sdpa_cudnn": "D--", "flash4": "x--", "ulysses": "^--", "torch_cp": "v--"}
     for k in sorted({r["gpus"] for r in data["records"]}):
         for v in VARIANTS:
             rows = sorted((r for r in data["records"] if r["gpus"] == k and r["variant"] == v),
@@ -950,18 +1021,33 @@ def write_outputs(data: dict, json_path: str) -> None:
 # -- main --------------------------------------------------------------------------------------------
 
 
-def find_max(runner: Runner, variant: str, start: int, save: Callable[[], None], data: dict, progress) -> None:
+def find_max(runner: Runner, variant: str, start: int, save: Callable[[], None], data: dict, progress,
+             measured: list[dict] = ()) -> None:
     """Double the length from ``start`` until out of memory, a predicted out of memory, or the time budget. Each
     size runs on its own rung of the memory ladder (``Runner.memory_plan``). Predicted out of memory: on the rung
-    the last size ran on, its measured peak extrapolated linearly; on another rung, ``predicted_bytes``."""
+    the last size ran on, its measured peak extrapolated linearly; on another rung, ``predicted_bytes``.
+    ``measured``: this run's records; one of ``variant`` at ``start`` is that size, not run again."""
     a, k = runner.args, runner.env.world_size
     limit = runner.capacity()
     entry = {"variant": variant, "gpus": k, "max_seq_len": None, "step_s": None, "peak_gib": None,
              "stopped_at": None, "why": PENDING, "sizes": []}
     data["find_max"].append(entry)
+
+    def found(res: dict, **how) -> None:
+        entry["sizes"].append({"seq_len": res["seq_len"], "step_s": res["step_s"], "peak_gib": res["peak_gib"],
+                               "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
+                               "checkpointing": res["checkpointing"], **how})
+        entry.update(max_seq_len=res["seq_len"], step_s=res["step_s"], peak_gib=res["peak_gib"], mfu=res["mfu"],
+                     checkpointing=res["checkpointing"])
+
     t_start, n, last = time.perf_counter(), start, None
+    record = next((r for r in measured if r["variant"] == variant and r["gpus"] == k and r["seq_len"] == start), None)
+    if record is not None:
+        found(record, measured_as="this run's record")
+        n, last = 2 * start, record
     while True:
         plan = runner.memory_plan(n)
+        fits = ""
         if limit is not None:
             if last is not None and last["peak_gib"] is not None and last["checkpointing"] == plan.label:
                 predicted = last["state_gib"] + (last["peak_gib"] - last["state_gib"]) * n / last["seq_len"]
@@ -972,13 +1058,15 @@ def find_max(runner: Runner, variant: str, start: int, save: Callable[[], None],
                 entry.update(stopped_at=n, why=f"predicted OOM: {predicted:.0f} GiB ({how}) > {a.memory_limit:.0%} "
                                                f"of the GPU's {limit / a.memory_limit / 2**30:.0f} GiB")
                 break
+            fits = f"; its peak, {predicted:.0f} GiB ({how}), would fit"
         if last is not None:
             ratio = step_flops(a, runner.shape, variant, n) / step_flops(a, runner.shape, variant, last["seq_len"])
             # the slowest rank's clock decides: every rank stops at the same size (a rank that stopped alone
             # would leave its peers waiting in the next size's collectives)
             elapsed = runner.max_over_ranks(time.perf_counter() - t_start)
             if elapsed + 2.5 * last["step_s"] * ratio > a.time_budget:
-                entry.update(stopped_at=n, why=f"time budget ({a.time_budget:.0f} s)")
+                entry.update(stopped_at=n, why=f"time budget ({a.time_budget:.0f} s): a step of {n:,} tokens would "
+                                               f"take about {last['step_s'] * ratio:.0f} s{fits}")
                 break
         if n % k:
             entry.update(stopped_at=n, why=f"{n} tokens do not divide over {k} ranks")
@@ -990,15 +1078,32 @@ def find_max(runner: Runner, variant: str, start: int, save: Callable[[], None],
         if err:
             entry.update(stopped_at=n, why=err)
             break
-        entry["sizes"].append({"seq_len": n, "step_s": res["step_s"], "peak_gib": res["peak_gib"],
-                               "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
-                               "checkpointing": res["checkpointing"]})
-        entry.update(max_seq_len=n, step_s=res["step_s"], peak_gib=res["peak_gib"], mfu=res["mfu"],
-                     checkpointing=res["checkpointing"])
+        found(res)
         last = res
         n *= 2
     entry["seconds"] = time.perf_counter() - t_start
     save()
+
+
+def code_version(given: str | None) -> str:
+    """The code that ran: ``given`` (``--code-version``), else git's commit and its date (with local changes
+    said), else unknown (a copied tree without git history)."""
+    if given:
+        return given
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*words: str) -> str:
+        return subprocess.run(["git", "-C", root, *words], capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+
+    try:
+        head = git("log", "-1", "--format=%h %cI")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git history here: pass --code-version)"
+    return head + (" with local changes" if changed else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1031,8 +1136,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "gpu": device_name, "gpus": k, "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "code": code_version(args.code_version),
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda if cuda else None,
+                     "cudnn": torch.backends.cudnn.version() if cuda else None,
                      **package_versions("transformers", "deepspeed", "flash-attn-4", "triton")},
         "model": f"LlamaForCausalLM hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads of "
                  f"{shape.head_dim}, {shape.kv_heads} KV heads, MLP {shape.mlp}, vocab {shape.vocab}: "
@@ -1062,6 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
             write_outputs(data, path)
 
     progress = tqdm(total=len(cases), disable=env.rank != 0, desc=f"model x{k}", dynamic_ncols=True)
+    measured = []  # this run's records (find_max starts from them)
     for n, variant in cases:
         progress.set_postfix_str(f"{variant} {n}")
         pending = {"variant": variant, "gpus": k, "seq_len": n, "reason": PENDING}
@@ -1074,7 +1182,10 @@ def main(argv: list[str] | None = None) -> int:
             if env.rank == 0:
                 progress.write(f"  {variant:8s} N={n:>9,d} x{k}: skipped: {err}")
         else:
+            # what made it, kept with it: one GPU count's records may come from several commands and installs
+            res["provenance"] = {key: meta[key] for key in ("command", "code", "date", "versions")}
             data["records"].append(res)
+            measured.append(res)
             if env.rank == 0:
                 peak = f"{res['peak_gib']:.1f} GiB" if res["peak_gib"] is not None else "-"
                 progress.write(f"  {variant:8s} N={n:>9,d} x{k}: {res['step_s']:.3f} s/step, "
@@ -1089,7 +1200,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.find_max:
         start = args.find_max_start or max(args.seq_lens)
         bar = tqdm(disable=env.rank != 0, desc=f"find-max {variant} x{k}", dynamic_ncols=True)
-        find_max(runner, variant, start, save, data, bar)
+        find_max(runner, variant, start, save, data, bar, measured)
         bar.close()
     save()
     if env.rank == 0:

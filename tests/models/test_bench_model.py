@@ -31,10 +31,10 @@ def load_script():
 
 
 def test_tiny_run_on_two_ranks(tmp_path):
-    proc = run_torchrun([SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,sdpa,ulysses,torch_cp",
-                         "--ulysses-impl", "plain", "--find-max", "ours", "--time-budget", "3", "--profile", "--out",
-                         str(tmp_path)], cwd=ROOT, done="wrote", nproc=2, timeout=300,
-                         env=UNINTERPRETED)
+    variants = "ours,sdpa,sdpa_cudnn,flash4,ulysses,torch_cp"
+    proc = run_torchrun([SCRIPT, "--tiny", "--device", "cpu", "--variants", variants, "--ulysses-impl", "plain",
+                         "--find-max", "ours", "--time-budget", "3", "--profile", "--out", str(tmp_path)], cwd=ROOT,
+                         done="wrote", nproc=2, timeout=300, env=UNINTERPRETED)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((tmp_path / "model_cpu.json").read_text())
     assert set(data["runs"]) == {"2"} and "FSDP2 over 2 rank(s)" in data["runs"]["2"]["training"]
@@ -52,7 +52,8 @@ def test_tiny_run_on_two_ranks(tmp_path):
         assert spent["projections"] > 0 and spent["mlp"] > 0 and spent["logits"] > 0  # told apart by their widths
         assert sum(spent.values()) == pytest.approx(r["profile"]["gpu_busy_ms"])
     skipped = {s["variant"]: s["reason"] for s in data["skipped"]}
-    assert set(skipped) == {"sdpa", "torch_cp"} and "CUDA" in skipped["torch_cp"]
+    assert set(skipped) == {"sdpa", "sdpa_cudnn", "flash4", "torch_cp"} and "CUDA" in skipped["torch_cp"]
+    assert all("one process only" in skipped[v] for v in ("sdpa", "sdpa_cudnn", "flash4"))
     (search,) = data["find_max"]
     assert search["variant"] == "ours" and search["max_seq_len"] >= 256 and search["why"]
     md = (tmp_path / "model_cpu.md").read_text()
@@ -67,13 +68,20 @@ def test_tiny_run_on_two_ranks(tmp_path):
 def test_profile_run_on_cpu(tmp_path):
     """``--profile`` on one process: each record's extra step is classified (self CPU time of every op, each once)
     and tabled."""
-    proc = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,sdpa",
-                           "--profile", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=environ_with({"DS_ACCELERATOR": "cpu", **UNINTERPRETED}))
+    proc = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--variants",
+                           "ours,sdpa,sdpa_cudnn,flash4", "--profile", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=environ_with({"DS_ACCELERATOR": "cpu", **UNINTERPRETED}))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((tmp_path / "model_cpu.json").read_text())
     bench_model = load_script()
     assert {r["variant"] for r in data["records"]} == {"ours", "sdpa"}
+    assert {s["variant"]: s["reason"] for s in data["skipped"]} == {"sdpa_cudnn": "sdpa_cudnn needs CUDA",
+                                                                   "flash4": "flash4 needs CUDA"}
+    assert data["runs"]["1"]["code"] and data["runs"]["1"]["commands"]
+    for r in data["records"]:  # each record says what made it
+        assert r["provenance"]["command"].startswith("bench_model.py --tiny") and r["provenance"]["code"]
+        assert r["provenance"]["versions"]["torch"] and r["provenance"]["date"]
     for r in data["records"]:
         p = r["profile"]
         assert set(p["ms"]) == set(bench_model.PROFILE_CATEGORIES)
@@ -91,6 +99,165 @@ def test_profile_run_on_cpu(tmp_path):
               "| copies | other | GPU idle |")
     assert header in table
     assert "| 1 | 256 | ours |" in table and "| 1 | 256 | sdpa |" in table
+    assert "Code: " in md and "Commands: `bench_model.py --tiny" in md
+
+
+def _causal_oracle(q, k, v, scale):
+    """Causal attention in float64, KV heads repeated to the query heads: ``(B, L, H, D)``."""
+    import torch
+
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = (t.double() for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+    scores = q @ k.transpose(-1, -2) * scale
+    n = q.shape[2]
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_forced_sdpa_is_causal_attention_in_transformers_layout(kv_heads):
+    """``sdpa_cudnn``'s attention function, on the one backend the CPU has (math): transformers' interface (q, k, v
+    ``(B, H, L, D)`` in, ``(B, L, H, D)`` out, ``scaling`` honoured), causal, fewer KV heads shared; against the
+    float64 oracle."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    bm = load_script()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 40, 16, generator=g)
+    k, v = (torch.randn(2, kv_heads, 40, 16, generator=g) for _ in range(2))
+    out, weights = bm.forced_sdpa(SDPBackend.MATH)(None, q, k, v, None, scaling=0.3)
+    assert weights is None and out.shape == (2, 40, 4, 16) and out.is_contiguous()
+    ref = _causal_oracle(q, k, v, 0.3)
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
+    assert bm.takes_gqa(SDPBackend.MATH, q, k, v)
+
+
+def test_forced_sdpa_raises_where_its_backend_cannot_run():
+    """A backend that cannot take the inputs (cuDNN on CPU) raises SDPA's error rather than running another kernel."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    bm = load_script()
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError):
+        bm.forced_sdpa(SDPBackend.CUDNN_ATTENTION)(None, q, q, q, None)
+
+
+def test_one_gpu_dense_peers_register_with_transformers(monkeypatch):
+    """On one CUDA process: ``sdpa_cudnn`` registers its forced-cuDNN function and a causal (mask-free) mask under
+    its own name; ``flash4`` is transformers' ``flash_attention_4`` where flash-attn-4 is installed, else skipped
+    naming the package; on several processes both are skipped (their sequence-parallel forms are other variants)."""
+    from types import SimpleNamespace
+
+    import torch
+    import transformers.utils
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    bm = load_script()
+    args = bm.parse_args(["--tiny"])
+    shape = SimpleNamespace(heads=4)
+    one_gpu = SimpleNamespace(world_size=1, device=torch.device("cuda", 0))  # registration touches no GPU
+    name, how = bm.attention_for("sdpa_cudnn", args, shape, 256, one_gpu, None, {})
+    assert name in AttentionInterface() and "cuDNN" in how
+    assert AttentionMaskInterface()[name]() is None
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_4_available", lambda: False)
+    with pytest.raises(bm.Skip, match="flash-attn-4 is not installed"):
+        bm.attention_for("flash4", args, shape, 256, one_gpu, None, {})
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_4_available", lambda: True)
+    name, how = bm.attention_for("flash4", args, shape, 256, one_gpu, None, {})
+    assert name == "flash_attention_4" and "flash-attn-4" in how
+    assert AttentionInterface()[name] is AttentionInterface()["flash_attention_2"]  # transformers' flash path
+    two = SimpleNamespace(world_size=2, device=torch.device("cuda", 0))
+    for variant in ("sdpa_cudnn", "flash4"):
+        with pytest.raises(bm.Skip, match="one process only"):
+            bm.attention_for(variant, args, shape, 256, two, None, {})
+
+
+def test_vs_best_dense_is_against_the_fastest_peer():
+    bm = load_script()
+
+    def record(variant, tokens_per_s, gpus=1, n=1024):
+        return {"variant": variant, "gpus": gpus, "seq_len": n, "tokens_per_s": tokens_per_s,
+                "step_s": n / tokens_per_s, "mfu": 0.3, "peak_gib": 10.0, "losses": [1.0, 1.0],
+                "checkpointing": "layer"}
+
+    records = [record("ours", 3000), record("sdpa", 500), record("sdpa_cudnn", 1000), record("flash4", 1200),
+               record("ulysses", 2000, gpus=2), record("flash4", 5000, n=2048)]
+    assert bm.best_dense(records, 1, 1024)["variant"] == "flash4"
+    assert bm.best_dense(records, 1, 4096) is None
+    meta = {"gpu": "GPU", "model": "m", "training": "t", "timing": "t", "peak_tflops": 989.0, "flops": "f",
+            "versions": {"torch": "2"}, "pattern_rule": "p", "date": "d", "command": "c", "code": "abc"}
+    md = bm.render_md({"runs": {"1": meta}, "records": records, "skipped": [], "find_max": []})
+    assert "| 1 | 1,024 | ours | 0.341 | 3,000 | 2.50x flash4 |" in md
+
+
+class _FakeRunner:
+    """What ``find_max`` uses of ``Runner``: a GPU of 80 GiB whose steps take 1 s per 1024 tokens and whose peak is
+    10 GiB of state plus 1 GiB per 1024 tokens, on one rung; ``ran``: the lengths it ran."""
+
+    def __init__(self, args):
+        from types import SimpleNamespace
+
+        self.args, self.env, self.ran = args, SimpleNamespace(world_size=1), []
+        self.shape = SimpleNamespace(heads=4)
+
+    def capacity(self):
+        return self.args.memory_limit * 80 * 2**30
+
+    def memory_plan(self, n):
+        return load_script().LADDER[1]
+
+    def predicted(self, plan, n):
+        return 10 * 2**30 + n / 1024 * 2**30
+
+    def max_over_ranks(self, value):
+        return value
+
+    def free(self):
+        pass
+
+    def agree(self, error):
+        return error
+
+    def run(self, variant, n, warmup, steps):
+        self.ran.append(n)
+        return {"variant": variant, "gpus": 1, "seq_len": n, "step_s": n / 1024, "tokens_per_s": 1024.0,
+                "peak_gib": 10 + n / 1024, "state_gib": 10.0, "mfu": 0.3, "checkpointing": "layer"}
+
+
+def test_find_max_starts_from_this_runs_record(monkeypatch):
+    """A record this run made at the search's first length is that size: the search extrapolates from it to the next
+    (not running it again) and stops where the extrapolated peak passes the limit, before running that size."""
+    bm = load_script()
+    monkeypatch.setattr(bm, "step_flops", lambda args, shape, variant, n: float(n))
+    runner = _FakeRunner(bm.parse_args(["--time-budget", "1e9"]))
+    record = runner.run("ours", 16384, 1, 2)
+    runner.ran.clear()
+    data = {"find_max": []}
+    bm.find_max(runner, "ours", 16384, lambda: None, data, _NoBar(), [record])
+    (entry,) = data["find_max"]
+    # 76 GiB is 95% of 80: 32768 (42 GiB) and 65536 (74 GiB) fit, 131072 (138 GiB) is predicted out of memory
+    assert runner.ran == [32768, 65536]
+    assert [s["seq_len"] for s in entry["sizes"]] == [16384, 32768, 65536]
+    assert entry["sizes"][0]["measured_as"] == "this run's record"
+    assert entry["max_seq_len"] == 65536 and entry["stopped_at"] == 131072 and "predicted OOM" in entry["why"]
+    # without a record, the first length runs; a tight time budget stops with the predicted step and peak
+    runner = _FakeRunner(bm.parse_args(["--time-budget", "40"]))
+    data = {"find_max": []}
+    bm.find_max(runner, "ours", 16384, lambda: None, data, _NoBar())
+    (entry,) = data["find_max"]
+    assert runner.ran == [16384] and entry["stopped_at"] == 32768
+    assert entry["why"].startswith("time budget (40 s): a step of 32,768 tokens would take about 32 s")
+    assert "42 GiB" in entry["why"] and "would fit" in entry["why"]
+
+
+class _NoBar:
+    def set_postfix_str(self, text):
+        pass
+
+    def update(self):
+        pass
 
 
 @pytest.mark.parametrize("name, category", [
