@@ -224,13 +224,13 @@ def fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=True):
     if not merge:
         return [kernel.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
     # exactly what the library's forward does around the kernels (the ring schedule on one device)
-    return block_forward(q, k, v, None, RingCall(plan_ring(plans, kernel, q, k, causal=causal, scale=scale), None, 0))
+    return block_forward(q, k, v, None, RingCall(plan_ring(plans, kernel, causal=causal, scale=scale), None, 0))
 
 
 def library_backward(kernel, q, k, v, plans, out, lse, dout, causal, scale):
     # exactly what the library's backward does around the kernels (the ring schedule on one device)
     return block_backward(q, k, v, None, (out, lse, dout),
-                          RingCall(plan_ring(plans, kernel, q, k, causal=causal, scale=scale), None, 0))
+                          RingCall(plan_ring(plans, kernel, causal=causal, scale=scale), None, 0))
 
 
 def fwd_bwd_pipeline(kernel, q, k, v, plans, dout, causal, scale):

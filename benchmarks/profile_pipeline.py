@@ -67,10 +67,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from host_cost import host_timeline, issue_ms  # noqa: E402
 
-from dilated_attention import dilated_attention, execution, ring  # noqa: E402
+from dilated_attention import dilated_attention, execution  # noqa: E402
 from dilated_attention.kernels.dispatch import select_kernel  # noqa: E402
 from dilated_attention.kernels.guard import GuardedKernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
+from dilated_attention.ring import block  # noqa: E402
 from dilated_attention.ring.block import block_backward, block_forward  # noqa: E402
 from dilated_attention.ring.routes import RingCall, plan_ring  # noqa: E402
 
@@ -193,8 +194,8 @@ def timeline_points() -> list[tuple]:
     (through the guard the call runs each kernel in), the stacked calls, the combine and the gradient sums."""
     return [(execution, "forward", "forward"), (execution, "backward", "backward"),
             (GuardedKernel, "call", lambda kernel, op, *args: op),
-            (ring, "stack_forward", "stack"), (ring, "stack_backward", "stack"),
-            (ring, "combine_results", "combine"), (ring, "sum_grads", "gradient sum")]
+            (block, "stack_forward", "stack"), (block, "stack_backward", "stack"),
+            (block, "combine_results", "combine"), (block, "sum_grads", "gradient sum")]
 
 
 def python_profile(step, reps: int, lines: int, order: str = "tottime", dump: str | None = None) -> str:
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     for method in args.methods.split(","):
         kernel = select_kernel(method, q, k)
         for causal in (False, True):
-            call = RingCall(plan_ring(plans, kernel, q, k, causal=causal, scale=args.dim ** -0.5), None, 0)
+            call = RingCall(plan_ring(plans, kernel, causal=causal, scale=args.dim ** -0.5), None, 0)
 
             def step():
                 if args.api:

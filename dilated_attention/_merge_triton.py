@@ -1,6 +1,6 @@
 """Triton kernel bodies of ``merge.py``: the fused merge (``merge_kernel``) and the one-pass combine of compact
 parts (``combine_lse_kernel``, then ``combine_kernel``), with the helpers they call; and its inverse for
-``stacking.py``, the compact rows of several patterns gathered into one buffer (``gather_rows_kernel``).
+``ring/stacking.py``, the compact rows of several patterns gathered into one buffer (``gather_rows_kernel``).
 
 The kernels are plain Python functions; ``merge.py`` wraps them with ``triton.jit`` at first launch (its
 ``triton_kernel``), which is also when it first imports this module, so ``TRITON_INTERPRET`` is settled by then (one

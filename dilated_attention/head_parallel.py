@@ -273,7 +273,7 @@ def _packed(buffer: torch.Tensor, views: list[tuple[int, torch.Size, torch.dtype
 class PackedSwap:
     """A swap of several tensors in one all-to-all: each member's blocks of every tensor packed into one buffer
     row, the call's stamp in its last 16 bytes (one transfer per peer and direction: each all-to-all costs the
-    host a launch). The ring's swapped patterns (``ring_swaps.py``) send compact rows of every head out
+    host a launch). The ring's swapped patterns (``ring/swapped.py``) send compact rows of every head out
     (``post``), compute the whole segment on ``1 / G`` of the heads (``heads``) and send the results home
     (``send_home``, ``home``); the layouts are the head strategy's (``_head_blocks``, ``member_rows``,
     ``_row_blocks``, ``_merge_heads``), for tensors of any trailing dims."""

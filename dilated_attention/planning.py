@@ -227,44 +227,48 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
             chosen = hooks.apply_kernel_hooks(chosen, call)
         chosen = guard_kernel(chosen, meta)  # CUDA faults re-raised with the call's shapes; resource errors fall back
 
-        def routed(plans: tuple[PatternPlan, ...], batch: Batch | None, part: HeadRange | None = None) -> RingPlan:
-            """The routes of a block of ``plans``: a whole-sequence ``batch``, else this rank's block of rings."""
-            part = part or HeadRange(0, split.local_heads, 0, split.local_kv_heads)
-            rows, count = (shard * team, bsz) if batch is None else (batch.length, bsz * batch.count)
-            qs, ks = (stand_in(x, (count, rows, h, x.shape[-1])) for x, h in ((q, part.h1 - part.h0),
-                                                                             (k, part.k1 - part.k0)))
-            return plan_ring(plans, chosen, qs, ks, causal=causal, scale=scale,
+        def routed(plans: tuple[PatternPlan, ...], batch: Batch | None) -> RingPlan:
+            """The plan of a block of ``plans``: a whole-sequence ``batch``, else this rank's block of rings."""
+            return plan_ring(plans, chosen, causal=causal, scale=scale,
                              masked=key_mask is not None or padded is not None
                              or (batch is not None and pads(batch, local * world)),
                              comm=None if batch is not None else backend,
                              layout=RingLayout() if batch is not None else RingLayout(team, zigzag))
 
+        def estimated(ring: RingPlan, rows: int, count: int) -> Routes:
+            """The backward's routes of a block of ``rows`` rows on whole heads, laid out as a fresh tensor."""
+            qs, ks = (stand_in(x, (count, rows, h, x.shape[-1])) for x, h in ((q, split.local_heads),
+                                                                             (k, split.local_kv_heads)))
+            return ring.routes(qs, ks)[1]
+
         if batches is not None:
             batches = tuple(replace(b, rings=(routed(b.plans[0], b),)) for b in batches)
             largest = max(batches, key=lambda b: b.length * b.count)  # documents of one length run as batch rows
-            ranges = head_chunks(q, split, largest.length * largest.count * bsz, causal, largest.rings[0].backward)
+            ranges = head_chunks(q, split, largest.length * largest.count * bsz, causal,
+                                 lambda: estimated(largest.rings[0], largest.length, bsz * largest.count))
         else:
             blocks = (routed(plans[0], None),)
-            ranges = head_chunks(q, split, shard * team * bsz, causal, blocks[0].backward)
+            ranges = head_chunks(q, split, shard * team * bsz, causal, lambda: estimated(blocks[0], shard * team, bsz))
         if ranges:  # re-planned per head range
             if batches is not None:
-                batches = tuple(replace(b, plans=ps, rings=tuple(routed(p, b, r) for p, r in zip(ps, ranges)))
+                batches = tuple(replace(b, plans=ps, rings=tuple(routed(p, b) for p in ps))
                                 for b in batches for ps in (tuple(plan(b.length, part=r) for r in ranges),))
             else:
-                blocks = tuple(routed(plan(shard * world, shard * team, layout, r), None, r) for r in ranges)
+                blocks = tuple(routed(plan(shard * world, shard * team, layout, r), None) for r in ranges)
     return Schedule(backend, strategy, team, split, batches, blocks, docs, chosen, causal, scale, zigzag, ranges,
                     padded)
 
 
-def head_chunks(q, split: HeadSplit, rows: int, causal: bool, routes: Routes) -> tuple[HeadRange, ...]:
-    """The head ranges a call runs in (``memory.py``'s rule), from the backward ``routes`` of its largest block on
+def head_chunks(q, split: HeadSplit, rows: int, causal: bool, routes: Callable[[], Routes]
+                ) -> tuple[HeadRange, ...]:
+    """The head ranges a call runs in (``memory.py``'s rule), from the backward ``routes()`` of its largest block on
     whole heads, of ``rows`` rows in all (every batch row); () for all at once."""
     shape = (split.local_heads, split.local_kv_heads, q.shape[-1], q.element_size())
     own = own_bytes(rows, *shape)
 
-    def scratch() -> int:  # (asked only of calls long enough to chunk)
+    def scratch() -> int:  # (asked only of calls long enough to chunk: it asks the kernel about every pattern)
         # the head strategy's swaps: the head-layout q, k, v, out, dout and gradients, own bytes' worth
-        return scratch_bytes(routes, rows, *shape, causal=causal) + (own if split.team > 1 else 0)
+        return scratch_bytes(routes(), rows, *shape, causal=causal) + (own if split.team > 1 else 0)
 
     ranges = head_ranges(scratch, own, split.local_heads, split.local_kv_heads)
     return ranges if len(ranges) > 1 else ()

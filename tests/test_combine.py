@@ -436,7 +436,7 @@ def test_ring_mixing_parts_and_a_fresh_in_place_pattern_matches_the_oracle(causa
     assert plans[1].covers_all(heads, heads)
     gen = torch.Generator().manual_seed(21 + causal)
     q, k, v, dout = (torch.randn(2, N, heads, dim, generator=gen).to(DEVICE) for _ in range(4))
-    ring = RingCall(plan_ring(plans, kern, q, k, causal=causal, scale=dim ** -0.5), None, 0)
+    ring = RingCall(plan_ring(plans, kern, causal=causal, scale=dim ** -0.5), None, 0)
     out, lse = block_forward(q, k, v, None, ring)
     grads = block_backward(q, k, v, None, (out, lse, dout), ring)
     leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]

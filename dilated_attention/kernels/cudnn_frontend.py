@@ -44,7 +44,7 @@ WORKSPACE_LIMIT = 2 << 30  # bytes per call that must split its keys; measured: 
 # measured +0.4% / +7.4% (non-causal / causal) on one GPU at 1.83x instead of 3.28x; pass
 # ``batch_workspace_limit=2 << 30`` for speed first
 BATCH_WORKSPACE_LIMIT = 512 << 20
-# cudnn-det's ``causal_block`` (``causal_split.py``): full causal attention through the API, forward+backward
+# cudnn-det's ``causal_block`` (``ring/square_split.py``): full causal attention through the API, forward+backward
 # on an H100, alternated runs, split / whole: 65536 rows 0.86x in blocks of 4096 (2048: 0.87x, 8192: 0.87x),
 # 32768 rows 0.96x, 16384 rows 1.00x (so it stays whole: four blocks)
 CAUSAL_BLOCK = 4096
@@ -115,7 +115,7 @@ class CudnnFrontendOps(CudnnOps):
     name = "cudnn-det"
     deterministic_backward = True
     own_strides = True  # a graph is built per every tensor's strides (``_graph``): out/dout need not be q's
-    # its calls are not stacked (``stacking.py``): on an H200 stacking gained 0.97-1.27x (two runs disagreed)
+    # its calls are not stacked (``ring/stacking.py``): on an H200 stacking gained 0.97-1.27x (two runs disagreed)
     # for 770 MiB more peak memory
     stacks_patterns = False
 

@@ -23,7 +23,7 @@ compact by the shared view logic, explicitly (FA4 would copy it silently).
 * GQA runs natively (query head ``i`` reads kv head ``i // (Hq // Hk)``, FA4's rule); causal blocks are
   square, where FA4's causal mask is the library's; packed ring blocks (``views.pack_kv``) as cuDNN's.
 * Long causal squares are split (``causal_block``, default ``CAUSAL_BLOCK`` dilated rows; ``protocol.py``,
-  ``causal_split.py``): FA4's deterministic causal backward is slow on long squares (full causal
+  ``ring/square_split.py``): FA4's deterministic causal backward is slow on long squares (full causal
   attention over 65536 rows: 0.77-0.87x of cuDNN's), its non-causal backward and small causal blocks are
   not; one causal call of the diagonal blocks and non-causal rectangles measured 0.91-1.05x. Squares of up
   to four blocks (LongNet's) stay whole: there the split's extra calls cost more than they save.
@@ -55,7 +55,7 @@ INSTALL = 'pip install ".[flash4]" (or "dilated-attention[flash4]")'
 _FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "return_lse", "out", "lse", "seqused_q", "seqused_k")
 _BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "deterministic", "dq", "dk", "dv",
              "seqused_q", "seqused_k")
-# Causal squares of more than ``causal_split.WHOLE_BLOCKS`` (4) times this many dilated rows are split into blocks
+# Causal squares of more than ``routes.Tuning.whole_blocks`` (4) times this many dilated rows are split into blocks
 # of at most this many rows and non-causal rectangles (module doc). Set by measurement (re-measure with
 # ``benchmarks/bench_kernel.py --methods flash4 --full-seq 65536 --causal-block 8192,0,2048``): full causal
 # attention through the API, forward+backward on an H100, alternated runs: 65536 rows 139.3 ms whole, 108.0 ms

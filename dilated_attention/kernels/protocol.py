@@ -56,9 +56,9 @@ drives it chunk by chunk on strided views. A kernel that changes another one
 * ``split_block`` answers, per pattern and direction, the causal block of the kernel that runs that pattern's
   causal calls (0: none; ``PatternKernelBase.causal_block`` by default): a kernel whose causal calls are slow on long
   squares sets ``causal_block = b > 0``, and the strategy then splits a causal square of more than
-  ``causal_split.WHOLE_BLOCKS * b`` dilated rows into one causal call of its diagonal blocks (at most ``b`` rows
-  each) and non-causal calls of the rectangles below them (``causal_split.py``), each an ordinary call on views.
-* ``stacks`` answers whether local dilated patterns run stacked as one dense pattern (``stacking.py``): kernels
+  ``routes.Tuning.whole_blocks * b`` dilated rows into one causal call of its diagonal blocks (at most ``b`` rows
+  each) and non-causal calls of the rectangles below them (``ring/square_split.py``), each an ordinary call on views.
+* ``stacks`` answers whether local dilated patterns run stacked as one dense pattern (``ring/stacking.py``): kernels
   whose calls on strided views cost more than copying the rows (cuDNN's, flash-attn-4's) say yes.
 
 Members: ``PatternKernel`` declares every member a strategy reads. ``padding_masks``, ``split_block`` and
@@ -127,7 +127,7 @@ class PatternKernel(Protocol):
 
     def stacks(self, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether local dilated patterns run stacked as the one dense pattern ``plan`` in ``direction``
-        (``stacking.py``)."""
+        (``ring/stacking.py``)."""
 
     def forward_pattern(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, *,
@@ -195,7 +195,7 @@ def causal_block(kernel: PatternKernel, direction: str, plan: PatternPlan, q: to
 def stacks(kernel: PatternKernel, direction: str, plan: PatternPlan, causal: bool, q: torch.Tensor,
            k: torch.Tensor) -> bool:
     """Whether local dilated patterns run stacked as the one dense pattern ``plan`` in ``direction``
-    (``stacking.py``; module doc)."""
+    (``ring/stacking.py``; module doc)."""
     return kernel.stacks(direction, plan, causal, q, k)
 
 
@@ -257,7 +257,7 @@ def run(op: Op, kernel: PatternKernel, args: tuple, kwargs: dict[str, Any]) -> A
 
 
 def clear_result_(out: torch.Tensor, lse: torch.Tensor) -> None:
-    """The empty running result (0, ``-inf``): what rows no pattern covers hold (``ring.py``)."""
+    """The empty running result (0, ``-inf``): what rows no pattern covers hold (``ring/block.py``)."""
     out.zero_()
     lse.fill_(float("-inf"))
 

@@ -82,7 +82,13 @@ class _Pass:
 
 
 class _Forward(_Pass):
-    direction, swap, stack_call = "forward", staticmethod(swap_forward), staticmethod(stack_forward)
+    direction = "forward"
+
+    def swap(self, swap) -> None:
+        swap_forward(swap)
+
+    def stack_call(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
+        return stack_forward(*args, **kwargs)
 
     def part(self, i: int, route: Route) -> None:
         self.held[i] = self.sides.issue(self.kernel.forward_pattern, self.q, self.k, self.v, route.plan,
@@ -109,7 +115,13 @@ class _Forward(_Pass):
 
 
 class _Backward(_Pass):
-    direction, swap, stack_call = "backward", staticmethod(swap_backward), staticmethod(stack_backward)
+    direction = "backward"
+
+    def swap(self, swap) -> None:
+        swap_backward(swap)
+
+    def stack_call(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
+        return stack_backward(*args, **kwargs)
 
     def part(self, i: int, route: Route) -> None:
         self.held[i] = self.sides.issue(self.kernel.backward_pattern_parts, self.q, self.k, self.v, route.plan,
@@ -142,7 +154,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     ``key_mask``: ``None`` or bool ``(B, blocks * L)`` over the whole sequence, ``True`` = excluded key.
     Not differentiable itself: ``block_backward`` is its exact gradient (``execution.py`` pairs them).
     """
-    step = _Forward(ring, ring.plan.forward, q, k, v, key_mask)
+    step = _Forward(ring, ring.plan.routes(q, k)[0], q, k, v, key_mask)
     step.run()
     parts = [Part(ring.plan.plans[i], *step.held[i]) for i in sorted(step.held)]  # in plan order
     return combine_results(step.running, parts, q, into, consume=True)
@@ -156,7 +168,7 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
     ``out`` and ``lse``); ``into``: views (a head range of the caller's gradients) to write them to."""
     out, lse, dout = saved
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # kernels read the head dim with unit stride
-    step = _Backward(ring, ring.plan.backward, q, k, v, key_mask, (out, lse, dout))
+    step = _Backward(ring, ring.plan.routes(q, k)[1], q, k, v, key_mask, (out, lse, dout))
     step.run()
     held, running = step.held, step.running
     parts = [[Part(ring.plan.plans[i], held[i][g], kv=g > 0) for i in sorted(held)] for g in range(3)]  # plan order

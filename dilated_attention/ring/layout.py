@@ -86,7 +86,7 @@ def step_calls(plan: PatternPlan, layout: RingLayout, own: int, src: int, blocks
     call covers the block; else one call per visible pair on half-block views (zigzag). For a segment
     spanning the whole sequence that is, causal, on every rank: its own block (one causal call), then per
     step either both query halves against the first key half or the second query half against both key
-    halves: half a block's work each step, whatever the rank. ``shared`` (``causal_share.Share``): an earlier block
+    halves: half a block's work each step, whatever the rank. ``shared`` (``routes.Share``): an earlier block
     is seen by the first half of the rows only, the other half being a helper's.
     """
     queries, keys = layout.chunks(own, blocks), layout.chunks(src, blocks)

@@ -10,10 +10,12 @@ A pattern of a rank's block runs one of five ways (``Way``), in each direction:
 * ``COMPACT_RING``: a dilated ring on compact copies of its query rows (``dense_ring``), a compact part;
 * ``SWAPPED``: a compact ring whose ranks divide the heads, run head-parallel instead (``swapped.py``).
 
-``plan_ring`` decides them for a block's shapes (``RingPlan``: every pattern's ``Route`` and the order they are
-computed in, per direction); ``block.py`` runs the routes, and the memory estimate (``memory.py``) reads them. The
-measured choices behind the rules are ``Tuning``'s fields; ``tuned`` changes them for a while (tests,
-benchmarks); schedules are keyed on them (``planning.schedule_key``).
+A call's schedule holds a ``RingPlan`` per block (``plan_ring``); its ``routes`` decide every pattern's ``Route``
+and the order they are computed in, per direction, once per block layout (the kernel's choices read the block's
+strides and alignment), and keep them: ``block.py``'s forward and backward run them, and the memory estimate
+(``memory.py``) reads those of a stand-in block (``stand_in``). The measured choices behind the rules are
+``Tuning``'s fields; ``tuned`` changes them for a while (tests, benchmarks); schedules are keyed on them
+(``planning.schedule_key``).
 
                                   local (ring_size 1)          spanning (ring_size G > 1)
     dilated, one offset per head  STACKED / PART / MERGED      SWAPPED / COMPACT_RING
@@ -34,6 +36,7 @@ from .. import caches
 from ..comm.base import CommBackend
 from ..kernels.protocol import PatternKernel, causal_block, stacks
 from ..patterns import HeadChunk, PatternPlan, plan_patterns
+from ..views import ALIGN_BYTES
 from .layout import RingLayout
 
 
@@ -191,10 +194,22 @@ class Routes:
         return tuple({r.stack: None for r in self.routes if r.stack is not None})
 
 
+ROUTE_LAYOUTS = 16  # block layouts a RingPlan keeps the routes of (a schedule's blocks have one or two)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """What the routes read of a backend: this rank and the group's size."""
+
+    rank: int
+    world_size: int
+
+
 @dataclass(frozen=True)
 class RingPlan:
-    """Everything a block's attention decided before touching data: its patterns (those some local head uses),
-    the kernel and flags, and every pattern's route per direction. ``masked``: the block runs with a key mask."""
+    """Everything a block's attention decides before touching data: its patterns (those some local head uses),
+    the kernel and flags, this rank in its group (``None``: one device), and, per block layout, every pattern's
+    route in each direction (``routes``). ``masked``: the block runs with a key mask."""
 
     plans: tuple[PatternPlan, ...]
     kernel: PatternKernel
@@ -202,8 +217,19 @@ class RingPlan:
     causal: bool
     scale: float
     masked: bool
-    forward: Routes = field(repr=False)
-    backward: Routes = field(repr=False)
+    ranks: Ranks | None = None
+    decided: dict = field(default_factory=dict, repr=False, compare=False, hash=False)
+
+    def routes(self, q: torch.Tensor, k: torch.Tensor) -> tuple[Routes, Routes]:
+        """The forward's and the backward's routes of a block ``q`` (``(B, rows, heads, D)``), ``k``: decided at its
+        layout's first call and kept (what the kernel's choices read besides shapes fixed by the plan)."""
+        key = (q.stride(), k.stride(), q.data_ptr() % ALIGN_BYTES, k.data_ptr() % ALIGN_BYTES)
+        found = self.decided.get(key)
+        if found is None:
+            if len(self.decided) >= ROUTE_LAYOUTS:
+                self.decided.clear()
+            found = self.decided[key] = tuple(_routes(self, d, q, k) for d in ("fwd", "bwd"))
+        return found
 
 
 @dataclass(frozen=True)
@@ -216,22 +242,26 @@ class RingCall:
 
 
 def stand_in(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor of ``like``'s dtype and device with ``shape`` and no memory: what the route rules read of a block
-    (shapes, dtype, device) before the block exists."""
-    return like.new_empty(()).expand(*shape)
+    """A contiguous, aligned tensor of ``like``'s dtype and device with ``shape`` and no memory: a block as a fresh
+    allocation lays it out, for the routes of a block that does not exist yet (the memory estimate's)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= max(n, 1)
+    return like.new_empty(0).set_(torch.UntypedStorage(0, device=like.device), 0, shape, strides)
 
 
-def plan_ring(plans, kernel: PatternKernel, q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float,
-              masked: bool = False, comm: CommBackend | None = None, layout: RingLayout = RingLayout()) -> RingPlan:
-    """The routes of a block ``q`` (``(B, rows, heads, D)``), ``k`` (kv heads) of ``plans`` (tensors or
-    ``stand_in``s), on this rank of ``comm`` (``None``: one device, every pattern local)."""
+def plan_ring(plans, kernel: PatternKernel, *, causal: bool, scale: float, masked: bool = False,
+              comm: CommBackend | None = None, layout: RingLayout = RingLayout()) -> RingPlan:
+    """A block's plan over ``plans``, on this rank of ``comm`` (``None``: one device, every pattern local)."""
     plans = tuple(p for p in plans if p.chunks)  # (no local head may use a pattern: grouped mode, head-parallel)
-    routes = {d: _routes(plans, kernel, d, q, k, causal, masked, comm, layout) for d in ("fwd", "bwd")}
-    return RingPlan(plans, kernel, layout, causal, scale, masked, routes["fwd"], routes["bwd"])
+    ranks = None if comm is None else Ranks(comm.rank, comm.world_size)
+    return RingPlan(plans, kernel, layout, causal, scale, masked, ranks)
 
 
-def _routes(plans, kernel, direction: str, q, k, causal: bool, masked: bool, comm, layout: RingLayout) -> Routes:
-    tuning = TUNING
+def _routes(ring: RingPlan, direction: str, q, k) -> Routes:
+    tuning, plans, kernel, causal, masked, comm, layout = (TUNING, ring.plans, ring.kernel, ring.causal, ring.masked,
+                                                           ring.ranks, ring.layout)
     stacked = _stacks(kernel, direction, plans, q, k, causal, masked)
     found = []
     for i, plan in enumerate(plans):

@@ -477,7 +477,7 @@ MEMCHECK_LOG = f"""\
 def test_sanitize_summarises_per_kernel_and_frame(tmp_path, capsys):
     findings, summary = sanitize.summarise(MEMCHECK_LOG)
     by_kernel = {f.kernel: f for f in findings}
-    assert by_kernel["_fwd_kernel"].count == 2 and "ring.py:63" in by_kernel["_fwd_kernel"].frame
+    assert by_kernel["_fwd_kernel"].count == 2 and "kv_ring.py:80" in by_kernel["_fwd_kernel"].frame
     assert by_kernel["_dkdv_kernel"].kind.startswith("Uninitialized") and "train.py:12" in by_kernel["_dkdv_kernel"].frame
     assert summary == ["ERROR SUMMARY: 3 errors"]
     log = tmp_path / "san.log"

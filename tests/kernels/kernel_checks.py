@@ -164,7 +164,7 @@ def plans_for(mode, heads, kv_heads, local_len, seq_len, segs=None, rates=None):
 def final_out_lse(q, k, v, plans, causal, scale):
     """Merged (out, lse) of all local plans, the way the library combines them, fp64 kernel."""
     q, k, v = d64(q), d64(k), d64(v)
-    ring = RingCall(plan_ring(plans, REF_P, q, k, causal=causal, scale=scale), None, 0)
+    ring = RingCall(plan_ring(plans, REF_P, causal=causal, scale=scale), None, 0)
     out, lse = block_forward(q, k, v, None, ring)
     return out, lse.float()
 

@@ -1,6 +1,6 @@
 """Long causal squares split into one causal call of their diagonal blocks and non-causal rectangles
-(``ring/routes.py`` and ``ring/square_split.py``, a kernel's ``causal_block``), forced on at small sizes (segments of 64 rows, blocks
-of 4), against the float64 oracle: forward and backward through the public API and the ring functions.
+(``ring/routes.py``, ``ring/square_split.py``, a kernel's ``causal_block``), forced on at small sizes (segments of
+64 rows, blocks of 4), against the float64 oracle: forward and backward through the public API and the ring functions.
 
 Kernels: ``flash4`` on the float64 stand-in ``FakeFA4`` (``test_flash4.py``; the real one where it runs), the
 cuDNN view logic on ``MathOps`` (``test_cudnn.py``: ``cudnn-det``'s constructor route), and the reference
@@ -272,8 +272,8 @@ def test_ring_own_block_splits(fa4, kernel, dtype, bsz, layout, r):
     rec = Recorder(_kernel(kernel, BLOCK))
     q, k, v = (as_layout(x.to(dtype), layout) for x in base)
     one = _OneRank()
-    ring = RingCall(plan_ring(plans, rec, q, k, causal=True, scale=DIM**-0.5, comm=one, layout=RingLayout(zigzag=True)),
-                    one, 0)
+    plan = plan_ring(plans, rec, causal=True, scale=DIM**-0.5, comm=one, layout=RingLayout(zigzag=True))
+    ring = RingCall(plan, one, 0)
     out, lse = block_forward(q, k, v, None, ring)
     grads = block_backward(q, k, v, None, (out, lse, dout.to(dtype)), ring)
 

@@ -692,8 +692,8 @@ def test_gathered_bytes_are_the_largest_stacks_inputs():
     rows = N // 2 + N // 4 + N // 8
 
     def gathered(kernel, masked: bool) -> int:
-        ring = routes.plan_ring(plans, kernel, q, q, causal=True, scale=1.0, masked=masked)
-        return gathered_bytes(ring.backward, N, 4, 4, DIM, 2)
+        ring = routes.plan_ring(plans, kernel, causal=True, scale=1.0, masked=masked)
+        return gathered_bytes(ring.routes(q, q)[1], N, 4, 4, DIM, 2)
 
     assert gathered(CudnnKernel(MathOps()), False) == rows * ((3 * 4 + 2 * 4) * DIM * 2 + 16)
     assert gathered(FusedKernel(), False) == 0

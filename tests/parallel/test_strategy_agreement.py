@@ -10,7 +10,7 @@ from dilated_attention.testing.spawn import spawn_ranks
 
 
 def _worker(rank: int, world_size: int) -> dict:
-    from dilated_attention import dilated_attention, strategy
+    from dilated_attention import auto_strategy as strategy, dilated_attention
 
     if rank == 1:  # this rank's "GPU model" (none on CPU) measured the head strategy fastest for causal LongNet
         strategy.MEASURED_ON[None] = {**strategy.MEASURED, (False, True, "contiguous"): "head"}

@@ -36,9 +36,9 @@ class _Fake:
 def _members(plan, causal: bool, world: int, rank: int, layout: RingLayout = RingLayout(), q=Q, k=K,
              masked: bool = False):
     """The swapped ring's members where ``plan`` runs swapped (``Way.SWAPPED``), else ``None``."""
-    ring = plan_ring([plan], KERNEL, q, k, causal=causal, scale=1.0, masked=masked, comm=_Fake(rank, world),
+    ring = plan_ring([plan], KERNEL, causal=causal, scale=1.0, masked=masked, comm=_Fake(rank, world),
                      layout=layout)
-    route = ring.forward.routes[0]
+    route = ring.routes(q, k)[0].routes[0]
     return route.members if route.way is Way.SWAPPED else None
 
 
@@ -69,9 +69,9 @@ def test_swapped_patterns_run_where_the_routes_say():
 
     def orders(after: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         with routes.tuned(swap_after=after):
-            ring = plan_ring(plans, KERNEL, Q, K, causal=True, scale=1.0, comm=_Fake(1, 2))
-        assert ring.forward.routes[2].way is Way.SWAPPED
-        return ring.forward.order, ring.backward.order
+            forward, backward = plan_ring(plans, KERNEL, causal=True, scale=1.0, comm=_Fake(1, 2)).routes(Q, K)
+        assert forward.routes[2].way is Way.SWAPPED
+        return forward.order, backward.order
 
     assert orders(1) == ((0, 2, 1), (0, 2, 1))
     assert orders(0) == ((2, 0, 1), (2, 0, 1))
@@ -89,8 +89,8 @@ def _schedules(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(rank)
     q, k, v, dout = (torch.randn(2, 16, 4, 8, generator=gen, dtype=torch.float64) for _ in range(4))
     results, kept, computed = [], swapped.at_turn, []
-    original = block._Forward.swap
-    block._Forward.swap = staticmethod(lambda swap: (computed.append(swap.route.plan.index), original(swap))[1])
+    original = block.swap_forward
+    block.swap_forward = lambda swap: (computed.append(swap.route.plan.index), original(swap))[1]
     try:
         for after in (0, 1, 1 << 30):
             for at_turn in (False, True):
@@ -102,7 +102,7 @@ def _schedules(rank: int, world: int) -> dict:
                     out.backward(dout)
                 results.append([out.detach(), *(t.grad for t in x)])
     finally:
-        block._Forward.swap = staticmethod(original)
+        block.swap_forward = original
         swapped.at_turn = kept
     return {"equal": all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r)),
             "swapped": computed}
