@@ -49,7 +49,7 @@ from .patterns import hybrid_team_size
 # (dense: a rate-1 pattern spans ranks, causal, layout) -> strategy measured fastest (the table above).
 MEASURED = {
     (False, False, "contiguous"): "ring",
-    (False, True, "contiguous"): "ring",  # spanning pattern head-swapped (ring/swapped.py); 1.30x head's speed in a graph
+    (False, True, "contiguous"): "ring",  # spanning pattern head-swapped (swapped.py); 1.30x head's speed in a graph
     (True, False, "contiguous"): "head",  # within 3% of the ring, at half its peak memory
     (True, True, "contiguous"): "head",  # the contiguous causal ring waits on its last rank
     (False, False, "zigzag"): "head",  # zigzag turns mid-length segments into rings
