@@ -19,7 +19,6 @@ from .comm import CommBackend, resolve_comm
 from .execution import Attention
 from .kernels.protocol import BlockKernel, PatternKernel
 from .planning import CallOptions, prepare
-from .validation import STRATEGIES
 
 
 def dilated_attention(

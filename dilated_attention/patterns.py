@@ -149,10 +149,9 @@ _HEAD_HINT = ("; strategy='head' (each rank runs the whole sequence for a share 
               "internally) avoids this, or pick segment lengths that tile the shard")
 
 
-def validate_patterns(
-    segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int
-) -> list[tuple[int, int]]:
-    """Return ``[(w', r), ...]`` or raise ``ValueError``/``TypeError`` naming the rule broken."""
+def check_pattern_lists(segment_lengths, dilation_rates) -> tuple[list[int], list[int]]:
+    """The rules ``segment_lengths`` and ``dilation_rates`` obey whatever the sequence (ints, as many of one as of
+    the other, at least one pattern, positive): the lists, or ``ValueError``/``TypeError`` naming the rule."""
     segs = _check_int_list("segment_lengths", segment_lengths)
     rates = _check_int_list("dilation_rates", dilation_rates)
     if len(segs) != len(rates):
@@ -162,9 +161,16 @@ def validate_patterns(
     if not segs:
         raise ValueError("segment_lengths must hold at least one pattern, got []")
     for name, vals in (("segment_lengths", segs), ("dilation_rates", rates)):
-        bad = [x for x in vals if x <= 0]
-        if bad:
+        if any(x <= 0 for x in vals):
             raise ValueError(f"{name} must all be positive, got {vals}")
+    return segs, rates
+
+
+def validate_patterns(
+    segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int
+) -> list[tuple[int, int]]:
+    """Return ``[(w', r), ...]`` or raise ``ValueError``/``TypeError`` naming the rule broken."""
+    segs, rates = check_pattern_lists(segment_lengths, dilation_rates)
     out = []
     for i, (w, r) in enumerate(zip(segs, rates)):
         we = min(w, seq_len)

@@ -15,7 +15,7 @@ import torch
 
 from .comm import check_comm
 from .kernels.registry import KERNEL_NAMES
-from .patterns import HEAD_OFFSET_RULES, MODES, _check_int_list, check_layout
+from .patterns import HEAD_OFFSET_RULES, MODES, check_layout, check_pattern_lists
 
 STRATEGIES = ("auto", "ring", "head", "hybrid")
 
@@ -115,22 +115,6 @@ def check_flags(causal, pad_to_segments, strategy, layout="contiguous") -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     check_layout(layout)
-
-
-def check_pattern_lists(segment_lengths, dilation_rates) -> None:
-    """The rules ``segment_lengths`` and ``dilation_rates`` obey whatever the sequence (ints, as many of one
-    as of the other, at least one pattern, positive): the first checks of ``patterns.validate_patterns``."""
-    segs = _check_int_list("segment_lengths", segment_lengths)
-    rates = _check_int_list("dilation_rates", dilation_rates)
-    if len(segs) != len(rates):
-        raise ValueError(
-            f"segment_lengths and dilation_rates must have equal lengths, got {len(segs)} and {len(rates)}"
-        )
-    if not segs:
-        raise ValueError("segment_lengths must hold at least one pattern, got []")
-    for name, vals in (("segment_lengths", segs), ("dilation_rates", rates)):
-        if any(x <= 0 for x in vals):
-            raise ValueError(f"{name} must all be positive, got {vals}")
 
 
 def check_call_options(segment_lengths, dilation_rates, *, mode="longnet", causal=False, softmax_scale=None,

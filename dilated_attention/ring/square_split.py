@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from .routes import Piece
+
+
 def _cut(x: torch.Tensor, rows: int, half: int | None) -> torch.Tensor:
     """``x`` ``(B, N, ...)`` cut into spans of ``rows`` rows, ``(B, N / rows, rows, ...)``, or (``half`` 0 or 1) one
     half of every span, ``(B, N / rows, rows / 2, ...)``: a view."""
