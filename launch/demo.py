@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.comm import BACKEND_NAMES, get_backend  # noqa: E402
 from dilated_attention.distributed import shard_sequence  # noqa: E402
-from dilated_attention.functional import STRATEGIES  # noqa: E402
+from dilated_attention.validation import STRATEGIES  # noqa: E402
 from dilated_attention.kernels.dispatch import KERNEL_NAMES  # noqa: E402
 from dilated_attention.launch_utils import init_distributed  # noqa: E402
 
