@@ -113,10 +113,13 @@ def forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch
     """The computation: ``(out, saved)``, ``saved`` being the tensors it made that ``backward`` needs
     (the q/k/v/mask/out/lse the attention saw, where they are not the caller's)."""
     if spec.padded is not None:  # shards the segments do not tile: the call on padded shards, pad keys masked
-        mask = key_padding_mask if key_padding_mask is not None else \
-            torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
         inputs = [_padded_rows(spec, call, x, True, "forward") for x in (q, k, v)]
-        inputs.append(_padded_rows(spec, call, mask, True, "forward", fill=True))
+        if key_padding_mask is not None:
+            inputs.append(_padded_rows(spec, call, key_padding_mask, True, "forward", fill=True))
+        else:  # only the pad rows, which every rank knows of its own shard: nothing to move
+            first, rows = spec.backend.rank * spec.padded.shard, spec.padded.shard
+            pads = torch.arange(first, first + rows, device=q.device) >= spec.padded.rows
+            inputs.append(pads.repeat(q.shape[0], 1))
         out, saved = forward(replace(spec, padded=None), call, *inputs)
         return _padded_rows(spec, call, out, False, "forward"), [*inputs, out, *saved]
     q, k, v = unit_head_dim(q), unit_head_dim(k), unit_head_dim(v)

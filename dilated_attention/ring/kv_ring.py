@@ -42,8 +42,7 @@ def _ring_blocks(k: torch.Tensor, v: torch.Tensor, route: Route, ring: RingCall,
                  ) -> Iterator[tuple[int, torch.Tensor, int]]:
     """Yield ``(step, packed K/V block, sequence block it came from)`` round the ring; the next block's
     exchange is in flight while the caller computes on this one."""
-    comm, layout, plan = ring.comm, ring.plan.layout, route.plan
-    members = layout.members(comm.rank, plan.ring_size, comm.world_size // layout.stride)
+    comm, layout, plan, members = ring.comm, ring.plan.layout, route.plan, route.members
     size = len(members)
     pos, nxt, prv = comm.ring_peers(members)
     block, spare = pack_kv(k, v, plan), None
@@ -69,7 +68,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     reads, kernel, causal, scale = route.dense or plan, ring.plan.kernel, ring.plan.causal, ring.plan.scale
     out, lse = into
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
-    size = len(layout.members(comm.rank, plan.ring_size, blocks))
+    size = len(route.members)
     share = route.share
     stamp = comm.stamp(ring.call, "forward")
     if share is not None:
@@ -113,9 +112,8 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     reads, kernel, causal, scale = route.dense or plan, ring.plan.kernel, ring.plan.causal, ring.plan.scale
     out, lse, dout = saved
     own, blocks = comm.rank // layout.stride, comm.world_size // layout.stride
-    members = layout.members(comm.rank, plan.ring_size, blocks)
-    size = len(members)
-    _, nxt, prv = comm.ring_peers(members)
+    size = len(route.members)
+    _, nxt, prv = comm.ring_peers(route.members)
     scratch = outgoing = incoming = grads_pending = None
     stamp = comm.stamp(ring.call, "backward")
     share = route.share

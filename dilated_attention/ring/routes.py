@@ -174,7 +174,7 @@ class Route:
     dense: PatternPlan | None = None  # COMPACT_RING, SWAPPED: the plan read on compact rows (``dense_view``)
     share: Share | None = None  # MERGED and COMPACT_RING rings: their cross blocks shared
     stack: Stack | None = None  # STACKED
-    members: tuple[int, ...] = ()  # SWAPPED: the ring's group ranks
+    members: tuple[int, ...] = ()  # rings: the ring's group ranks, ascending
     inner: Route | None = None  # SWAPPED: the segment on its head-layout rows, a local pattern
 
     @property
@@ -244,10 +244,7 @@ class RingCall:
 def stand_in(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A contiguous, aligned tensor of ``like``'s dtype and device with ``shape`` and no memory: a block as a fresh
     allocation lays it out, for the routes of a block that does not exist yet (the memory estimate's)."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.insert(0, step)
-        step *= max(n, 1)
+    strides = torch.empty(shape, device="meta").stride()
     return like.new_empty(0).set_(torch.UntypedStorage(0, device=like.device), 0, shape, strides)
 
 
@@ -263,11 +260,13 @@ def _routes(ring: RingPlan, direction: str, q, k) -> Routes:
     tuning, plans, kernel, causal, masked, comm, layout = (TUNING, ring.plans, ring.kernel, ring.causal, ring.masked,
                                                            ring.ranks, ring.layout)
     stacked = _stacks(kernel, direction, plans, q, k, causal, masked)
+    rank = comm.rank if comm is not None else None
     found = []
     for i, plan in enumerate(plans):
         dense = dense_ring(plan, masked, layout, q, k)
-        members = _swap_members(plan, dense, comm, layout, causal, q, k)
-        if members is not None:
+        members = () if comm is None or plan.ring_size == 1 else \
+            layout.members(comm.rank, plan.ring_size, comm.world_size // layout.stride)
+        if _swaps(plan, dense, members, layout, causal, q, k):
             rows, g = q.shape[1] // plan.dilation * len(members), len(members)
             hq, hk = (stand_in(x, (x.shape[0], rows, x.shape[2] // g, x.shape[3])) for x in (q, k))
             inner = local_route(kernel, direction, whole_plan(rows, hq.shape[2], hk.shape[2]), hq, hk, causal, False)
@@ -280,12 +279,12 @@ def _routes(ring: RingPlan, direction: str, q, k) -> Routes:
         elif dense is not None:
             qc = stand_in(q, (q.shape[0], q.shape[1] // plan.dilation, *q.shape[2:]))
             split = causal_block(kernel, direction, dense, qc, k) if causal else 0
-            found.append(Route(i, plan, Way.COMPACT_RING, split=split, dense=dense,
-                               share=_share(dense, layout, causal, comm, plan, qc.shape[1], True)))
+            found.append(Route(i, plan, Way.COMPACT_RING, split=split, dense=dense, members=members,
+                               share=plan_share(dense, layout, causal, members, rank, qc.shape[1], True)))
         else:
             split = causal_block(kernel, direction, plan, q, k) if causal and not masked else 0
-            found.append(Route(i, plan, Way.MERGED, split=split,
-                               share=_share(plan, layout, causal, comm, plan, q.shape[1], False)))
+            found.append(Route(i, plan, Way.MERGED, split=split, members=members,
+                               share=plan_share(plan, layout, causal, members, rank, q.shape[1], False)))
     def where(*ways: Way) -> list[int]:
         return [i for i, r in enumerate(found) if r.way in ways]
 
@@ -387,35 +386,21 @@ def dense_ring(plan: PatternPlan, masked: bool, layout: RingLayout, q: torch.Ten
     return dense_view(plan)
 
 
-def _swap_members(plan: PatternPlan, dense: PatternPlan | None, comm, layout: RingLayout, causal: bool, q, k
-                  ) -> tuple[int, ...] | None:
-    """The group ranks of a compact ring where it runs head-parallel (``SWAPPED``), else ``None``: rings of contiguous
-    blocks, read by every query head (grouped mode gives a pattern some heads only: a kv head's other query heads
-    would add to its gradient), whose ranks divide the query and the kv heads, where ``Tuning.swapped_rings`` says."""
-    if comm is None or dense is None or layout.zigzag or not TUNING.swaps_rings(causal) \
-            or -1 in plan.head_offsets(q.shape[2]):
-        return None
-    members = layout.members(comm.rank, plan.ring_size, comm.world_size // layout.stride)
-    if len(members) < 2 or q.shape[2] % len(members) or k.shape[2] % len(members):
-        return None
-    return members
+def _swaps(plan: PatternPlan, dense: PatternPlan | None, members: tuple[int, ...], layout: RingLayout, causal: bool,
+           q, k) -> bool:
+    """Whether a ring of ``members`` runs head-parallel (``SWAPPED``): a compact ring of contiguous blocks, read by
+    every query head (grouped mode gives a pattern some heads only: a kv head's other query heads would add to its
+    gradient), whose ranks divide the query and the kv heads, where ``Tuning.swapped_rings`` says."""
+    return (dense is not None and not layout.zigzag and TUNING.swaps_rings(causal) and len(members) >= 2
+            and -1 not in plan.head_offsets(q.shape[2]) and not q.shape[2] % len(members)
+            and not k.shape[2] % len(members))
 
 
-def _share(reads: PatternPlan, layout: RingLayout, causal: bool, comm, plan: PatternPlan, rows: int, compact: bool
-           ) -> Share | None:
-    """How a ring on blocks of ``rows`` query rows, read with ``reads`` (a compact ring's dense view, else the
-    pattern's plan), shares its cross blocks: causal rings on contiguous blocks of at least ``share_min_rows`` rows
-    (``share_min_compact_rows`` for ``compact`` ones), whole dilated rows per half, of at most ``share_max_ranks``
-    ranks; else ``None``."""
-    if comm is None:
-        return None
-    members = layout.members(comm.rank, plan.ring_size, comm.world_size // layout.stride)
-    return plan_share(reads, layout, causal, members, comm.rank, rows, compact)
-
-
-def plan_share(reads: PatternPlan, layout: RingLayout, causal: bool, members: tuple[int, ...], rank: int,
-               rows: int, compact: bool = False) -> Share | None:
-    """``_share`` for the ring of ``members``, seen from ``rank``."""
+def plan_share(reads: PatternPlan, layout: RingLayout, causal: bool, members: tuple[int, ...],
+               rank: int | None, rows: int, compact: bool = False) -> Share | None:
+    """How the ring of ``members`` on blocks of ``rows`` query rows, read with ``reads`` (a compact ring's dense
+    view, else the pattern's plan), shares its cross blocks, seen from group rank ``rank``: causal rings on contiguous blocks of at least ``share_min_rows`` rows (``share_min_compact_rows``
+    for ``compact`` ones), whole dilated rows per half, of at most ``share_max_ranks`` ranks; else ``None``."""
     tuning = TUNING
     least = tuning.share_min_compact_rows if compact else tuning.share_min_rows
     if not causal or layout.zigzag or not 2 <= len(members) <= tuning.share_max_ranks or rows < least \
