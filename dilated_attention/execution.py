@@ -24,7 +24,7 @@ from .memory import HeadRange
 from .merge import accum_dtype
 from .planning import Schedule
 from .ring.block import block_backward, block_forward
-from .ring.padding import move_rows
+from .ring.padding import move_documents, move_rows
 from .ring.routes import RingCall
 
 
@@ -109,9 +109,70 @@ def _padded_rows(spec: Schedule, call: int, x: torch.Tensor, to_padded: bool, di
     return move_rows(x, spec.padded, spec.backend, to_padded, what, spec.backend.stamp(call, direction), fill)
 
 
+def _document_rows(spec: Schedule, call: int, xs: list[torch.Tensor], key_padding_mask, direction: str
+                   ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``xs`` moved to this rank's document rows (``ring/documents.py``), and the rows' key mask: the caller's moved
+    with them, or only the pad rows (which every rank knows of its own rows)."""
+    what = f"call {call}, {direction}: rows to the documents' rings"
+    masks = [] if key_padding_mask is None else [key_padding_mask.to(torch.uint8)]
+    moved = move_documents(xs + masks, spec.documents, spec.backend, True, what, spec.backend.stamp(call, direction),
+                           fills=(0,) * len(xs) + (1,))
+    if masks:
+        return moved[:-1], moved[-1].bool()
+    return moved, spec.documents.indices(xs[0].device)[2].unsqueeze(0)
+
+
+def _caller_rows(spec: Schedule, call: int, xs: list[torch.Tensor], direction: str) -> list[torch.Tensor]:
+    what = f"call {call}, {direction}: rows back from the documents' rings"
+    return move_documents(xs, spec.documents, spec.backend, False, what, spec.backend.stamp(call, direction))
+
+
+def _groups(spec: Schedule, mask: torch.Tensor, key_padding_mask):
+    """Per group of documents: its schedule, a function viewing document rows as its batch rows, and its key mask
+    (a group planned unmasked: no pad rows, and the caller passed none)."""
+    for group, part in zip(spec.documents.groups, spec.parts):
+        def rows(x: torch.Tensor, g=group) -> torch.Tensor:
+            return x[:, g.first:g.first + g.rows].view(len(g.spans), g.shard, *x.shape[2:])
+
+        yield part, rows, rows(mask) if group.pads or key_padding_mask is not None else None
+
+
+def documents_forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Packed documents on rings: the rows moved to where each document runs, every group's ring call, and the
+    outputs moved back. Only the groups' own saved tensors are kept: the backward moves the inputs again."""
+    (qd, kd, vd), mask = _document_rows(spec, call, [q, k, v], key_padding_mask, "forward")
+    out = torch.empty(qd.shape, dtype=qd.dtype, device=qd.device)
+    saved = []
+    for part, rows, part_mask in _groups(spec, mask, key_padding_mask):
+        part_out, part_saved = forward(part, call, rows(qd), rows(kd), rows(vd), part_mask)
+        rows(out).copy_(part_out)
+        saved += part_saved
+    return _caller_rows(spec, call, [out], "forward")[0], saved
+
+
+def documents_backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out, saved, dout):
+    (qd, kd, vd, outd, doutd), mask = _document_rows(spec, call, [q, k, v, out, dout], key_padding_mask, "backward")
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qd, kd, vd)]
+    saved = list(saved)
+    for part, rows, part_mask in _groups(spec, mask, key_padding_mask):
+        count = saved_count(part, part_mask is not None)
+        part_saved, saved = saved[:count], saved[count:]
+        for g, part_grad in zip(grads, backward(part, call, rows(qd), rows(kd), rows(vd), part_mask, rows(outd),
+                                                part_saved, rows(doutd))):
+            rows(g).copy_(part_grad)
+    return tuple(_caller_rows(spec, call, grads, "backward"))
+
+
+def saved_count(spec: Schedule, masked: bool) -> int:
+    """How many tensors ``forward`` saves for a ring call (no documents, no padded shards)."""
+    return int(spec.backend is not None and masked) + (1 if spec.team == 1 or spec.heads else 5)
+
+
 def forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The computation: ``(out, saved)``, ``saved`` being the tensors it made that ``backward`` needs
     (the q/k/v/mask/out/lse the attention saw, where they are not the caller's)."""
+    if spec.documents is not None:
+        return documents_forward(spec, call, q, k, v, key_padding_mask)
     if spec.padded is not None:  # shards the segments do not tile: the call on padded shards, pad keys masked
         inputs = [_padded_rows(spec, call, x, True, "forward") for x in (q, k, v)]
         if key_padding_mask is not None:
@@ -151,6 +212,8 @@ def forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch
 def backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out, saved: list[torch.Tensor], dout
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``forward``'s ``out`` for ``dout`` (exact: the kernels' backward on the final out/lse)."""
+    if spec.documents is not None:
+        return documents_backward(spec, call, q, k, v, key_padding_mask, out, saved, dout)
     if spec.padded is not None:  # (``forward``): the padded call's gradients, moved back
         q, k, v, mask, out, *saved = saved
         grads = backward(replace(spec, padded=None), call, q, k, v, mask, out, saved,

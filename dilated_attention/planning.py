@@ -11,6 +11,7 @@ signature's text. What it keeps per backend is ``CallState``.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 import zlib
@@ -32,6 +33,7 @@ from .kernels.protocol import PatternKernel
 from .memory import HeadRange, head_ranges, own_bytes, scratch_bytes
 from .patterns import PatternPlan, hybrid_team_size, padded_length, plan_patterns, zigzag_half
 from .ring import routes
+from .ring.documents import Documents, plan_documents
 from .ring.layout import Padded, RingLayout, padded_shard
 from .ring.routes import RingCall, RingPlan, Routes, plan_ring, stand_in
 from .validation import check_cu_seqlens, check_flags, check_key_padding_mask, check_scale, check_tensors
@@ -56,6 +58,8 @@ class Schedule:
     zigzag: bool = False  # the shards are in the zigzag layout (ring.layout.RingLayout), over more than one rank
     heads: tuple[HeadRange, ...] = ()  # the head chunks run one after another (``memory.py``); () = all at once
     padded: Padded | None = None  # rings over shards the segments do not tile: their padded shards
+    documents: Documents | None = None  # packed documents on rings: where each document runs
+    parts: tuple[Schedule, ...] = ()  # with ``documents``: each group's ring call (batch rows: its documents)
 
     def rings(self, call: int, batch: Batch | None = None) -> tuple[RingCall, ...]:
         """Per head range: the rank's block of rings across teams, or (a whole-sequence ``batch``) a block whose
@@ -136,12 +140,13 @@ class CallOptions(NamedTuple):
 
 
 def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBackend | None, options: CallOptions,
-             *, shapes_only: bool = False, record: bool = True) -> Schedule:
+             *, shapes_only: bool = False, record: bool = True, team: int | None = None) -> Schedule:
     """Validate a call and decide everything but the data: raises ``ValueError``/``TypeError``.
 
     ``shapes_only``: what output shapes need, from shapes alone (no ``cu_seqlens`` values, no kernel):
     a custom op's fake implementation. ``record``: kernel hooks may record the call (once per call, not
-    again when a compiled backward plans it anew).
+    again when a compiled backward plans it anew). ``team``: a packed call's group of documents
+    (``document_rings``), planned with its caller's team.
     """
     (segment_lengths, dilation_rates, mode, causal, softmax_scale, key_padding_mask, cu_seqlens, pad_to_segments,
      head_offsets, strategy, kernel, layout) = options
@@ -153,17 +158,18 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
     zigzag = layout == "zigzag" and world > 1  # on one rank the zigzag order is the natural one
     if zigzag:
         zigzag_half(local)
-    misuse.check_shape(q.shape, local * world, segment_lengths, dilation_rates, pad=pad_to_segments,
-                       documents=cu_seqlens is not None)
+    if team is None:  # (a group of documents: its caller's shapes were checked)
+        misuse.check_shape(q.shape, local * world, segment_lengths, dilation_rates, pad=pad_to_segments,
+                           documents=cu_seqlens is not None)
+
     def auto() -> int:
         spans, dense = pattern_spans(segment_lengths, dilation_rates, local * world, local)
-        whole = cu_seqlens is not None or not ring_plans(segment_lengths, dilation_rates, local * world, local,
-                                                          heads, k.shape[2], layout)
+        whole = not ring_plans(segment_lengths, dilation_rates, local * world, local, heads, k.shape[2], layout)
         return auto_team_size(world, heads, k.shape[2], causal=causal, spans=spans, dense=dense,
                               local_world=local_world(), layout=layout, whole_sequence=whole,
                               gpu=gpu_model(q.device.index) if q.is_cuda else None)
 
-    team = team_size(strategy, world, heads, auto)
+    team = team_size(strategy, world, heads, auto) if team is None else team
     split = HeadSplit(heads, k.shape[2], team)
     reason = split.check()
     if reason is not None:
@@ -186,10 +192,13 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
     shard = local  # rows of this rank's shard that the rings see
     if team == world:  # the whole sequence on this rank: padding and documents are local matters
         batches = whole_batches(segment_lengths, dilation_rates, local * world, docs, pad_to_segments, plan)
-    elif cu_seqlens is not None:
-        raise ValueError(f"cu_seqlens with comm needs each rank to hold whole documents: strategy='head' (or "
-                         f"'auto' with the {heads} heads divisible by the {world} ranks); got "
-                         f"strategy={strategy!r} with a ring over {world // team} shards")
+    elif cu_seqlens is not None:  # packed documents on rings: each dealt over the ranks (``ring/documents.py``)
+        if shapes_only:
+            raise ValueError("cu_seqlens on a ring is not supported under torch.compile (where the offsets are data "
+                             "and the documents' layout depends on them): call it eagerly, or use strategy='head'")
+        documents, parts = document_rings(q, k, v, backend, options, team, docs, record)
+        return Schedule(backend, strategy, team, split, None, None, docs, None, causal, scale,
+                        documents=documents, parts=parts)
     else:  # rings across teams; a team's rows are in the shards' layout (head_parallel.member_rows)
         if pad_to_segments and not zigzag:  # shards the segments do not tile run padded (``ring.layout.Padded``)
             least = padded_length(segment_lengths, dilation_rates, local * world)
@@ -257,6 +266,48 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
                 blocks = tuple(routed(plan(shard * world, shard * team, layout, r), None) for r in ranges)
     return Schedule(backend, strategy, team, split, batches, blocks, docs, chosen, causal, scale, zigzag, ranges,
                     padded)
+
+
+def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBackend, options: CallOptions,
+                   team: int, docs: tuple[int, ...], record: bool) -> tuple[Documents, tuple[Schedule, ...]]:
+    """Packed documents on rings across teams of ``team``: where each document runs (``ring.documents``) and
+    each group's ring call, planned as a call of its own on a batch row per document.
+
+    A document runs on the fewest rows per rank, at least its padded length in all, that the patterns tile
+    (without ``pad_to_segments``, exactly its rows); causal calls deal documents in zigzag halves, which gives
+    every rank the same share of each document's causal work."""
+    segments, rates, pad = options.segment_lengths, options.dilation_rates, options.pad_to_segments
+    world, heads, kv_heads = backend.world_size, q.shape[2], k.shape[2]
+    zigzag = options.causal
+    shards = "zigzag" if zigzag else "contiguous"
+
+    def fits(rows: int) -> bool:
+        return ring_plans(segments, rates, rows * world, rows * team, heads, kv_heads, shards)
+
+    @functools.cache
+    def shard(rows: int) -> int:
+        if not pad:
+            if rows % world or not fits(rows // world):
+                raise ValueError(f"cu_seqlens: a document of {rows} rows is not {world} shards (the ranks) that the "
+                                 "patterns tile, and pad_to_segments=False; pad_to_segments=True pads it")
+            return rows // world
+        least = padded_length(segments, rates, rows)
+        found = padded_shard(lambda s: s * world >= least and fits(s), -(-least // world), world, least, segments)
+        if found is None:
+            raise ValueError(f"cu_seqlens: no shard the patterns tile holds a document of {rows} rows over {world} "
+                             f"ranks (segment_lengths={list(segments)}, dilation_rates={list(rates)})")
+        return found
+
+    documents = plan_documents(docs, q.shape[1], backend.rank, world, options.layout == "zigzag", zigzag, shard)
+    parts = []
+    for i, g in enumerate(documents.groups):
+        rows = (len(g.spans), g.shard)
+        masked = g.pads or options.key_padding_mask is not None
+        mask = torch.empty(rows, dtype=torch.bool, device=q.device) if masked else None
+        group = options._replace(key_padding_mask=mask, cu_seqlens=None, pad_to_segments=False, layout=shards)
+        parts.append(schedule(*(stand_in(x, (*rows, *x.shape[2:])) for x in (q, k, v)), backend, group,
+                              record=record and i == 0, team=team))
+    return documents, tuple(parts)
 
 
 def head_chunks(q, split: HeadSplit, rows: int, causal: bool, routes: Callable[[], Routes]

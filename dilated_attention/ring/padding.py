@@ -1,9 +1,11 @@
-"""Rows moved between the caller's shards and padded shards the patterns tile (``layout.Padded``).
+"""Rows moved between the caller's shards and the rows a ring runs: padded shards the patterns tile
+(``layout.Padded``), or packed documents each dealt over the ranks on its own (``documents.Documents``).
 
 A sequence whose shards the segments do not tile runs padded at its end, as the single-device call pads it: every
 rank's rows move to the padded shards (each rank's rows go to at most a few neighbours, in one batch of
 point-to-point transfers carrying the call's stamp), pad rows are zeros whose keys are masked, and the results and
-gradients move back, pad rows dropped. Moving rows is its own exact gradient's reverse.
+gradients move back, pad rows dropped. Moving rows is its own exact gradient's reverse. Documents move likewise,
+every row to wherever its document runs: one gather, one batch of transfers and one scatter per direction.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import CommBackend
+from .documents import Documents
 from .layout import Padded
 
 
@@ -37,3 +40,36 @@ def move_rows(x: torch.Tensor, padded: Padded, comm: CommBackend, to_padded: boo
     for a, b, buffer in placed:
         out[:, a:b].copy_(buffer)
     return out
+
+
+def move_documents(xs: list[torch.Tensor], documents: Documents, comm: CommBackend, to_groups: bool, what: str,
+                   stamp, fills: tuple = ()) -> list[torch.Tensor]:
+    """Each ``x`` ``(1, rows, ...)`` of ``xs`` moved from the caller's shards to this rank's document rows
+    (``to_groups``; pad rows ``fills[i]``, 0 by default) or back; every tensor in one batch of transfers."""
+    sends, receives, _ = documents.indices(xs[0].device)
+    if not to_groups:
+        sends, receives = receives, sends
+    counts = [len(x) for x in (documents.sends if to_groups else documents.receives)]
+    arriving = [len(x) for x in (documents.receives if to_groups else documents.sends)]
+    rows = documents.rows if to_groups else documents.local
+    outgoing, incoming, landed = [], [], []
+    for x in xs:
+        sent = x[0].index_select(0, sends).split(counts)
+        got = x.new_empty((sum(arriving), *x.shape[2:]))
+        for peer, (out, into) in enumerate(zip(sent, got.split(arriving))):
+            if peer == comm.rank:
+                into.copy_(out)
+            else:
+                if len(out):
+                    outgoing.append((out, peer))
+                if len(into):
+                    incoming.append((into, peer))
+        landed.append(got)
+    if outgoing or incoming:
+        comm.exchange(outgoing, incoming, what, stamp=stamp).wait()
+    moved = []
+    for i, (x, got) in enumerate(zip(xs, landed)):
+        fill = fills[i] if i < len(fills) else 0
+        out = x.new_full((1, rows, *x.shape[2:]), fill) if to_groups else x.new_empty((1, rows, *x.shape[2:]))
+        moved.append(out.index_copy_(1, receives, got.unsqueeze(0)))
+    return moved
