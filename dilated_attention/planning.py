@@ -208,7 +208,7 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
                                                             rows * team, heads, k.shape[2], layout)
 
             if not fits(local):
-                shard = padded_shard(fits, local, world, least, segment_lengths) or local
+                shard = padded_shard(fits, local, world, least, segment_lengths, dilation_rates) or local
         if shard != local:
             padded = Padded(local * world, local, shard, world)
         try:
@@ -276,9 +276,26 @@ def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: C
     A document runs on the fewest rows per rank, at least its padded length in all, that the patterns tile
     (without ``pad_to_segments``, exactly its rows); causal calls deal documents in zigzag halves, which gives
     every rank the same share of each document's causal work."""
-    segments, rates, pad = options.segment_lengths, options.dilation_rates, options.pad_to_segments
-    world, heads, kv_heads = backend.world_size, q.shape[2], k.shape[2]
-    zigzag = options.causal
+    world, zigzag = backend.world_size, options.causal
+    shard = document_shard(options.segment_lengths, options.dilation_rates, options.pad_to_segments, world, team,
+                           q.shape[2], k.shape[2], zigzag)
+    documents = plan_documents(docs, q.shape[1], backend.rank, world, options.layout == "zigzag", zigzag, shard)
+    parts = []
+    for i, g in enumerate(documents.groups):
+        rows = (len(g.spans), g.shard)
+        masked = g.pads or options.key_padding_mask is not None
+        mask = torch.empty(rows, dtype=torch.bool, device=q.device) if masked else None
+        group = options._replace(key_padding_mask=mask, cu_seqlens=None, pad_to_segments=False,
+                                 layout="zigzag" if zigzag else "contiguous")
+        parts.append(schedule(*(stand_in(x, (*rows, *x.shape[2:])) for x in (q, k, v)), backend, group,
+                              record=record and i == 0, team=team))
+    return documents, tuple(parts)
+
+
+def document_shard(segments: Sequence[int], rates: Sequence[int], pad: bool, world: int, team: int, heads: int,
+                   kv_heads: int, zigzag: bool) -> Callable[[int], int]:
+    """The rows per rank a document of ``rows`` rows runs on (``ring.documents``): the fewest, at least its padded
+    length in all, that the patterns tile, dealt in zigzag halves or not; without ``pad``, exactly its rows."""
     shards = "zigzag" if zigzag else "contiguous"
 
     def fits(rows: int) -> bool:
@@ -292,22 +309,14 @@ def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: C
                                  "patterns tile, and pad_to_segments=False; pad_to_segments=True pads it")
             return rows // world
         least = padded_length(segments, rates, rows)
-        found = padded_shard(lambda s: s * world >= least and fits(s), -(-least // world), world, least, segments)
+        found = padded_shard(lambda s: s * world >= least and fits(s), -(-least // world), world, least, segments,
+                             rates)
         if found is None:
             raise ValueError(f"cu_seqlens: no shard the patterns tile holds a document of {rows} rows over {world} "
                              f"ranks (segment_lengths={list(segments)}, dilation_rates={list(rates)})")
         return found
 
-    documents = plan_documents(docs, q.shape[1], backend.rank, world, options.layout == "zigzag", zigzag, shard)
-    parts = []
-    for i, g in enumerate(documents.groups):
-        rows = (len(g.spans), g.shard)
-        masked = g.pads or options.key_padding_mask is not None
-        mask = torch.empty(rows, dtype=torch.bool, device=q.device) if masked else None
-        group = options._replace(key_padding_mask=mask, cu_seqlens=None, pad_to_segments=False, layout=shards)
-        parts.append(schedule(*(stand_in(x, (*rows, *x.shape[2:])) for x in (q, k, v)), backend, group,
-                              record=record and i == 0, team=team))
-    return documents, tuple(parts)
+    return shard
 
 
 def head_chunks(q, split: HeadSplit, rows: int, causal: bool, routes: Callable[[], Routes]

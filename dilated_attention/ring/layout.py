@@ -9,6 +9,7 @@ compares a step's query chunks with the visiting key chunks by global chunk id a
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -160,13 +161,18 @@ class Padded:
         return sends, receives
 
 
-def padded_shard(fits, local: int, world: int, least: int, segments: Sequence[int]) -> int | None:
+def padded_shard(fits, local: int, world: int, least: int, segments: Sequence[int], rates: Sequence[int] = (1,)
+                 ) -> int | None:
     """The fewest rows ``>= local`` per shard, ``world`` shards holding at least ``least`` rows, for which
     ``fits(shard)`` (the patterns tile such shards); ``None`` if none up to four times the rows needed.
 
     A pattern local to a shard must tile it (a multiple of the shortest segment it holds) and a spanning one must be
-    whole shards: so the candidates are the multiples of the shortest segment and its divisors."""
+    whole shards: so the candidates are the multiples of the shortest segment and its divisors, and, where every
+    segment is clamped to a sequence shorter than the shortest, the multiples of the dilations' least common
+    multiple (any such length is tiled then)."""
     first, w = max(local, -(-least // world)), min(segments)
-    candidates = sorted({d for d in range(1, w + 1) if w % d == 0 and d >= first}
+    step = math.lcm(*rates)
+    clamped = range(-(-first // step) * step, min(-(-w // world), first + 8 * step), step)
+    candidates = sorted({d for d in range(1, w + 1) if w % d == 0 and d >= first} | set(clamped)
                         | set(range(-(-first // w) * w, 4 * max(first, w) + 1, w)))
     return next((shard for shard in candidates if fits(shard)), None)

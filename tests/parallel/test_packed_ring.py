@@ -1,0 +1,163 @@
+"""Packed documents (``cu_seqlens``) on the ring and the hybrid: every document dealt over the ranks on its own.
+
+The layout (``ring.documents``) is checked without ranks: every row of every caller shard lands once on the rank and
+row its document runs at, and comes back. Spawned gloo ranks run document mixes (a one-token document, an empty one,
+documents shorter than the smallest segment, ending on a shard boundary, longer than a shard; both causal flags,
+both shard layouts, GQA, grouped mode, key padding, head chunks, bfloat16, the hybrid) against the float64 oracle of
+each document alone. The balance of causal work is counted from the plans alone (no timing).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from dilated_attention.patterns import plan_patterns
+from dilated_attention.planning import document_shard
+from dilated_attention.ring.documents import plan_documents, undeal
+from dilated_attention.testing.spawn import spawn_ranks
+
+
+def _simple_shard(world: int, zigzag: bool):
+    def shard(rows: int) -> int:
+        s = -(-rows // world)
+        return max(s + s % 2, 2) if zigzag else s
+    return shard
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_row_lands_once_where_its_document_runs(seed):
+    rng = random.Random(seed)
+    world = rng.choice([1, 2, 3, 4])
+    caller_zigzag, zigzag = (world > 1 and rng.random() < 0.5 for _ in range(2))
+    local = rng.choice([4, 6, 8, 12])
+    n = local * world
+    docs = [0, *sorted(rng.sample(range(1, n), rng.randint(0, min(5, n - 1)))), n]
+    if rng.random() < 0.5:
+        docs.insert(1, docs[1])  # an empty document
+    plans = [plan_documents(docs, local, r, world, caller_zigzag, zigzag, _simple_shard(world, zigzag))
+             for r in range(world)]
+    values = torch.arange(n) + 100
+    shards = [values[undeal(r, torch.arange(local), local, world, caller_zigzag)] for r in range(world)]
+    rows = [torch.full((p.rows,), -1) for p in plans]
+    for r in range(world):
+        for peer in range(world):  # what a rank sends a peer, the peer expects, in the same order
+            assert len(plans[r].sends[peer]) == len(plans[peer].receives[r])
+            rows[peer][plans[peer].receives[r]] = shards[r][plans[r].sends[peer]]
+    for g in plans[0].groups:
+        for j, (a, b) in enumerate(g.spans):
+            whole = torch.full((g.shard * world,), -1)
+            for r in range(world):
+                whole[undeal(r, torch.arange(g.shard), g.shard, world, zigzag)] = \
+                    rows[r][g.first + j * g.shard:g.first + (j + 1) * g.shard]
+            expected = torch.full((g.shard * world,), -1)
+            expected[:b - a] = values[a:b]  # the document from its first row, then pad rows
+            assert torch.equal(whole, expected), (docs, world, g, j)
+    for r in range(world):
+        assert torch.equal(plans[r].pad_rows, rows[r] < 0)
+        back = torch.full((local,), -1)  # and back: the same lists read the other way
+        for peer in range(world):
+            back[plans[r].sends[peer]] = rows[peer][plans[peer].receives[r]]
+        assert torch.equal(back, shards[r])
+
+
+def _worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from dilated_attention import dilated_attention
+    from dilated_attention.comm import get_backend
+    from dilated_attention.testing.harness import Case, run_case
+
+    n = 16 * world
+    mixed = (0, 1, 1, 3, 16, n - 3, n)  # one token, empty, shorter than a segment, ends on a shard boundary
+    crossing = (0, 10, n - 4, n)  # a document longer than a shard, crossing shard (and zigzag chunk) boundaries
+    segments = ((4, 8, 16), (1, 2, 4))
+    cases = [Case("full-gqa", world, *segments, heads=4, kv_heads=2, batch=1, docs=mixed),
+             Case("causal-masked", world, *segments, causal=True, masked=True, heads=4, kv_heads=2, batch=1,
+                  docs=mixed, layout="transposed"),
+             Case("zigzag-shards-causal", world, *segments, causal=True, heads=4, kv_heads=2, batch=1, docs=crossing,
+                  shards="zigzag"),
+             Case("zigzag-shards-full", world, (4, 8, n), (1, 2, 4), heads=4, kv_heads=1, batch=1, docs=crossing,
+                  shards="zigzag"),
+             Case("spanning-grouped", world, (4, 8, n), (1, 2, 4), mode="grouped", causal=True, heads=6, kv_heads=3,
+                  batch=1, docs=crossing),
+             Case("head-chunks-bfloat16", world, *segments, causal=True, heads=4, kv_heads=2, batch=1, docs=mixed,
+                  head_chunks=True, dtype="bfloat16", dim=16)]
+    if world == 4:
+        cases.append(Case("hybrid", world, *segments, causal=True, masked=True, heads=8, kv_heads=4, batch=1,
+                          docs=mixed, strategy="hybrid"))
+    res: dict = {}
+    for i, case in enumerate(cases):
+        got, _ = run_case(case, "collective", dist.group.WORLD, torch.device("cpu"), 1400 + i)
+        res[case.name] = (got.ok, got.message)
+    q = torch.randn(1, 16, 2, 8, dtype=torch.float64)
+    try:  # without pad_to_segments, a document the patterns do not tile over the ranks raises, naming it
+        dilated_attention(q, q, q, [4, 8], [1, 2], comm=get_backend("collective"), strategy="ring",
+                          pad_to_segments=False, cu_seqlens=torch.tensor([0, 5, n], dtype=torch.int32))
+        res["unpadded"] = "no error"
+    except ValueError as exc:
+        res["unpadded"] = str(exc)
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_packed_rings_match_the_oracle(world):
+    for rank, res in enumerate(spawn_ranks(_worker, world)):
+        assert "a document of 5 rows" in res.pop("unpadded")
+        for name, (ok, message) in res.items():
+            assert ok, f"rank {rank}, {name}: {message}"
+
+
+def _log_uniform_documents(rng: random.Random, total: int, shortest: int) -> list[int]:
+    docs = [0]
+    while docs[-1] < total:
+        length = int(math.exp(rng.uniform(math.log(shortest), math.log(total))))
+        docs.append(min(total, docs[-1] + length))
+    return docs
+
+
+def rank_work(docs, world: int, segments, rates, zigzag: bool, heads: int = 16) -> tuple[list[int], list[int]]:
+    """The causal (query, key) pairs each rank computes for the packed row ``docs``, pad rows included (the
+    kernels run them) and of the documents' own rows alone, from the documents' layout and each group's plans."""
+    shard = document_shard(segments, rates, True, world, 1, heads, heads, zigzag)
+    work, useful = [0] * world, [0] * world
+    for g in plan_documents(docs, docs[-1] // world, 0, world, False, zigzag, shard).groups:
+        rows = g.shard * world
+        plans = plan_patterns(segments, rates, seq_len=rows, local_len=g.shard, num_heads=heads, num_kv_heads=heads,
+                              layout="zigzag" if zigzag else "contiguous")
+        for rank in range(world):
+            held = undeal(rank, torch.arange(g.shard), g.shard, world, zigzag)
+            for plan in plans:
+                at = held % plan.segment
+                for offset in plan.head_offsets(heads):
+                    query = at % plan.dilation == offset
+                    pairs = (at - offset) // plan.dilation + 1
+                    work[rank] += len(g.spans) * int(pairs[query].sum())
+                    useful[rank] += sum(int(pairs[query & (held < b - a)].sum()) for a, b in g.spans)
+    return work, useful
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_causal_packed_work_is_balanced(world):
+    """Documents of log-uniform lengths from 1,024 tokens to the whole row: the heaviest rank's work over the
+    mean, dealing each document in zigzag halves (what causal packed rings do) against consecutive blocks. The
+    work counts the pad rows a document's padded length adds (one device pads the same), which the kernels
+    compute; the documents' own rows alone are printed beside it (the pad rows end a document: zigzag deals them
+    to the first ranks' second halves)."""
+    total = 65536
+    longnet = ((2048, 8192, 32768, 65536), (1, 2, 4, 8))
+    full = ((total,), (1,))
+    for name, (segments, rates) in (("LongNet", longnet), ("full attention", full)):
+        for seed in range(3):
+            docs = _log_uniform_documents(random.Random(seed), total, 1024)
+            ratio = {}
+            for zigzag in (True, False):
+                for kind, work in zip(("all", "own"), rank_work(docs, world, segments, rates, zigzag)):
+                    ratio[zigzag, kind] = max(work) / (sum(work) / world)
+            print(f"K={world} {name} mix {seed} ({len(docs) - 1} documents): max/mean {ratio[True, 'all']:.3f} "
+                  f"(documents' own rows {ratio[True, 'own']:.3f}; dealt in consecutive blocks "
+                  f"{ratio[False, 'all']:.3f})")
+            assert ratio[True, "all"] <= 1.10
