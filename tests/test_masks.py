@@ -256,21 +256,21 @@ def test_head_strategy_pads_internally(ranks3):
             assert err <= 1e-10, (rank, name, err)
 
 
-def _ring_rejects_docs(rank, world):
+def _ring_rejects_untiled_docs(rank, world):
     from dilated_attention.comm import get_backend
 
     x = torch.randn(1, 8, 2, 8)
     try:
-        dilated_attention(x, x, x, [4], [1], comm=get_backend("collective"), strategy="ring",
-                          cu_seqlens=torch.tensor([0, 16], dtype=torch.int32))
+        dilated_attention(x, x, x, [4], [1], comm=get_backend("collective"), strategy="ring", pad_to_segments=False,
+                          cu_seqlens=torch.tensor([0, 5, 16], dtype=torch.int32))
     except ValueError as exc:
         return str(exc)
     return None
 
 
-def test_ring_strategy_refuses_cu_seqlens_on_every_rank():
-    for msg in spawn_ranks(_ring_rejects_docs, 2):
-        assert msg is not None and "strategy='head'" in msg
+def test_ring_refuses_untiled_documents_without_padding_on_every_rank():
+    for msg in spawn_ranks(_ring_rejects_untiled_docs, 2):
+        assert msg is not None and "a document of 5 rows" in msg and "pad_to_segments=True" in msg
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke of the benchmark script (Triton's interpreter "

@@ -8,9 +8,9 @@ storage offsets, zero strides, strided head dim, ...). Independently, about 30% 
 cases each (``OPTION_RATE``) add a ``key_padding_mask`` (a density, random padded
 runs, a padded tail: whole rows or segments padded at times), packed documents
 (``cu_seqlens`` with random lengths, zero-length ones and lengths the segments do
-not tile; batch 1; with several ranks the ``"head"`` strategy with the heads
-divisible by the ranks) and a sequence length the segments do not tile (internal
-padding; one device, or several ranks with the ``"head"`` strategy). Those cases
+not tile; batch 1) and a sequence length the segments do not tile (internal
+padding); with several ranks those run on any strategy, the heads divisible by
+the ranks. Those cases
 run on the kernels that take key masks (``MASK_KERNELS``). It is run through
 ``repro.run_spec``, so the first mismatch is already a repro file: replaying it
 runs the very same tensors (same strides, offsets and seeded values).
@@ -159,7 +159,7 @@ def random_spec(rng: random.Random, *, world: int = 1, kernels=CPU_KERNELS, dtyp
     if kernel == "fused" and dtype == "float64":
         dtype = "float32"  # the fused kernel has no fp64 path (auto would pick another kernel)
     low = dtype in ("bfloat16", "float16")
-    whole = world > 1 and (use_docs or untiled)  # the whole sequence on each rank: strategy "head"
+    whole = world > 1 and (use_docs or untiled)  # documents or padding: on the head strategy, or on rings
     heads = rng.choice([h for h in (1, 2, 3, 4, 6, 8) if not whole or h % world == 0])
     kv_heads = rng.choice(_divisors(heads))
     dim = rng.choice([32, 64] if kernel == "fused" else [8, 16, 32])
@@ -168,8 +168,8 @@ def random_spec(rng: random.Random, *, world: int = 1, kernels=CPU_KERNELS, dtyp
     m = rng.randint(1, min(3, heads) if mode == "grouped" else 3)
     kwargs: dict[str, Any] = {}
     if world > 1:
-        if whole:
-            strategy = rng.choice(["head", "auto"])  # auto is "head" when the heads divide over the ranks
+        if whole:  # (rings: each document dealt over the ranks, or the rows on padded shards)
+            strategy = rng.choice(["head", "auto", "ring"] + (["hybrid"] if hybrid_team_size(world, heads) else []))
         else:
             strategy = rng.choice(["auto", "auto", "ring"] + (["head"] if heads % world == 0 else [])
                                   + (["hybrid"] if hybrid_team_size(world, heads) else []))
