@@ -76,9 +76,9 @@ def auto_team_size(world: int, heads: int, kv_heads: int, *, causal: bool, spans
     """Ranks per all-to-all team for ``strategy="auto"`` (1: ring, ``world``: head, between: hybrid).
 
     ``spans``/``dense``: see ``pattern_spans``. ``local_world``: ranks per node (``LOCAL_WORLD_SIZE``,
-    0 unknown). ``layout``: how the shards hold the sequence. ``whole_sequence``: the call needs each
-    rank to hold whole documents or pads internally (``cu_seqlens``, segments that do not tile the
-    shards), which only head-parallel does. ``gpu``: the device's model name, whose own measured choices
+    0 unknown). ``layout``: how the shards hold the sequence. ``whole_sequence``: the segments do not
+    tile the shards, which head-parallel pads locally (a ring moves the rows to padded shards first).
+    Packed documents choose by the usual rule: every strategy runs them. ``gpu``: the device's model name, whose own measured choices
     apply where ``MEASURED_ON`` has them (else the 2 x H200 table). ``kv_heads`` does not change the
     choice: every measurement had ``kv_heads == heads``.
     """
@@ -91,7 +91,7 @@ def auto_team_size(world: int, heads: int, kv_heads: int, *, causal: bool, spans
         return 1
     head_ok = heads % world == 0
     if whole_sequence:
-        return world if head_ok else 1  # the ring then raises, naming the head strategy
+        return world if head_ok else 1  # else the ring, on padded shards
     if not spans:
         return 1  # every pattern is local: the ring exchanges nothing
     if MEASURED_ON.get(gpu, MEASURED)[dense, causal, layout] == "ring":

@@ -20,7 +20,7 @@ one row of ``batch * seq_len`` tokens (what ``DataCollatorWithFlattening`` makes
 ``cu_seq_lens_q``/``cu_seq_lens_k``; each document attends only to itself, its
 segments starting at its first token. Under torchrun each rank feeds its slice of
 the packed row and positions with the *global* offsets (a document may span
-ranks; the heads must divide over the ranks).
+ranks; every ``--strategy`` runs documents).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--kernel", default="auto")
+    p.add_argument("--strategy", choices=["auto", "ring", "head", "hybrid"], default="auto",
+                   help="how the ranks share the attention (dilated_attention's strategy=)")
     p.add_argument("--attn", choices=["dilated", "sdpa"], default="dilated",
                    help="sdpa: transformers' dense causal attention, for comparison (one process only)")
     p.add_argument("--packed", action="store_true",
@@ -80,9 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--attn {args.attn} runs on one process only (sequence parallelism needs dilated attention)")
     if args.seq_len % world:
         p.error(f"--seq-len ({args.seq_len}) must be divisible by the number of ranks ({world})")
-    if args.packed and world > 1 and (args.heads % world or args.kv_heads % world):
-        p.error(f"--packed with {world} ranks needs --heads ({args.heads}) and --kv-heads ({args.kv_heads}) "
-                f"divisible by the number of ranks (documents run head-parallel)")
     from dilated_attention.patterns import validate_patterns
 
     try:  # the patterns' own rules, checked before any process group exists
@@ -98,6 +97,7 @@ def build_model(args: argparse.Namespace, comm: CommBackend | None):
 
     if args.attn == "dilated":
         name = register_dilated_attention(args.segments, args.rates, comm=comm, kernel=args.kernel,
+                                          strategy=args.strategy,
                                           name="dilated_attention" if comm is None else "dilated_attention_sp")
     else:  # the dense causal baseline
         name = args.attn

@@ -39,15 +39,15 @@ of the group feeds its shard of the sequence and the shard's *global* positions,
 then sums parameter gradients over the group (``all_reduce_gradients``) before
 the optimizer step. Logits, loss and gradients equal single-device training.
 Packed documents under sequence parallelism: one row (batch 1), each rank feeds
-its slice of the packed ``position_ids`` (``shard_sequence(position_ids, comm)``)
-*and* the global document offsets, the same on every rank, as
-``cu_seq_lens_q=cu_seq_lens_k=cu`` (int32, ``[0, ..., N]``): a shard cannot see
-where the documents of the others start. Without them, the ranks check their
-positions together (one small all-gather per new ``position_ids`` tensor) and
-all raise a ``ValueError`` saying so when the positions restart anywhere in the
-global sequence, or when a shard past the first starts at position 0 (local
-positions fed by mistake). Documents need the whole sequence on every rank
-(``dilated_attention``'s ``"head"`` strategy: the heads divide over the ranks).
+its slice of the packed ``position_ids`` (``shard_sequence(position_ids, comm)``),
+and either the global document offsets, the same on every rank, as
+``cu_seq_lens_q=cu_seq_lens_k=cu`` (int32, ``[0, ..., N]``), or nothing more:
+where the positions restart, the ranks gather every shard's positions (one
+all-gather per new ``position_ids`` tensor) and find the documents on the whole
+row. A shard past the first that starts at position 0 while no shard restarts
+inside is taken for local positions fed by mistake, and every rank raises a
+``ValueError`` saying so. Documents run on every strategy (the ring deals each
+one over the ranks).
 
 What the attention cannot do raises a ``ValueError`` naming it: attention-weight
 dropout (``config.attention_dropout`` must be 0), a KV cache that makes the key
@@ -68,6 +68,7 @@ from torch import nn
 
 from .. import caches
 from ..comm import CommBackend, resolve_comm
+from ..distributed import shard_indices
 from ..functional import dilated_attention
 
 # Arguments of dilated_attention that this adapter sets from the model's call; every other
@@ -243,16 +244,18 @@ class DilatedAttentionForTransformers:
             return given
         if rows is None:
             return None
-        self._per_positions.get(positions, ("shards", bsz, n, padded), lambda: self._check_shards(rows, padded, like))
-        return None
+        return self._per_positions.get(positions, ("shards", bsz, n, padded),
+                                       lambda: self._check_shards(rows, padded, like))
 
-    def _check_shards(self, rows: torch.Tensor, padded: bool, like: torch.Tensor) -> None:
-        """Sequence parallel without document offsets: the shards' positions must continue each other.
+    def _check_shards(self, rows: torch.Tensor, padded: bool, like: torch.Tensor) -> torch.Tensor | None:
+        """Sequence parallel without document offsets: the packed row's document offsets, or ``None`` where the
+        shards' positions continue each other (one sequence).
 
         Every rank gathers a summary of every shard (batch size, restarts inside, first and last
         positions) and raises the same verdict, so none is left waiting in the next exchange:
-        a shard past the first fed local positions ``0..L-1`` (wrong RoPE, silently), or packed
-        documents, which need the global offsets.
+        a shard past the first fed local positions ``0..L-1`` (wrong RoPE, silently). Where the positions
+        restart (packed documents), the ranks gather every shard's positions and find the documents on the
+        whole row, as on one device.
         """
         backend = self.comm
         first, last = rows[:, 0].tolist(), rows[:, -1].tolist()
@@ -264,22 +267,26 @@ class DilatedAttentionForTransformers:
         if len({row[0] for row in table}) != 1:
             raise ValueError(f"sequence parallel: the ranks' batch sizes differ ({[row[0] for row in table]})")
         crossed = [r for r in range(1, len(table)) if table[r][3] != table[r - 1][4]]  # position breaks at a shard
+        inside_ranks = [r for r, row in enumerate(table) if row[1]]
         local = [r for r in crossed if table[r][2]]
-        if local:
+        if local and not inside_ranks:  # (in a packed row a rank may start with a document)
             raise ValueError(
                 f"sequence parallel: rank(s) {local} got position_ids starting at 0, but their shards start "
                 "further into the sequence; pass position_ids=shard_positions(seq_len, comm)[None] "
                 "(dilated_attention.distributed). If packed documents start there, pass their global offsets as "
                 "cu_seq_lens_q=cu_seq_lens_k=<int32 [0, ..., seq_len], the same on every rank> to the model call")
-        inside_ranks = [r for r, row in enumerate(table) if row[1]]
-        if (inside_ranks or crossed) and not padded:
-            raise ValueError(
-                f"sequence parallel: position_ids restart (packed documents) inside the shard(s) of rank(s) "
-                f"{inside_ranks} and at the start of rank(s) {crossed}, but each rank sees only its shard: pass the "
-                "global document offsets of the packed row, the same on every rank, as "
-                "cu_seq_lens_q=cu_seq_lens_k=<int32 [0, ..., seq_len]> to the model call (e.g. from "
-                "DataCollatorWithFlattening(return_flash_attn_kwargs=True) on the whole batch), with each rank's "
-                "slice of the packed position_ids (shard_sequence(position_ids, comm))")
+        if padded or not (inside_ranks or crossed):  # (transformers looks for documents only without padding)
+            return None
+        if rows.shape[0] != 1:
+            raise ValueError(f"packed documents with sequence parallelism need one packed row (batch size 1), got "
+                             f"batch size {rows.shape[0]}")
+        shards = backend.all_gather(rows[0].to(torch.int64).to(backend.collective_device(like)),
+                                    "position_ids of the packed row's shards").cpu()
+        world, n = shards.shape
+        whole = torch.empty(world * n, dtype=torch.int64)
+        for rank in range(world):
+            whole[shard_indices(world * n, world, rank, self.options.get("layout", "contiguous"))] = shards[rank]
+        return _offsets_from_positions(whole[None])
 
 
 # The oldest and newest minor releases tested: the attention and mask interfaces exist from 5.0 on, and the

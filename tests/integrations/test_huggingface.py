@@ -400,19 +400,26 @@ def _sp_worker(rank: int, world_size: int) -> dict:
     res["packed_logits_err"] = rel_err(gather_sequence(logits, comm), want)
     res["packed_grad_err"] = max(rel_err(p.grad, want_grads[n]) for n, p in sp.named_parameters())
 
-    # packed without the global offsets: every rank raises (a restart inside a shard; a document starting at one)
-    for case, positions in (("inside", ppos), ("boundary", torch.arange(64).repeat(2)[None])):
-        try:
-            sp(input_ids=shard_sequence(pids, comm), position_ids=shard_sequence(positions, comm))
-            res[f"packed_{case}"] = "no error"
-        except ValueError as exc:
-            res[f"packed_{case}"] = str(exc)
+    # packed without the global offsets, on the ring: the ranks find the documents from the gathered positions
+    ring = example.parse_args(["--seq-len", "64", "--segments", "16,64", "--rates", "1,2", "--strategy", "ring"])
+    sp_ring = example.build_model(ring, comm).double()
+    logits = sp_ring(input_ids=shard_sequence(pids, comm), position_ids=shard_sequence(ppos, comm)).logits
+    (logits * shard_sequence(pweight, comm)).sum().backward()
+    all_reduce_gradients(sp_ring, comm)
+    res["packed_ring_logits_err"] = rel_err(gather_sequence(logits, comm), want)
+    res["packed_ring_grad_err"] = max(rel_err(p.grad, want_grads[n]) for n, p in sp_ring.named_parameters())
+    # a document starting at a shard and no restart inside any: taken for local positions, every rank raises
+    try:
+        sp(input_ids=shard_sequence(pids, comm), position_ids=shard_sequence(torch.arange(64).repeat(2)[None], comm))
+        res["packed_boundary"] = "no error"
+    except ValueError as exc:
+        res["packed_boundary"] = str(exc)
 
     # the example's training loop: sequence parallel == single process, step for step (packed too)
     res["reference"] = example.train(args, None, cpu, log=quiet)
     res["losses"] = example.train(args, comm, cpu, log=quiet)
     packed = example.parse_args(["--steps", "3", "--seq-len", "64", "--segments", "16,64", "--rates", "1,2",
-                                 "--packed"])
+                                 "--packed", "--strategy", "ring"])
     res["packed_reference"] = example.train(packed, None, cpu, log=quiet)
     res["packed_losses"] = example.train(packed, comm, cpu, log=quiet)
     return res
@@ -445,10 +452,14 @@ def test_sequence_parallel_packed_documents_equal_single_process(sp_results):
         assert res["packed_grad_err"] <= 1e-9
 
 
-def test_sequence_parallel_packed_without_offsets_raises_on_every_rank(sp_results):
+def test_sequence_parallel_packed_positions_alone_run_on_the_ring(sp_results):
     for res in sp_results:
-        assert "position_ids restart (packed documents) inside the shard(s) of rank(s)" in res["packed_inside"]
-        assert "cu_seq_lens_q=cu_seq_lens_k=" in res["packed_inside"]
+        assert res["packed_ring_logits_err"] <= TOL
+        assert res["packed_ring_grad_err"] <= 1e-9
+
+
+def test_sequence_parallel_local_positions_without_restarts_raise_on_every_rank(sp_results):
+    for res in sp_results:
         assert "rank(s) [1] got position_ids starting at 0" in res["packed_boundary"]
         assert "If packed documents start there" in res["packed_boundary"]
 
