@@ -276,45 +276,49 @@ def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: C
     A document runs on the fewest rows per rank, at least its padded length in all, that the patterns tile
     (without ``pad_to_segments``, exactly its rows); causal calls deal documents in zigzag halves, which gives
     every rank the same share of each document's causal work."""
-    world, zigzag = backend.world_size, options.causal
+    world = backend.world_size
     shard = document_shard(options.segment_lengths, options.dilation_rates, options.pad_to_segments, world, team,
-                           q.shape[2], k.shape[2], zigzag)
-    documents = plan_documents(docs, q.shape[1], backend.rank, world, options.layout == "zigzag", zigzag, shard)
+                           q.shape[2], k.shape[2], options.causal)
+    documents = plan_documents(docs, q.shape[1], backend.rank, world, options.layout == "zigzag", shard)
     parts = []
     for i, g in enumerate(documents.groups):
         rows = (len(g.spans), g.shard)
         masked = g.pads or options.key_padding_mask is not None
         mask = torch.empty(rows, dtype=torch.bool, device=q.device) if masked else None
         group = options._replace(key_padding_mask=mask, cu_seqlens=None, pad_to_segments=False,
-                                 layout="zigzag" if zigzag else "contiguous")
+                                 layout="zigzag" if g.zigzag else "contiguous")
         parts.append(schedule(*(stand_in(x, (*rows, *x.shape[2:])) for x in (q, k, v)), backend, group,
                               record=record and i == 0, team=team))
     return documents, tuple(parts)
 
 
 def document_shard(segments: Sequence[int], rates: Sequence[int], pad: bool, world: int, team: int, heads: int,
-                   kv_heads: int, zigzag: bool) -> Callable[[int], int]:
-    """The rows per rank a document of ``rows`` rows runs on (``ring.documents``): the fewest, at least its padded
-    length in all, that the patterns tile, dealt in zigzag halves or not; without ``pad``, exactly its rows."""
-    shards = "zigzag" if zigzag else "contiguous"
+                   kv_heads: int, causal: bool) -> Callable[[int], tuple[int, bool]]:
+    """How a document of ``rows`` rows runs on a ring (``ring.documents``): the rows per rank, the fewest, at least
+    its padded length in all, that the patterns tile (without ``pad``, exactly its rows), and whether it is dealt in
+    zigzag halves (causal calls, where the patterns tile the halves; else consecutive blocks)."""
 
-    def fits(rows: int) -> bool:
-        return ring_plans(segments, rates, rows * world, rows * team, heads, kv_heads, shards)
+    def fits(rows: int, zigzag: bool) -> bool:
+        return ring_plans(segments, rates, rows * world, rows * team, heads, kv_heads,
+                          "zigzag" if zigzag else "contiguous")
 
     @functools.cache
-    def shard(rows: int) -> int:
+    def shard(rows: int) -> tuple[int, bool]:
+        least = padded_length(segments, rates, rows) if pad else rows
+        for zigzag in (True, False)[0 if causal and world > 1 else 1:]:
+            if not pad:
+                if rows % world == 0 and fits(rows // world, zigzag):
+                    return rows // world, zigzag
+                continue
+            found = padded_shard(lambda s: s * world >= least and fits(s, zigzag), -(-least // world), world, least,
+                                 segments, rates)
+            if found is not None:
+                return found, zigzag
         if not pad:
-            if rows % world or not fits(rows // world):
-                raise ValueError(f"cu_seqlens: a document of {rows} rows is not {world} shards (the ranks) that the "
-                                 "patterns tile, and pad_to_segments=False; pad_to_segments=True pads it")
-            return rows // world
-        least = padded_length(segments, rates, rows)
-        found = padded_shard(lambda s: s * world >= least and fits(s), -(-least // world), world, least, segments,
-                             rates)
-        if found is None:
-            raise ValueError(f"cu_seqlens: no shard the patterns tile holds a document of {rows} rows over {world} "
-                             f"ranks (segment_lengths={list(segments)}, dilation_rates={list(rates)})")
-        return found
+            raise ValueError(f"cu_seqlens: a document of {rows} rows is not {world} shards (the ranks) that the "
+                             "patterns tile, and pad_to_segments=False; pad_to_segments=True pads it")
+        raise ValueError(f"cu_seqlens: no shard the patterns tile holds a document of {rows} rows over {world} "
+                         f"ranks (segment_lengths={list(segments)}, dilation_rates={list(rates)})")
 
     return shard
 

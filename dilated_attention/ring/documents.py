@@ -24,24 +24,29 @@ from dataclasses import dataclass, field
 import torch
 
 
-def deal(position: torch.Tensor, shard, world: int, zigzag: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rank, row)`` holding each ``position`` of a sequence dealt in shards of ``shard`` rows (a number, or one
-    per position) over ``world`` ranks: consecutive blocks, or (``zigzag``) chunks ``j`` and ``2 world - 1 - j``
-    of ``2 world`` on rank ``j``."""
-    if not zigzag:
-        return position // shard, position % shard
-    half = shard // 2
+def deal(position: torch.Tensor, shard, world: int, zigzag) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rank, row)`` holding each ``position`` of a sequence dealt in shards of ``shard`` rows over ``world``
+    ranks: consecutive blocks, or (``zigzag``) chunks ``j`` and ``2 world - 1 - j`` of ``2 world`` on rank ``j``.
+    ``shard`` and ``zigzag``: one for all, or one per position (a tensor)."""
+    rank, row = position // shard, position % shard
+    if zigzag is False:
+        return rank, row
+    zigzag = torch.as_tensor(zigzag)
+    half = torch.clamp(torch.as_tensor(shard) // 2, min=1)
     chunk = position // half
     first = chunk < world
-    return torch.where(first, chunk, 2 * world - 1 - chunk), position % half + torch.where(first, 0, half)
+    zigzag_rank, zigzag_row = torch.where(first, chunk, 2 * world - 1 - chunk), position % half + ~first * half
+    return torch.where(zigzag, zigzag_rank, rank), torch.where(zigzag, zigzag_row, row)
 
 
-def undeal(rank: int, row: torch.Tensor, shard, world: int, zigzag: bool) -> torch.Tensor:
+def undeal(rank: int, row: torch.Tensor, shard, world: int, zigzag) -> torch.Tensor:
     """The position of ``rank``'s ``row`` (the inverse of ``deal``)."""
-    if not zigzag:
-        return rank * shard + row
-    half = shard // 2
-    return torch.where(row < half, rank, 2 * world - 1 - rank) * half + row % half
+    position = rank * shard + row
+    if zigzag is False:
+        return position
+    zigzag = torch.as_tensor(zigzag)
+    half = torch.clamp(torch.as_tensor(shard) // 2, min=1)
+    return torch.where(zigzag, torch.where(row < half, rank, 2 * world - 1 - rank) * half + row % half, position)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Group:
     """Documents run as the batch rows of one ring call: each padded to ``world * shard`` rows."""
 
     shard: int  # rows per rank of each document
+    zigzag: bool  # documents dealt in zigzag halves
     spans: tuple[tuple[int, int], ...]  # the documents, as packed rows ``[start, end)``
     first: int  # the group's first row in a rank's document rows (``Documents.rows``)
     pads: bool  # some document is shorter than ``world * shard`` rows
@@ -86,34 +92,35 @@ class Documents:
         return self._on[device]
 
 
-def plan_documents(docs: Sequence[int], local: int, rank: int, world: int, caller_zigzag: bool, zigzag: bool,
-                   shard: Callable[[int], int]) -> Documents:
+def plan_documents(docs: Sequence[int], local: int, rank: int, world: int, caller_zigzag: bool,
+                   shard: Callable[[int], tuple[int, bool]]) -> Documents:
     """Rank ``rank``'s ``Documents`` of the packed row ``docs`` (cu_seqlens) held in shards of ``local`` rows
     (``caller_zigzag``: the caller's zigzag layout); ``shard(rows)``: the rows per rank that a document of ``rows``
-    rows runs on; ``zigzag``: documents dealt in zigzag halves."""
+    rows runs on, and whether it is dealt in zigzag halves."""
     spans = [(a, b) for a, b in zip(docs, docs[1:]) if b > a]
-    by_shard: dict[int, list[tuple[int, int]]] = {}
+    by_shard: dict[tuple[int, bool], list[tuple[int, int]]] = {}
     for a, b in spans:
         by_shard.setdefault(shard(b - a), []).append((a, b))
     groups, first = [], 0
-    for s, members in sorted(by_shard.items()):
-        groups.append(Group(s, tuple(members), first, any(b - a != s * world for a, b in members)))
+    for (s, zigzag), members in sorted(by_shard.items()):
+        groups.append(Group(s, zigzag, tuple(members), first, any(b - a != s * world for a, b in members)))
         first += len(members) * s
     rows = first
-    # per document, in packed order: first packed row, length, shard, first document row
-    at = {a: (g.shard, g.first + j * g.shard) for g in groups for j, (a, _) in enumerate(g.spans)}
+    # per document, in packed order: first packed row, length, shard, zigzag, first document row
+    at = {a: (g.shard, g.zigzag, g.first + j * g.shard) for g in groups for j, (a, _) in enumerate(g.spans)}
     start, end = torch.tensor(spans).T.contiguous()
     length = end - start
-    size, place = torch.tensor([at[a] for a, _ in spans]).T.contiguous()
+    size, zigzag, place = torch.tensor([at[a] for a, _ in spans]).T.contiguous()
+    zigzag = zigzag.bool()
     # this rank's caller rows: each one's receiver * rows + document row there
     mine = undeal(rank, torch.arange(local), local, world, caller_zigzag)  # their packed positions
     doc = torch.searchsorted(start, mine, right=True) - 1
-    owner, row = deal(mine - start[doc], size[doc], world, zigzag)
+    owner, row = deal(mine - start[doc], size[doc], world, zigzag[doc])
     target = owner * rows + place[doc] + row
     # this rank's document rows: each one's sender * local + caller row, or -1 for a pad row
     order = torch.argsort(place)
     doc = torch.repeat_interleave(order, size[order])
-    offset = undeal(rank, torch.arange(rows) - place[doc], size[doc], world, zigzag)
+    offset = undeal(rank, torch.arange(rows) - place[doc], size[doc], world, zigzag[doc])
     sender, held = deal(start[doc] + offset, local, world, caller_zigzag)
     source = torch.where(offset < length[doc], sender * local + held, -1)
     sends = tuple(torch.nonzero(target // rows == p).flatten() for p in range(world))

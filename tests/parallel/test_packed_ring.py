@@ -9,6 +9,7 @@ each document alone. The balance of causal work is counted from the plans alone 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -21,10 +22,12 @@ from dilated_attention.ring.documents import plan_documents, undeal
 from dilated_attention.testing.spawn import spawn_ranks
 
 
-def _simple_shard(world: int, zigzag: bool):
-    def shard(rows: int) -> int:
+def _simple_shard(world: int, rng: random.Random):
+    """Any shard that holds a document, dealt in zigzag halves or not at random (both in one call)."""
+    def shard(rows: int) -> tuple[int, bool]:
         s = -(-rows // world)
-        return max(s + s % 2, 2) if zigzag else s
+        zigzag = world > 1 and rng.random() < 0.5
+        return (max(s + s % 2, 2) if zigzag else s), zigzag
     return shard
 
 
@@ -32,14 +35,14 @@ def _simple_shard(world: int, zigzag: bool):
 def test_every_row_lands_once_where_its_document_runs(seed):
     rng = random.Random(seed)
     world = rng.choice([1, 2, 3, 4])
-    caller_zigzag, zigzag = (world > 1 and rng.random() < 0.5 for _ in range(2))
+    caller_zigzag = world > 1 and rng.random() < 0.5
     local = rng.choice([4, 6, 8, 12])
     n = local * world
     docs = [0, *sorted(rng.sample(range(1, n), rng.randint(0, min(5, n - 1)))), n]
     if rng.random() < 0.5:
         docs.insert(1, docs[1])  # an empty document
-    plans = [plan_documents(docs, local, r, world, caller_zigzag, zigzag, _simple_shard(world, zigzag))
-             for r in range(world)]
+    shard = functools.cache(_simple_shard(world, rng))  # (the same choices on every rank)
+    plans = [plan_documents(docs, local, r, world, caller_zigzag, shard) for r in range(world)]
     values = torch.arange(n) + 100
     shards = [values[undeal(r, torch.arange(local), local, world, caller_zigzag)] for r in range(world)]
     rows = [torch.full((p.rows,), -1) for p in plans]
@@ -51,7 +54,7 @@ def test_every_row_lands_once_where_its_document_runs(seed):
         for j, (a, b) in enumerate(g.spans):
             whole = torch.full((g.shard * world,), -1)
             for r in range(world):
-                whole[undeal(r, torch.arange(g.shard), g.shard, world, zigzag)] = \
+                whole[undeal(r, torch.arange(g.shard), g.shard, world, g.zigzag)] = \
                     rows[r][g.first + j * g.shard:g.first + (j + 1) * g.shard]
             expected = torch.full((g.shard * world,), -1)
             expected[:b - a] = values[a:b]  # the document from its first row, then pad rows
@@ -86,6 +89,9 @@ def _worker(rank: int, world: int) -> dict:
                   batch=1, docs=crossing),
              Case("head-chunks-bfloat16", world, *segments, causal=True, heads=4, kv_heads=2, batch=1, docs=mixed,
                   head_chunks=True, dtype="bfloat16", dim=16)]
+    if world == 3:  # a 9-row document whose zigzag halves no shard tiles: dealt in consecutive blocks
+        cases.append(Case("zigzag-untileable", world, (2, 24, 6), (1, 1, 3), causal=True, masked=True, heads=3,
+                          kv_heads=3, batch=1, local_len=25, docs=(0, 55, 64, 75)))
     if world == 4:
         cases.append(Case("hybrid", world, *segments, causal=True, masked=True, heads=8, kv_heads=4, batch=1,
                           docs=mixed, strategy="hybrid"))
@@ -122,14 +128,14 @@ def _log_uniform_documents(rng: random.Random, total: int, shortest: int) -> lis
 def rank_work(docs, world: int, segments, rates, zigzag: bool, heads: int = 16) -> tuple[list[int], list[int]]:
     """The causal (query, key) pairs each rank computes for the packed row ``docs``, pad rows included (the
     kernels run them) and of the documents' own rows alone, from the documents' layout and each group's plans."""
-    shard = document_shard(segments, rates, True, world, 1, heads, heads, zigzag)
+    shard = document_shard(segments, rates, True, world, 1, heads, heads, causal=zigzag)
     work, useful = [0] * world, [0] * world
-    for g in plan_documents(docs, docs[-1] // world, 0, world, False, zigzag, shard).groups:
+    for g in plan_documents(docs, docs[-1] // world, 0, world, False, shard).groups:
         rows = g.shard * world
         plans = plan_patterns(segments, rates, seq_len=rows, local_len=g.shard, num_heads=heads, num_kv_heads=heads,
-                              layout="zigzag" if zigzag else "contiguous")
+                              layout="zigzag" if g.zigzag else "contiguous")
         for rank in range(world):
-            held = undeal(rank, torch.arange(g.shard), g.shard, world, zigzag)
+            held = undeal(rank, torch.arange(g.shard), g.shard, world, g.zigzag)
             for plan in plans:
                 at = held % plan.segment
                 for offset in plan.head_offsets(heads):
