@@ -68,6 +68,10 @@ class Schedule:
             return tuple(RingCall(r, None, 0) for r in batch.rings)
         return tuple(RingCall(r, self.backend, call) for r in self.blocks)
 
+    def on(self, backend: CommBackend | None) -> Schedule:
+        """This schedule with ``backend`` (a kept schedule holds none: no cycle keeps the process group alive)."""
+        return replace(self, backend=backend, parts=tuple(p.on(backend) for p in self.parts))
+
     def chunk(self, i: int) -> Schedule:
         """Head chunk ``i`` alone, on tensors holding only its heads (a head strategy's chunked swap)."""
         batches = None if self.batches is None else \
@@ -339,6 +343,9 @@ def head_chunks(q, split: HeadSplit, rows: int, causal: bool, routes: Callable[[
 
 
 SCHEDULES = caches.table("planning.schedules", 256)
+# packed calls' schedules: a batch's layers share one, the next batch brings other documents (and each holds index
+# tensors of its rows' moves on the device): a few kept
+DOCUMENT_SCHEDULES = caches.table("planning.document_schedules", 2)
 # environment the kernel choice reads (auto's nondeterministic entries; the fused kernel on CPU tensors)
 KERNEL_CHOICE_ENV = ("DILATED_ATTENTION_NONDETERMINISTIC", "TRITON_INTERPRET")
 
@@ -352,12 +359,13 @@ class CallState:
     ``(schedule, signature text)`` (``prepare``). Held here, not by the backend, which only moves bytes; keyed by
     the backend's identity and dropped with it (``call_state``), so that nothing keeps its process group alive."""
 
-    __slots__ = ("calls", "agreed", "schedules")
+    __slots__ = ("calls", "agreed", "schedules", "documents")
 
     def __init__(self) -> None:
         self.calls = 0
         self.agreed: set[str] = set()
         self.schedules = caches.Table(SCHEDULES_KEPT)
+        self.documents = caches.Table(DOCUMENT_SCHEDULES.kept)  # packed calls (``DOCUMENT_SCHEDULES``)
 
 
 _STATES: dict[int, CallState] = {}  # by id(backend); an entry goes with its backend (weakref.finalize)
@@ -379,25 +387,31 @@ def _fullest_schedules() -> int:
 def _clear_schedules() -> None:
     for state in list(_STATES.values()):
         state.schedules.clear()
+        state.documents.clear()
 
 
 caches.register("planning.backend_schedules", _fullest_schedules, SCHEDULES_KEPT, _clear_schedules)
 
 
 def schedule_key(q, k, v, options: CallOptions) -> tuple | None:
-    """Everything a single-device call's ``schedule`` reads, as a key, or ``None`` where it reads more (a key
-    mask or documents: their values; a kernel hook: it may record each call). Validating and planning a call costs
-    about 0.2 ms of host time (0.6 ms with ``comm``, and 0.2 more for the signature), and a LongNet forward is
-    host-bound: a training loop's repeated calls reuse the schedule (``prepare`` adds what a call with ``comm``
-    reads besides). Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
-    property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment), and
-    the environment variables the kernel choice reads, the head-chunk rule's settings (``memory.py``) and the routes'
-    (``ring.routes.Tuning``)."""
-    if options.key_padding_mask is not None or options.cu_seqlens is not None or hooks.active():
+    """Everything a call's ``schedule`` reads, as a key, or ``None`` where it reads more (a key mask: its values; a
+    kernel hook: it may record each call). Validating and planning a call costs about 0.2 ms of host time (0.6 ms
+    with ``comm``, and 0.2 more for the signature; packed documents on a ring several ms), and a LongNet forward is
+    host-bound: a training loop's repeated calls reuse the schedule (``prepare`` adds what a call with ``comm`` reads
+    besides). Values carry their types (``True == 1`` must not pass for a valid segment length), tensors every
+    property the checks and the kernel choice read (type, shape, strides, dtype, device, address alignment),
+    document offsets their values, and the environment variables the kernel choice reads, the head-chunk rule's
+    settings (``memory.py``) and the routes' (``ring.routes.Tuning``)."""
+    if options.key_padding_mask is not None or hooks.active():
         return None
     # (tensor subclasses and torch.func's wrapped tensors, which have no storage: planned every time)
     if not all(type(t) is torch.Tensor for t in (q, k, v)) or torch._C._are_functorch_transforms_active():
         return None
+    docs = options.cu_seqlens
+    if docs is not None:  # (read on the host by the call's checks anyway)
+        if type(docs) is not torch.Tensor or docs.dtype != torch.int32 or docs.dim() != 1:
+            return None
+        options = options._replace(cu_seqlens=(layout_key(docs), tuple(docs.tolist())))
     try:
         key = (*map(layout_key, (q, k, v)), *map(typed, options),
                *(os.environ.get(name) for name in KERNEL_CHOICE_ENV), memory.BOUND.key, routes.TUNING)
@@ -417,20 +431,22 @@ def prepare(q, k, v, backend: CommBackend | None, requires_grad: list[bool] | No
     """
     key = schedule_key(q, k, v, options)
     if backend is None:
-        spec = SCHEDULES.get(key) if key is not None else None
+        kept = SCHEDULES if options.cu_seqlens is None else DOCUMENT_SCHEDULES
+        spec = kept.get(key) if key is not None else None
         if spec is None:
             spec = schedule(q, k, v, None, options)
             if key is not None:
-                SCHEDULES[key] = spec
+                kept[key] = spec
         return spec, 0
     if key is not None:  # the signature also reads whether a backward follows (the table is the backend's)
         grads = tuple(requires_grad) if requires_grad is not None else tuple(t.requires_grad for t in (q, k, v))
         key = (*key, torch.is_grad_enabled(), grads)
     state = call_state(backend)
-    cached = state.schedules.get(key) if key is not None else None
+    kept = state.schedules if options.cu_seqlens is None else state.documents
+    cached = kept.get(key) if key is not None else None
     spec = text = error = None
     if cached is not None:
-        spec, text = replace(cached[0], backend=backend), cached[1]
+        spec, text = cached[0].on(backend), cached[1]
     else:
         try:
             spec = schedule(q, k, v, backend, options)
@@ -444,7 +460,7 @@ def prepare(q, k, v, backend: CommBackend | None, requires_grad: list[bool] | No
     elif error is not None:
         raise error
     if key is not None and error is None and (cached is None or cached[1] is not text):
-        state.schedules[key] = (replace(spec, backend=None), text)  # (no cycle holding the process group)
+        kept[key] = (spec.on(None), text)
     return spec, state.calls
 
 

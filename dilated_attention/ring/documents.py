@@ -123,9 +123,9 @@ def plan_documents(docs: Sequence[int], local: int, rank: int, world: int, calle
     offset = undeal(rank, torch.arange(rows) - place[doc], size[doc], world, zigzag[doc])
     sender, held = deal(start[doc] + offset, local, world, caller_zigzag)
     source = torch.where(offset < length[doc], sender * local + held, -1)
-    sends = tuple(torch.nonzero(target // rows == p).flatten() for p in range(world))
-    receives = []
-    for p in range(world):
-        landing = torch.nonzero((source >= 0) & (source // local == p)).flatten()
-        receives.append(landing[torch.argsort(source[landing] % local)])  # in the order the sender sends
-    return Documents(local, tuple(groups), sends, tuple(receives), source < 0)
+    receiver = target // rows  # (a stable sort keeps each peer's rows ascending, the order it expects them in)
+    sends = torch.argsort(receiver, stable=True).split(torch.bincount(receiver, minlength=world).tolist())
+    real = torch.nonzero(source >= 0).flatten()
+    arriving = real[torch.argsort(source[real])]  # by sender, then by the sender's row: the order it sends in
+    receives = arriving.split(torch.bincount(source[real] // local, minlength=world).tolist())
+    return Documents(local, tuple(groups), sends, receives, source < 0)
