@@ -300,24 +300,28 @@ def document_shard(segments: Sequence[int], rates: Sequence[int], pad: bool, wor
                    kv_heads: int, causal: bool) -> Callable[[int], tuple[int, bool]]:
     """How a document of ``rows`` rows runs on a ring (``ring.documents``): the rows per rank, the fewest, at least
     its padded length in all, that the patterns tile (without ``pad``, exactly its rows), and whether it is dealt in
-    zigzag halves (causal calls, where the patterns tile the halves; else consecutive blocks)."""
+    zigzag halves (causal calls, where the patterns tile the halves at little cost; else consecutive blocks)."""
 
     def fits(rows: int, zigzag: bool) -> bool:
         return ring_plans(segments, rates, rows * world, rows * team, heads, kv_heads,
                           "zigzag" if zigzag else "contiguous")
 
+    def fewest(rows: int, least: int, zigzag: bool) -> int | None:
+        if not pad:
+            return rows // world if rows % world == 0 and fits(rows // world, zigzag) else None
+        return padded_shard(lambda s: s * world >= least and fits(s, zigzag), -(-least // world), world, least,
+                            segments, rates)
+
     @functools.cache
     def shard(rows: int) -> tuple[int, bool]:
         least = padded_length(segments, rates, rows) if pad else rows
-        for zigzag in (True, False)[0 if causal and world > 1 else 1:]:
-            if not pad:
-                if rows % world == 0 and fits(rows // world, zigzag):
-                    return rows // world, zigzag
-                continue
-            found = padded_shard(lambda s: s * world >= least and fits(s, zigzag), -(-least // world), world, least,
-                                 segments, rates)
-            if found is not None:
-                return found, zigzag
+        blocks = fewest(rows, least, False)
+        halves = fewest(rows, least, True) if causal and world > 1 else None
+        # zigzag where it costs at most an eighth more rows (the balance it buys is worth more than that)
+        if halves is not None and (blocks is None or 8 * halves <= 9 * blocks):
+            return halves, True
+        if blocks is not None:
+            return blocks, False
         if not pad:
             raise ValueError(f"cu_seqlens: a document of {rows} rows is not {world} shards (the ranks) that the "
                              "patterns tile, and pad_to_segments=False; pad_to_segments=True pads it")

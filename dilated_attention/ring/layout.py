@@ -164,15 +164,15 @@ class Padded:
 def padded_shard(fits, local: int, world: int, least: int, segments: Sequence[int], rates: Sequence[int] = (1,)
                  ) -> int | None:
     """The fewest rows ``>= local`` per shard, ``world`` shards holding at least ``least`` rows, for which
-    ``fits(shard)`` (the patterns tile such shards); ``None`` if none up to four times the rows needed.
+    ``fits(shard)`` (the patterns tile such shards) among the candidates below; ``None`` if none fits.
 
     A pattern local to a shard must tile it (a multiple of the shortest segment it holds) and a spanning one must be
     whole shards: so the candidates are the multiples of the shortest segment and its divisors, and, where every
     segment is clamped to a sequence shorter than the shortest, the multiples of the dilations' least common
-    multiple (any such length is tiled then)."""
+    multiple (any such length is tiled then); last, the first multiple of every segment (every pattern local)."""
     first, w = max(local, -(-least // world)), min(segments)
-    step = math.lcm(*rates)
+    step, every = math.lcm(*rates), math.lcm(*segments)
     clamped = range(-(-first // step) * step, min(-(-w // world), first + 8 * step), step)
     candidates = sorted({d for d in range(1, w + 1) if w % d == 0 and d >= first} | set(clamped)
-                        | set(range(-(-first // w) * w, 4 * max(first, w) + 1, w)))
+                        | set(range(-(-first // w) * w, 4 * max(first, w) + 1, w)) | {-(-first // every) * every})
     return next((shard for shard in candidates if fits(shard)), None)

@@ -92,7 +92,9 @@ def _worker(rank: int, world: int) -> dict:
     if world == 3:  # a 9-row document whose zigzag halves no shard tiles: dealt in consecutive blocks
         cases.append(Case("zigzag-untileable", world, (2, 24, 6), (1, 1, 3), causal=True, masked=True, heads=3,
                           kv_heads=3, batch=1, local_len=25, docs=(0, 55, 64, 75)))
-    if world == 4:
+    if world == 4:  # a 2-row document that only shards of every segment's multiple tile (48 rows a rank)
+        cases.append(Case("every-segment-local", world, (16, 12, 3), (1, 4, 1), masked=True, heads=4, kv_heads=4,
+                          batch=1, local_len=6, docs=(0, 2, 8, 20, 20, 24)))
         cases.append(Case("hybrid", world, *segments, causal=True, masked=True, heads=8, kv_heads=4, batch=1,
                           docs=mixed, strategy="hybrid"))
     res: dict = {}

@@ -72,6 +72,9 @@ def _worker(rank: int, world: int) -> dict:
              Case("head-chunks", world, (8, n), (1, 2), heads=8, kv_heads=4, head_chunks=True, local_len=18)]
     if world == 4:
         cases.append(Case("hybrid", world, (8, n), (1, 2), causal=True, strategy="hybrid", local_len=18))
+    if world == 3:  # 30 rows that only shards of 192 tile (every pattern local: 64 divides no shorter length)
+        cases.append(Case("every-segment-local", world, (12, 64), (3, 8), causal=True, masked=True, heads=4,
+                          kv_heads=2, local_len=10, dtype="float32"))
     res: dict = {}
     with recorded_exchanges("padded shards") as moves:
         for i, case in enumerate(cases):
