@@ -21,9 +21,10 @@ from dilated_attention.testing.spawn import spawn_ranks
 
 SEGMENTS, RATES = [16, 32, 128, 256], [1, 2, 4, 8]  # LongNet on 128 rows per rank: the last pattern spans both
 # ops dispatched around the kernels per forward+backward on a rank (non-causal: a ring of two steps; causal: the
-# spanning pattern swapped for heads, ``ring/swapped.py``), as measured. A bound is the measurement: raised only in
-# a commit that explains why.
-BUDGET = {False: 159, True: 281}
+# spanning pattern swapped for heads, ``ring/swapped.py``; packed: causal documents, ``ring/documents.py``), as
+# measured. A bound is the measurement: raised only in a commit that explains why.
+BUDGET = {False: 159, True: 281, "packed": 1140}  # packed: two groups of documents, each a ring call
+DOCUMENTS = (0, 40, 100, 190, 256)  # causal documents crossing the shard boundary (128 rows a rank)
 
 needs_triton = pytest.mark.skipif(merge.triton is None or not merge.interpreting(),
                                   reason="counts on CPU: needs Triton's interpreter (TRITON_INTERPRET=1, as without "
@@ -49,12 +50,14 @@ def _count_step(rank: int, world: int) -> dict:
         module.launch = launch
     rows = 128
     result = {}
-    for causal in (False, True):
+    for case in (False, True, "packed"):
+        causal = bool(case)
         g = torch.Generator().manual_seed(5801 + causal)  # the same global inputs on every rank
         q, k, v, dout = (torch.randn(1, rows * world, 4, 16, generator=g) for _ in range(4))
         mine = slice(rank * rows, (rank + 1) * rows)
         leaves = [x[:, mine].clone().requires_grad_() for x in (q, k, v)]
-        kw = dict(causal=causal, kernel="fused", comm="collective", strategy="ring")
+        docs = {"cu_seqlens": torch.tensor(DOCUMENTS, dtype=torch.int32)} if case == "packed" else {}
+        kw = dict(causal=causal, kernel="fused", comm="collective", strategy="ring", **docs)
         # one call first: plans, tables and replays of this configuration made and cached (a second changes no count)
         dilated_attention(*leaves, SEGMENTS, RATES, **kw).backward(dout[:, mine])
         for x in leaves:
@@ -65,21 +68,21 @@ def _count_step(rank: int, world: int) -> dict:
             out.backward(dout[:, mine])
         mode[0] = None
         ref = [x.double().requires_grad_() for x in (q, k, v)]
-        want = dense_dilated_attention(*ref, SEGMENTS, RATES, causal=causal)
+        want = dense_dilated_attention(*ref, SEGMENTS, RATES, causal=causal, **docs)
         want.backward(dout.double())
         for name, got, exp in (("out", out, want), *zip(("dq", "dk", "dv"), (x.grad for x in leaves),
                                                          (x.grad for x in ref))):
             exp = exp[:, mine]
             assert_within_rule(name, got, exp, exp.float(), context=f"rank {rank}, causal={causal}")
-        result[str(causal)] = [counted.total(), counted.most(6)]
+        result[str(case)] = [counted.total(), counted.most(6)]
     return result
 
 
 @needs_triton
 def test_a_two_rank_longnet_ring_step_dispatches_no_more_operations_than_its_budget():
     for rank, counts in enumerate(spawn_ranks(_count_step, 2)):
-        for causal in (False, True):
-            total, most = counts[str(causal)]
-            assert 0 < total <= BUDGET[causal], (
-                f"rank {rank}: one LongNet ring forward+backward (causal={causal}) dispatched {total} operations "
-                f"around its kernels, over its budget of {BUDGET[causal]}; most: {most}")
+        for case in (False, True, "packed"):
+            total, most = counts[str(case)]
+            assert 0 < total <= BUDGET[case], (
+                f"rank {rank}: one LongNet ring forward+backward ({case=}) dispatched {total} operations "
+                f"around its kernels, over its budget of {BUDGET[case]}; most: {most}")
