@@ -302,9 +302,9 @@ def document_shard(segments: Sequence[int], rates: Sequence[int], pad: bool, wor
     its padded length in all, that the patterns tile (without ``pad``, exactly its rows), and whether it is dealt in
     zigzag halves (causal calls, where the patterns tile the halves at little cost; else consecutive blocks)."""
 
-    def fits(rows: int, zigzag: bool) -> bool:
-        return ring_plans(segments, rates, rows * world, rows * team, heads, kv_heads,
-                          "zigzag" if zigzag else "contiguous")
+    def fits(rows: int, zigzag: bool) -> bool:  # (zigzag: each rank's rows are two halves)
+        return (not zigzag or rows % 2 == 0) and ring_plans(segments, rates, rows * world, rows * team, heads,
+                                                             kv_heads, "zigzag" if zigzag else "contiguous")
 
     def fewest(rows: int, least: int, zigzag: bool) -> int | None:
         if not pad:

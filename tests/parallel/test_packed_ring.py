@@ -95,6 +95,8 @@ def _worker(rank: int, world: int) -> dict:
     if world == 4:  # a 2-row document that only shards of every segment's multiple tile (48 rows a rank)
         cases.append(Case("every-segment-local", world, (16, 12, 3), (1, 4, 1), masked=True, heads=4, kv_heads=4,
                           batch=1, local_len=6, docs=(0, 2, 8, 20, 20, 24)))
+        cases.append(Case("hybrid-odd-shards", world, (8, 12), (1, 1), causal=True, masked=True, heads=8, kv_heads=4,
+                          batch=1, local_len=11, docs=(0, 2, 2, 25, 31, 44), strategy="hybrid", dtype="float32"))
         cases.append(Case("hybrid", world, *segments, causal=True, masked=True, heads=8, kv_heads=4, batch=1,
                           docs=mixed, strategy="hybrid"))
     res: dict = {}
