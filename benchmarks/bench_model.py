@@ -121,6 +121,7 @@ from gpu_tag import gpu_tag, package_versions  # noqa: E402
 VARIANTS = ("ours", "sdpa", "sdpa_cudnn", "flash4", "ulysses", "torch_cp")
 DENSE = ("sdpa", "sdpa_cudnn", "flash4", "ulysses", "torch_cp")
 ONE_GPU_DENSE = ("sdpa", "sdpa_cudnn", "flash4")
+PACKED = ("ours", "flash4")  # the variants that take packed documents (flash-attention's varlen keywords)
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "mlp": 96, "vocab": 160,
         "seq_lens": [256], "first_segment": 32, "warmup": 1, "steps": 2, "loss_chunk": 64, "mlp_tile": 48}
 PENDING = "started but never finished: the job hung or crashed here (an out-of-memory on one rank while the " \
@@ -177,6 +178,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ulysses-impl", choices=["auto", "deepspeed", "plain"], default="auto",
                    help="ulysses: DeepSpeed's UlyssesSPAttentionHF (auto: where it imports) or the plain all-to-all")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--packed", action="store_true",
+                   help=f"train on one packed row of documents (log-uniform lengths from --packed-shortest to the "
+                        f"whole row, the same every step) for the variants that take them ({', '.join(PACKED)}); "
+                        "results in model_<gpu>-packed.*")
+    g.add_argument("--packed-shortest", type=int, default=1024, help="the shortest document of --packed")
     g = p.add_argument_group("longest sequence")
     g.add_argument("--find-max", type=name_list(VARIANTS), default=[], metavar="VARIANTS",
                    help="double the sequence length until out of memory, per variant (e.g. ours,ulysses)")
@@ -218,6 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--offload-checkpoints offloads the checkpointed layer inputs: it needs --checkpointing auto or layer")
     if not 0 < a.memory_limit <= 1:
         p.error(f"--memory-limit must be in (0, 1], got {a.memory_limit}")
+    if a.packed and (a.batch != 1 or a.packed_shortest <= 0):
+        p.error(f"--packed packs one row: it needs --batch 1 (got {a.batch}) and a positive --packed-shortest "
+                f"(got {a.packed_shortest})")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     bad = [n for n in a.seq_lens if n % world]
     if bad:
@@ -243,15 +252,25 @@ def patterns(args, n: int) -> tuple[list[int], list[int]]:
     return longnet_schedule(n, args.first_segment, args.segment_factor, args.rate_factor)
 
 
+def documents(args, n: int) -> list[int]:
+    """The document offsets of a ``--packed`` row of ``n`` tokens, or ``[0, n]`` (one sequence)."""
+    from dilated_attention.models.hf_training import packed_offsets
+
+    return packed_offsets(n, args.packed_shortest, args.seed) if args.packed else [0, n]
+
+
 def step_flops(args, shape, variant: str, n: int) -> float:
-    """FLOPs of one training step at ``n`` tokens per sequence (``hf_training.model_flops``)."""
+    """FLOPs of one training step at ``n`` tokens per sequence (``hf_training.model_flops``); packed documents
+    score pairs inside each document only (ours: each document's own patterns, its segments clamped to it)."""
     from dilated_attention.models.hf_training import attended_pairs, dense_causal_pairs, model_flops
 
-    if variant == "ours":
-        segs, rates = patterns(args, n)
-        pairs = attended_pairs(n, shape.heads, segs, rates, causal=True)
-    else:
-        pairs = dense_causal_pairs(n, shape.heads)
+    segs, rates = patterns(args, n)
+    pairs = 0
+    for a, b in zip(documents(args, n), documents(args, n)[1:]):
+        if variant == "ours":
+            pairs += attended_pairs(b - a, shape.heads, segs, rates, causal=True)
+        else:
+            pairs += dense_causal_pairs(b - a, shape.heads)
     return model_flops(shape, args.batch * n, args.batch * pairs)
 
 
@@ -753,6 +772,7 @@ class Runner:
             build_llama,
             learnable_tokens,
             make_optimizer,
+            packed_batch,
             sequence_parallel_batch,
             shard_model,
             tile_mlp,
@@ -760,6 +780,9 @@ class Runner:
         )
 
         torch, a, env, k = self.torch, self.args, self.env, self.env.world_size
+        if a.packed and variant not in PACKED:
+            raise Skip(f"{variant} does not take packed documents here (only a full mask of the row, which does not "
+                       f"fit at this length); --packed runs {', '.join(PACKED)}")
         name, how = attention_for(variant, a, self.shape, n, env, self.comm, self.state)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -785,8 +808,11 @@ class Runner:
             def step(i: int, watch=None) -> tuple[float, float]:
                 """Training step ``i`` after a barrier: (host seconds between device syncs, loss); ``watch``: a
                 context (the profiler) entered after the barrier, around the timed part."""
-                tokens = learnable_tokens(a.batch, n, self.shape.vocab, a.seed, i)
-                batch = sequence_parallel_batch(tokens, None if cp else self.comm, env.device)
+                if a.packed:
+                    batch = packed_batch(documents(a, n), self.shape.vocab, a.seed, i, self.comm, env.device)
+                else:
+                    tokens = learnable_tokens(a.batch, n, self.shape.vocab, a.seed, i)
+                    batch = sequence_parallel_batch(tokens, None if cp else self.comm, env.device)
                 self.sync()
                 dist.barrier()
                 with watch if watch is not None else _nullcontext():
@@ -930,7 +956,8 @@ def render_md(data: dict) -> str:
     for k, meta in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
         versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items() if version)
         commands = "; ".join(f"`{c}`" for c in meta.get("commands", [meta["command"]]))
-        lines += [f"- {k} x {meta['gpu']}: {meta['model']}; {meta['training']}; timing: {meta['timing']}; "
+        data_line = f"; data: {meta['data']}" if meta.get("data") else ""
+        lines += [f"- {k} x {meta['gpu']}: {meta['model']}{data_line}; {meta['training']}; timing: {meta['timing']}; "
                   f"MFU against {meta['peak_tflops']} TFLOP/s per GPU ({meta['flops']}); {versions}. Patterns of "
                   f"ours: {meta['pattern_rule']}. Code: {meta.get('code', 'not recorded')}; last run "
                   f"{meta['date']}. Commands: {commands}."]
@@ -1130,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(args, env, comm, shape)
     cuda = runner.cuda
     device_name = torch.cuda.get_device_name(env.device) if cuda else "cpu"
-    tag = args.tag or (gpu_tag(device_name) if cuda else "cpu")
+    tag = (args.tag or (gpu_tag(device_name) if cuda else "cpu")) + ("-packed" if args.packed else "")
     path = os.path.join(args.out, f"model_{tag}.json")
     loss_impl = resolved_impl(args.loss_impl, deepspeed_tiled_loss)
     meta = {
@@ -1151,6 +1178,10 @@ def main(argv: list[str] | None = None) -> int:
         "pattern_rule": f"w = [{args.first_segment}, x{args.segment_factor}, ...] while shorter than N, then N; "
                         f"r = [1, x{args.rate_factor}, ...]",
         "patterns": {str(n): dict(zip(("segments", "rates"), patterns(args, n))) for n in args.seq_lens},
+        **({"data": f"one packed row of documents, lengths log-uniform from {args.packed_shortest} tokens to the "
+                    f"whole row (seed {args.seed}: " + "; ".join(f"N={n}: {len(documents(args, n)) - 1} documents"
+                                                                 for n in args.seq_lens) + ")"}
+           if args.packed else {}),
         "peak_tflops": args.peak_tflops,
         "flops": "6 x matrix weights x tokens + 12 x head_dim x scored (query, key) pairs per layer; recompute "
                  "not counted",

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..comm import CommBackend
 from ..distributed import all_reduce_gradients, shard_positions, shard_sequence
-from ..patterns import longnet_offsets, validate_patterns
+from ..patterns import longnet_offsets, padded_length, validate_patterns
 
 IGNORE_INDEX = -100  # transformers' label of a position without a target
 
@@ -119,9 +119,10 @@ def attended_pairs(seq_len: int, heads: int, segment_lengths: Sequence[int], dil
     ``p`` with ``p % r == offset(h)`` (``longnet_offsets``: the library's default head offsets)
     attend to each other: ``m^2`` pairs for ``m`` such positions, ``m (m + 1) / 2`` when causal. A row
     covered by several patterns is counted once per pattern (each pattern's softmax is computed).
-    Equals the number of True entries of ``testing.oracle.pattern_masks`` (``tests/models``).
+    Equals the number of True entries of ``testing.oracle.pattern_masks`` (``tests/models``). A length the
+    segments do not tile counts the pairs of its own rows under the patterns of its padded length (as it runs).
     """
-    pats = validate_patterns(segment_lengths, dilation_rates, seq_len)
+    pats = validate_patterns(segment_lengths, dilation_rates, padded_length(segment_lengths, dilation_rates, seq_len))
     total = 0
     for w, r in pats:
         for offset in longnet_offsets(heads, r):
@@ -393,6 +394,43 @@ def sequence_parallel_batch(tokens: torch.Tensor, comm: CommBackend | None,
         positions = shard_positions(n, comm)[None]
     return {"input_ids": tokens.to(device), "position_ids": positions.to(device), "labels": labels.to(device),
             "normalizer": normalizer}
+
+
+def packed_offsets(seq_len: int, shortest: int, seed: int) -> list[int]:
+    """Document offsets of one packed row of ``seq_len`` tokens: lengths log-uniform from ``shortest`` to
+    ``seq_len`` tokens (the last document cut to fit), drawn from ``seed``."""
+    rng = torch.Generator().manual_seed(seed)
+    offsets = [0]
+    while offsets[-1] < seq_len:
+        length = math.exp(math.log(shortest) + float(torch.rand((), generator=rng)) * math.log(seq_len / shortest))
+        offsets.append(min(seq_len, offsets[-1] + int(length)))
+    return offsets
+
+
+def packed_batch(offsets: Sequence[int], vocab: int, seed: int, step: int, comm: CommBackend | None,
+                 device: torch.device | str) -> dict:
+    """``sequence_parallel_batch`` of one packed row (padding-free training, as ``DataCollatorWithFlattening``
+    makes it): documents at ``offsets``, each an arithmetic sequence of its own with positions from 0 and its own
+    next-token targets, and the global document offsets as flash-attention's varlen keywords
+    (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``), which transformers hands to the attention."""
+    lengths = torch.tensor(offsets).diff()
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    positions = torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[doc]
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    start = torch.randint(0, vocab, (len(lengths),), generator=g)
+    stride = torch.randint(1, 8, (len(lengths),), generator=g)
+    tokens = ((start[doc] + stride[doc] * positions) % vocab)[None]
+    labels = shift_labels(tokens)
+    labels[0, torch.tensor(offsets[1:]) - 1] = IGNORE_INDEX  # a document's last token predicts nothing
+    normalizer = int((labels != IGNORE_INDEX).sum())
+    positions = positions[None]
+    if comm is not None and comm.world_size > 1:
+        tokens, labels, positions = (shard_sequence(x, comm) for x in (tokens, labels, positions))
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    longest = int(lengths.max())
+    return {"input_ids": tokens.to(device), "position_ids": positions.to(device), "labels": labels.to(device),
+            "normalizer": normalizer, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
+            "max_length_k": longest}
 
 
 def train_step(module: nn.Module, opt: torch.optim.Optimizer, scheduler, batch: dict, *,

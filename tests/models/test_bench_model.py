@@ -65,6 +65,50 @@ def test_tiny_run_on_two_ranks(tmp_path):
     assert "What a step spends" in md
 
 
+def test_packed_run_on_two_ranks(tmp_path):
+    """``--packed``: one packed row of documents on two ranks (ours as ``strategy="auto"`` picks); the peers that
+    take no packed documents are listed with the reason; FLOPs count pairs inside documents; the table says what
+    data ran."""
+    proc = run_torchrun([SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,ulysses", "--ulysses-impl", "plain",
+                         "--packed", "--packed-shortest", "16", "--out", str(tmp_path)], cwd=ROOT, done="wrote",
+                        nproc=2, timeout=300, env=UNINTERPRETED)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    data = json.loads((tmp_path / "model_cpu-packed.json").read_text())
+    (record,) = data["records"]
+    assert record["variant"] == "ours" and all(math.isfinite(x) for x in record["losses"])
+    bench_model = load_script()
+    args = bench_model.parse_args(["--tiny", "--packed", "--packed-shortest", "16"])
+    whole = bench_model.parse_args(["--tiny"])
+    assert len(bench_model.documents(args, 256)) > 2  # several documents in the row
+    assert record["step_tflop"] < 1e-12 * bench_model.step_flops(whole, _tiny_shape(), "ours", 256)
+    assert {s["variant"]: s["reason"] for s in data["skipped"]}["ulysses"].startswith("ulysses does not take packed")
+    assert "data: one packed row of documents" in (tmp_path / "model_cpu-packed.md").read_text()
+
+
+def _tiny_shape():
+    from dilated_attention.models.hf_training import LlamaShape
+
+    t = load_script().TINY
+    return LlamaShape(t["hidden"], t["layers"], t["heads"], t["kv_heads"], t["head_dim"], t["mlp"], t["vocab"])
+
+
+def test_packed_batch_restarts_positions_and_targets_per_document():
+    import torch
+
+    from dilated_attention.models.hf_training import IGNORE_INDEX, packed_batch, packed_offsets
+
+    offsets = packed_offsets(512, 16, seed=3)
+    assert offsets[0] == 0 and offsets[-1] == 512 and all(b > a for a, b in zip(offsets, offsets[1:]))
+    batch = packed_batch(offsets, 160, seed=0, step=1, comm=None, device="cpu")
+    ids, pos, labels = batch["input_ids"][0], batch["position_ids"][0], batch["labels"][0]
+    for a, b in zip(offsets, offsets[1:]):
+        assert torch.equal(pos[a:b], torch.arange(b - a))  # positions from 0 in every document
+        assert torch.equal(labels[a:b - 1], ids[a + 1:b]) and labels[b - 1] == IGNORE_INDEX  # its own next tokens
+    assert batch["normalizer"] == 512 - (len(offsets) - 1)
+    assert batch["cu_seq_lens_q"].tolist() == offsets and batch["max_length_q"] == max(
+        b - a for a, b in zip(offsets, offsets[1:]))
+
+
 def test_profile_run_on_cpu(tmp_path):
     """``--profile`` on one process: each record's extra step is classified (self CPU time of every op, each once)
     and tabled."""
