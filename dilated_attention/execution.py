@@ -109,58 +109,83 @@ def _padded_rows(spec: Schedule, call: int, x: torch.Tensor, to_padded: bool, di
     return move_rows(x, spec.padded, spec.backend, to_padded, what, spec.backend.stamp(call, direction), fill)
 
 
-def _document_rows(spec: Schedule, call: int, xs: list[torch.Tensor], key_padding_mask, direction: str
-                   ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``xs`` moved to this rank's document rows (``ring/documents.py``), and the rows' key mask: the caller's moved
-    with them, or only the pad rows (which every rank knows of its own rows)."""
+def _units(spec: Schedule, key_padding_mask):
+    """The documents' units of work (``ring/documents.py``): per unit of groups and head range, ``(unit, heads,
+    groups)``, ``heads`` ``None`` for all, ``groups`` per group its schedule (the head range's), a
+    function viewing the unit's document rows as the group's batch rows, and whether it runs with a key mask (a
+    group planned unmasked: no pad rows, and the caller passed none)."""
+    documents = spec.documents
+    chunks = spec.parts[0].heads or (None,)
+    for u, (g0, g1) in enumerate(documents.units):
+        for i, heads in enumerate(chunks):
+            groups = []
+            for group, part in zip(documents.groups[g0:g1], spec.parts[g0:g1]):
+                def rows(x: torch.Tensor, g=group, first=documents.groups[g0].first) -> torch.Tensor:
+                    return x[:, g.first - first:g.first - first + g.rows].view(len(g.spans), g.shard, *x.shape[2:])
+
+                groups.append((part if heads is None else part.chunk(i), rows,
+                               group.pads or key_padding_mask is not None))
+            yield u, heads, groups
+
+
+def _to_documents(spec: Schedule, call: int, unit: int, xs: list[torch.Tensor], key_padding_mask, direction: str
+                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``xs`` moved to a unit's document rows, and the rows' key mask: the caller's moved with them, or only the pad
+    rows (which every rank knows of its own rows)."""
+    moves = spec.documents.moves(unit, xs[0].device)
     what = f"call {call}, {direction}: rows to the documents' rings"
     masks = [] if key_padding_mask is None else [key_padding_mask.to(torch.uint8)]
-    moved = move_documents(xs + masks, spec.documents, spec.backend, True, what, spec.backend.stamp(call, direction),
+    moved = move_documents(xs + masks, moves, spec.backend, what, spec.backend.stamp(call, direction),
                            fills=(0,) * len(xs) + (1,))
-    if masks:
-        return moved[:-1], moved[-1].bool()
-    return moved, spec.documents.indices(xs[0].device)[2].unsqueeze(0)
+    return (moved[:-1], moved[-1].bool()) if masks else (moved, moves.pads)
 
 
-def _caller_rows(spec: Schedule, call: int, xs: list[torch.Tensor], direction: str) -> list[torch.Tensor]:
+def _to_caller(spec: Schedule, call: int, unit: int, xs: list[torch.Tensor], into: list[torch.Tensor],
+               direction: str) -> None:
     what = f"call {call}, {direction}: rows back from the documents' rings"
-    return move_documents(xs, spec.documents, spec.backend, False, what, spec.backend.stamp(call, direction))
+    move_documents(xs, spec.documents.moves(unit, xs[0].device), spec.backend, what,
+                   spec.backend.stamp(call, direction), into=into)
 
 
-def _groups(spec: Schedule, mask: torch.Tensor, key_padding_mask):
-    """Per group of documents: its schedule, a function viewing document rows as its batch rows, and its key mask
-    (a group planned unmasked: no pad rows, and the caller passed none)."""
-    for group, part in zip(spec.documents.groups, spec.parts):
-        def rows(x: torch.Tensor, g=group) -> torch.Tensor:
-            return x[:, g.first:g.first + g.rows].view(len(g.spans), g.shard, *x.shape[2:])
-
-        yield part, rows, rows(mask) if group.pads or key_padding_mask is not None else None
+def _heads(heads, x: torch.Tensor, kv: bool = False) -> torch.Tensor:
+    return x if heads is None else (heads.kv(x) if kv else heads.query(x))
 
 
 def documents_forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Packed documents on rings: the rows moved to where each document runs, every group's ring call, and the
-    outputs moved back. Only the groups' own saved tensors are kept: the backward moves the inputs again."""
-    (qd, kd, vd), mask = _document_rows(spec, call, [q, k, v], key_padding_mask, "forward")
-    out = torch.empty(qd.shape, dtype=qd.dtype, device=qd.device)
+    """Packed documents on rings: per unit (of groups, and of heads), the rows moved to where each document runs,
+    every group's ring call, and the outputs moved back. Only the groups' own saved tensors are kept: the backward
+    moves the inputs again."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     saved = []
-    for part, rows, part_mask in _groups(spec, mask, key_padding_mask):
-        part_out, part_saved = forward(part, call, rows(qd), rows(kd), rows(vd), part_mask)
-        rows(out).copy_(part_out)
-        saved += part_saved
-    return _caller_rows(spec, call, [out], "forward")[0], saved
+    for unit, heads, groups in _units(spec, key_padding_mask):
+        (qd, kd, vd), mask = _to_documents(spec, call, unit, [_heads(heads, q), _heads(heads, k, True),
+                                                              _heads(heads, v, True)], key_padding_mask, "forward")
+        out_d = torch.empty(qd.shape, dtype=qd.dtype, device=qd.device)
+        for part, rows, masked in groups:
+            part_out, part_saved = forward(part, call, rows(qd), rows(kd), rows(vd), rows(mask) if masked else None)
+            rows(out_d).copy_(part_out)
+            saved += part_saved
+        _to_caller(spec, call, unit, [out_d], [_heads(heads, out)], "forward")
+    return out, saved
 
 
 def documents_backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out, saved, dout):
-    (qd, kd, vd, outd, doutd), mask = _document_rows(spec, call, [q, k, v, out, dout], key_padding_mask, "backward")
-    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qd, kd, vd)]
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
     saved = list(saved)
-    for part, rows, part_mask in _groups(spec, mask, key_padding_mask):
-        count = saved_count(part, part_mask is not None)
-        part_saved, saved = saved[:count], saved[count:]
-        for g, part_grad in zip(grads, backward(part, call, rows(qd), rows(kd), rows(vd), part_mask, rows(outd),
-                                                part_saved, rows(doutd))):
-            rows(g).copy_(part_grad)
-    return tuple(_caller_rows(spec, call, grads, "backward"))
+    for unit, heads, groups in _units(spec, key_padding_mask):
+        xs = [_heads(heads, x, kv) for x, kv in ((q, False), (k, True), (v, True), (out, False), (dout, False))]
+        (qd, kd, vd, outd, doutd), mask = _to_documents(spec, call, unit, xs, key_padding_mask, "backward")
+        grads_d = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qd, kd, vd)]
+        for part, rows, masked in groups:
+            count = saved_count(part, masked)
+            part_saved, saved = saved[:count], saved[count:]
+            for g, part_grad in zip(grads_d, backward(part, call, rows(qd), rows(kd), rows(vd),
+                                                      rows(mask) if masked else None, rows(outd), part_saved,
+                                                      rows(doutd))):
+                rows(g).copy_(part_grad)
+        _to_caller(spec, call, unit, grads_d, [_heads(heads, g, kv) for g, kv in zip(grads, (False, True, True))],
+                   "backward")
+    return tuple(grads)
 
 
 def saved_count(spec: Schedule, masked: bool) -> int:

@@ -32,6 +32,10 @@ DEFAULT_SCRATCH_SHARE = 0.4  # peak memory target: 1.4 x the call's own bytes
 # a 2-GPU ring), 1-2% at 131072; full attention's 2-head chunks cost 8% / 40% (non-causal / causal, 2 x H100)
 DEFAULT_SCRATCH_FLOOR = 1 << 32
 ACCUM_BYTES = 4  # fp32 accumulators (merge.accum_dtype)
+# packed documents on a ring (``ring/documents.py``) hold their rows twice, the caller's and where they run: from the
+# floor on, a group of documents at a time, in head chunks of at most this share of the call's own bytes, so that a
+# packed call peaks within about 1.1x of an unpacked one (1.4x own bytes and this)
+DOCUMENT_SHARE = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +126,16 @@ def own_bytes(rows: int, heads: int, kv_heads: int, dim: int, elem: int) -> int:
     return 4 * elem * rows * (heads + kv_heads) * dim
 
 
-def head_ranges(scratch: int | Callable[[], int], own: int, heads: int, kv_heads: int) -> tuple[HeadRange, ...]:
+def head_ranges(scratch: int | Callable[[], int], own: int, heads: int, kv_heads: int, share: float | None = None
+                ) -> tuple[HeadRange, ...]:
     """The head chunks of a call whose scratch and own bytes are ``scratch`` and ``own`` (the module's rule);
-    ``scratch`` may be a function, asked only when ``own`` reaches the floor."""
+    ``scratch`` may be a function, asked only when ``own`` reaches the floor. ``share``: of own bytes, in place of
+    ``BOUND.share``."""
     chunks = 1
     if own >= BOUND.floor:
         scratch = scratch() if callable(scratch) else scratch
         counts = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
-        chunks = next((c for c in counts if scratch <= BOUND.share * own * c), counts[-1])
+        share = BOUND.share if share is None else share
+        chunks = next((c for c in counts if scratch <= share * own * c), counts[-1])
     group, kv = heads // kv_heads, kv_heads // chunks
     return tuple(HeadRange(i * kv * group, (i + 1) * kv * group, i * kv, (i + 1) * kv) for i in range(chunks))

@@ -125,6 +125,14 @@ def ring_plans(segment_lengths, dilation_rates, n: int, local: int, heads: int, 
 
 
 
+class Part(NamedTuple):
+    """A group of a packed call's documents, planned as a ring call of its own (``document_rings``): the caller's
+    team, and the head ranges the documents run in (``None``: the group's own rule)."""
+
+    team: int
+    ranges: tuple[HeadRange, ...] | None = None
+
+
 class CallOptions(NamedTuple):
     """A call's arguments besides ``q``, ``k``, ``v`` and ``comm``, as ``dilated_attention`` takes them: what travels
     from the API to the op and the plan (a tuple: a schedule's key reads it without a Python call)."""
@@ -144,13 +152,13 @@ class CallOptions(NamedTuple):
 
 
 def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBackend | None, options: CallOptions,
-             *, shapes_only: bool = False, record: bool = True, team: int | None = None) -> Schedule:
+             *, shapes_only: bool = False, record: bool = True, part: Part | None = None) -> Schedule:
     """Validate a call and decide everything but the data: raises ``ValueError``/``TypeError``.
 
     ``shapes_only``: what output shapes need, from shapes alone (no ``cu_seqlens`` values, no kernel):
     a custom op's fake implementation. ``record``: kernel hooks may record the call (once per call, not
-    again when a compiled backward plans it anew). ``team``: a packed call's group of documents
-    (``document_rings``), planned with its caller's team.
+    again when a compiled backward plans it anew). ``part``: a packed call's group of documents
+    (``document_rings``), planned with its caller's team and head ranges.
     """
     (segment_lengths, dilation_rates, mode, causal, softmax_scale, key_padding_mask, cu_seqlens, pad_to_segments,
      head_offsets, strategy, kernel, layout) = options
@@ -162,7 +170,7 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
     zigzag = layout == "zigzag" and world > 1  # on one rank the zigzag order is the natural one
     if zigzag:
         zigzag_half(local)
-    if team is None:  # (a group of documents: its caller's shapes were checked)
+    if part is None:  # (a group of documents: its caller's shapes were checked)
         misuse.check_shape(q.shape, local * world, segment_lengths, dilation_rates, pad=pad_to_segments,
                            documents=cu_seqlens is not None)
 
@@ -173,7 +181,7 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
                               local_world=local_world(), layout=layout, whole_sequence=whole,
                               gpu=gpu_model(q.device.index) if q.is_cuda else None)
 
-    team = team_size(strategy, world, heads, auto) if team is None else team
+    team = team_size(strategy, world, heads, auto) if part is None else part.team
     split = HeadSplit(heads, k.shape[2], team)
     reason = split.check()
     if reason is not None:
@@ -261,7 +269,8 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
                                  lambda: estimated(largest.rings[0], largest.length, bsz * largest.count))
         else:
             blocks = (routed(plans[0], None),)
-            ranges = head_chunks(q, split, shard * team * bsz, causal, lambda: estimated(blocks[0], shard * team, bsz))
+            ranges = part.ranges if part is not None and part.ranges is not None else \
+                head_chunks(q, split, shard * team * bsz, causal, lambda: estimated(blocks[0], shard * team, bsz))
         if ranges:  # re-planned per head range
             if batches is not None:
                 batches = tuple(replace(b, plans=ps, rings=tuple(routed(p, b) for p in ps))
@@ -284,16 +293,30 @@ def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: C
     shard = document_shard(options.segment_lengths, options.dilation_rates, options.pad_to_segments, world, team,
                            q.shape[2], k.shape[2], options.causal)
     documents = plan_documents(docs, q.shape[1], backend.rank, world, options.layout == "zigzag", shard)
-    parts = []
-    for i, g in enumerate(documents.groups):
-        rows = (len(g.spans), g.shard)
-        masked = g.pads or options.key_padding_mask is not None
-        mask = torch.empty(rows, dtype=torch.bool, device=q.device) if masked else None
-        group = options._replace(key_padding_mask=mask, cu_seqlens=None, pad_to_segments=False,
-                                 layout="zigzag" if g.zigzag else "contiguous")
-        parts.append(schedule(*(stand_in(x, (*rows, *x.shape[2:])) for x in (q, k, v)), backend, group,
-                              record=record and i == 0, team=team))
-    return documents, tuple(parts)
+
+    def plan_parts(ranges: tuple[HeadRange, ...] | None) -> tuple[Schedule, ...]:
+        parts = []
+        for i, g in enumerate(documents.groups):
+            rows = (len(g.spans), g.shard)
+            masked = g.pads or options.key_padding_mask is not None
+            mask = torch.empty(rows, dtype=torch.bool, device=q.device) if masked else None
+            group = options._replace(key_padding_mask=mask, cu_seqlens=None, pad_to_segments=False,
+                                     layout="zigzag" if g.zigzag else "contiguous")
+            parts.append(schedule(*(stand_in(x, (*rows, *x.shape[2:])) for x in (q, k, v)), backend, group,
+                                  record=record and i == 0, part=Part(team, ranges)))
+        return tuple(parts)
+
+    # Memory: a call whose own bytes reach the head-chunk rule's floor moves a group at a time, in as many head
+    # chunks as bring the largest group's moved copies within ``memory.DOCUMENT_SHARE`` of its own bytes (the
+    # hybrid's groups whole: its head swap splits the heads already); smaller calls move everything at once.
+    shape = (q.shape[2], k.shape[2], q.shape[3], q.element_size())
+    own, ranges = own_bytes(q.shape[1], *shape), None
+    if own >= memory.BOUND.floor:
+        documents = replace(documents, units=tuple((i, i + 1) for i in range(len(documents.groups))))
+        if team == 1:
+            moved = max(own_bytes(g.rows, *shape) for g in documents.groups)
+            ranges = head_ranges(moved, own, q.shape[2], k.shape[2], share=memory.DOCUMENT_SHARE)
+    return documents, plan_parts(ranges if ranges is not None and len(ranges) > 1 else None)
 
 
 def document_shard(segments: Sequence[int], rates: Sequence[int], pad: bool, world: int, team: int, heads: int,

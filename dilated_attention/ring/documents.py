@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -64,32 +65,53 @@ class Group:
         return len(self.spans) * self.shard
 
 
+class Moves(NamedTuple):
+    """One unit's row moves on a device: this rank's caller rows sent and document rows received (the unit's own
+    numbering), each concatenated over the peers in rank order, with each peer's count."""
+
+    sends: torch.Tensor
+    receives: torch.Tensor
+    sent: list[int]
+    received: list[int]
+    pads: torch.Tensor  # bool ``(1, rows)``: the unit's document rows that are padding
+    first: int  # the unit's first row of this rank's document rows
+    rows: int
+
+
 @dataclass(frozen=True, eq=False)
 class Documents:
     """How one rank's rows move between the caller's shards and the groups' rows.
 
-    ``sends[p]``: this rank's caller rows that go to rank ``p``, ascending; ``receives[p]``: the document rows
-    (of this rank's ``rows``) they land on, in the order ``p`` sends them. The same lists read backwards move the
-    results back (pad rows stay behind).
+    ``sends[p]``: this rank's caller rows that go to rank ``p``, ascending, and ``targets[p]`` the document rows
+    (of ``p``) they land on; ``receives[p]``: this rank's document rows that arrive from ``p``, in the order ``p``
+    sends them. The same lists read backwards move the results back (pad rows stay behind). ``units``: the groups
+    moved together, ``(first, end)`` group ranges (all at once, or a group at a time to bound the memory).
     """
 
     local: int  # the caller's rows per rank
     groups: tuple[Group, ...]
     sends: tuple[torch.Tensor, ...]
+    targets: tuple[torch.Tensor, ...]
     receives: tuple[torch.Tensor, ...]
     pad_rows: torch.Tensor  # bool ``(rows,)``: this rank's document rows that are padding
-    _on: dict = field(default_factory=dict, repr=False)  # the index tensors per device
+    units: tuple[tuple[int, int], ...] = ()
+    _on: dict = field(default_factory=dict, repr=False)  # ``Moves`` per unit and device
 
     @property
     def rows(self) -> int:
         return sum(g.rows for g in self.groups)
 
-    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(sends, receives, pad_rows)`` on ``device``, sends and receives concatenated over the peers."""
-        if device not in self._on:
-            self._on[device] = tuple(x.to(device) for x in (torch.cat(self.sends), torch.cat(self.receives),
-                                                            self.pad_rows))
-        return self._on[device]
+    def moves(self, unit: int, device: torch.device) -> Moves:
+        """Unit ``unit``'s ``Moves`` on ``device`` (made once)."""
+        if (unit, device) not in self._on:
+            g0, g1 = self.units[unit]
+            lo, hi = self.groups[g0].first, self.groups[g1 - 1].first + self.groups[g1 - 1].rows
+            sends = [s[(t >= lo) & (t < hi)] for s, t in zip(self.sends, self.targets)]
+            receives = [r[(r >= lo) & (r < hi)] - lo for r in self.receives]
+            self._on[unit, device] = Moves(torch.cat(sends).to(device), torch.cat(receives).to(device),
+                                           [len(x) for x in sends], [len(x) for x in receives],
+                                           self.pad_rows[lo:hi].to(device).unsqueeze(0), lo, hi - lo)
+        return self._on[unit, device]
 
 
 def plan_documents(docs: Sequence[int], local: int, rank: int, world: int, caller_zigzag: bool,
@@ -125,7 +147,8 @@ def plan_documents(docs: Sequence[int], local: int, rank: int, world: int, calle
     source = torch.where(offset < length[doc], sender * local + held, -1)
     receiver = target // rows  # (a stable sort keeps each peer's rows ascending, the order it expects them in)
     sends = torch.argsort(receiver, stable=True).split(torch.bincount(receiver, minlength=world).tolist())
+    targets = tuple(target[x] % rows for x in sends)
     real = torch.nonzero(source >= 0).flatten()
     arriving = real[torch.argsort(source[real])]  # by sender, then by the sender's row: the order it sends in
     receives = arriving.split(torch.bincount(source[real] // local, minlength=world).tolist())
-    return Documents(local, tuple(groups), sends, receives, source < 0)
+    return Documents(local, tuple(groups), sends, targets, receives, source < 0, ((0, len(groups)),))

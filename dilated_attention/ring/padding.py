@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import CommBackend
-from .documents import Documents
+from .documents import Moves
 from .layout import Padded
 
 
@@ -42,34 +42,29 @@ def move_rows(x: torch.Tensor, padded: Padded, comm: CommBackend, to_padded: boo
     return out
 
 
-def move_documents(xs: list[torch.Tensor], documents: Documents, comm: CommBackend, to_groups: bool, what: str,
-                   stamp, fills: tuple = ()) -> list[torch.Tensor]:
-    """Each ``x`` ``(1, rows, ...)`` of ``xs`` moved from the caller's shards to this rank's document rows
-    (``to_groups``; pad rows ``fills[i]``, 0 by default) or back; every tensor in one batch of transfers."""
-    sends, receives, _ = documents.indices(xs[0].device)
-    if not to_groups:
-        sends, receives = receives, sends
-    counts = [len(x) for x in (documents.sends if to_groups else documents.receives)]
-    arriving = [len(x) for x in (documents.receives if to_groups else documents.sends)]
-    rows = documents.rows if to_groups else documents.local
+def move_documents(xs: list[torch.Tensor], moves: Moves, comm: CommBackend, what: str, stamp, fills: tuple = (),
+                   into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Each ``x`` ``(1, rows, ...)`` of ``xs`` moved from the caller's shards to a unit's document rows (pad rows
+    ``fills[i]``, 0 by default), or, given ``into`` (caller-layout tensors or views), back into them; every tensor
+    in one batch of transfers."""
+    sends, receives, sent, received = (moves.sends, moves.receives, moves.sent, moves.received) if into is None \
+        else (moves.receives, moves.sends, moves.received, moves.sent)
     outgoing, incoming, landed = [], [], []
     for x in xs:
-        sent = x[0].index_select(0, sends).split(counts)
-        got = x.new_empty((sum(arriving), *x.shape[2:]))
-        for peer, (out, into) in enumerate(zip(sent, got.split(arriving))):
+        out = x[0].index_select(0, sends).split(sent)
+        got = x.new_empty((sum(received), *x.shape[2:]))
+        for peer, (mine, theirs) in enumerate(zip(out, got.split(received))):
             if peer == comm.rank:
-                into.copy_(out)
+                theirs.copy_(mine)
             else:
-                if len(out):
-                    outgoing.append((out, peer))
-                if len(into):
-                    incoming.append((into, peer))
+                if len(mine):
+                    outgoing.append((mine, peer))
+                if len(theirs):
+                    incoming.append((theirs, peer))
         landed.append(got)
     if outgoing or incoming:
         comm.exchange(outgoing, incoming, what, stamp=stamp).wait()
-    moved = []
-    for i, (x, got) in enumerate(zip(xs, landed)):
-        fill = fills[i] if i < len(fills) else 0
-        out = x.new_full((1, rows, *x.shape[2:]), fill) if to_groups else x.new_empty((1, rows, *x.shape[2:]))
-        moved.append(out.index_copy_(1, receives, got.unsqueeze(0)))
-    return moved
+    if into is None:
+        into = [x.new_full((1, moves.rows, *x.shape[2:]), fills[i] if i < len(fills) else 0)
+                for i, x in enumerate(xs)]
+    return [out.index_copy_(1, receives, got.unsqueeze(0)) for out, got in zip(into, landed)]

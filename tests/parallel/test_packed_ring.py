@@ -171,3 +171,43 @@ def test_causal_packed_work_is_balanced(world):
                   f"(documents' own rows {ratio[True, 'own']:.3f}; dealt in consecutive blocks "
                   f"{ratio[False, 'all']:.3f})")
             assert ratio[True, "all"] <= 1.10
+
+
+def _moved_share(rank: int, world: int) -> dict:
+    from dilated_attention import memory
+    from dilated_attention.comm import get_backend
+    from dilated_attention.memory import own_bytes
+    from dilated_attention.planning import CallOptions, prepare
+
+    rule = memory.set_memory_bound(memory.DEFAULT_SCRATCH_SHARE, 0)  # the rule from any size (large calls' rule)
+    try:
+        local, heads, kv_heads, dim = 512, 16, 8, 8
+        q, k = torch.randn(1, local, heads, dim), torch.randn(1, local, kv_heads, dim)
+        docs = _log_uniform_documents(random.Random(7), local * world, 64)
+        options = CallOptions((64, 256, 1024), (1, 2, 4), causal=True, strategy="ring",
+                              cu_seqlens=torch.tensor(docs, dtype=torch.int32))
+        spec, _ = prepare(q, k, k, get_backend("collective"), None, options)
+    finally:
+        memory.set_memory_bound(*rule)
+    documents, chunks = spec.documents, len(spec.parts[0].heads) or 1
+    units = [sum(g.rows for g in documents.groups[a:b]) for a, b in documents.units]
+    own = own_bytes(local, heads, kv_heads, dim, 4)
+    return {"share": max(own_bytes(rows, heads, kv_heads, dim, 4) for rows in units) / chunks / own,
+            "all": own_bytes(documents.rows, heads, kv_heads, dim, 4) / own, "chunks": chunks,
+            "units": len(units), "groups": len(documents.groups)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_packed_calls_hold_a_tenth_of_their_own_bytes_twice(world):
+    """From the head-chunk rule's floor on, documents move a group at a time, in head chunks: the copies a packed
+    ring holds besides an unpacked one's stay within ``memory.DOCUMENT_SHARE`` of the call's own bytes where the kv
+    heads allow, so its peak stays within about 1.1x of the unpacked call's (which holds 1.4x its own bytes). The
+    plan's figures, no device."""
+    from dilated_attention.memory import DOCUMENT_SHARE
+
+    for rank, res in enumerate(spawn_ranks(_moved_share, world)):
+        print(f"K={world} rank {rank}: moved at once {res['share']:.3f} of own bytes ({res['units']} units of "
+              f"{res['groups']} groups, {res['chunks']} head chunks; all at once {res['all']:.2f})")
+        assert res["units"] == res["groups"] > 1
+        assert res["share"] <= DOCUMENT_SHARE or res["chunks"] == 8
+        assert res["share"] < res["all"] / 4
