@@ -47,6 +47,7 @@ class Case:
     shards: str = "contiguous"  # the shard layout (dilated_attention's layout=): which rows each rank holds
     head_chunks: bool = False  # run the heads in as many chunks as there are kv heads (memory.py's rule forced)
     shared: bool = False  # causal rings share their cross blocks at any length (``routes.tuned(share_min_rows=0)``)
+    head_offsets: str = "spread"  # dilated_attention's head_offsets=
 
     @property
     def seq_len(self) -> int:
@@ -207,7 +208,7 @@ def _oracle(case: Case, q, k, v, dout, dtype, seed: int):
     """Dense attention in ``dtype`` on CPU: output and q/k/v gradients (float64 = the oracle)."""
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     out = dense_dilated_attention(*leaves, case.segment_lengths, case.dilation_rates, mode=case.mode, causal=case.causal,
-                                  **_masks(case, seed))
+                                  head_offsets=case.head_offsets, **_masks(case, seed))
     grads = torch.autograd.grad(out, leaves, dout.to(dtype))
     return [t.double() for t in (out, *grads)]
 
@@ -241,7 +242,7 @@ def run_case(case: Case, backend_name: str, group, device: torch.device, seed: i
         with routes.tuned(share_min_rows=0) if case.shared else contextlib.nullcontext():
             out = dilated_attention(*local, case.segment_lengths, case.dilation_rates, mode=case.mode,
                                     causal=case.causal, comm=comm, kernel=case.kernel, strategy=case.strategy,
-                                    layout=case.shards, **masks)
+                                    layout=case.shards, head_offsets=case.head_offsets, **masks)
             grads = torch.autograd.grad(out, local, dout[:, rows].to(device=device, dtype=dtype))
     finally:
         memory.set_memory_bound(*rule)

@@ -87,6 +87,8 @@ def _worker(rank: int, world: int) -> dict:
                   shards="zigzag"),
              Case("spanning-grouped", world, (4, 8, n), (1, 2, 4), mode="grouped", causal=True, heads=6, kv_heads=3,
                   batch=1, docs=crossing),
+             Case("torchscale-offsets", world, *segments, causal=True, heads=6, kv_heads=2, batch=1, docs=crossing,
+                  head_offsets="torchscale"),
              Case("head-chunks-bfloat16", world, *segments, causal=True, heads=4, kv_heads=2, batch=1, docs=mixed,
                   head_chunks=True, dtype="bfloat16", dim=16)]
     if world == 3:  # a 9-row document whose zigzag halves no shard tiles: dealt in consecutive blocks
