@@ -1,5 +1,5 @@
 """Triton, where it is importable, and what the code launching Triton kernels shares (``kernels/fused.py``,
-``merge.py``): the interpreter switch, one table of jitted kernels, and ``launch``.
+``merge``): the interpreter switch, one table of jitted kernels, and ``launch``.
 
 Kernels are jitted at first use, not at import, so ``TRITON_INTERPRET`` is read when a kernel first runs; a
 process runs in one mode (Triton decides at its own import whether its library functions are interpreted),

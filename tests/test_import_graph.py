@@ -27,7 +27,7 @@ ABOVE_CORE = (f"{PACKAGE}.diagnostics", f"{PACKAGE}.testing", f"{PACKAGE}.models
 LAZY = {
     (PACKAGE, f"{PACKAGE}.diagnostics.debug"): "dilated_attention.debug, loaded on first use",
     (f"{PACKAGE}.kernels.fused", f"{PACKAGE}.kernels._fused_triton"): "its kernels need Triton at import",
-    (f"{PACKAGE}.merge", f"{PACKAGE}._merge_triton"): "its kernels need Triton at import",
+    (f"{PACKAGE}.merge", f"{PACKAGE}.merge._triton"): "its kernels need Triton at import",
     (f"{PACKAGE}.comm", f"{PACKAGE}.comm.collective"): "a backend's module loads when the backend is named",
     (f"{PACKAGE}.comm", f"{PACKAGE}.comm.fairscale"): "a backend's module loads when the backend is named",
     (f"{PACKAGE}.comm", f"{PACKAGE}.comm.deepspeed"): "a backend's module loads when the backend is named",

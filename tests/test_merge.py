@@ -408,7 +408,7 @@ def test_merge_two_of_far_apart_partials_is_finite_and_exact():
 @needs_kernel
 @pytest.mark.parametrize("swap", [False, True], ids=["running_first", "partial_first"])
 def test_kernel_merge_of_far_apart_partials_is_finite_and_exact(swap):
-    """``merge_kernel``'s weights (``_merge_triton.merge_weights``) on the same partials, the running result
+    """``merge_kernel``'s weights (``merge._triton.merge_weights``) on the same partials, the running result
     either side of each gap."""
     out_a, lse_a, out_b, lse_b = _far_apart(torch.Generator().manual_seed(43))
     if swap:

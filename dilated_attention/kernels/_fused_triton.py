@@ -151,7 +151,7 @@ def fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_ptrs = O + (b * sob + s * sos + h * soh + qo * soo) + offs_m.to(IDX)[:, None] * som + offs_d[None, :]
     l_ptrs = LSE + (b * slb + s * sls + h * slh + qo * slo) + offs_m.to(IDX) * slm
-    if MERGE:  # merge_two's arithmetic (merge.py): empty rows stay empty, NaN stays NaN
+    if MERGE:  # merge_two's arithmetic (merge/): empty rows stay empty, NaN stays NaN
         row_ok = offs_m < M
         old_lse = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
         old = tl.load(o_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)

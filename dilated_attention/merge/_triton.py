@@ -1,12 +1,12 @@
-"""Triton kernel bodies of ``merge.py``: the fused merge (``merge_kernel``) and the one-pass combine of compact
+"""Triton kernel bodies of ``merge``: the fused merge (``merge_kernel``) and the one-pass combine of compact
 parts (``combine_lse_kernel``, then ``combine_kernel``), with the helpers they call; and its inverse for
 ``ring/stacking.py``, the compact rows of several patterns gathered into one buffer (``gather_rows_kernel``).
 
-The kernels are plain Python functions; ``merge.py`` wraps them with ``triton.jit`` at first launch (its
+The kernels are plain Python functions; ``merge`` wraps them with ``triton.jit`` at first launch (its
 ``triton_kernel``), which is also when it first imports this module, so ``TRITON_INTERPRET`` is settled by then (one
 mode per process). The helpers are jitted here, at import, under the names the kernels call them by
 (``_merge_weights``, ``_compact_row``): a kernel resolves them when it compiles, in either mode. This module
-needs Triton at import: only ``merge.py`` loads it, and only where Triton is.
+needs Triton at import: only ``merge`` loads it, and only where Triton is.
 """
 
 import triton

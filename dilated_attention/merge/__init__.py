@@ -1,5 +1,5 @@
 """fp32 log-sum-exp merging of partial attention results, safe for empty rows: all of it lives here (the
-Triton kernels' bodies in ``_merge_triton.py``, loaded at their first launch).
+Triton kernels' bodies in ``merge/_triton.py``, loaded at their first launch).
 
 ``merge_two`` merges two partials; ``merge_into_`` and ``merge_pattern_`` merge a partial
 (a block's, or a whole pattern's in compact layout) into the running fp32 result in place;
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import caches
-from .caches import remember
-from .patterns import PatternPlan
-from .replays import geometry
-from .triton_support import JITTED, Prepared, interpreting, launch_on, made_current, triton
-from .views import chunk_views, compact_view, region_views
+from .. import caches
+from ..caches import remember
+from ..patterns import PatternPlan
+from ..replays import geometry
+from ..triton_support import JITTED, Prepared, interpreting, launch_on, made_current, triton
+from ..views import chunk_views, compact_view, region_views
 
 tl = None if triton is None else triton.language
 
@@ -116,18 +116,18 @@ def merge_pattern_(out: torch.Tensor, lse: torch.Tensor, plan: PatternPlan, part
 
 
 # ---------------------------------------------------------------------------
-# The fused kernel (its Triton source, and the combine's: ``_merge_triton.py``)
+# The fused kernel (its Triton source, and the combine's: ``merge/_triton.py``)
 
 
 def triton_kernel(name: str):
-    """The kernel ``name`` of ``_merge_triton.KERNEL_FUNCS`` jitted for the current mode, at first use (so
-    TRITON_INTERPRET is read then, not at import; importing ``_merge_triton`` jits the helpers the kernels call)."""
+    """The kernel ``name`` of ``_triton.KERNEL_FUNCS`` jitted for the current mode, at first use (so
+    TRITON_INTERPRET is read then, not at import; importing ``merge._triton`` jits the helpers the kernels call)."""
     key = (interpreting(), name)
     fn = JITTED.get(key)
     if fn is None:
-        from . import _merge_triton  # (its kernels need Triton at import: loaded only where Triton is)
+        from . import _triton  # (its kernels need Triton at import: loaded only where Triton is)
 
-        fn = JITTED[key] = triton.jit(_merge_triton.KERNEL_FUNCS[name])
+        fn = JITTED[key] = triton.jit(_triton.KERNEL_FUNCS[name])
     return fn
 
 
