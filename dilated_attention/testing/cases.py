@@ -114,7 +114,7 @@ def cases(world: int, device_type: str = "cpu") -> list[Case]:
                     local_len=12, strategy="head"))
     # packed documents on the ring: each document dealt over the ranks on its own (ring/documents.py)
     out.append(Case(f"P{world}-ring-docs-causal", world, (4, 8, 16), (1, 2, 4), causal=True, heads=4, kv_heads=2,
-                    batch=1, masked=True, docs=(0, 1, 1, 3, 16, n - 3, n), layout="transposed"))
+                    batch=1, masked=True, docs=(0, 1, 1, 3, n // 2, n - 3, n), layout="transposed"))
     # shards the segments do not tile, on the ring: the rows move to padded shards (ring/padding.py)
     out.append(Case(f"P{world}-ring-padded-causal", world, (8, 32), (1, 2), causal=True, heads=4, kv_heads=2,
                     local_len=12, layout="transposed"))
