@@ -480,7 +480,7 @@ def _make_plan(running, parts: Sequence[Part], like: torch.Tensor, into: tuple[t
     bsz, n, heads, dim = like.shape
     run_out, run_lse = running if weighted and running is not None else (running, None)
     align, wide, rows = 16 // like.element_size(), False, []
-    base, lse_base = parts[0].out, parts[0].lse
+    base = parts[0].out
     for part in parts:
         strides = part.out.stride()
         delta_bytes = part.out.data_ptr() - base.data_ptr()  # (its alignment is the geometry's)
