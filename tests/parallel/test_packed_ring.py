@@ -203,3 +203,22 @@ def test_large_packed_calls_hold_a_tenth_of_their_own_bytes_twice(world):
         assert res["units"] == res["groups"] > 1
         assert res["share"] <= DOCUMENT_SHARE or res["chunks"] == 8
         assert res["share"] < res["all"] / 4
+
+
+def _planned_for_shapes(rank: int, world: int) -> str:
+    from dilated_attention.comm import get_backend
+    from dilated_attention.planning import CallOptions, schedule
+
+    q = torch.randn(1, 16, 4, 8)
+    options = CallOptions((4, 8, 16), (1, 2, 4), strategy="ring",
+                          cu_seqlens=torch.tensor([0, 5, 16 * world], dtype=torch.int32))
+    try:  # a compiled graph's fake implementation plans from shapes alone
+        schedule(q, q, q, get_backend("collective"), options, shapes_only=True)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_packed_rings_under_torch_compile_raise_naming_the_way_out():
+    for message in spawn_ranks(_planned_for_shapes, 2):
+        assert "not supported under torch.compile" in message and "strategy='head'" in message
