@@ -177,7 +177,7 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                        strategy, kernel, layout, key_padding_mask, cu_seqlens)
     # The forward planned this call successfully: the same plan (no new agreement, no debug record).
     spec = schedule(q, k, v, resolve_comm(_lookup(comm)), options, record=False)
-    grads = backward(spec, _call_number(saved[-1]), q, k, v, key_padding_mask, out, saved[:-1], dout)
+    grads = backward(spec, _call_number(saved[-1]), q, k, v, key_padding_mask, (out, saved[:-1], dout))
     return tuple(g.contiguous() for g in grads)
 
 

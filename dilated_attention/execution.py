@@ -50,14 +50,15 @@ def attend(spec: Schedule, call: int, q, k, v, key_mask) -> tuple[torch.Tensor, 
             caller_rows([lse for _, lse in runs], spec.batches, n, bsz))
 
 
-def attend_backward(spec: Schedule, call: int, q, k, v, key_mask, out, lse, dout):
-    """The gradient of ``attend``. Pad rows' outputs were dropped, so ``(0, -inf)`` (an uncovered row)
-    stands in for them: their ``dout`` is 0, so they add nothing either way."""
+def attend_backward(spec: Schedule, call: int, q, k, v, key_mask, results: tuple):
+    """The gradient of ``attend`` for ``results`` ``(out, lse, dout)``. Pad rows' outputs were dropped, so
+    ``(0, -inf)`` (an uncovered row) stands in for them: their ``dout`` is 0, so they add nothing either way."""
     if spec.batches is None:
-        return backward_by_heads(spec.heads, spec.rings(call), q, k, v, key_mask, out, lse, dout)
+        return backward_by_heads(spec.heads, spec.rings(call), q, k, v, key_mask, results)
+    out, lse, dout = results
     grads = [backward_by_heads(spec.heads, spec.rings(call, b), batch_rows(q, b), batch_rows(k, b),
-                               batch_rows(v, b), run_mask(key_mask, b, q), batch_rows(out, b),
-                               batch_rows(lse, b, float("-inf")), batch_rows(dout, b))
+                               batch_rows(v, b), run_mask(key_mask, b, q),
+                               (batch_rows(out, b), batch_rows(lse, b, float("-inf")), batch_rows(dout, b)))
              for b in spec.batches]
     bsz, n = q.shape[:2]
     return tuple(caller_rows([g[i] for g in grads], spec.batches, n, bsz) for i in range(3))
@@ -75,12 +76,13 @@ def forward_by_heads(heads: tuple[HeadRange, ...], rings: tuple[RingCall, ...], 
     return out, lse
 
 
-def backward_by_heads(heads: tuple[HeadRange, ...], rings: tuple[RingCall, ...], q, k, v, key_mask, out, lse, dout
+def backward_by_heads(heads: tuple[HeadRange, ...], rings: tuple[RingCall, ...], q, k, v, key_mask, results: tuple
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``block_backward`` over every head range in turn, each writing its heads of ``(dq, dk, dv)`` (a kv head's
-    query heads are all in its range, so each gradient element is written once)."""
+    """``block_backward`` over every head range in turn for ``results`` ``(out, lse, dout)``, each writing its heads
+    of ``(dq, dk, dv)`` (a kv head's query heads are all in its range, so each gradient element is written once)."""
     if not heads:
-        return block_backward(q, k, v, key_mask, (out, lse, dout), rings[0])
+        return block_backward(q, k, v, key_mask, results, rings[0])
+    out, lse, dout = results
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     for r, ring in zip(heads, rings):
         block_backward(r.query(q), r.kv(k), r.kv(v), key_mask, (r.query(out), r.query(lse), r.query(dout)), ring,
@@ -169,7 +171,8 @@ def documents_forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> t
     return out, saved
 
 
-def documents_backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out, saved, dout):
+def documents_backward(spec: Schedule, call: int, q, k, v, key_padding_mask, results: tuple):
+    out, saved, dout = results
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
     saved = list(saved)
     for unit, heads, groups in _units(spec, key_padding_mask):
@@ -180,8 +183,8 @@ def documents_backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out
             count = saved_count(part, masked)
             part_saved, saved = saved[:count], saved[count:]
             for g, part_grad in zip(grads_d, backward(part, call, rows(qd), rows(kd), rows(vd),
-                                                      rows(mask) if masked else None, rows(outd), part_saved,
-                                                      rows(doutd))):
+                                                      rows(mask) if masked else None,
+                                                      (rows(outd), part_saved, rows(doutd)))):
                 rows(g).copy_(part_grad)
         _to_caller(spec, call, unit, grads_d, [_heads(heads, g, kv) for g, kv in zip(grads, (False, True, True))],
                    "backward")
@@ -234,22 +237,24 @@ def forward(spec: Schedule, call: int, q, k, v, key_padding_mask) -> tuple[torch
     return out, saved + [qh, kh, vh, out_h, lse]
 
 
-def backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out, saved: list[torch.Tensor], dout
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of ``forward``'s ``out`` for ``dout`` (exact: the kernels' backward on the final out/lse)."""
+def backward(spec: Schedule, call: int, q, k, v, key_padding_mask, results: tuple
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``forward``'s ``out`` for ``dout``, ``results`` being ``(out, saved, dout)`` (exact: the
+    kernels' backward on the final out/lse)."""
     if spec.documents is not None:
-        return documents_backward(spec, call, q, k, v, key_padding_mask, out, saved, dout)
+        return documents_backward(spec, call, q, k, v, key_padding_mask, results)
+    out, saved, dout = results
     if spec.padded is not None:  # (``forward``): the padded call's gradients, moved back
         q, k, v, mask, out, *saved = saved
-        grads = backward(replace(spec, padded=None), call, q, k, v, mask, out, saved,
-                         _padded_rows(spec, call, dout, True, "backward"))
+        grads = backward(replace(spec, padded=None), call, q, k, v, mask,
+                         (out, saved, _padded_rows(spec, call, dout, True, "backward")))
         return tuple(_padded_rows(spec, call, g, False, "backward") for g in grads)
     saved = list(saved)
     mask = saved.pop(0) if spec.backend is not None and key_padding_mask is not None else key_padding_mask
     if spec.team == 1:
         (lse,) = saved
         q, k, v = unit_head_dim(q), unit_head_dim(k), unit_head_dim(v)
-        grads = attend_backward(spec, call, q, k, v, mask, out, lse, dout)
+        grads = attend_backward(spec, call, q, k, v, mask, (out, lse, dout))
         settle(spec.backend)
         return grads
     swap = spec.swap(call)
@@ -259,13 +264,13 @@ def backward(spec: Schedule, call: int, q, k, v, key_padding_mask, out, saved: l
         into = (q.new_empty(q.shape), *((k.new_zeros if adds else k.new_empty)(k.shape) for _ in "kv"))
         for i, part in enumerate(spec.heads):
             qh, kh, vh, out_h, dout_h = sequence_to_heads(q, k, v, swap, part, (out, dout), "backward")
-            grads = list(attend_backward(spec.chunk(i), call, qh, kh, vh, mask, out_h, part.query(lse), dout_h))
+            grads = list(attend_backward(spec.chunk(i), call, qh, kh, vh, mask, (out_h, part.query(lse), dout_h)))
             del qh, kh, vh, out_h, dout_h
             sequence_to_heads_backward(grads, swap, k.shape, part, into)
         settle(spec.backend)
         return into
     qh, kh, vh, out_h, lse = saved
-    grads = list(attend_backward(spec, call, qh, kh, vh, mask, out_h, lse, heads_to_sequence_backward(dout, swap)))
+    grads = list(attend_backward(spec, call, qh, kh, vh, mask, (out_h, lse, heads_to_sequence_backward(dout, swap))))
     grads = sequence_to_heads_backward(grads, swap, k.shape)  # (frees the head-layout gradients as it goes)
     settle(spec.backend)
     return grads
@@ -357,7 +362,7 @@ class Attention(torch.autograd.Function):
         elif torch.is_grad_enabled():  # plain autograd: only create_graph=True runs a backward with grad mode on
             raise double_backward_error()
         else:
-            grads = backward(ctx.spec, ctx.call, q, k, v, key_padding_mask, out, saved, dout)
+            grads = backward(ctx.spec, ctx.call, q, k, v, key_padding_mask, (out, saved, dout))
         return (*grads, None, None, None)
 
     @staticmethod
@@ -378,7 +383,7 @@ class AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(dout, q, k, v, key_padding_mask, out, spec: Schedule, call: int, *saved):
-        return backward(spec, call, q, k, v, key_padding_mask, out, saved, dout)
+        return backward(spec, call, q, k, v, key_padding_mask, (out, saved, dout))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
