@@ -46,7 +46,7 @@ from ..patterns import PatternPlan
 from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, launch, triton
 from ..views import new_grad_parts
 from .fused_config import FusedConfig, _shared_memory, default_config, padded_dim, shared_memory_reason
-from .protocol import PatternKernelBase
+from .protocol import CallSpec, Grads, PatternKernelBase, Result, Saved
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -393,26 +393,29 @@ class FusedKernel(PatternKernelBase):
         keys = k.shape[1] * plan.dilation if packed else k.shape[1]
         return _key_mask(key_mask, (k.shape[0], keys), k.device, plan)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
-                        key_mask: torch.Tensor | None = None):
-        return self._pattern_forward(q, k, v, plan, None, None, packed, causal, scale, key_mask)
+    def forward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                        spec: CallSpec) -> Result:
+        return self._pattern_forward(q, k, v, plan, spec)
 
-    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False) -> None:
+    def forward_pattern_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                             spec: CallSpec, running: Result, *, fresh: bool = False) -> None:
         """The pattern merged into the running fp32 ``out``/``lse`` (full layout) in the kernel's epilogue:
         no compact partial, no separate combine pass. ``fresh``: the epilogue writes (no fill, no read)."""
-        _check_fresh(fresh, plan, q, k, packed)
-        self._pattern_forward(q, k, v, plan, out, lse, packed, causal, scale, key_mask, fresh)
+        _check_fresh(fresh, plan, q, k, spec.packed)
+        self._pattern_forward(q, k, v, plan, spec, running, fresh)
 
-    def _pattern_forward(self, q, k, v, plan, out, lse, packed, causal, scale, key_mask, fresh=False):
-        """One launch for the pattern: with ``out``/``lse`` ``None`` into new compact tensors (returned),
-        else merged into the given running result (written, if ``fresh``). Replayed after the first call of
-        each geometry (``replays.py``)."""
-        full = out is not None
+    def _pattern_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, running: Result | None = None, fresh: bool = False) -> Result:
+        """One launch for the pattern: without ``running`` into new compact tensors (returned), else merged into
+        the given running result (written, if ``fresh``). Replayed after the first call of each geometry
+        (``replays.py``)."""
+        causal, scale, packed, key_mask = spec
+        full = running is not None
+        out, lse = running if full else (None, None)
         key = None
         if key_mask is None:
             given = (q, k, v, out, lse) if full else (q, k, v)
-            key = ("fwd", self._settings(), plan, packed, causal, scale, fresh, replays.geometry(given))
+            key = ("fwd", self._settings(), plan, spec, fresh, replays.geometry(given))
             recipe = replays.RECIPES.get(key)
             if recipe is not None:
                 ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
@@ -447,39 +450,41 @@ class FusedKernel(PatternKernelBase):
             replays.remember(key, record, {"q": q, "k": k, "v": v_in, "ht": ht, **({"out": out, "lse": lse} if full else {})})
         return out, lse
 
-    def backward_pattern(
-        self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool, scale: float,
-        key_mask: torch.Tensor | None = None, fresh: bool = False,
-    ) -> None:
+    def backward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, saved: Saved, grads: Grads, *, fresh: bool = False) -> None:
         """``fresh``: the kernels store their gradients (no zero fill, no read of the accumulators)."""
+        packed = spec.packed
         _check_fresh(fresh, plan, q, k, packed)
+        dq, dk, dv = grads
         _check_acc("dq", dq, q.shape)
         _check_acc("dk", dk, k.shape)
         _check_acc("dv", dv, k.shape)
         M = plan.local_segment // plan.dilation
         kvs = self._kv_strides
-        self._pattern_backward(q, k, v, plan, out, lse, dout, (dq, dk, dv),
+        self._pattern_backward(q, k, v, plan, spec, saved, grads,
                                (_dilated_strides(dq, plan), kvs(dk, plan, packed, M), kvs(dv, plan, packed, M)),
-                               packed, causal, scale, key_mask, add=not fresh)
+                               add=not fresh)
 
-    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
-                               key_mask: torch.Tensor | None = None):
+    def backward_pattern_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                               spec: CallSpec, saved: Saved) -> Grads:
         """The pattern's gradients stored (not added) into new compact tensors in the inputs' dtype."""
-        if not self.parts("bwd", plan, q, k, causal=causal, masked=key_mask is not None):
+        if not self.parts("bwd", plan, q, k, causal=spec.causal, masked=spec.key_mask is not None) or spec.packed:
             raise ValueError(f"the fused kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
                              f"read at two offsets, epilogue_merge or dkdv=False): call backward_pattern")
         M = plan.local_segment // plan.dilation
-        grads = new_grad_parts(q, k, v, plan)
-        self._pattern_backward(q, k, v, plan, out, lse, dout, grads, tuple(_compact_strides(g, M) for g in grads),
-                               False, causal, scale, key_mask, add=False)
+        grads = dq, dk, dv = new_grad_parts(q, k, v, plan)
+        self._pattern_backward(q, k, v, plan, spec, saved, grads,
+                               (_compact_strides(dq, M), _compact_strides(dk, M), _compact_strides(dv, M)), add=False)
         return grads
 
-    def _pattern_backward(self, q, k, v, plan, out, lse, dout, grads, grad_strides, packed, causal, scale, key_mask,
-                          add):
+    def _pattern_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                          spec: CallSpec, saved: Saved, grads: Grads, grad_strides: tuple, *, add: bool) -> None:
         """The pattern's three launches (delta, dQ, dK/dV); replayed after the first call of each geometry."""
+        causal, scale, packed, key_mask = spec
+        out, lse, dout = saved
         key = None
         if key_mask is None:
-            key = ("bwd", self._settings(), plan, packed, causal, scale, add,
+            key = ("bwd", self._settings(), plan, spec, add,
                    replays.geometry((q, k, v, out, lse, dout, *grads)))  # (the geometry holds each device)
             recipe = replays.RECIPES.get(key)
             if recipe is not None:
