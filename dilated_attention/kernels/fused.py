@@ -255,8 +255,16 @@ class FusedKernel(PatternKernelBase):
 
     # -- generic launchers ------------------------------------------------------
 
-    def _forward(self, q, k, v, out, lse, ht, mask, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg, merge=False,
-                 record: list | None = None):
+    def _forward(self, tensors: tuple[torch.Tensor, ...], strides: tuple[tuple[int, ...], ...], ht: torch.Tensor,
+                 mask: tuple, dims: tuple[int, int, int], causal: bool, scale: float, cfg: FusedConfig,
+                 merge: bool = False, record: list | None = None) -> None:
+        """The forward launch: ``tensors`` ``(q, k, v, out, lse)`` read through ``strides`` (each tensor's
+        ``(b, s, m, h, off)`` element strides), ``mask`` ``_key_mask``'s ``(uint8 view, strides, offsets)``,
+        ``dims`` ``(S, M, MK)`` (segments, query and key rows per segment); ``merge``: merged into the running result
+        that ``out``/``lse`` hold, else written."""
+        q, k, v, out, lse = tensors
+        sq, sk, sv, so, sl = strides
+        S, M, MK = dims
         nh = ht.shape[1]
         if nh == 0 or M == 0 or S == 0 or q.shape[0] == 0:
             return
@@ -274,8 +282,15 @@ class FusedKernel(PatternKernelBase):
                 nh, S, M, MK, nmb, scale * LOG2E)
         self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages, record)
 
-    def _backward(self, q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, MK, causal, scale,
-                  cfg, add=True, record: list | None = None):
+    def _backward(self, tensors: tuple[torch.Tensor, ...], strides: tuple[tuple[int, ...], ...],
+                  tables: tuple[torch.Tensor, torch.Tensor], mask: tuple, dims: tuple[int, int, int], causal: bool,
+                  scale: float, cfg: FusedConfig, add: bool = True, record: list | None = None) -> None:
+        """The backward's launches (delta, dQ, dK/dV): ``tensors`` ``(q, k, v, out, lse, dout, dq, dk, dv)`` read
+        through ``strides`` (as ``_forward``'s), ``tables`` the head and unit tables, ``mask`` and ``dims`` as
+        ``_forward``'s; ``add``: added into what ``dq``/``dk``/``dv`` hold, else stored."""
+        q, k, v, out, lse, dout, dq, dk, dv = tensors
+        ht, ut = tables
+        S, M, MK = dims
         sq, sk, sv, so, sl, sg, sdq, sdk, sdv = strides
         km, sm, n_off = mask
         idx = _idx_type(max(M, MK), *strides, sm)
@@ -346,10 +361,8 @@ class FusedKernel(PatternKernelBase):
             lse.fill_(float("-inf"))
             return out, lse
         ht, _ = _tables(("dense", hq, hk), lambda: _dense_rows(hq, hk), q.device)
-        self._forward(
-            q, k, v, out, lse, ht, mask, _view_strides(q), _view_strides(k), _view_strides(v),
-            _view_strides(out), _view_strides(lse), S, M, MK, causal, scale, cfg,
-        )
+        tensors = (q, k, v, out, lse)
+        self._forward(tensors, tuple(_view_strides(x) for x in tensors), ht, mask, (S, M, MK), causal, scale, cfg)
         return out, lse
 
     def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None):
@@ -366,7 +379,7 @@ class FusedKernel(PatternKernelBase):
         ht, ut = _tables(("dense", hq, hk), lambda: _dense_rows(hq, hk), q.device)
         vs = _view_strides
         strides = (vs(q), vs(k), vs(v), vs(out), vs(lse), vs(dout), vs(dq), vs(dk), vs(dv))
-        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, MK, causal, scale, cfg)
+        self._backward((q, k, v, out, lse, dout, dq, dk, dv), strides, (ht, ut), mask, (S, M, MK), causal, scale, cfg)
         return dq, dk, dv
 
     # -- whole pattern, one launch ----------------------------------------------------
@@ -441,11 +454,10 @@ class FusedKernel(PatternKernelBase):
         mask = self._pattern_mask(key_mask, k, plan, packed)
         v_in, v = v, _unit_last(v)
         ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
-        self._forward(
-            q, k, v, out, lse, ht, mask, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
-            self._kv_strides(v, plan, packed, M), so, sl, S, M, M, causal, scale, cfg, merge=full and not fresh,
-            record=record,
-        )
+        kvs = self._kv_strides
+        strides = (_dilated_strides(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), so, sl)
+        self._forward((q, k, v, out, lse), strides, ht, mask, (S, M, M), causal, scale, cfg, merge=full and not fresh,
+                      record=record)
         if record is not None:
             replays.remember(key, record, {"q": q, "k": k, "v": v_in, "ht": ht, **({"out": out, "lse": lse} if full else {})})
         return out, lse
@@ -506,8 +518,8 @@ class FusedKernel(PatternKernelBase):
         ds, kvs = _dilated_strides, self._kv_strides
         strides = (ds(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), ds(out, plan), ds(lse, plan),
                    ds(dout, plan), *grad_strides)
-        self._backward(q, k, v, out, lse, dout, *grads, ht, ut, mask, strides, S, M, M, causal, scale, cfg, add=add,
-                       record=record)
+        self._backward((q, k, v, out, lse, dout, *grads), strides, (ht, ut), mask, (S, M, M), causal, scale, cfg,
+                       add=add, record=record)
         if record is not None:
             names = dict(zip(("q", "k", "v", "out", "dout"), given))
             replays.remember(key, record, {**names, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2],
