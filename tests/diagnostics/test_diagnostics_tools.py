@@ -352,7 +352,7 @@ def test_fuzz_small_budget_is_clean(tmp_path):
 
 
 def test_fuzz_finds_a_planted_wrong_row_and_writes_a_replayable_repro(tmp_path):
-    res = fuzz.fuzz(cases=50, seed=3, out_dir=str(tmp_path), invalid_fraction=0.0,
+    res = fuzz.fuzz(cases=50, seed=3, out_dir=str(tmp_path), mix=fuzz.CaseMix(invalid_fraction=0.0),
                     kernel_override=ChunkLoop(WrongRow()))
     assert not res.ok and res.cases < 50, res
     assert "wrong-row" in open(res.repro_path).read()
@@ -362,7 +362,7 @@ def test_fuzz_finds_a_planted_wrong_row_and_writes_a_replayable_repro(tmp_path):
 
 
 def test_fuzz_exercises_masks_documents_and_untiled_lengths(tmp_path):
-    res = fuzz.fuzz(cases=30, seed=5, out_dir=str(tmp_path), invalid_fraction=0.0)
+    res = fuzz.fuzz(cases=30, seed=5, out_dir=str(tmp_path), mix=fuzz.CaseMix(invalid_fraction=0.0))
     assert res.ok, (res.failure, res.lines)
     for option in ("key_padding_mask", "cu_seqlens", "zero-length document", "padded document", "untiled length"):
         assert res.options.get(option, 0) > 0, (option, res.options)
@@ -370,7 +370,7 @@ def test_fuzz_exercises_masks_documents_and_untiled_lengths(tmp_path):
 
 
 def test_fuzz_finds_a_planted_mask_blind_kernel(tmp_path):
-    res = fuzz.fuzz(cases=40, seed=2, out_dir=str(tmp_path), invalid_fraction=0.0,
+    res = fuzz.fuzz(cases=40, seed=2, out_dir=str(tmp_path), mix=fuzz.CaseMix(invalid_fraction=0.0),
                     kernel_override=ChunkLoop(MaskBlind()))
     assert not res.ok and res.cases < 40, res
     spec = repro.load(res.repro_path)
@@ -398,7 +398,8 @@ def test_fuzz_invalid_calls_raise_value_or_type_errors():
 
 def test_fuzz_spawned_ranks_cover_ring_cases(tmp_path):
     # seed 8: within 16 cases, ring cases and masks, documents and untiled lengths on 2 ranks
-    res = fuzz.fuzz_spawned((1, 2), cases=16, seed=8, out_dir=str(tmp_path), kernels=("reference", "auto"))
+    res = fuzz.fuzz_spawned((1, 2), cases=16, seed=8, out_dir=str(tmp_path),
+                            mix=fuzz.CaseMix(kernels=("reference", "auto")))
     assert res.ok, (res.failure, res.lines)
     assert res.cases == 16 and res.options.get("strategy ring", 0) > 0
     for option in ("key_padding_mask", "cu_seqlens", "untiled length"):  # on 2 ranks (strategy "head")
