@@ -155,6 +155,7 @@ from dilated_attention.kernels.flash4 import Flash4Kernel  # noqa: E402
 from dilated_attention.kernels.registry import FLASH4_NAMES  # noqa: E402
 from dilated_attention.kernels.flash4 import unavailable_reason as flash4_unavailable  # noqa: E402
 from dilated_attention.kernels.fused import FusedKernel, default_config  # noqa: E402
+from dilated_attention.kernels.protocol import CallSpec  # noqa: E402
 from dilated_attention.kernels.registry import KERNELS, build_kernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.ring.block import block_backward, block_forward  # noqa: E402
@@ -222,7 +223,7 @@ def flops_fwd(plans, bsz: int, seq: int, dim: int, causal: bool) -> float:
 
 def fwd_pipeline(kernel, q, k, v, plans, causal, scale, merge=True):
     if not merge:
-        return [kernel.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale) for p in plans]
+        return [kernel.forward_pattern(q, k, v, p, CallSpec(causal, scale)) for p in plans]
     # exactly what the library's forward does around the kernels (the ring schedule on one device)
     return block_forward(q, k, v, None, RingCall(plan_ring(plans, kernel, causal=causal, scale=scale), None, 0))
 
@@ -244,7 +245,7 @@ def bwd_pipeline(kernel, q, k, v, plans, out, lse, dout, causal, scale):
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     for p in plans:
-        kernel.backward_pattern(q, k, v, p, out, lse, dout, dq, dk, dv, packed=False, causal=causal, scale=scale)
+        kernel.backward_pattern(q, k, v, p, CallSpec(causal, scale), (out, lse, dout), (dq, dk, dv))
     return dq, dk, dv
 
 
@@ -279,8 +280,7 @@ def measure_method(name, kernel, q, k, v, dout, plans, causal, scale, warmup, re
         _print_row(r)
 
     # memory of the forward kernels alone on the densest pattern (r = 1): extra beyond out+lse
-    peak_fwd, (o, s) = peak_extra(lambda: kernel.forward_pattern(q, k, v, plans[0], packed=False, causal=causal,
-                                                                 scale=scale), dev)
+    peak_fwd, (o, s) = peak_extra(lambda: kernel.forward_pattern(q, k, v, plans[0], CallSpec(causal, scale)), dev)
     out_lse = o.numel() * o.element_size() + s.numel() * s.element_size()
     del o, s
 
@@ -367,9 +367,9 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
     out, lse = fwd_pipeline(fused, q, k, v, plans, causal, scale)
     rows = []
     for p in plans:
-        ref_f = fused.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)
+        ref_f = fused.forward_pattern(q, k, v, p, CallSpec(causal, scale))
         ref_b = [torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (q, k, v)]
-        fused.backward_pattern(q, k, v, p, out, lse, dout, *ref_b, packed=False, causal=causal, scale=scale)
+        fused.backward_pattern(q, k, v, p, CallSpec(causal, scale), (out, lse, dout), ref_b)
         for name, impl in impls.items():
             r = {"plan": p.index, "w": p.segment, "r": p.dilation, "causal": causal, "impl": name}
             if impl.supports(q, k) is not None:
@@ -377,8 +377,8 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                 rows.append(r)
                 continue
             try:
-                o, s = impl.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)
-                o2, s2 = impl.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=scale)
+                o, s = impl.forward_pattern(q, k, v, p, CallSpec(causal, scale))
+                o2, s2 = impl.forward_pattern(q, k, v, p, CallSpec(causal, scale))
                 r["fwd_reproducible"] = bool(torch.equal(o, o2) and torch.equal(s, s2))
                 del o2, s2
                 rows_o = torch.cat([o[:, :, c.h0:c.h1].flatten(2) for c in p.chunks], -1)
@@ -386,7 +386,7 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                 grads = []
                 for _ in range(2):
                     acc = [torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (q, k, v)]
-                    impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False, causal=causal, scale=scale)
+                    impl.backward_pattern(q, k, v, p, CallSpec(causal, scale), (out, lse, dout), acc)
                     grads.append(acc)
                 r["rel_vs_fused"] = max([_rel(rows_o, rows_r)] + [_rel(a, b) for a, b in zip(grads[0], ref_b)])
                 r["bwd_reproducible"] = all(torch.equal(a, b) for a, b in zip(*grads))
@@ -396,12 +396,12 @@ def measure_table(impls, q, k, v, dout, plans, causal, scale, warmup, reps, tol=
                 run_o = torch.zeros(q.shape, dtype=torch.float32, device=dev)
                 run_l = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=dev)
                 r["parts"] = [impl.parts(d, p, q, k, causal=causal, masked=False) for d in ("fwd", "bwd")]
-                kw = dict(causal=causal, scale=scale)
-                fwd = (lambda: impl.forward_pattern(q, k, v, p, packed=False, **kw)) if r["parts"][0] else (
-                    lambda: impl.forward_pattern_into(q, k, v, p, run_o, run_l, packed=False, fresh=fresh, **kw))
+                spec = CallSpec(causal, scale)
+                fwd = (lambda: impl.forward_pattern(q, k, v, p, spec)) if r["parts"][0] else (
+                    lambda: impl.forward_pattern_into(q, k, v, p, spec, (run_o, run_l), fresh=fresh))
                 acc = grads[0]
-                bwd = (lambda: impl.backward_pattern_parts(q, k, v, p, out, lse, dout, **kw)) if r["parts"][1] else (
-                    lambda: impl.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False, fresh=fresh, **kw))
+                bwd = (lambda: impl.backward_pattern_parts(q, k, v, p, spec, (out, lse, dout))) if r["parts"][1] else (
+                    lambda: impl.backward_pattern(q, k, v, p, spec, (out, lse, dout), acc, fresh=fresh))
                 r["fwd_ms"] = timed(fwd, warmup, reps, dev)
                 r["bwd_ms"] = timed(bwd, warmup, reps, dev)
             except Exception as exc:  # an implementation that cannot run this plan is never chosen

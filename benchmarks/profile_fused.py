@@ -27,6 +27,7 @@ def main() -> int:
     import torch
 
     from dilated_attention.kernels.fused import FusedKernel
+    from dilated_attention.kernels.protocol import CallSpec
     from dilated_attention.patterns import plan_patterns
 
     assert torch.cuda.is_available(), "profiling needs a GPU"
@@ -35,13 +36,13 @@ def main() -> int:
                          num_heads=heads, num_kv_heads=heads)[args.plan]
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    kern, kw = FusedKernel(), dict(packed=False, causal=args.causal, scale=dim**-0.5)
+    kern, spec = FusedKernel(), CallSpec(args.causal, dim**-0.5)
     for _ in range(2):  # warm-up (compiles), then the launches to profile
         out = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
         lse = torch.full(q.shape[:3], float("-inf"), device="cuda")
-        kern.forward_pattern_into(q, k, v, plan, out, lse, **kw)
+        kern.forward_pattern_into(q, k, v, plan, spec, (out, lse))
         grads = [torch.zeros(x.shape, dtype=torch.float32, device="cuda") for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, plan, out.to(q.dtype), lse, dout, *grads, **kw)
+        kern.backward_pattern(q, k, v, plan, spec, (out.to(q.dtype), lse, dout), grads)
     torch.cuda.synchronize()
     print(f"profiled plan {plan.index} (w={plan.segment}, r={plan.dilation}) causal={args.causal}")
     return 0

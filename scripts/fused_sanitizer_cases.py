@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dilated_attention.kernels.cudnn import CudnnKernel  # noqa: E402
 from dilated_attention.kernels.fused import FusedKernel  # noqa: E402
 from dilated_attention.kernels.chunk_loop import ChunkLoop  # noqa: E402
+from dilated_attention.kernels.protocol import CallSpec  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.views import pack_kv  # noqa: E402
@@ -68,16 +69,16 @@ def pattern_cases(F, tag):
         k = torch.randn(1, n, hk, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn(1, n, hk, d, device=dev, dtype=torch.bfloat16)
         for p in plans:
-            o, s = F.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=0.125)
-            o2, s2 = RP.forward_pattern(q, k, v, p, packed=False, causal=causal, scale=0.125)
+            o, s = F.forward_pattern(q, k, v, p, CallSpec(causal, 0.125))
+            o2, s2 = RP.forward_pattern(q, k, v, p, CallSpec(causal, 0.125))
             close(f"{tag} pattern {p.index} fwd causal={causal}", o, o2, 2e-2)
             out = torch.randn(1, n, h, d, device=dev, dtype=torch.bfloat16)
             lse = torch.randn(1, n, h, device=dev) + 6.0
             g = torch.randn(1, n, h, d, device=dev, dtype=torch.bfloat16)
             acc = [torch.zeros(x.shape, device=dev) for x in (q, k, v)]
             acc2 = [torch.zeros(x.shape, device=dev) for x in (q, k, v)]
-            F.backward_pattern(q, k, v, p, out, lse, g, *acc, packed=False, causal=causal, scale=0.125)
-            RP.backward_pattern(q, k, v, p, out, lse, g, *acc2, packed=False, causal=causal, scale=0.125)
+            F.backward_pattern(q, k, v, p, CallSpec(causal, 0.125), (out, lse, g), acc)
+            RP.backward_pattern(q, k, v, p, CallSpec(causal, 0.125), (out, lse, g), acc2)
             for nme, x, y in zip("qkv", acc, acc2):
                 close(f"{tag} pattern {p.index} d{nme} causal={causal}", x, y, 3e-2)
         # ring block: local 256 of 512, packed k/v
@@ -85,16 +86,16 @@ def pattern_cases(F, tag):
         p = plans[0]
         ql, kl, vl = q[:, :256], k[:, :256], v[:, :256]
         buf = pack_kv(kl, vl, p)
-        o, s = F.forward_pattern(ql, buf[0], buf[1], p, packed=True, causal=causal, scale=0.125)
-        o2, s2 = RP.forward_pattern(ql, buf[0], buf[1], p, packed=True, causal=causal, scale=0.125)
+        o, s = F.forward_pattern(ql, buf[0], buf[1], p, CallSpec(causal, 0.125, packed=True))
+        o2, s2 = RP.forward_pattern(ql, buf[0], buf[1], p, CallSpec(causal, 0.125, packed=True))
         close(f"{tag} ring fwd causal={causal}", o, o2, 2e-2)
         acc = [torch.zeros(x.shape, device=dev) for x in (ql, buf[0], buf[1])]
         acc2 = [torch.zeros(x.shape, device=dev) for x in (ql, buf[0], buf[1])]
         out = torch.randn(1, 256, h, d, device=dev, dtype=torch.bfloat16)
         lse = torch.randn(1, 256, h, device=dev) + 6.0
         g = torch.randn_like(out)
-        F.backward_pattern(ql, buf[0], buf[1], p, out, lse, g, *acc, packed=True, causal=causal, scale=0.125)
-        RP.backward_pattern(ql, buf[0], buf[1], p, out, lse, g, *acc2, packed=True, causal=causal, scale=0.125)
+        F.backward_pattern(ql, buf[0], buf[1], p, CallSpec(causal, 0.125, packed=True), (out, lse, g), acc)
+        RP.backward_pattern(ql, buf[0], buf[1], p, CallSpec(causal, 0.125, packed=True), (out, lse, g), acc2)
         for nme, x, y in zip("qkv", acc, acc2):
             close(f"{tag} ring d{nme} causal={causal}", x, y, 3e-2)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dilated_attention import merge as merge_mod
+from dilated_attention.kernels.protocol import CallSpec
 from dilated_attention.merge import Part, combine_results, sum_grads
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import as_layout
@@ -461,9 +462,9 @@ def test_fused_backward_parts_with_a_key_mask_equal_the_in_place_backward():
     key_mask[1, :16] = True  # a whole segment of padding: its keys' dK/dV are zero
     kern = FusedKernel()
     kw = dict(causal=False, scale=0.25, key_mask=key_mask)
-    parts = kern.backward_pattern_parts(q, k, v, plan, out, lse, dout, **kw)
+    parts = kern.backward_pattern_parts(q, k, v, plan, CallSpec(**kw), (out, lse, dout))
     acc = [torch.zeros_like(x) for x in (q, k, v)]
-    kern.backward_pattern(q, k, v, plan, out, lse, dout, *acc, packed=False, **kw)
+    kern.backward_pattern(q, k, v, plan, CallSpec(**kw), (out, lse, dout), acc)
     for part, whole, kv in zip(parts, acc, (False, True, True)):
         placed = sum_grads(None, [Part(plan, part, kv=kv)], whole)
         torch.testing.assert_close(placed, whole, rtol=1e-5, atol=1e-6)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .. import hooks
 from ..comm.base import CommBackend
-from ..kernels.protocol import CALL_ARGUMENTS
+from ..kernels.protocol import call_tensors
 from ..kernels.wrapper import KernelWrapper
 
 VIEW_METHODS = {"transpose", "permute", "narrow", "select", "expand", "expand_as", "as_strided", "unfold",
@@ -284,9 +284,8 @@ class _AuditedKernel(KernelWrapper):
 
     def call(self, op, args, kwargs):
         entry = f"{self.name}.{op} (pattern {args[3].index})"
-        for n, t in zip(CALL_ARGUMENTS[op], args):
-            if n != "plan":
-                _check(self.audit, entry, n, t, must_be_contiguous=False)
+        for n, t in call_tensors(op, args):
+            _check(self.audit, entry, n, t, must_be_contiguous=False)
         return super().call(op, args, kwargs)
 
 

@@ -43,9 +43,11 @@ import torch
 
 from .. import hooks
 from ..kernels.chunk_loop import ChunkLoop
+from ..kernels.protocol import CallSpec, Grads, Result, Saved
 from ..kernels.reference import ReferenceKernel
 from ..kernels.wrapper import KernelWrapper
 from ..merge import Part, merge_pattern_, sum_grads
+from ..patterns import PatternPlan
 from ..testing.compare import rel_err
 from . import repro
 from .repro import call_extras, call_meta, describe_tensor
@@ -343,12 +345,12 @@ class DebugKernel(KernelWrapper):
             on_exception(fault, meta)
             raise fault from exc
 
-    def forward_pattern(self, q, k, v, plan, *, packed: bool, causal: bool, scale: float, **mask):
+    def forward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                        spec: CallSpec) -> Result:
         meta = self._meta("forward_pattern", plan)
-        self._inputs(meta, q, k, v, plan, packed)
-        out, lse = self._call(meta, q, self.inner.forward_pattern, q, k, v, plan,
-                              packed=packed, causal=causal, scale=scale, **mask)
-        _, oshape, lshape = _plan_shapes(q, k, plan, packed)
+        self._inputs(meta, q, k, v, plan, spec.packed)
+        out, lse = self._call(meta, q, self.inner.forward_pattern, q, k, v, plan, spec)
+        _, oshape, lshape = _plan_shapes(q, k, plan, spec.packed)
         heads = _covered_heads(plan)
         check_tensor("out", out, meta, shape=oshape, dtype=q.dtype, device=q.device, finite=False)
         check_tensor("lse", lse, meta, shape=lshape, device=q.device, finite=False)
@@ -356,13 +358,14 @@ class DebugKernel(KernelWrapper):
         check_tensor("out (covered heads)", out[:, :, heads], meta)
         check_tensor("lse (covered heads)", lse[:, :, heads], meta, allow_inf=True)
         if _shadow_due():
-            self._shadow_forward(meta, q, k, v, plan, packed, causal, scale, out, lse, heads, mask)
+            self._shadow_forward(meta, (q, k, v), plan, spec, (out, lse), heads)
         return out, lse
 
-    def forward_pattern_into(self, q, k, v, plan, out, lse, *, packed: bool, causal: bool, scale: float,
-                             fresh: bool = False, **mask) -> None:
+    def forward_pattern_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                             spec: CallSpec, running: Result, *, fresh: bool = False) -> None:
         meta = self._meta("forward_pattern_into", plan)
-        self._inputs(meta, q, k, v, plan, packed)
+        self._inputs(meta, q, k, v, plan, spec.packed)
+        out, lse = running
         # a fresh result's contents are ignored (any values): only its shape is checked
         check_tensor("out", out, meta, shape=q.shape, device=q.device, accumulator=True, finite=not fresh)
         check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True, finite=not fresh)
@@ -370,45 +373,37 @@ class DebugKernel(KernelWrapper):
         if _shadow_due():
             before = (torch.zeros_like(out), torch.full_like(lse, float("-inf"))) if fresh else (
                 out.detach().clone(), lse.detach().clone())
-        self._call(meta, q, self.inner.forward_pattern_into, q, k, v, plan, out, lse,
-                   packed=packed, causal=causal, scale=scale, fresh=fresh, **mask)
+        self._call(meta, q, self.inner.forward_pattern_into, q, k, v, plan, spec, running, fresh=fresh)
         check_tensor("out (after)", out, meta)
         check_tensor("lse (after)", lse, meta, allow_inf=True)
         if before is not None:
             d = [t.detach().double() for t in (q, k, v)]
             want_out, want_lse = (t.double() for t in before)
-            merge_pattern_(want_out, want_lse, plan, *self._reference().forward_pattern(
-                *d, plan, packed=packed, causal=causal, scale=scale, **mask))
+            merge_pattern_(want_out, want_lse, plan, *self._reference().forward_pattern(*d, plan, spec))
             _compare(meta, "out", out, want_out, q.dtype)
             _compare_lse(meta, lse, want_lse, q.dtype)
 
-    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool,
-                         scale: float, fresh: bool = False, **mask) -> None:
+    def backward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, saved: Saved, grads: Grads, *, fresh: bool = False) -> None:
         meta = self._meta("backward_pattern", plan)
-        self._inputs(meta, q, k, v, plan, packed)
-        check_tensor("out", out, meta, shape=q.shape, device=q.device)
-        check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
-        check_tensor("dout", dout, meta, shape=q.shape, device=q.device)
-        for name, acc, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        self._inputs(meta, q, k, v, plan, spec.packed)
+        self._saved(meta, q, saved)
+        for name, acc, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
             check_tensor(name, acc, meta, shape=like.shape, device=q.device, accumulator=True, finite=not fresh)
         shadow = _shadow_due()
-        before = [torch.zeros_like(a) if fresh else a.detach().clone() for a in (dq, dk, dv)] if shadow else None
-        self._call(meta, q, self.inner.backward_pattern, q, k, v, plan, out, lse, dout, dq, dk, dv,
-                   packed=packed, causal=causal, scale=scale, fresh=fresh, **mask)
-        for name, acc in (("dq", dq), ("dk", dk), ("dv", dv)):
+        before = [torch.zeros_like(a) if fresh else a.detach().clone() for a in grads] if shadow else None
+        self._call(meta, q, self.inner.backward_pattern, q, k, v, plan, spec, saved, grads, fresh=fresh)
+        for name, acc in zip(("dq", "dk", "dv"), grads):
             check_tensor(name + " (after)", acc, meta)
         if shadow:
-            self._shadow_backward(meta, q, k, v, plan, out, lse, dout, (dq, dk, dv), before, packed, causal, scale,
-                                  mask)
+            self._shadow_backward(meta, (q, k, v), plan, spec, saved, grads, before)
 
-    def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, *, causal: bool, scale: float, **mask):
+    def backward_pattern_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                               spec: CallSpec, saved: Saved) -> Grads:
         meta = self._meta("backward_pattern_parts", plan)
         self._inputs(meta, q, k, v, plan, False)
-        check_tensor("out", out, meta, shape=q.shape, device=q.device)
-        check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
-        check_tensor("dout", dout, meta, shape=q.shape, device=q.device)
-        grads = self._call(meta, q, self.inner.backward_pattern_parts, q, k, v, plan, out, lse, dout,
-                           causal=causal, scale=scale, **mask)
+        self._saved(meta, q, saved)
+        grads = self._call(meta, q, self.inner.backward_pattern_parts, q, k, v, plan, spec, saved)
         rows = q.shape[1] // plan.dilation
         placed = []  # each part in full layout: the slots a combine reads (uncovered ones are unspecified)
         for name, grad, like, kv in zip(("dq", "dk", "dv"), grads, (q, k, v), (False, True, True)):
@@ -417,30 +412,39 @@ class DebugKernel(KernelWrapper):
             placed.append(sum_grads(None, [Part(plan, grad, kv=kv)], like))
             check_tensor(name + " (covered slots)", placed[-1], meta)
         if _shadow_due():
-            self._shadow_backward(meta, q, k, v, plan, out, lse, dout, placed, [torch.zeros_like(p) for p in placed],
-                                  False, causal, scale, mask)
+            self._shadow_backward(meta, (q, k, v), plan, spec, saved, placed, [torch.zeros_like(p) for p in placed])
         return grads
+
+    @staticmethod
+    def _saved(meta: dict[str, Any], q: torch.Tensor, saved: Saved) -> None:
+        """The final ``(out, lse, dout)`` a backward reads, against ``q``."""
+        out, lse, dout = saved
+        check_tensor("out", out, meta, shape=q.shape, device=q.device)
+        check_tensor("lse", lse, meta, shape=q.shape[:3], device=q.device, allow_inf=True)
+        check_tensor("dout", dout, meta, shape=q.shape, device=q.device)
 
     # -- shadow checks against the float64 reference kernel ---------------------------------------
 
     @staticmethod
-    def _reference():
+    def _reference() -> ChunkLoop:
         return ChunkLoop(ReferenceKernel())
 
-    def _shadow_forward(self, meta, q, k, v, plan, packed, causal, scale, out, lse, heads, mask):
-        d = [t.detach().double() for t in (q, k, v)]
-        ref_out, ref_lse = self._reference().forward_pattern(*d, plan, packed=packed, causal=causal, scale=scale,
-                                                             **mask)
-        _compare(meta, "out", out[:, :, heads], ref_out[:, :, heads], q.dtype)
-        _compare_lse(meta, lse[:, :, heads], ref_lse[:, :, heads], q.dtype)
+    def _shadow_forward(self, meta: dict[str, Any], inputs: tuple[torch.Tensor, ...], plan: PatternPlan,
+                        spec: CallSpec, result: Result, heads: list[int]) -> None:
+        """The call's compact ``result`` against the reference kernel's, on the covered ``heads``."""
+        (out, lse), dtype = result, inputs[0].dtype
+        ref_out, ref_lse = self._reference().forward_pattern(*(t.detach().double() for t in inputs), plan, spec)
+        _compare(meta, "out", out[:, :, heads], ref_out[:, :, heads], dtype)
+        _compare_lse(meta, lse[:, :, heads], ref_lse[:, :, heads], dtype)
 
-    def _shadow_backward(self, meta, q, k, v, plan, out, lse, dout, accs, before, packed, causal, scale, mask):
-        d = [t.detach().double() for t in (q, k, v, out, lse, dout)]
-        ref = [torch.zeros(a.shape, dtype=torch.float64, device=a.device) for a in accs]
-        self._reference().backward_pattern(*d[:3], plan, *d[3:], *ref, packed=packed, causal=causal, scale=scale,
-                                           **mask)
+    def _shadow_backward(self, meta: dict[str, Any], inputs: tuple[torch.Tensor, ...], plan: PatternPlan,
+                         spec: CallSpec, saved: Saved, accs: Grads, before: list[torch.Tensor]) -> None:
+        """What the call added to ``accs`` (from ``before``) against the reference kernel's gradients."""
+        d = [t.detach().double() for t in (*inputs, *saved)]
+        ref = tuple(torch.zeros(a.shape, dtype=torch.float64, device=a.device) for a in accs)
+        self._reference().backward_pattern(*d[:3], plan, spec, tuple(d[3:]), ref)
         for name, acc, b, r in zip(("dq", "dk", "dv"), accs, before, ref):
-            _compare(meta, name, acc.detach().double() - b.double(), r, q.dtype)
+            _compare(meta, name, acc.detach().double() - b.double(), r, inputs[0].dtype)
 
 
 def _compare_lse(meta, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

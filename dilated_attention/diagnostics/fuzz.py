@@ -32,7 +32,8 @@ import os
 import random
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -62,6 +63,18 @@ OPTION_RATE = 0.3  # each of: key_padding_mask, packed documents, an untiled len
 MASK_KERNELS = ("auto", "reference", "fused")  # take key masks; sdpa/cudnn raise ValueError on masked calls
 SEGMENTS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)  # free choices for untiled lengths (64: often clamped)
 MAX_PADDED = 160  # keep the dense oracle small: a padded length (sequence or document) at most this
+
+
+@dataclass(frozen=True)
+class CaseMix:
+    """Which random calls a fuzz run draws: valid ones on these kernels, dtypes and device, each of the options
+    (a key mask, packed documents, an untiled length) at ``option_rate``; invalid ones at ``invalid_fraction``."""
+
+    kernels: tuple[str, ...] = CPU_KERNELS
+    dtypes: tuple[str, ...] = CPU_DTYPES
+    device: str = "cpu"
+    invalid_fraction: float = 0.2
+    option_rate: float = OPTION_RATE
 
 
 @dataclass
@@ -351,21 +364,18 @@ def _progress(total: int | None, enabled: bool):
     return tqdm(total=total, unit="case", dynamic_ncols=True, mininterval=1.0)
 
 
-def fuzz(cases: int | None = 100, seconds: float | None = None, *, seed: int = 0, kernels=CPU_KERNELS,
-         dtypes=CPU_DTYPES, device: str = "cpu", invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
-         progress: bool = False, kernel_override: Any = None, option_rate: float = OPTION_RATE,
+def fuzz(cases: int | None = 100, seconds: float | None = None, *, seed: int = 0, mix: CaseMix = CaseMix(),
+         out_dir: str = "fuzz_repro", progress: bool = False, kernel_override: Any = None,
          quiet: bool = True) -> FuzzResult:
     """Single process: ``cases`` cases or ``seconds`` of them (whichever ends first), stop at the first failure.
 
-    ``kernel_override``: run every valid case with this kernel object instead (used
-    to show that the fuzzer finds a planted bug). ``option_rate``: how often each of
-    mask, documents and an untiled length is used (``OPTION_RATE``). ``quiet``: the library's warnings about
+    ``mix``: which calls are drawn (``CaseMix``). ``kernel_override``: run every valid case with this kernel object
+    instead (used to show that the fuzzer finds a planted bug). ``quiet``: the library's warnings about
     calls that run but may not be meant (``misuse.MisuseWarning``: clamped segments, ...), which random cases
     raise by design, are not shown.
     """
     with _quieted(quiet):
-        return _loop(None, {1: None}, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
-                     progress, kernel_override, "collective", option_rate)
+        return _loop(None, {1: None}, cases, seconds, seed, mix, out_dir, progress, kernel_override, "collective")
 
 
 @contextlib.contextmanager
@@ -376,8 +386,10 @@ def _quieted(quiet: bool) -> Iterator[None]:
         yield
 
 
-def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, device, invalid_fraction, out_dir,
-          progress, kernel_override, backend, option_rate=OPTION_RATE) -> FuzzResult:
+def _loop(world_group: Any, comms_by_world: dict[int, Any], cases: int | None, seconds: float | None, seed: int,
+          mix: CaseMix, out_dir: str, progress: bool, kernel_override: Any, backend: str) -> FuzzResult:
+    """The run on this rank (``world_group``: every rank's group, ``None`` in one process; ``comms_by_world``: the
+    backend of each world size's ranks, ``None`` where this rank is not one of them)."""
     import torch.distributed as dist
 
     distributed = world_group is not None
@@ -396,7 +408,7 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
         if not go:
             break
         res.cases += 1
-        if rng.random() < invalid_fraction:
+        if rng.random() < mix.invalid_fraction:
             what, call = random_invalid(rng)
             if rank == 0:
                 finding = check_invalid(what, call)
@@ -411,15 +423,15 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
             _tick(bar)
             continue
         world = rng.choice(worlds)
-        spec = random_spec(rng, world=world, kernels=kernels, dtypes=dtypes, device=device,
-                           backend=backend if world > 1 else None, option_rate=option_rate)
+        spec = random_spec(rng, world=world, kernels=mix.kernels, dtypes=mix.dtypes, device=mix.device,
+                           backend=backend if world > 1 else None, option_rate=mix.option_rate)
         res.valid += 1
         for option in spec_options(spec):
             res.options[option] = res.options.get(option, 0) + 1
         failed, finding, lines = False, None, []
         comm = comms_by_world[world] if rank < world else None
         if rank < world:
-            rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=False)
+            rep = repro.run_spec(spec, comm=comm, device=mix.device, kernel=kernel_override, narrow=False)
             declined = rep.raised is not None and rep.raised.startswith("ValueError: kernel=") and \
                 "cannot run on these inputs" in rep.raised
             res.skipped += int(declined)
@@ -432,7 +444,7 @@ def _loop(world_group, comms_by_world, cases, seconds, seed, kernels, dtypes, de
             # Not after a fault that leaves the CUDA context unusable: every later CUDA call fails too.
             if rank < world:
                 if not _sticky(rep.raised):
-                    rep = repro.run_spec(spec, comm=comm, device=device, kernel=kernel_override, narrow=True)
+                    rep = repro.run_spec(spec, comm=comm, device=mix.device, kernel=kernel_override, narrow=True)
                 lines = rep.text().splitlines()
             res.failure, res.lines = _collect(finding, lines, world_group)
             if rank == 0:
@@ -512,19 +524,17 @@ def _spawn_worker(rank, world, port, kwargs, out_dir_results):
     leave_process_group(barrier=False)
 
 
-def fuzz_spawned(world_sizes=(1, 2, 4), cases: int | None = 100, seconds: float | None = None, *, seed: int = 0,
-                 kernels=CPU_KERNELS, dtypes=CPU_DTYPES, invalid_fraction: float = 0.2, out_dir: str = "fuzz_repro",
-                 progress: bool = False, backend: str = "collective", option_rate: float = OPTION_RATE,
-                 quiet: bool = True) -> FuzzResult:
-    """Fuzz over several world sizes on ``max(world_sizes)`` gloo ranks spawned on this machine (CPU);
-    ``quiet`` as for ``fuzz``."""
+def fuzz_spawned(world_sizes: Iterable[int] = (1, 2, 4), cases: int | None = 100, seconds: float | None = None, *,
+                 seed: int = 0, mix: CaseMix = CaseMix(), out_dir: str = "fuzz_repro", progress: bool = False,
+                 backend: str = "collective", quiet: bool = True) -> FuzzResult:
+    """Fuzz over several world sizes on ``max(world_sizes)`` gloo ranks spawned on this machine (CPU: ``mix``'s
+    device is not read); ``mix`` and ``quiet`` as for ``fuzz``."""
     world_sizes = sorted(set(int(w) for w in world_sizes))
     if not world_sizes or world_sizes[0] < 1:
         raise ValueError(f"world_sizes must be positive ints, got {world_sizes}")
-    kwargs = dict(world_sizes=world_sizes, cases=cases, seconds=seconds, seed=seed, kernels=tuple(kernels),
-                  dtypes=tuple(dtypes), device="cpu", invalid_fraction=invalid_fraction,
+    kwargs = dict(world_sizes=world_sizes, cases=cases, seconds=seconds, seed=seed, mix=replace(mix, device="cpu"),
                   out_dir=os.path.abspath(out_dir), progress=progress, kernel_override=None, backend=backend,
-                  option_rate=option_rate, quiet=quiet)
+                  quiet=quiet)
     res, *others = (FuzzResult(**x) for x in run_spawned(_spawn_worker, world_sizes[-1], kwargs))
     for other in others:
         if other.failure and not res.failure:

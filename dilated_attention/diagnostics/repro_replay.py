@@ -285,6 +285,35 @@ def _worst(spec, got, oracle, rank, local_len, name, whole_mask=None) -> str:
     return where
 
 
+@dataclass(frozen=True)
+class _Case:
+    """A spec's call as this rank replays it: its inputs (``inputs``: this rank's q, k, v, dout; ``whole``: every
+    rank's, for the oracle), the call's keywords (``extra``) and the oracle's (``oextra``)."""
+
+    spec: dict[str, Any]
+    comm: Any
+    device: torch.device
+    rank: int
+    dtype: torch.dtype
+    inputs: tuple[torch.Tensor, ...]
+    whole: tuple[torch.Tensor, ...]
+    extra: dict[str, Any]
+    oextra: dict[str, Any]
+
+    def run(self, kernel: Any, segs: list[int], rates: list[int]) -> list[torch.Tensor]:
+        """This rank's output and gradients, the call run on ``kernel`` with these patterns."""
+        return _run_once(self.spec, self.comm, self.device, kernel, segs, rates, self.inputs, self.extra)
+
+    def oracle(self, dtype: torch.dtype, segs: list[int], rates: list[int]) -> list[torch.Tensor]:
+        """The whole output and gradients in plain torch (``dtype``: float64 for the oracle itself)."""
+        return _oracle(self.spec, *self.whole, dtype, segs, rates, self.oextra)
+
+    def judge(self, got: list[torch.Tensor], oracle: list[torch.Tensor], plain: list[torch.Tensor]
+              ) -> tuple[dict[str, float], dict[str, float], list[str]]:
+        """``_judge`` of this rank's results."""
+        return _judge(self.spec, self.comm, self.rank, got, oracle, plain, self.dtype, self.inputs[0].shape[1])
+
+
 def run_spec(spec: dict[str, Any], *, comm=None, device=None, kernel: Any = None, narrow: bool = True) -> Report:
     """Replay ``spec`` on this rank (all ranks of ``comm`` must call it); returns this rank's ``Report``."""
     rank = comm.rank if comm is not None else 0
@@ -303,7 +332,8 @@ def run_spec(spec: dict[str, Any], *, comm=None, device=None, kernel: Any = None
     oextra = _oracle_kwargs(spec, whole_mask)
     q, k, v, dout = inputs
     local_len = q.shape[1]
-    g_q, g_k, g_v, g_d = (_gather_global(t, comm) for t in inputs)
+    case = _Case(spec, comm, device, rank, dtype, inputs, tuple(_gather_global(t, comm) for t in inputs), extra,
+                 oextra)
     kname = getattr(kernel, "name", kernel)
     rep.lines.append(f"{spec.get('mode', 'longnet')} causal={bool(spec.get('causal'))} patterns {segs} x {rates}, "
                      f"q {tuple(q.shape)} stride {tuple(q.stride())}, k {tuple(k.shape)} stride {tuple(k.stride())}, "
@@ -317,19 +347,19 @@ def run_spec(spec: dict[str, Any], *, comm=None, device=None, kernel: Any = None
     if spec.get("error"):
         rep.lines.append(f"recorded error: {spec['error'].splitlines()[0][:300]}")
     try:
-        got = _run_once(spec, comm, device, kernel, segs, rates, inputs, extra)
+        got = case.run(kernel, segs, rates)
     except Exception as exc:
         rep.ok, rep.raised = False, f"{type(exc).__name__}: {exc}"
         rep.lines.append(f"FAIL: the call raised {rep.raised.splitlines()[0][:400]}")
         return rep
     try:
-        oracle = _oracle(spec, g_q, g_k, g_v, g_d, torch.float64, segs, rates, oextra)
-        plain = oracle if dtype == torch.float64 else _oracle(spec, g_q, g_k, g_v, g_d, dtype, segs, rates, oextra)
+        oracle = case.oracle(torch.float64, segs, rates)
+        plain = oracle if dtype == torch.float64 else case.oracle(dtype, segs, rates)
     except Exception as exc:  # the library accepted a call the oracle cannot evaluate
         rep.ok, rep.raised = False, f"the call ran, but the oracle raised {type(exc).__name__}: {exc}"
         rep.lines.append(f"FAIL: {rep.raised.splitlines()[0][:400]}")
         return rep
-    rep.errors, rep.tolerance, bad = _judge(spec, comm, rank, got, oracle, plain, dtype, local_len)
+    rep.errors, rep.tolerance, bad = case.judge(got, oracle, plain)
     rep.lines.append("vs fp64 oracle: " + ", ".join(
         f"{n} {rep.errors[n]:.1e}{'' if n not in bad else ' > ' + format(rep.tolerance[n], '.1e') + ' DIFFERS'}"
         for n in NAMES))
@@ -345,14 +375,14 @@ def run_spec(spec: dict[str, Any], *, comm=None, device=None, kernel: Any = None
         flags = comm.all_gather(torch.tensor([int(any_bad)], device=device)).cpu()
         any_bad = bool(flags.any())
     if narrow and any_bad:
-        _narrow(spec, comm, device, kernel, segs, rates, inputs, oracle, rep, rank, local_len, dtype,
-                (g_q, g_k, g_v, g_d), extra, oextra)
+        _narrow(case, kernel, segs, rates, oracle, rep)
     return rep
 
 
-def _narrow(spec, comm, device, kernel, segs, rates, inputs, oracle, rep, rank, local_len, dtype, whole, extra,
-            oextra):
-    """Which pattern, and is it the kernel? (every rank runs the same calls)"""
+def _narrow(case: _Case, kernel: Any, segs: list[int], rates: list[int], oracle: list[torch.Tensor],
+            rep: Report) -> None:
+    """Which pattern, and is it the kernel? (every rank runs the same calls); ``oracle``: the whole call's."""
+    spec, dtype = case.spec, case.dtype
     culprits = []
     for i, (w, r) in enumerate(zip(segs, rates)):
         if len(segs) == 1:
@@ -360,10 +390,10 @@ def _narrow(spec, comm, device, kernel, segs, rates, inputs, oracle, rep, rank, 
         if spec.get("mode", "longnet") == "grouped":
             break  # a lone pattern changes the head groups: no like-for-like comparison
         try:
-            got = _run_once(spec, comm, device, kernel, [w], [r], inputs, extra)
-            o1 = _oracle(spec, *whole, torch.float64, [w], [r], oextra)
-            p1 = o1 if dtype == torch.float64 else _oracle(spec, *whole, dtype, [w], [r], oextra)
-            _, _, bad = _judge(spec, comm, rank, got, o1, p1, dtype, local_len)
+            got = case.run(kernel, [w], [r])
+            o1 = case.oracle(torch.float64, [w], [r])
+            p1 = o1 if dtype == torch.float64 else case.oracle(dtype, [w], [r])
+            _, _, bad = case.judge(got, o1, p1)
         except Exception as exc:
             bad = [f"raised {type(exc).__name__}"]
         if bad:
@@ -374,9 +404,9 @@ def _narrow(spec, comm, device, kernel, segs, rates, inputs, oracle, rep, rank, 
         rep.lines.append("every pattern alone is right: the combination of patterns differs")
     if getattr(kernel, "name", kernel) != "reference":
         try:
-            got = _run_once(spec, comm, device, "reference", segs, rates, inputs, extra)
-            plain = oracle if dtype == torch.float64 else _oracle(spec, *whole, dtype, segs, rates, oextra)
-            _, _, bad = _judge(spec, comm, rank, got, oracle, plain, dtype, local_len)
+            got = case.run("reference", segs, rates)
+            plain = oracle if dtype == torch.float64 else case.oracle(dtype, segs, rates)
+            _, _, bad = case.judge(got, oracle, plain)
         except Exception as exc:
             bad = [f"raised {type(exc).__name__}: {exc}"]
         if bad:

@@ -1,7 +1,7 @@
 """The local block: ``(q, k, v)`` views of one pattern -> ``(out, lse)``, forward and backward.
 
 * ``protocol``: the interfaces (``BlockKernel``, ``PatternKernel``, the defaults of its optional members in
-  ``PatternKernelBase``) and the layouts they exchange
+  ``PatternKernelBase``, ``CallSpec``: how a pattern call scores its keys) and the layouts they exchange
 * ``wrapper``: ``KernelWrapper``, the base of a kernel that changes another one; ``chunk_loop``: ``ChunkLoop``
 * one module per implementation: ``reference`` (plain torch, the oracle), ``sdpa``, ``fused`` (Triton; its configs
   in ``fused_config``), ``view_kernel`` (the zero-copy view logic on any ``AttentionOps``) with its ops in
@@ -10,7 +10,7 @@
   with ``auto``'s measured table); ``guard``: resource-error fallback and explained CUDA errors
 """
 
-from .protocol import BlockKernel, PatternKernel, PatternKernelBase
+from .protocol import BlockKernel, CallSpec, PatternKernel, PatternKernelBase
 from .wrapper import KernelWrapper
 
-__all__ = ["BlockKernel", "KernelWrapper", "PatternKernel", "PatternKernelBase"]
+__all__ = ["BlockKernel", "CallSpec", "KernelWrapper", "PatternKernel", "PatternKernelBase"]

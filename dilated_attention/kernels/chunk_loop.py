@@ -7,12 +7,14 @@ wherever the layout allows.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ..merge import accum_dtype, merge_pattern_
-from ..patterns import PatternPlan
+from ..patterns import HeadChunk, PatternPlan
 from ..views import chunk_views, compact_view, dilated_view, new_grad_parts, packed_view
-from .protocol import BlockKernel, PatternKernelBase, clear_grads_
+from .protocol import BlockKernel, CallSpec, Grads, PatternKernelBase, Result, Saved, clear_grads_
 
 
 def _mask_view(key_mask, plan, chunk):
@@ -43,57 +45,59 @@ class ChunkLoop(PatternKernelBase):
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return self.inner.supports(q, k)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
-                        key_mask: torch.Tensor | None = None):
+    def forward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                        spec: CallSpec) -> Result:
         bsz, n, heads, dim = q.shape
         rows = n // plan.dilation
         out = torch.empty((bsz, rows, heads, dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((bsz, rows, heads), dtype=accum_dtype(q.dtype), device=q.device)
         for c in plan.chunks:
-            kc, vc = _kv_views(k, v, plan, c, packed)
-            o, s = self.inner.forward(chunk_views(q, plan, c), kc, vc, causal=causal, scale=scale,
-                                      **_mask_view(key_mask, plan, c))
+            kc, vc = _kv_views(k, v, plan, c, spec.packed)
+            o, s = self.inner.forward(chunk_views(q, plan, c), kc, vc, causal=spec.causal, scale=spec.scale,
+                                      **_mask_view(spec.key_mask, plan, c))
             compact_view(out, plan, c.h0, c.h1).copy_(o)
             compact_view(lse, plan, c.h0, c.h1).copy_(s)
         return out, lse
 
-    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False) -> None:
-        part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, key_mask=key_mask)
-        merge_pattern_(out, lse, plan, *part, fresh=fresh)
+    def forward_pattern_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                             spec: CallSpec, running: Result, *, fresh: bool = False) -> None:
+        merge_pattern_(*running, plan, *self.forward_pattern(q, k, v, plan, spec), fresh=fresh)
 
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:
         """Yes where the layout allows: the block kernel returns each chunk's result on its own anyway."""
         return plan.leaves_parts(direction, k.shape[2])
 
-    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
-                         fresh: bool = False) -> None:
+    def backward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, saved: Saved, grads: Grads, *, fresh: bool = False) -> None:
+        dq, dk, dv = grads
         if fresh:
             clear_grads_(dq, dk, dv)
-        for c, (gq, gk, gv) in self._chunk_grads(q, k, v, plan, out, lse, dout, packed, causal, scale, key_mask):
+        for c, (gq, gk, gv) in self._chunk_grads(q, k, v, plan, spec, saved):
             chunk_views(dq, plan, c).add_(gq)
-            dkc, dvc = _kv_views(dk, dv, plan, c, packed)
+            dkc, dvc = _kv_views(dk, dv, plan, c, spec.packed)
             dkc.add_(gk)
             dvc.add_(gv)
 
-    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
-                               key_mask: torch.Tensor | None = None):
-        if not self.parts("bwd", plan, q, k, causal=causal, masked=key_mask is not None):
+    def backward_pattern_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                               spec: CallSpec, saved: Saved) -> Grads:
+        if spec.packed or not self.parts("bwd", plan, q, k, causal=spec.causal, masked=spec.key_mask is not None):
             raise ValueError(f"pattern {plan.index} leaves no backward parts (a ring, or a kv head read at two "
                              f"offsets): call backward_pattern")
         grads = new_grad_parts(q, k, v, plan, zeroed=True)
-        for c, chunk in self._chunk_grads(q, k, v, plan, out, lse, dout, False, causal, scale, key_mask):
+        for c, chunk in self._chunk_grads(q, k, v, plan, spec, saved):
             for g, grad, (a, b) in zip(grads, chunk, ((c.h0, c.h1), (c.k0, c.k1), (c.k0, c.k1))):
                 compact_view(g, plan, a, b).copy_(grad)
         return grads
 
-    def _chunk_grads(self, q, k, v, plan, out, lse, dout, packed, causal, scale, key_mask):
+    def _chunk_grads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, spec: CallSpec,
+                     saved: Saved) -> Iterator[tuple[HeadChunk, Grads]]:
+        out, lse, dout = saved
         for c in plan.chunks:
-            kc, vc = _kv_views(k, v, plan, c, packed)
+            kc, vc = _kv_views(k, v, plan, c, spec.packed)
             yield c, self.inner.backward(
                 chunk_views(q, plan, c), kc, vc, chunk_views(out, plan, c),
                 dilated_view(lse, plan.local_segment, plan.dilation, c.offset, c.h0, c.h1),
-                chunk_views(dout, plan, c), causal=causal, scale=scale, **_mask_view(key_mask, plan, c),
+                chunk_views(dout, plan, c), causal=spec.causal, scale=spec.scale,
+                **_mask_view(spec.key_mask, plan, c),
             )

@@ -18,7 +18,7 @@ from .. import caches
 from ..patterns import PatternPlan
 from ..views import readable
 from .fused import FusedKernel
-from .protocol import PatternKernelBase
+from .protocol import CallSpec, Grads, PatternKernelBase, Result, Saved
 from .view_kernel import AttentionOps, ViewKernel
 
 
@@ -101,24 +101,25 @@ class CudnnDkdvKernel(PatternKernelBase):
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return self.cudnn.supports(q, k) or self.fused.supports(q, k)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float):
-        return self.cudnn.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale)
+    def forward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                        spec: CallSpec) -> Result:
+        return self.cudnn.forward_pattern(q, k, v, plan, spec)
 
-    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, fresh: bool = False) -> None:
-        self.cudnn.forward_pattern_into(q, k, v, plan, out, lse, packed=packed, causal=causal, scale=scale,
-                                        fresh=fresh)
+    def forward_pattern_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                             spec: CallSpec, running: Result, *, fresh: bool = False) -> None:
+        self.cudnn.forward_pattern_into(q, k, v, plan, spec, running, fresh=fresh)
 
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:
         """The forward's cuDNN results as parts; the backward accumulates (two kernels share the gradients)."""
         return direction == "fwd" and plan.leaves_parts(direction, k.shape[2])
 
-    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float):
+    def backward_pattern_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                               spec: CallSpec, saved: Saved) -> Grads:
         raise ValueError("cudnn-dkdv accumulates its backward in place (parts('bwd') is False): call backward_pattern")
 
-    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float, fresh: bool = False) -> None:
-        kw = dict(packed=packed, causal=causal, scale=scale, fresh=fresh)  # each part starts its own grads
-        self.cudnn.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
-        self.fused.backward_pattern(q, k, v, plan, out, lse, dout, dq, dk, dv, **kw)
+    def backward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, saved: Saved, grads: Grads, *, fresh: bool = False) -> None:
+        # each part starts its own gradients (fresh)
+        self.cudnn.backward_pattern(q, k, v, plan, spec, saved, grads, fresh=fresh)
+        self.fused.backward_pattern(q, k, v, plan, spec, saved, grads, fresh=fresh)

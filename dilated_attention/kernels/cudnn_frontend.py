@@ -146,19 +146,19 @@ class CudnnFrontendOps(CudnnOps):
         dq, dk, dv = into if into is not None else (_empty_in_layout(x) for x in (q, k, v))
         per_call, keys = split_plan(batch, heads, rows, dim, self.workspace_limit, self.batch_workspace_limit)
         if per_call >= batch and keys == rows:  # one call: the tensors themselves (nine slices cost a call's host)
-            self._run(dout, q, k, v, out, lse4, dq, dk, dv, causal, scale)
+            self._run((dout, q, k, v, out, lse4), (dq, dk, dv), causal, scale)
             return dq, dk, dv
         for b0 in range(0, batch, per_call):
             b = slice(b0, b0 + per_call)
             if keys == rows:
-                self._run(dout[b], q[b], k[b], v[b], out[b], lse4[b], dq[b], dk[b], dv[b], causal, scale)
+                self._run((dout[b], q[b], k[b], v[b], out[b], lse4[b]), (dq[b], dk[b], dv[b]), causal, scale)
                 continue
             dq_sum = torch.zeros(dq[b].shape, dtype=torch.float32, device=q.device)
             for k0 in range(0, rows, keys):
                 ks, qs = slice(k0, k0 + keys), slice(k0 if causal else 0, rows)
                 part = _empty_in_layout(q[b][:, :, qs])
-                self._run(dout[b][:, :, qs], q[b][:, :, qs], k[b][:, :, ks], v[b][:, :, ks], out[b][:, :, qs],
-                          lse4[b][:, :, qs].contiguous(), part, dk[b][:, :, ks], dv[b][:, :, ks], causal, scale)
+                self._run((dout[b][:, :, qs], q[b][:, :, qs], k[b][:, :, ks], v[b][:, :, ks], out[b][:, :, qs],
+                           lse4[b][:, :, qs].contiguous()), (part, dk[b][:, :, ks], dv[b][:, :, ks]), causal, scale)
                 dq_sum[:, :, qs] += part
             dq[b].copy_(dq_sum)
         return dq, dk, dv
@@ -172,8 +172,12 @@ class CudnnFrontendOps(CudnnOps):
         self._execute((q, k, v, res, lse4), "forward", causal, scale)
         return res, lse4
 
-    def _run(self, dout, q, k, v, out, lse4, dq, dk, dv, causal: bool, scale: float) -> None:
-        self._execute((q, k, v, out, dout, lse4, dq, dk, dv), "backward", causal, scale)
+    def _run(self, inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             causal: bool, scale: float) -> None:
+        """One backward graph call: ``inputs`` ``(dout, q, k, v, out, lse4)`` (``backward``'s order), ``grads``
+        ``(dq, dk, dv)`` the views it writes."""
+        dout, q, k, v, out, lse4 = inputs
+        self._execute((q, k, v, out, dout, lse4, *grads), "backward", causal, scale)
 
     def _execute(self, tensors, direction: str, causal: bool, scale: float) -> None:
         """Run the ``direction`` graph on ``tensors`` (its inputs, then its outputs), built once per geometry.

@@ -46,7 +46,7 @@ from ..patterns import PatternPlan
 from ..triton_support import JITTED, TRITON_ERROR as _TRITON_ERROR, interpreting, launch, triton
 from ..views import new_grad_parts
 from .fused_config import FusedConfig, _shared_memory, default_config, padded_dim, shared_memory_reason
-from .protocol import PatternKernelBase
+from .protocol import CallSpec, Grads, PatternKernelBase, Result, Saved
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -255,8 +255,16 @@ class FusedKernel(PatternKernelBase):
 
     # -- generic launchers ------------------------------------------------------
 
-    def _forward(self, q, k, v, out, lse, ht, mask, sq, sk, sv, so, sl, S, M, MK, causal, scale, cfg, merge=False,
-                 record: list | None = None):
+    def _forward(self, tensors: tuple[torch.Tensor, ...], strides: tuple[tuple[int, ...], ...], ht: torch.Tensor,
+                 mask: tuple, dims: tuple[int, int, int], causal: bool, scale: float, cfg: FusedConfig,
+                 merge: bool = False, record: list | None = None) -> None:
+        """The forward launch: ``tensors`` ``(q, k, v, out, lse)`` read through ``strides`` (each tensor's
+        ``(b, s, m, h, off)`` element strides), ``mask`` ``_key_mask``'s ``(uint8 view, strides, offsets)``,
+        ``dims`` ``(S, M, MK)`` (segments, query and key rows per segment); ``merge``: merged into the running result
+        that ``out``/``lse`` hold, else written."""
+        q, k, v, out, lse = tensors
+        sq, sk, sv, so, sl = strides
+        S, M, MK = dims
         nh = ht.shape[1]
         if nh == 0 or M == 0 or S == 0 or q.shape[0] == 0:
             return
@@ -274,8 +282,15 @@ class FusedKernel(PatternKernelBase):
                 nh, S, M, MK, nmb, scale * LOG2E)
         self._launch("fwd", (q.shape[0] * S * nmb, nh), args, meta, cfg.fwd_warps, cfg.fwd_stages, record)
 
-    def _backward(self, q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, MK, causal, scale,
-                  cfg, add=True, record: list | None = None):
+    def _backward(self, tensors: tuple[torch.Tensor, ...], strides: tuple[tuple[int, ...], ...],
+                  tables: tuple[torch.Tensor, torch.Tensor], mask: tuple, dims: tuple[int, int, int], causal: bool,
+                  scale: float, cfg: FusedConfig, add: bool = True, record: list | None = None) -> None:
+        """The backward's launches (delta, dQ, dK/dV): ``tensors`` ``(q, k, v, out, lse, dout, dq, dk, dv)`` read
+        through ``strides`` (as ``_forward``'s), ``tables`` the head and unit tables, ``mask`` and ``dims`` as
+        ``_forward``'s; ``add``: added into what ``dq``/``dk``/``dv`` hold, else stored."""
+        q, k, v, out, lse, dout, dq, dk, dv = tensors
+        ht, ut = tables
+        S, M, MK = dims
         sq, sk, sv, so, sl, sg, sdq, sdk, sdv = strides
         km, sm, n_off = mask
         idx = _idx_type(max(M, MK), *strides, sm)
@@ -346,10 +361,8 @@ class FusedKernel(PatternKernelBase):
             lse.fill_(float("-inf"))
             return out, lse
         ht, _ = _tables(("dense", hq, hk), lambda: _dense_rows(hq, hk), q.device)
-        self._forward(
-            q, k, v, out, lse, ht, mask, _view_strides(q), _view_strides(k), _view_strides(v),
-            _view_strides(out), _view_strides(lse), S, M, MK, causal, scale, cfg,
-        )
+        tensors = (q, k, v, out, lse)
+        self._forward(tensors, tuple(_view_strides(x) for x in tensors), ht, mask, (S, M, MK), causal, scale, cfg)
         return out, lse
 
     def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float, key_mask: torch.Tensor | None = None):
@@ -366,7 +379,7 @@ class FusedKernel(PatternKernelBase):
         ht, ut = _tables(("dense", hq, hk), lambda: _dense_rows(hq, hk), q.device)
         vs = _view_strides
         strides = (vs(q), vs(k), vs(v), vs(out), vs(lse), vs(dout), vs(dq), vs(dk), vs(dv))
-        self._backward(q, k, v, out, lse, dout, dq, dk, dv, ht, ut, mask, strides, S, M, MK, causal, scale, cfg)
+        self._backward((q, k, v, out, lse, dout, dq, dk, dv), strides, (ht, ut), mask, (S, M, MK), causal, scale, cfg)
         return dq, dk, dv
 
     # -- whole pattern, one launch ----------------------------------------------------
@@ -393,26 +406,29 @@ class FusedKernel(PatternKernelBase):
         keys = k.shape[1] * plan.dilation if packed else k.shape[1]
         return _key_mask(key_mask, (k.shape[0], keys), k.device, plan)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
-                        key_mask: torch.Tensor | None = None):
-        return self._pattern_forward(q, k, v, plan, None, None, packed, causal, scale, key_mask)
+    def forward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                        spec: CallSpec) -> Result:
+        return self._pattern_forward(q, k, v, plan, spec)
 
-    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False) -> None:
+    def forward_pattern_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                             spec: CallSpec, running: Result, *, fresh: bool = False) -> None:
         """The pattern merged into the running fp32 ``out``/``lse`` (full layout) in the kernel's epilogue:
         no compact partial, no separate combine pass. ``fresh``: the epilogue writes (no fill, no read)."""
-        _check_fresh(fresh, plan, q, k, packed)
-        self._pattern_forward(q, k, v, plan, out, lse, packed, causal, scale, key_mask, fresh)
+        _check_fresh(fresh, plan, q, k, spec.packed)
+        self._pattern_forward(q, k, v, plan, spec, running, fresh)
 
-    def _pattern_forward(self, q, k, v, plan, out, lse, packed, causal, scale, key_mask, fresh=False):
-        """One launch for the pattern: with ``out``/``lse`` ``None`` into new compact tensors (returned),
-        else merged into the given running result (written, if ``fresh``). Replayed after the first call of
-        each geometry (``replays.py``)."""
-        full = out is not None
+    def _pattern_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, running: Result | None = None, fresh: bool = False) -> Result:
+        """One launch for the pattern: without ``running`` into new compact tensors (returned), else merged into
+        the given running result (written, if ``fresh``). Replayed after the first call of each geometry
+        (``replays.py``)."""
+        causal, scale, packed, key_mask = spec
+        full = running is not None
+        out, lse = running if full else (None, None)
         key = None
         if key_mask is None:
             given = (q, k, v, out, lse) if full else (q, k, v)
-            key = ("fwd", self._settings(), plan, packed, causal, scale, fresh, replays.geometry(given))
+            key = ("fwd", self._settings(), plan, spec, fresh, replays.geometry(given))
             recipe = replays.RECIPES.get(key)
             if recipe is not None:
                 ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
@@ -438,48 +454,49 @@ class FusedKernel(PatternKernelBase):
         mask = self._pattern_mask(key_mask, k, plan, packed)
         v_in, v = v, _unit_last(v)
         ht, _ = _tables(("plan", plan, packed), lambda: _plan_rows(plan, packed), q.device)
-        self._forward(
-            q, k, v, out, lse, ht, mask, _dilated_strides(q, plan), self._kv_strides(k, plan, packed, M),
-            self._kv_strides(v, plan, packed, M), so, sl, S, M, M, causal, scale, cfg, merge=full and not fresh,
-            record=record,
-        )
+        kvs = self._kv_strides
+        strides = (_dilated_strides(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), so, sl)
+        self._forward((q, k, v, out, lse), strides, ht, mask, (S, M, M), causal, scale, cfg, merge=full and not fresh,
+                      record=record)
         if record is not None:
             replays.remember(key, record, {"q": q, "k": k, "v": v_in, "ht": ht, **({"out": out, "lse": lse} if full else {})})
         return out, lse
 
-    def backward_pattern(
-        self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *, packed: bool, causal: bool, scale: float,
-        key_mask: torch.Tensor | None = None, fresh: bool = False,
-    ) -> None:
+    def backward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, saved: Saved, grads: Grads, *, fresh: bool = False) -> None:
         """``fresh``: the kernels store their gradients (no zero fill, no read of the accumulators)."""
+        packed = spec.packed
         _check_fresh(fresh, plan, q, k, packed)
+        dq, dk, dv = grads
         _check_acc("dq", dq, q.shape)
         _check_acc("dk", dk, k.shape)
         _check_acc("dv", dv, k.shape)
         M = plan.local_segment // plan.dilation
         kvs = self._kv_strides
-        self._pattern_backward(q, k, v, plan, out, lse, dout, (dq, dk, dv),
+        self._pattern_backward(q, k, v, plan, spec, saved, grads,
                                (_dilated_strides(dq, plan), kvs(dk, plan, packed, M), kvs(dv, plan, packed, M)),
-                               packed, causal, scale, key_mask, add=not fresh)
+                               add=not fresh)
 
-    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
-                               key_mask: torch.Tensor | None = None):
+    def backward_pattern_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                               spec: CallSpec, saved: Saved) -> Grads:
         """The pattern's gradients stored (not added) into new compact tensors in the inputs' dtype."""
-        if not self.parts("bwd", plan, q, k, causal=causal, masked=key_mask is not None):
+        if not self.parts("bwd", plan, q, k, causal=spec.causal, masked=spec.key_mask is not None) or spec.packed:
             raise ValueError(f"the fused kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
                              f"read at two offsets, epilogue_merge or dkdv=False): call backward_pattern")
         M = plan.local_segment // plan.dilation
-        grads = new_grad_parts(q, k, v, plan)
-        self._pattern_backward(q, k, v, plan, out, lse, dout, grads, tuple(_compact_strides(g, M) for g in grads),
-                               False, causal, scale, key_mask, add=False)
+        grads = dq, dk, dv = new_grad_parts(q, k, v, plan)
+        self._pattern_backward(q, k, v, plan, spec, saved, grads,
+                               (_compact_strides(dq, M), _compact_strides(dk, M), _compact_strides(dv, M)), add=False)
         return grads
 
-    def _pattern_backward(self, q, k, v, plan, out, lse, dout, grads, grad_strides, packed, causal, scale, key_mask,
-                          add):
+    def _pattern_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                          spec: CallSpec, saved: Saved, grads: Grads, grad_strides: tuple, *, add: bool) -> None:
         """The pattern's three launches (delta, dQ, dK/dV); replayed after the first call of each geometry."""
+        causal, scale, packed, key_mask = spec
+        out, lse, dout = saved
         key = None
         if key_mask is None:
-            key = ("bwd", self._settings(), plan, packed, causal, scale, add,
+            key = ("bwd", self._settings(), plan, spec, add,
                    replays.geometry((q, k, v, out, lse, dout, *grads)))  # (the geometry holds each device)
             recipe = replays.RECIPES.get(key)
             if recipe is not None:
@@ -501,8 +518,8 @@ class FusedKernel(PatternKernelBase):
         ds, kvs = _dilated_strides, self._kv_strides
         strides = (ds(q, plan), kvs(k, plan, packed, M), kvs(v, plan, packed, M), ds(out, plan), ds(lse, plan),
                    ds(dout, plan), *grad_strides)
-        self._backward(q, k, v, out, lse, dout, *grads, ht, ut, mask, strides, S, M, M, causal, scale, cfg, add=add,
-                       record=record)
+        self._backward((q, k, v, out, lse, dout, *grads), strides, (ht, ut), mask, (S, M, M), causal, scale, cfg,
+                       add=add, record=record)
         if record is not None:
             names = dict(zip(("q", "k", "v", "out", "dout"), given))
             replays.remember(key, record, {**names, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2],

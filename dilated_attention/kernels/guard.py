@@ -32,7 +32,7 @@ import torch
 from .. import caches
 from ..callers import user_stacklevel
 from .dispatch import select_kernel
-from .protocol import CALL_ARGUMENTS, Op, run
+from .protocol import Op, call_tensors, run
 from .wrapper import KernelWrapper
 
 RESOURCE = re.compile(r"out of resource|outofresources|shared memory|too many resources requested|"
@@ -66,9 +66,10 @@ def classify_error(exc: BaseException) -> str | None:
     return None
 
 
-def _describe(args: tuple, names: tuple[str, ...]) -> str:
+def _describe(op: Op, args: tuple) -> str:
+    """Each tensor of the call: shape, strides, offset, dtype, device, alignment."""
     parts = []
-    for name, t in zip(names, args):
+    for name, t in call_tensors(op, args):
         if isinstance(t, torch.Tensor):
             parts.append(f"  {name}: shape {tuple(t.shape)} stride {tuple(t.stride())} offset {t.storage_offset()} "
                          f"{t.dtype} {t.device} ptr%16={t.data_ptr() % 16}")
@@ -120,12 +121,12 @@ class GuardedKernel(KernelWrapper):
         return self.fallback_kernel(q, k, masked) if self._key(q) in _fallen_back else self.inner
 
     def call(self, op: Op, args: tuple, kwargs: dict[str, Any]):
-        q, k, plan = args[0], args[1], args[3]
+        q, k, plan, masked = args[0], args[1], args[3], args[4].key_mask is not None
         key = self._key(q)
         if key in _fallen_back:
-            return run(op, self.fallback_kernel(q, k, "key_mask" in kwargs), args, kwargs)
+            return run(op, self.fallback_kernel(q, k, masked), args, kwargs)
         # the accumulators a call adds into (dq, dk, dv; the running out, lse)
-        accs = args[7:] if op == Op.BACKWARD else args[4:6] if op == Op.FORWARD_INTO else ()
+        accs = args[6] if op == Op.BACKWARD else args[5] if op == Op.FORWARD_INTO else ()
         snapshot = [a.clone() for a in accs] if accs and key not in _proven else None
         try:
             result = run(op, self.inner, args, kwargs)
@@ -139,7 +140,7 @@ class GuardedKernel(KernelWrapper):
             where = _where(self.meta, plan, op, self.name)
             if kind == "resource":
                 reason = str(exc).splitlines()[0][:300]
-                fb = self.fallback_kernel(q, k, "key_mask" in kwargs)
+                fb = self.fallback_kernel(q, k, masked)
                 for acc, before in zip(accs, snapshot or ()):
                     acc.copy_(before)  # undo what the launches before the failing one added
                 _fallen_back[key] = reason
@@ -151,7 +152,7 @@ class GuardedKernel(KernelWrapper):
                 return run(op, fb, args, kwargs)
             sticky = kind == "sticky"
             msg = (f"{type(exc).__name__} in {where}: {str(exc).strip().splitlines()[0][:500]}\n"
-                   f"{_describe(args, CALL_ARGUMENTS[op])}\n")
+                   f"{_describe(op, args)}\n")
             if sticky:
                 msg += ("  this error leaves the CUDA context unusable: every later CUDA call in this process will "
                         "fail. Restart the process (a device reset does not make the corrupted state safe).\n")

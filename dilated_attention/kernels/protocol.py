@@ -27,17 +27,20 @@ drives it chunk by chunk on strided views. A kernel that changes another one
 ``PatternKernel`` layouts (``L`` local rows, ``r`` dilation, ``w`` = ``plan.local_segment``,
 ``M = w // r``, head ``h`` of chunk ``c`` uses offset ``c.offset``):
 
+* Every computing method takes ``(q, k, v, plan, spec)`` first: ``spec``, a ``CallSpec``, says how the call scores
+  its keys (``causal``, ``scale``, ``packed``, ``key_mask``); the results it merges into or adds into, and the
+  final results a backward reads, come as tuples after it (``running``, ``saved``, ``grads``).
 * ``q``: ``(B, L, H, D)`` local queries.
-* ``k``, ``v``: ``packed=False``: local ``(B, L, Hk, D)``, dilated on the fly;
-  ``packed=True``: a ring buffer half ``(B, L // r, Hp, D)`` from ``views.pack_kv``.
-* ``forward_pattern_into`` merges the pattern into the running fp32 ``out``/``lse`` in full
+* ``k``, ``v``: ``spec.packed`` False: local ``(B, L, Hk, D)``, dilated on the fly;
+  True: a ring buffer half ``(B, L // r, Hp, D)`` from ``views.pack_kv``.
+* ``forward_pattern_into`` merges the pattern into the running fp32 ``running = (out, lse)`` in full
   layout (ring steps); ``forward_pattern`` returns it alone in *compact* layout (local patterns' parts): ``out``
   ``(B, L // r, H, D)`` and ``lse`` ``(B, L // r, H)`` fp32 where row
   ``s * M + j`` of head ``h`` is local position ``s * w + offset(h) + r * j``.
   Heads outside the plan's chunks are left unspecified.
-* ``key_mask`` (kernels with ``key_masks = True``): ``None`` or a bool ``(B, Lk)`` in the
-  *full* layout of the key block, ``True`` = excluded: the local length for ``packed=False``,
-  ``L`` (the sender's rows) for ``packed=True``; key row ``j`` of segment ``s`` read with
+* ``spec.key_mask`` (not ``None`` only for kernels with ``key_masks = True``, or padding masks: below): ``None``
+  or a bool ``(B, Lk)`` in the *full* layout of the key block, ``True`` = excluded: the local length for
+  ``packed=False``, ``L`` (the sender's rows) for ``packed=True``; key row ``j`` of segment ``s`` read with
   offset ``o`` is position ``s * w + o + r * j`` either way.
 * A *padding mask* is a ``key_mask`` of one form, on local patterns (``packed=False``): in each
   batch row, the excluded keys are the rows from some position on, and those rows are padding
@@ -46,8 +49,8 @@ drives it chunk by chunk on strided views. A kernel that changes another one
   so a kernel can take it as per-view lengths. A kernel with ``key_masks = False`` may set
   ``padding_masks = True`` to take padding masks only (a kernel with ``key_masks`` takes them whatever it
   says: ``takes_padding_masks``); it may leave the padding rows' results (out, lse, gradients) unspecified.
-* backward takes the final merged ``out``/``lse``/``dout`` in full layout
-  (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``dq``
+* backward takes the final merged ``saved = (out, lse, dout)`` in full layout
+  (``(B, L, H, D)``, ``(B, L, H)``) and *adds* into fp32 accumulators ``grads = (dq, dk, dv)``, ``dq``
   (full layout) and ``dk``/``dv`` (same layout as ``k``/``v``), or (``backward_pattern_parts``,
   local patterns) returns them in compact layout in the inputs' dtype, ``dk``/``dv`` ``(B, L // r, Hk, D)``.
 * ``parts`` says, per local pattern and direction, which of the two a strategy calls: compact parts
@@ -72,7 +75,7 @@ members for the kernel it would run (its ``target``), so nothing unwraps a wrapp
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -108,6 +111,22 @@ class BlockKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+class CallSpec(NamedTuple):
+    """How one pattern call scores its keys: what every computing method of ``PatternKernel`` takes after
+    ``(q, k, v, plan)`` (layouts in the module doc). A caller makes one per call, or one for all the calls of a
+    block that score alike."""
+
+    causal: bool  # key ``j`` visible to query ``i`` iff ``j <= i`` (the pattern's dilated rows)
+    scale: float  # the softmax scale
+    packed: bool = False  # ``k``/``v`` are a ring buffer half (``views.pack_kv``), else local rows dilated on the fly
+    key_mask: torch.Tensor | None = None  # bool ``(B, Lk)``, ``True`` = excluded; ``None``: no key excluded
+
+
+Result = tuple[torch.Tensor, torch.Tensor]  # ``(out, lse)``
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ``(dq, dk, dv)``
+Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the final merged ``(out, lse, dout)`` a backward reads
+
+
 @runtime_checkable
 class PatternKernel(Protocol):
     """All heads of one pattern on one (local or ring) block: every member a strategy reads (layouts, and which
@@ -130,29 +149,27 @@ class PatternKernel(Protocol):
         (``ring/stacking.py``)."""
 
     def forward_pattern(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, *,
-        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, spec: CallSpec,
+    ) -> Result:
+        """The pattern's ``(out, lse)`` alone, in compact layout (module doc)."""
 
     def forward_pattern_into(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
-        out: torch.Tensor, lse: torch.Tensor, *,
-        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, spec: CallSpec,
+        running: Result, *, fresh: bool = False,
     ) -> None:
-        """``forward_pattern`` merged into the running fp32 result ``out`` ``(B, L, H, D)``, ``lse``
-        ``(B, L, H)`` (full layout) in place: what ring steps, and local patterns that leave no part, call.
+        """``forward_pattern`` merged into the running fp32 result ``running = (out, lse)``, ``(B, L, H, D)`` and
+        ``(B, L, H)`` (full layout), in place: what ring steps, and local patterns that leave no part, call.
         ``fresh``: ``out``/``lse`` hold no result yet (their contents are ignored, as if 0 and ``-inf``);
         callers pass it only for a pattern that ``covers_all`` heads, which may then write instead of merge
         (no fill, no read)."""
 
     def backward_pattern(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
-        out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-        packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, spec: CallSpec,
+        saved: Saved, grads: Grads, *, fresh: bool = False,
     ) -> None:
-        """Adds this pattern's gradients into ``dq``/``dk``/``dv``. ``fresh``: they hold nothing yet
-        (contents ignored, as if zeros); only for a pattern that ``covers_all`` heads."""
+        """Adds this pattern's gradients for the final ``saved = (out, lse, dout)`` into ``grads = (dq, dk, dv)``.
+        ``fresh``: they hold nothing yet (contents ignored, as if zeros); only for a pattern that ``covers_all``
+        heads."""
 
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:
@@ -163,10 +180,8 @@ class PatternKernel(Protocol):
         epilogue says no; it may say yes only where ``plan.leaves_parts(direction, ...)``."""
 
     def backward_pattern_parts(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
-        out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *, causal: bool, scale: float,
-        key_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, spec: CallSpec, saved: Saved,
+    ) -> Grads:
         """This local pattern's ``(dq, dk, dv)`` in compact layout ``(B, L // r, heads, D)`` (kv heads for dk/dv),
         in the inputs' dtype; called only where ``parts("bwd", ...)`` said yes (others raise ``ValueError``)."""
 
@@ -230,20 +245,37 @@ class Op(str, Enum):
     __format__ = str.__format__
 
 
-# Each computing method's positional arguments (its keywords: packed, causal, scale, key_mask, fresh) and
+# Each computing method's positional arguments (its one keyword: ``fresh``, of the two that merge or add) and
 # direction: what a wrapper sees of every call (``wrapper.KernelWrapper.call``).
 CALL_ARGUMENTS = {
-    Op.FORWARD: ("q", "k", "v", "plan"),
-    Op.FORWARD_INTO: ("q", "k", "v", "plan", "out", "lse"),
-    Op.BACKWARD: ("q", "k", "v", "plan", "out", "lse", "dout", "dq", "dk", "dv"),
-    Op.BACKWARD_PARTS: ("q", "k", "v", "plan", "out", "lse", "dout"),
+    Op.FORWARD: ("q", "k", "v", "plan", "spec"),
+    Op.FORWARD_INTO: ("q", "k", "v", "plan", "spec", "running"),
+    Op.BACKWARD: ("q", "k", "v", "plan", "spec", "saved", "grads"),
+    Op.BACKWARD_PARTS: ("q", "k", "v", "plan", "spec", "saved"),
 }
 DIRECTION = {Op.FORWARD: "fwd", Op.FORWARD_INTO: "fwd", Op.BACKWARD: "bwd", Op.BACKWARD_PARTS: "bwd"}
+# the names of the tensors the tuple arguments hold
+_TUPLE_NAMES = {"running": ("out", "lse"), "saved": ("out", "lse", "dout"), "grads": ("dq", "dk", "dv")}
+
+
+def call_tensors(op: Op, args: tuple) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a call of ``op`` (``args``: its positional arguments), by name: ``q``, ``k``, ``v``, the
+    spec's ``key_mask`` if any, then those of ``running``/``saved``/``grads`` (what a wrapper checks or reports)."""
+    found = []
+    for name, arg in zip(CALL_ARGUMENTS[op], args):
+        if name == "spec":
+            if arg.key_mask is not None:
+                found.append(("key_mask", arg.key_mask))
+        elif name in _TUPLE_NAMES:
+            found.extend(zip(_TUPLE_NAMES[name], arg))
+        elif name != "plan":
+            found.append((name, arg))
+    return found
 
 
 def run(op: Op, kernel: PatternKernel, args: tuple, kwargs: dict[str, Any]) -> Any:
     """``kernel``'s method ``op`` called with ``args`` (its positional arguments, ``CALL_ARGUMENTS[op]``) and
-    ``kwargs``: how a wrapper passes a call on."""
+    ``kwargs`` (``fresh``, where the caller gave it): how a wrapper passes a call on."""
     match op:
         case Op.FORWARD:
             return kernel.forward_pattern(*args, **kwargs)

@@ -48,7 +48,7 @@ from ..patterns import PatternPlan
 from ..views import layout_key, new_grad_parts
 from .cudnn_calls import (_adopt, _backward_calls, _compact_4d, _forward_calls, _Group, _groups, _padding, _singles,
                           _stacks)
-from .protocol import PatternKernelBase, clear_grads_
+from .protocol import CallSpec, Grads, PatternKernelBase, Result, Saved, clear_grads_
 
 
 def check_causal_block(block: int) -> int:
@@ -185,39 +185,40 @@ class ViewKernel(PatternKernelBase):
             raise ValueError(f"key_mask must be a bool (B, L) = {tuple(q.shape[:2])} tensor, got {key_mask.dtype} "
                              f"of shape {tuple(key_mask.shape)}")
 
-    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, *, packed: bool, causal: bool,
-                             scale: float, key_mask: torch.Tensor | None = None, fresh: bool = False) -> None:
-        part = self.forward_pattern(q, k, v, plan, packed=packed, causal=causal, scale=scale, key_mask=key_mask)
-        merge_pattern_(out, lse, plan, *part, fresh=fresh)
+    def forward_pattern_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                             spec: CallSpec, running: Result, *, fresh: bool = False) -> None:
+        merge_pattern_(*running, plan, *self.forward_pattern(q, k, v, plan, spec), fresh=fresh)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, *, packed: bool, causal: bool, scale: float,
-                        key_mask: torch.Tensor | None = None):
+    def forward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                        spec: CallSpec) -> Result:
         self._check(q, k)
-        self._geometry(q, k, plan, packed)
-        self._check_mask(key_mask, q, packed)
-        key = _config_key(q, k, plan, packed, causal, self.name)
+        self._geometry(q, k, plan, spec.packed)
+        self._check_mask(spec.key_mask, q, spec.packed)
+        key = _config_key(q, k, plan, spec.packed, spec.causal, self.name)
         if key in _REFUSED or not _stacks(plan):
-            return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale, key_mask)
+            return self._forward(q, k, v, plan, _singles(plan), spec)
         try:
-            return self._forward(q, k, v, plan, _groups(plan), packed, causal, scale, key_mask)
+            return self._forward(q, k, v, plan, _groups(plan), spec)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:  # the ops refused a stacked call: chunk by chunk (no side effects yet)
             _refuse(key, exc, self.name)
-            return self._forward(q, k, v, plan, _singles(plan), packed, causal, scale, key_mask)
+            return self._forward(q, k, v, plan, _singles(plan), spec)
 
-    def _forward(self, q, k, v, plan: PatternPlan, groups, packed: bool, causal: bool, scale: float, key_mask):
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                 groups: tuple[_Group, ...], spec: CallSpec) -> Result:
         bsz, n, heads, dim = q.shape
         shapes = ((bsz, n // plan.dilation, heads, dim), (bsz, n // plan.dilation, heads))
-        calls = _forward_calls((q, k, v), plan, groups, self._kv_role(packed), shapes, key_mask)
+        calls = _forward_calls((q, k, v), plan, groups, self._kv_role(spec.packed), shapes, spec.key_mask)
         buffers = self._buffers(shapes, q) if len(calls) != 1 else None
         tensors = (q, k, v, *(buffers or ()))
         for call in calls:
             nt, tsz = len(call.tsz), call.tsz
-            args = [spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt)
-                    for spec, in_place in call.operands]
+            args = [operand.on(tensors) if in_place else _compact_4d(operand.on(tensors), nt)
+                    for operand, in_place in call.operands]
             into = call.into.on(tensors) if buffers is not None and call.into is not None else None
-            o4, l4 = self.ops.forward(*args, causal=causal, scale=scale, out=into, **_padding(call.keys, key_mask))
+            o4, l4 = self.ops.forward(*args, causal=spec.causal, scale=spec.scale, out=into,
+                                      **_padding(call.keys, spec.key_mask))
             l4 = l4.reshape(o4.shape[:3])  # some torch versions add a trailing unit dim
             if buffers is None:  # the only call: cuDNN's out (or lse) may be the whole result, no copy
                 adopted = [_adopt(x, tsz, call.merged, plan, call.group, shape)
@@ -250,9 +251,11 @@ class ViewKernel(PatternKernelBase):
         views, stacked patterns are one (``stacking.py``)."""
         return self.ops.stacks_patterns
 
-    def _check_backward(self, q, k, v, plan: PatternPlan, packed: bool, out, lse, dout, *grads) -> None:
+    def _check_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan, packed: bool,
+                        saved: Saved, grads: Grads | tuple[()] = ()) -> None:
         self._check(q, k)
         self._geometry(q, k, plan, packed)
+        out, lse, dout = saved
         named = (("out", out, q), ("dout", dout, q), ("v", v, k), *zip(("dq", "dk", "dv"), grads, (q, k, k)))
         for name, x, like in named:
             if tuple(x.shape) != tuple(like.shape):
@@ -260,47 +263,45 @@ class ViewKernel(PatternKernelBase):
         if tuple(lse.shape) != tuple(q.shape[:3]):
             raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {tuple(q.shape[:3])}")
 
-    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, *,
-                         packed: bool, causal: bool, scale: float, key_mask: torch.Tensor | None = None,
-                         fresh: bool = False) -> None:
-        self._check_backward(q, k, v, plan, packed, out, lse, dout, dq, dk, dv)
-        self._check_mask(key_mask, q, packed)
-        mine = tuple(g for name, g in (("dq", dq), ("dk", dk), ("dv", dv)) if name in self.grads)
+    def backward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, saved: Saved, grads: Grads, *, fresh: bool = False) -> None:
+        packed = spec.packed
+        self._check_backward(q, k, v, plan, packed, saved, grads)
+        self._check_mask(spec.key_mask, q, packed)
+        mine = tuple(g for name, g in zip(("dq", "dk", "dv"), grads) if name in self.grads)
         # fresh and covering every row and head: cuDNN's gradients are *written* into the accumulators, no
         # fill and no read (a kv head two groups share gets the second one added); otherwise fill, then add
         written: set[int] | None = set() if fresh and not packed and plan.covers_all(q.shape[2], k.shape[2]) else None
         if fresh and written is None:
             clear_grads_(*mine)
-        self._backward_groups((q, k, v, out, lse, dout, dq, dk, dv), plan, packed, causal, scale, written, False,
-                              key_mask)
+        self._backward_groups((q, k, v, *saved, *grads), plan, spec, written, False)
 
-    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, *, causal: bool, scale: float,
-                               key_mask: torch.Tensor | None = None):
+    def backward_pattern_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                               spec: CallSpec, saved: Saved) -> Grads:
         """The pattern's gradients in new compact tensors: cuDNN writes them there (the frontend's backward)
         or they are copied from its results; nothing is accumulated."""
-        if not self.parts("bwd", plan, q, k, causal=causal, masked=False):
+        if spec.packed or not self.parts("bwd", plan, q, k, causal=spec.causal, masked=False):
             raise ValueError(f"{self.name} kernel leaves no backward parts for pattern {plan.index} (a ring, a kv head "
                              f"read at two offsets, or not every gradient): call backward_pattern")
-        self._check_backward(q, k, v, plan, False, out, lse, dout)
-        self._check_mask(key_mask, q, False)
+        self._check_backward(q, k, v, plan, False, saved)
+        self._check_mask(spec.key_mask, q, False)
         grads = new_grad_parts(q, k, v, plan)
-        self._backward_groups((q, k, v, out, lse, dout, *grads), plan, False, causal, scale, None, True, key_mask)
+        self._backward_groups((q, k, v, *saved, *grads), plan, spec, None, True)
         return grads
 
-    def _backward_groups(self, tensors, plan: PatternPlan, packed: bool, causal: bool, scale: float,
-                         written: set[int] | None, compact: bool, key_mask: torch.Tensor | None) -> None:
+    def _backward_groups(self, tensors: tuple[torch.Tensor, ...], plan: PatternPlan, spec: CallSpec,
+                         written: set[int] | None, compact: bool) -> None:
         q, k, out, dout = tensors[0], tensors[1], tensors[3], tensors[5]
-        kv = self._kv_role(packed)
+        kv = self._kv_role(spec.packed)
         # q, out and dout may be read in place together: out/dout of q's dtype, and of q's strides unless the ops
         # plan every tensor's
         joint = all((self.own_strides or x.stride() == q.stride()) and x.dtype == q.dtype for x in (out, dout))
-        key = _config_key(q, k, plan, packed, causal, self.name)
+        key = _config_key(q, k, plan, spec.packed, spec.causal, self.name)
         stacked, proven = key not in _REFUSED, key in _PROVEN
         for g in _groups(plan) if stacked else _singles(plan):
             retry = stacked and not proven and len(g.chunks) > 1  # a refusal would redo it chunk by chunk
             try:
-                self._backward_group(tensors, plan, g, kv, joint, causal, scale, written, compact, key_mask,
-                                     store_late=retry)
+                self._backward_group(tensors, plan, g, kv, joint, spec, written, compact, store_late=retry)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError as exc:  # nothing of this group was stored yet: its chunks one by one
@@ -308,14 +309,13 @@ class ViewKernel(PatternKernelBase):
                     raise
                 _refuse(key, exc, self.name)
                 for c in g.chunks:
-                    self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, joint, causal, scale,
-                                         written, compact, key_mask)
+                    self._backward_group(tensors, plan, _Group((c,), (0, 0, 0, 0)), kv, joint, spec, written,
+                                         compact)
         if key not in _REFUSED:  # every group ran stacked
             _PROVEN.add(key)
 
-    def _backward_group(self, tensors, plan: PatternPlan, g: _Group, kv: str, joint: bool, causal: bool,
-                        scale: float, written: set[int] | None, compact: bool, key_mask: torch.Tensor | None,
-                        store_late: bool = False) -> None:
+    def _backward_group(self, tensors: tuple[torch.Tensor, ...], plan: PatternPlan, g: _Group, kv: str, joint: bool,
+                        spec: CallSpec, written: set[int] | None, compact: bool, store_late: bool = False) -> None:
         """One group's calls, each call's gradients stored as it returns (``store_late``: only once every call
         succeeded). ``written``: the kv heads already holding gradients in a fresh backward (``None``:
         accumulate everything). ``compact``: the targets are compact parts, stored (an op that wrote them in
@@ -331,14 +331,14 @@ class ViewKernel(PatternKernelBase):
                 add_into_(target, grad, fresh=written is not None and (name == "dq" or first_kv))
 
         pending = []
-        for call in _backward_calls(tensors, plan, g, kv, joint, compact, key_mask):
+        for call in _backward_calls(tensors, plan, g, kv, joint, compact, spec.key_mask):
             nt, tsz = len(call.tsz), call.tsz
-            q4, k4, v4, o4, g4 = (spec.on(tensors) if in_place else _compact_4d(spec.on(tensors), nt, dtype)
-                                  for spec, in_place in call.operands)
+            q4, k4, v4, o4, g4 = (operand.on(tensors) if in_place else _compact_4d(operand.on(tensors), nt, dtype)
+                                  for operand, in_place in call.operands)
             l4 = _compact_4d(call.lse.on(tensors), nt, torch.float32, self.lse_neginf).unsqueeze(-1)
-            into = tuple(spec.on(tensors) for spec in call.into) if call.into is not None else None
-            grads = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=causal, scale=scale, into=into,
-                                      **_padding(call.keys, key_mask))
+            into = tuple(operand.on(tensors) for operand in call.into) if call.into is not None else None
+            grads = self.ops.backward(g4, q4, k4, v4, o4, l4, causal=spec.causal, scale=spec.scale, into=into,
+                                      **_padding(call.keys, spec.key_mask))
             done = [(name, target.on(tensors), grad.view(*tsz, *grad.shape[1:]) if nt else grad[0])
                     for i, ((name, target), grad) in enumerate(zip(call.targets, grads))
                     if name in self.grads and not (into is not None and grad is into[i])]

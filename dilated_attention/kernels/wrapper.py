@@ -5,8 +5,9 @@ A kernel that changes another one states only what it changes:
 * ``target(direction, plan, causal, q, k, masked)``: which kernel a call goes to (``inner``; a router
   such as ``AutoKernel`` picks one per pattern and direction, the guard its fallback);
 * ``call(op, args, kwargs)``: every computing call passes here (``op``, a ``protocol.Op``, names the
-  ``PatternKernel`` method, ``args`` are its positional arguments, ``protocol.CALL_ARGUMENTS[op]``; ``protocol.run``
-  passes it on): override it to act around each call (the guard, the runtime audit);
+  ``PatternKernel`` method, ``args`` are its positional arguments, ``protocol.CALL_ARGUMENTS[op]``, ``kwargs`` its
+  ``fresh`` where given; ``protocol.run`` passes it on): override it to act around each call (the guard, the
+  runtime audit);
 * or the methods themselves, where each needs its own handling (debug mode's checks).
 
 ``name``, ``key_masks``, ``padding_masks`` and ``deterministic_backward`` are ``inner``'s unless set otherwise;
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from ..patterns import PatternPlan
-from .protocol import DIRECTION, Op, PatternKernel, PatternKernelBase, run
+from .protocol import DIRECTION, CallSpec, Grads, Op, PatternKernel, PatternKernelBase, Result, Saved, run
 
 
 class KernelWrapper(PatternKernelBase):
@@ -59,21 +60,26 @@ class KernelWrapper(PatternKernelBase):
         return self.target(direction, plan, causal, q, k, False).stacks(direction, plan, causal, q, k)
 
     def call(self, op: Op, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run ``op`` on ``target``: ``args`` are the method's positional arguments (q, k, v, plan, ...)."""
-        kernel = self.target(DIRECTION[op], args[3], kwargs["causal"], args[0], args[1], "key_mask" in kwargs)
+        """Run ``op`` on ``target``: ``args`` are the method's positional arguments (q, k, v, plan, spec, ...)."""
+        spec = args[4]
+        kernel = self.target(DIRECTION[op], args[3], spec.causal, args[0], args[1], spec.key_mask is not None)
         return run(op, kernel, args, kwargs)
 
-    def forward_pattern(self, q, k, v, plan: PatternPlan, **kwargs):
-        return self.call(Op.FORWARD, (q, k, v, plan), kwargs)
+    def forward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                        spec: CallSpec) -> Result:
+        return self.call(Op.FORWARD, (q, k, v, plan, spec), {})
 
-    def forward_pattern_into(self, q, k, v, plan: PatternPlan, out, lse, **kwargs) -> None:
-        return self.call(Op.FORWARD_INTO, (q, k, v, plan, out, lse), kwargs)
+    def forward_pattern_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                             spec: CallSpec, running: Result, **kwargs: bool) -> None:
+        return self.call(Op.FORWARD_INTO, (q, k, v, plan, spec, running), kwargs)
 
-    def backward_pattern(self, q, k, v, plan: PatternPlan, out, lse, dout, dq, dk, dv, **kwargs) -> None:
-        return self.call(Op.BACKWARD, (q, k, v, plan, out, lse, dout, dq, dk, dv), kwargs)
+    def backward_pattern(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                         spec: CallSpec, saved: Saved, grads: Grads, **kwargs: bool) -> None:
+        return self.call(Op.BACKWARD, (q, k, v, plan, spec, saved, grads), kwargs)
 
-    def backward_pattern_parts(self, q, k, v, plan: PatternPlan, out, lse, dout, **kwargs):
-        return self.call(Op.BACKWARD_PARTS, (q, k, v, plan, out, lse, dout), kwargs)
+    def backward_pattern_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PatternPlan,
+                               spec: CallSpec, saved: Saved) -> Grads:
+        return self.call(Op.BACKWARD_PARTS, (q, k, v, plan, spec, saved), {})
 
     def parts(self, direction: str, plan: PatternPlan, q: torch.Tensor, k: torch.Tensor, *, causal: bool,
               masked: bool) -> bool:

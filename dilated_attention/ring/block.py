@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.protocol import clear_result_
+from ..kernels.protocol import CallSpec, Saved, clear_result_
 from ..merge import Part, accum_dtype, combine_results, sum_grads
 from ..views import compact, pack_kv, unpack_add_
 from .kv_ring import compact_backward, compact_forward, ring_backward, ring_forward
 from .layout import block_mask
-from .routes import RingCall, RingPlan, Route, Routes, Way
+from .routes import RingCall, RingPlan, Route, Routes, Stack, Way
 from .side_streams import SideStreams
 from .square_split import split_backward, split_forward
 from .stacking import stack_backward, stack_forward
@@ -43,15 +43,19 @@ class _Pass:
     """One direction over a block's routes: each way's computation (``_Forward``, ``_Backward``), run in route
     order; each pattern's result kept by position (``held``), merged ones in one running fp32 result."""
 
-    def __init__(self, ring: RingCall, routes: Routes, q, k, v, key_mask, saved=()) -> None:
+    def __init__(self, ring: RingCall, routes: Routes, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 key_mask: torch.Tensor | None, saved: Saved | tuple[()] = ()) -> None:
         plan, comm = ring.plan, ring.comm
         _checked(plan, key_mask)
         self.ring, self.routes, self.key_mask, self.saved = ring, routes, key_mask, saved
         self.q, self.k, self.v = q, k, v
-        self.kernel, self.causal, self.scale = plan.kernel, plan.causal, plan.scale
-        self.own = block_mask(key_mask, comm.rank // plan.layout.stride if comm is not None else 0, q.shape[1])
+        self.kernel = plan.kernel
+        # every local call of the block scores alike: one spec (its block of the key mask; stacks and splits are
+        # routed only where there is none)
+        self.spec = CallSpec(plan.causal, plan.scale, **block_mask(
+            key_mask, comm.rank // plan.layout.stride if comm is not None else 0, q.shape[1]))
         self.running, self.held = None, {}
-        self.sides = SideStreams(q, self.causal)
+        self.sides = SideStreams(q, plan.causal)
 
     def sends(self, route: Route) -> list[torch.Tensor]:
         """What a swapped pattern sends out (``swapped.py``): its compact query rows and packed K/V, and in the
@@ -76,9 +80,7 @@ class _Pass:
 
     def stacked(self, i: int, route: Route) -> None:
         if i not in self.held:  # the stack's first member: one call for every member
-            self.held.update(route.stack.slices(self.sides.issue(self.stack_call, self.kernel, route.stack, self.q,
-                                                                 self.k, self.v, *self.saved, causal=self.causal,
-                                                                 scale=self.scale)))
+            self.held.update(route.stack.slices(self.sides.issue(self.stack_call, route.stack)))
 
 
 class _Forward(_Pass):
@@ -87,12 +89,11 @@ class _Forward(_Pass):
     def swap(self, swap) -> None:
         swap_forward(swap)
 
-    def stack_call(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
-        return stack_forward(*args, **kwargs)
+    def stack_call(self, stack: Stack) -> tuple[torch.Tensor, ...]:
+        return stack_forward(self.kernel, stack, (self.q, self.k, self.v), self.spec)
 
     def part(self, i: int, route: Route) -> None:
-        self.held[i] = self.sides.issue(self.kernel.forward_pattern, self.q, self.k, self.v, route.plan,
-                                        packed=False, causal=self.causal, scale=self.scale, **self.own)
+        self.held[i] = self.sides.issue(self.kernel.forward_pattern, self.q, self.k, self.v, route.plan, self.spec)
 
     def compact_ring(self, i: int, route: Route) -> None:
         self.held[i] = compact_forward(self.q, self.k, self.v, route, self.ring)
@@ -105,11 +106,9 @@ class _Forward(_Pass):
             if not route.fresh:  # rows no pattern covers stay (0, -inf)
                 clear_result_(*self.running)
         if route.pieces:
-            split_forward(self.kernel, route.pieces, q, k, v, *self.running, packed=False, scale=self.scale,
-                          fresh=route.fresh)
+            split_forward(self.kernel, route.pieces, (q, k, v), self.running, self.spec, fresh=route.fresh)
         elif route.plan.ring_size == 1:
-            self.kernel.forward_pattern_into(q, k, v, route.plan, *self.running, packed=False, causal=self.causal,
-                                             scale=self.scale, fresh=route.fresh, **self.own)
+            self.kernel.forward_pattern_into(q, k, v, route.plan, self.spec, self.running, fresh=route.fresh)
         else:
             ring_forward(q, k, v, self.key_mask, route, self.ring, self.running)
 
@@ -120,12 +119,12 @@ class _Backward(_Pass):
     def swap(self, swap) -> None:
         swap_backward(swap)
 
-    def stack_call(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
-        return stack_backward(*args, **kwargs)
+    def stack_call(self, stack: Stack) -> tuple[torch.Tensor, ...]:
+        return stack_backward(self.kernel, stack, (self.q, self.k, self.v), self.saved, self.spec)
 
     def part(self, i: int, route: Route) -> None:
         self.held[i] = self.sides.issue(self.kernel.backward_pattern_parts, self.q, self.k, self.v, route.plan,
-                                        *self.saved, causal=self.causal, scale=self.scale, **self.own)
+                                        self.spec, self.saved)
 
     def compact_ring(self, i: int, route: Route) -> None:
         self.held[i] = compact_backward(self.q, self.k, self.v, self.saved, route, self.ring)
@@ -136,11 +135,10 @@ class _Backward(_Pass):
             new = torch.empty if route.fresh else torch.zeros
             self.running = tuple(new(x.shape, dtype=accum_dtype(q.dtype), device=x.device) for x in (q, k, v))
         if route.pieces:
-            split_backward(self.kernel, route.pieces, q, k, v, *self.saved, *self.running, packed=False,
-                           scale=self.scale, fresh=route.fresh)
+            split_backward(self.kernel, route.pieces, (q, k, v), self.saved, self.running, self.spec,
+                           fresh=route.fresh)
         elif route.plan.ring_size == 1:
-            self.kernel.backward_pattern(q, k, v, route.plan, *self.saved, *self.running, packed=False,
-                                         causal=self.causal, scale=self.scale, fresh=route.fresh, **self.own)
+            self.kernel.backward_pattern(q, k, v, route.plan, self.spec, self.saved, self.running, fresh=route.fresh)
         else:
             home = ring_backward(q, k, v, self.key_mask, route, self.ring, self.saved, self.running[0])
             unpack_add_(self.running[1], self.running[2], home, route.plan)

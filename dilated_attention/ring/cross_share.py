@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import CommBackend, Pending
-from ..patterns import PatternPlan
+from ..kernels.protocol import CallSpec
 from ..views import pack_kv
 from .layout import call_mask, half_calls
-from .routes import Share
+from .routes import RingCall, Route, Share
 
 
 def _trade(comm: CommBackend, sends: list[tuple[int, tuple[torch.Tensor, ...]]], peers: tuple[int, ...],
@@ -55,11 +55,14 @@ class Helper:
 
     order = "spread"  # (a scaling file's ``meta.share_guests``: the cost model replays the order it measured)
 
-    def __init__(self, kernel, guests, arriving: Pending, k, v, plan: PatternPlan, reads: PatternPlan, own: int,
-                 rows: int, key_mask, scale: float) -> None:
-        self.kernel, self.guests, self.arriving = kernel, guests, arriving
-        self.k, self.v, self.plan, self.reads, self.own, self.rows = k, v, plan, reads, own, rows
-        self.key_mask, self.scale = key_mask, scale
+    def __init__(self, ring: RingCall, route: Route, posted: tuple[list[tuple[torch.Tensor, ...]], Pending],
+                 kv: tuple[torch.Tensor, torch.Tensor], own: int, rows: int, key_mask: torch.Tensor | None) -> None:
+        """``posted``: ``post_guests``' answer (the guests' rows, their pending receive); ``kv``: our own ``k``, ``v``
+        (local rows); ``own``: our sequence block of ``rows`` rows."""
+        self.kernel, self.scale = ring.plan.kernel, ring.plan.scale
+        self.plan, self.reads = route.plan, route.dense or route.plan  # (the ring's packing, its calls' view)
+        self.guests, self.arriving = posted
+        (self.k, self.v), self.own, self.rows, self.key_mask = kv, own, rows, key_mask
         self.results: list[tuple[torch.Tensor]] = []
         self.mine: torch.Tensor | None = None
 
@@ -76,7 +79,7 @@ class Helper:
         gq, go, gl, gd = self.guests[len(self.results)]
         gdq = torch.zeros(gq.shape, dtype=scratch.dtype, device=gq.device)
         for c in half_calls(self.reads, self.own, self.rows):
-            self.kernel.backward_pattern(gq, self.mine[0][:, c.keys], self.mine[1][:, c.keys], c.plan, go, gl, gd,
-                                         gdq, scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True,
-                                         causal=False, scale=self.scale, **call_mask(self.key_mask, c))
+            self.kernel.backward_pattern(gq, self.mine[0][:, c.keys], self.mine[1][:, c.keys], c.plan,
+                                         CallSpec(False, self.scale, packed=True, **call_mask(self.key_mask, c)),
+                                         (go, gl, gd), (gdq, scratch[0][:, c.keys], scratch[1][:, c.keys]))
         self.results.append((gdq,))

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..kernels.protocol import clear_result_
+from ..kernels.protocol import CallSpec, clear_result_
 from ..merge import accum_dtype, add_into_, merge_into_
 from ..views import compact, pack_kv
 from .cross_share import Helper, post_guests, return_results
@@ -77,14 +77,12 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
         results = []
     for step, block, src in _ring_blocks(k, v, route, ring, "forward"):
         for c in step_calls(reads, layout, own, src, blocks, q.shape[1], causal, share is not None):
-            pieces = _pieces(route, c)
+            pieces, spec = _pieces(route, c), CallSpec(c.causal, scale, packed=True, **call_mask(key_mask, c))
+            qkv, running = (q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys]), (out[:, c.rows], lse[:, c.rows])
             if pieces:
-                split_forward(kernel, pieces, q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys],
-                              out[:, c.rows], lse[:, c.rows], packed=True, scale=scale, fresh=False)
-                continue
-            kernel.forward_pattern_into(q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys], c.plan,
-                                        out[:, c.rows], lse[:, c.rows], packed=True, causal=c.causal, scale=scale,
-                                        **call_mask(key_mask, c))
+                split_forward(kernel, pieces, qkv, running, spec, fresh=False)
+            else:
+                kernel.forward_pattern_into(*qkv, c.plan, spec, running)
         if step == 0 and share is not None:  # the guests' second halves against our own K/V
             arriving.wait()
             for (gq,) in guests:
@@ -92,8 +90,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
                 gl = torch.empty(gq.shape[:3], dtype=lse.dtype, device=lse.device)
                 clear_result_(go, gl)
                 for c in half_calls(reads, own, q.shape[1]):
-                    kernel.forward_pattern_into(gq, block[0][:, c.keys], block[1][:, c.keys], c.plan, go, gl,
-                                                packed=True, causal=False, scale=scale, **call_mask(key_mask, c))
+                    kernel.forward_pattern_into(gq, block[0][:, c.keys], block[1][:, c.keys], c.plan,
+                                                CallSpec(False, scale, packed=True, **call_mask(key_mask, c)), (go, gl))
                 results.append((go, gl))
     if share is not None:
         rest = (out[:, share.half:], lse[:, share.half:])
@@ -122,7 +120,7 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
                                        describe(ring.call, "backward", plan, 0, size, "rows of shared cross blocks"),
                                        stamp)
     helper = None if share is None or not share.guests else \
-        Helper(kernel, guests, arriving, k, v, plan, reads, own, q.shape[1], key_mask, scale)
+        Helper(ring, route, (guests, arriving), (k, v), own, q.shape[1], key_mask)
     for step, block, src in _ring_blocks(k, v, route, ring, "backward"):
         calls = step_calls(reads, layout, own, src, blocks, q.shape[1], causal, share is not None)
         if scratch is None:
@@ -131,17 +129,14 @@ def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
         if calls:  # this block's dK/dV from our queries, while its accumulator travels
             scratch.zero_()
             for c in calls:
-                pieces = _pieces(route, c)
+                pieces, spec = _pieces(route, c), CallSpec(c.causal, scale, packed=True, **call_mask(key_mask, c))
+                qkv = (q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys])
+                final = (out[:, c.rows], lse[:, c.rows], dout[:, c.rows])
+                grads = (dq[:, c.rows], scratch[0][:, c.keys], scratch[1][:, c.keys])
                 if pieces:
-                    split_backward(kernel, pieces, q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys],
-                                   out[:, c.rows], lse[:, c.rows], dout[:, c.rows], dq[:, c.rows],
-                                   scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, scale=scale,
-                                   fresh=False)
-                    continue
-                kernel.backward_pattern(q[:, c.rows], block[0][:, c.keys], block[1][:, c.keys], c.plan,
-                                        out[:, c.rows], lse[:, c.rows], dout[:, c.rows], dq[:, c.rows],
-                                        scratch[0][:, c.keys], scratch[1][:, c.keys], packed=True, causal=c.causal,
-                                        scale=scale, **call_mask(key_mask, c))
+                    split_backward(kernel, pieces, qkv, final, grads, spec, fresh=False)
+                else:
+                    kernel.backward_pattern(*qkv, c.plan, spec, final, grads)
         if not calls and helper is not None and helper.pending:
             helper.step(scratch)  # an idle step: the next guest's second half (``Helper``)
         if step == 0:  # our own block (always visible): its accumulator starts here

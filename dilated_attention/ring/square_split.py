@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.protocol import CallSpec, Grads, PatternKernel, Result, Saved
 from .routes import Piece
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ``(q, k, v)``
 
 
 def _cut(x: torch.Tensor, rows: int, half: int | None) -> torch.Tensor:
@@ -36,21 +39,29 @@ def _piece_views(piece: Piece, packed: bool, queries, keys) -> list[tuple[torch.
     return _batched([_cut(x, rows, qh) for x in queries] + [_cut(x, piece.span if packed else rows, kh) for x in keys])
 
 
-def split_forward(kernel, pieces, q, k, v, out, lse, *, packed: bool, scale: float, fresh: bool) -> None:
-    """A causal square's pieces merged into the running ``out``/``lse``; ``fresh``: the diagonal (every row)
-    writes them."""
-    for piece in pieces:
-        for qq, oo, ll, kk, vv in _piece_views(piece, packed, (q, out, lse), (k, v)):
-            kernel.forward_pattern_into(qq, kk, vv, piece.plan, oo, ll, packed=packed, causal=not piece.rectangle,
-                                        scale=scale, fresh=fresh and not piece.rectangle)
+def _specs(spec: CallSpec) -> tuple[CallSpec, CallSpec]:
+    """The calls of a causal square's pieces, ``[rectangle, diagonal]``: non-causal, and the square's own."""
+    return CallSpec(False, spec.scale, spec.packed, spec.key_mask), spec
 
 
-def split_backward(kernel, pieces, q, k, v, out, lse, dout, dq, dk, dv, *, packed: bool, scale: float,
-                    fresh: bool) -> None:
-    """A causal square's pieces' gradients added into ``dq``/``dk``/``dv``; ``fresh``: the diagonal (every query
-    and key row) writes them."""
+def split_forward(kernel: PatternKernel, pieces: tuple[Piece, ...], inputs: Inputs, running: Result,
+                  spec: CallSpec, *, fresh: bool) -> None:
+    """A causal square's pieces merged into the running ``(out, lse)``: ``inputs`` ``(q, k, v)``, ``spec`` the
+    square's (causal) call; ``fresh``: the diagonal (every row) writes them."""
+    (q, k, v), (out, lse), specs = inputs, running, _specs(spec)
     for piece in pieces:
-        for qq, oo, ll, gg, dqq, kk, vv, dkk, dvv in _piece_views(piece, packed, (q, out, lse, dout, dq),
+        for qq, oo, ll, kk, vv in _piece_views(piece, spec.packed, (q, out, lse), (k, v)):
+            kernel.forward_pattern_into(qq, kk, vv, piece.plan, specs[not piece.rectangle], (oo, ll),
+                                        fresh=fresh and not piece.rectangle)
+
+
+def split_backward(kernel: PatternKernel, pieces: tuple[Piece, ...], inputs: Inputs, saved: Saved, grads: Grads,
+                   spec: CallSpec, *, fresh: bool) -> None:
+    """A causal square's pieces' gradients added into ``grads`` ``(dq, dk, dv)``, from the final ``saved``
+    ``(out, lse, dout)``; ``fresh``: the diagonal (every query and key row) writes them."""
+    (q, k, v), (out, lse, dout), (dq, dk, dv), specs = inputs, saved, grads, _specs(spec)
+    for piece in pieces:
+        for qq, oo, ll, gg, dqq, kk, vv, dkk, dvv in _piece_views(piece, spec.packed, (q, out, lse, dout, dq),
                                                                   (k, v, dk, dv)):
-            kernel.backward_pattern(qq, kk, vv, piece.plan, oo, ll, gg, dqq, dkk, dvv, packed=packed,
-                                    causal=not piece.rectangle, scale=scale, fresh=fresh and not piece.rectangle)
+            kernel.backward_pattern(qq, kk, vv, piece.plan, specs[not piece.rectangle], (oo, ll, gg), (dqq, dkk, dvv),
+                                    fresh=fresh and not piece.rectangle)

@@ -31,6 +31,7 @@ import torch
 
 from .. import caches
 from ..caches import remember
+from ..kernels.protocol import CallSpec, PatternKernel, Saved
 from ..merge import MAX_GRID_Z, device_table, triton_kernel
 from ..replays import geometry
 from ..triton_support import Prepared, interpreting, made_current, triton
@@ -89,16 +90,20 @@ def _gather_rows(x: torch.Tensor, buf: torch.Tensor, stack: Stack, kv: bool) -> 
         launch(table, x, buf, stack.rows, dim, *x.stride()[:3], *buf.stride()[:3])
 
 
-def stack_forward(kernel, stack: Stack, q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stack's ``(out, lse)`` over its buffer: a member's compact part is the slice at its span (``slices``)."""
+def stack_forward(kernel: PatternKernel, stack: Stack, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  spec: CallSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stack's ``(out, lse)`` over its buffer, from ``inputs`` ``(q, k, v)`` (``spec``: the call's, unmasked): a
+    member's compact part is the slice at its span (``slices``)."""
+    q, k, v = inputs
     return kernel.forward_pattern(gather(q, stack), gather(k, stack, kv=True), gather(v, stack, kv=True),
-                                  stack.dense, packed=False, causal=causal, scale=scale)
+                                  stack.dense, spec)
 
 
-def stack_backward(kernel, stack: Stack, q, k, v, out, lse, dout, *, causal: bool, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The stack's ``(dq, dk, dv)`` over its buffer, from the call's final ``out``/``lse``: a member's compact
-    gradient parts are the slices at its span."""
-    qs, os_, ls, ds = (gather(x, stack) for x in (q, out, lse, dout))
+def stack_backward(kernel: PatternKernel, stack: Stack, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   saved: Saved, spec: CallSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stack's ``(dq, dk, dv)`` over its buffer, from the call's final ``saved`` ``(out, lse, dout)``: a member's
+    compact gradient parts are the slices at its span."""
+    q, k, v = inputs
+    qs, os_, ls, ds = (gather(x, stack) for x in (q, *saved))
     return kernel.backward_pattern_parts(qs, gather(k, stack, kv=True), gather(v, stack, kv=True), stack.dense,
-                                         os_, ls, ds, causal=causal, scale=scale)
+                                         spec, (os_, ls, ds))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..head_parallel import PackedSwap
+from ..kernels.protocol import CallSpec
 from ..merge import accum_dtype
 from .routes import Route, RingCall, Routes, Way
 from .side_streams import SideStreams
@@ -42,17 +43,16 @@ def swap_forward(swap: SwappedPattern) -> None:
 def _swapped_forward(ring: RingCall, inner: Route, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                      ) -> list[torch.Tensor]:
     """``[out, lse]`` of a swapped pattern's rows of this rank's heads (``inner``: their local route)."""
-    kernel, causal, scale = ring.plan.kernel, ring.plan.causal, ring.plan.scale
+    kernel, spec = ring.plan.kernel, CallSpec(ring.plan.causal, ring.plan.scale)
     if inner.way is Way.PART:
-        out, lse = kernel.forward_pattern(q, k, v, inner.plan, packed=False, causal=causal, scale=scale)
+        out, lse = kernel.forward_pattern(q, k, v, inner.plan, spec)
     else:  # the plan covers every row and head: written fresh
         out = torch.empty(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
         lse = torch.empty(q.shape[:3], dtype=out.dtype, device=q.device)
         if inner.pieces:
-            split_forward(kernel, inner.pieces, q, k, v, out, lse, packed=False, scale=scale, fresh=True)
+            split_forward(kernel, inner.pieces, (q, k, v), (out, lse), spec, fresh=True)
         else:
-            kernel.forward_pattern_into(q, k, v, inner.plan, out, lse, packed=False, causal=causal, scale=scale,
-                                        fresh=True)
+            kernel.forward_pattern_into(q, k, v, inner.plan, spec, (out, lse), fresh=True)
         out = out.to(q.dtype)
     return [out, lse]
 
@@ -66,17 +66,15 @@ def swap_backward(swap: SwappedPattern) -> None:
 def _swapped_backward(ring: RingCall, inner: Route, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> list[torch.Tensor]:
     """``[dq, dk, dv]`` of a swapped pattern's rows of this rank's heads."""
-    kernel, causal, scale = ring.plan.kernel, ring.plan.causal, ring.plan.scale
+    kernel, spec = ring.plan.kernel, CallSpec(ring.plan.causal, ring.plan.scale)
     if inner.way is Way.PART:
-        grads = kernel.backward_pattern_parts(q, k, v, inner.plan, out, lse, dout, causal=causal, scale=scale)
+        grads = kernel.backward_pattern_parts(q, k, v, inner.plan, spec, (out, lse, dout))
     else:  # the plan covers every row and head: written fresh
         acc = tuple(torch.empty(x.shape, dtype=accum_dtype(x.dtype), device=x.device) for x in (q, k, v))
         if inner.pieces:
-            split_backward(kernel, inner.pieces, q, k, v, out, lse, dout, *acc, packed=False, scale=scale,
-                           fresh=True)
+            split_backward(kernel, inner.pieces, (q, k, v), (out, lse, dout), acc, spec, fresh=True)
         else:
-            kernel.backward_pattern(q, k, v, inner.plan, out, lse, dout, *acc, packed=False, causal=causal,
-                                    scale=scale, fresh=True)
+            kernel.backward_pattern(q, k, v, inner.plan, spec, (out, lse, dout), acc, fresh=True)
         grads = tuple(g.to(x.dtype) for g, x in zip(acc, (q, k, v)))
     return list(grads)
 

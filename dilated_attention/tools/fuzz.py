@@ -61,13 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     if "fused" in kernels and a.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # the fused kernel on CPU runs in Triton's interpreter (slow)
     cases = a.cases if a.cases is not None or a.seconds is not None else 200
-    common = dict(cases=cases, seconds=a.seconds, seed=a.seed, kernels=kernels, dtypes=dtypes,
-                  invalid_fraction=a.invalid_fraction, out_dir=a.out, progress=not a.no_progress,
-                  option_rate=fuzz.OPTION_RATE if a.option_rate is None else a.option_rate, quiet=not a.verbose)
+    mix = fuzz.CaseMix(tuple(kernels), tuple(dtypes), a.device, a.invalid_fraction,
+                       fuzz.OPTION_RATE if a.option_rate is None else a.option_rate)
+    common = dict(cases=cases, seconds=a.seconds, seed=a.seed, mix=mix, out_dir=a.out, progress=not a.no_progress,
+                  quiet=not a.verbose)
     if max(a.world_sizes) > 1:
         res = fuzz.fuzz_spawned(a.world_sizes, backend=a.backend, **common)
     else:
-        res = fuzz.fuzz(device=a.device, **common)
+        res = fuzz.fuzz(**common)
     declined = f", {res.skipped} declined by the named kernel" if res.skipped else ""
     print(f"{res.cases} cases ({res.valid} valid{declined}, {res.invalid} invalid) in {res.seconds:.0f} s, "
           f"kernels {','.join(kernels)}, dtypes {','.join(dtypes)}, world sizes {a.world_sizes}, seed {a.seed}")

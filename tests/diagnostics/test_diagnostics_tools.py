@@ -19,6 +19,7 @@ from dilated_attention.diagnostics import audit, debug, fuzz, repro, sanitize
 from dilated_attention.diagnostics import health
 from dilated_attention.kernels import guard
 from dilated_attention.kernels.chunk_loop import ChunkLoop
+from dilated_attention.kernels.protocol import CallSpec
 from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import as_layout
@@ -70,14 +71,14 @@ class Faulting:
             raise self.error(self.message)
         return self.inner.forward_pattern(*args, **kwargs)
 
-    def forward_pattern_into(self, q, k, v, plan, out, lse, **kwargs):
+    def forward_pattern_into(self, q, k, v, plan, spec, running, **kwargs):
         if not self.backward_only:
-            out.add_(1.0)  # a launch wrote before the failing one
+            running[0].add_(1.0)  # a launch wrote before the failing one
             raise self.error(self.message)
-        return self.inner.forward_pattern_into(q, k, v, plan, out, lse, **kwargs)
+        return self.inner.forward_pattern_into(q, k, v, plan, spec, running, **kwargs)
 
-    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, **kwargs):
-        dq.add_(1.0)  # one launch succeeded and wrote before the next failed
+    def backward_pattern(self, q, k, v, plan, spec, saved, grads, **kwargs):
+        grads[0].add_(1.0)  # one launch succeeded and wrote before the next failed
         raise self.error(self.message)
 
     def parts(self, direction, plan, q, k, *, causal, masked):
@@ -129,12 +130,12 @@ def test_debug_kernel_passes_valid_calls_forward_and_backward():
     plan = _plan()
     with debug.debug(shadow=1.0):
         kern = debug.wrap_kernel(ChunkLoop(ReferenceKernel()), {"rank": 0})
-        out, lse = kern.forward_pattern(q, k, v, plan, packed=False, causal=True, scale=0.3)
+        out, lse = kern.forward_pattern(q, k, v, plan, CallSpec(True, 0.3))
         full = torch.randn(q.shape, dtype=q.dtype)
         accs = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
-        kern.backward_pattern(q, k, v, plan, full, torch.randn(q.shape[:3], dtype=q.dtype), torch.randn_like(full),
-                              *accs, packed=False, causal=True, scale=0.3)
-    want = ChunkLoop(ReferenceKernel()).forward_pattern(q, k, v, plan, packed=False, causal=True, scale=0.3)
+        kern.backward_pattern(q, k, v, plan, CallSpec(True, 0.3),
+                              (full, torch.randn(q.shape[:3], dtype=q.dtype), torch.randn_like(full)), accs)
+    want = ChunkLoop(ReferenceKernel()).forward_pattern(q, k, v, plan, CallSpec(True, 0.3))
     assert torch.equal(out, want[0]) and all(bool(a.abs().sum() > 0) for a in accs)
 
 
@@ -146,11 +147,11 @@ def test_debug_shadow_checks_the_merge_into_the_running_result():
     with debug.debug(shadow=1.0, repro_dir=None):
         good = [t.clone() for t in run]
         debug.wrap_kernel(ChunkLoop(ReferenceKernel()), {}).forward_pattern_into(
-            q, k, v, _plan(), *good, packed=False, causal=True, scale=0.3)
+            q, k, v, _plan(), CallSpec(True, 0.3), tuple(good))
         assert not torch.equal(good[0], run[0])
         with pytest.raises(debug.ShadowMismatch, match="out differs from the reference kernel"):
             debug.wrap_kernel(ChunkLoop(WrongRow()), {}).forward_pattern_into(
-                q, k, v, _plan(), *[t.clone() for t in run], packed=False, causal=False, scale=0.3)
+                q, k, v, _plan(), CallSpec(False, 0.3), tuple(t.clone() for t in run))
 
 
 def test_debug_shadow_check_names_a_kernel_that_returns_a_wrong_row():
@@ -158,7 +159,7 @@ def test_debug_shadow_check_names_a_kernel_that_returns_a_wrong_row():
     with debug.debug(shadow=1.0, repro_dir=None):
         kern = debug.wrap_kernel(ChunkLoop(WrongRow()), {"rank": 3, "step": 1, "world_size": 4})
         with pytest.raises(debug.ShadowMismatch) as err:
-            kern.forward_pattern(q, k, v, _plan(), packed=False, causal=False, scale=0.3)
+            kern.forward_pattern(q, k, v, _plan(), CallSpec(False, 0.3))
     msg = str(err.value)
     assert "out differs from the reference kernel" in msg
     for part in ("kernel=wrong-row", "pattern=1", "step=1", "rank=3"):
@@ -187,10 +188,10 @@ def test_debug_checks_name_the_bad_tensor(problem):
         with pytest.raises(debug.DebugCheckError, match=expect):
             if problem == "overlapping_accumulator":
                 out = torch.randn(q.shape, dtype=q.dtype)
-                kern.backward_pattern(q, k, v, plan, out, torch.randn(q.shape[:3], dtype=q.dtype), out, *accs,
-                                      packed=False, causal=False, scale=0.3)
+                kern.backward_pattern(q, k, v, plan, CallSpec(False, 0.3),
+                                      (out, torch.randn(q.shape[:3], dtype=q.dtype), out), accs)
             else:
-                kern.forward_pattern(q, k, v, plan, packed=False, causal=False, scale=0.3)
+                kern.forward_pattern(q, k, v, plan, CallSpec(False, 0.3))
 
 
 def test_debug_check_send_rejects_a_strided_view():
@@ -211,7 +212,7 @@ def test_debug_fault_writes_a_repro_that_replays(tmp_path):
         assert [m["i"] for m in debug.last_calls()] == [1, 2]
         kern = debug.wrap_kernel(Faulting("CUDA error: an illegal memory access was encountered"), meta)
         with pytest.warns(UserWarning, match="repro written to"), pytest.raises(debug.KernelFault) as err:
-            kern.forward_pattern(q, k, v, _plan(), packed=False, causal=True, scale=0.3)
+            kern.forward_pattern(q, k, v, _plan(), CallSpec(True, 0.3))
     assert "illegal memory access" in str(err.value) and "pattern=1" in str(err.value)
     path = err.value._dilated_attention_repro
     assert any(path in note for note in err.value.__notes__)
@@ -351,7 +352,7 @@ def test_fuzz_small_budget_is_clean(tmp_path):
 
 
 def test_fuzz_finds_a_planted_wrong_row_and_writes_a_replayable_repro(tmp_path):
-    res = fuzz.fuzz(cases=50, seed=3, out_dir=str(tmp_path), invalid_fraction=0.0,
+    res = fuzz.fuzz(cases=50, seed=3, out_dir=str(tmp_path), mix=fuzz.CaseMix(invalid_fraction=0.0),
                     kernel_override=ChunkLoop(WrongRow()))
     assert not res.ok and res.cases < 50, res
     assert "wrong-row" in open(res.repro_path).read()
@@ -361,7 +362,7 @@ def test_fuzz_finds_a_planted_wrong_row_and_writes_a_replayable_repro(tmp_path):
 
 
 def test_fuzz_exercises_masks_documents_and_untiled_lengths(tmp_path):
-    res = fuzz.fuzz(cases=30, seed=5, out_dir=str(tmp_path), invalid_fraction=0.0)
+    res = fuzz.fuzz(cases=30, seed=5, out_dir=str(tmp_path), mix=fuzz.CaseMix(invalid_fraction=0.0))
     assert res.ok, (res.failure, res.lines)
     for option in ("key_padding_mask", "cu_seqlens", "zero-length document", "padded document", "untiled length"):
         assert res.options.get(option, 0) > 0, (option, res.options)
@@ -369,7 +370,7 @@ def test_fuzz_exercises_masks_documents_and_untiled_lengths(tmp_path):
 
 
 def test_fuzz_finds_a_planted_mask_blind_kernel(tmp_path):
-    res = fuzz.fuzz(cases=40, seed=2, out_dir=str(tmp_path), invalid_fraction=0.0,
+    res = fuzz.fuzz(cases=40, seed=2, out_dir=str(tmp_path), mix=fuzz.CaseMix(invalid_fraction=0.0),
                     kernel_override=ChunkLoop(MaskBlind()))
     assert not res.ok and res.cases < 40, res
     spec = repro.load(res.repro_path)
@@ -397,7 +398,8 @@ def test_fuzz_invalid_calls_raise_value_or_type_errors():
 
 def test_fuzz_spawned_ranks_cover_ring_cases(tmp_path):
     # seed 8: within 16 cases, ring cases and masks, documents and untiled lengths on 2 ranks
-    res = fuzz.fuzz_spawned((1, 2), cases=16, seed=8, out_dir=str(tmp_path), kernels=("reference", "auto"))
+    res = fuzz.fuzz_spawned((1, 2), cases=16, seed=8, out_dir=str(tmp_path),
+                            mix=fuzz.CaseMix(kernels=("reference", "auto")))
     assert res.ok, (res.failure, res.lines)
     assert res.cases == 16 and res.options.get("strategy ring", 0) > 0
     for option in ("key_padding_mask", "cu_seqlens", "untiled length"):  # on 2 ranks (strategy "head")
@@ -414,10 +416,10 @@ def test_guard_falls_back_once_on_launch_resource_errors():
     msg = "out of resource: shared memory, Required: 1049600, Hardware limit: 232448"
     kern = guard.guard_kernel(Faulting(msg), {"rank": 0})
     with pytest.warns(RuntimeWarning, match="could not launch .*shared memory.* using the 'sdpa' path") as rec:
-        out, lse = kern.forward_pattern(q, k, v, plan, packed=False, causal=True, scale=0.3)
-        kern.forward_pattern(q, k, v, plan, packed=False, causal=True, scale=0.3)
+        out, lse = kern.forward_pattern(q, k, v, plan, CallSpec(True, 0.3))
+        kern.forward_pattern(q, k, v, plan, CallSpec(True, 0.3))
     assert len([w for w in rec if issubclass(w.category, RuntimeWarning)]) == 1
-    want, _ = ChunkLoop(ReferenceKernel()).forward_pattern(q, k, v, plan, packed=False, causal=True, scale=0.3)
+    want, _ = ChunkLoop(ReferenceKernel()).forward_pattern(q, k, v, plan, CallSpec(True, 0.3))
     assert (out - want).abs().max() < 1e-5
     guard.reset()
 
@@ -432,9 +434,9 @@ def test_guard_backward_fallback_undoes_partial_writes():
     want = [torch.zeros(t.shape) for t in (q, k, v)]
     kern = guard.guard_kernel(Faulting("OutOfResources: out of resource: registers", backward_only=True))
     with pytest.warns(RuntimeWarning):
-        kern.backward_pattern(q, k, v, plan, out, lse, dout, *got, packed=False, causal=False, scale=0.3)
-    guard.guard_kernel(ChunkLoop(ReferenceKernel())).backward_pattern(q, k, v, plan, out, lse, dout, *want,
-                                                                     packed=False, causal=False, scale=0.3)
+        kern.backward_pattern(q, k, v, plan, CallSpec(False, 0.3), (out, lse, dout), got)
+    guard.guard_kernel(ChunkLoop(ReferenceKernel())).backward_pattern(q, k, v, plan, CallSpec(False, 0.3),
+                                                                      (out, lse, dout), want)
     assert all((a - b).abs().max() < 1e-5 * b.abs().max() for a, b in zip(got, want))  # not 1 + the truth
     guard.reset()
 
@@ -443,7 +445,7 @@ def test_guard_explains_a_sticky_cuda_error_and_lets_value_errors_through():
     q, k, v = _inputs(dtype=torch.float32)
     kern = guard.guard_kernel(Faulting("CUDA error: misaligned address"), {"rank": 5, "step": 2})
     with pytest.raises(guard.KernelError) as err:
-        kern.forward_pattern(q, k, v, _plan(), packed=False, causal=True, scale=0.3)
+        kern.forward_pattern(q, k, v, _plan(), CallSpec(True, 0.3))
     msg = str(err.value)
     for part in ("misaligned address", "pattern 1 (segment 16, dilation 2", "step 2", "rank 5",
                  f"q: shape {tuple(q.shape)} stride {tuple(q.stride())}", "Restart the process", "scripts/repro.py",
@@ -453,7 +455,7 @@ def test_guard_explains_a_sticky_cuda_error_and_lets_value_errors_through():
     assert guard.classify_error(RuntimeError("CUDA out of memory. Tried to allocate")) == "cuda"
     with pytest.raises(ValueError, match="^kernel declined: shared memory$"):  # not ours to rewrite
         guard.guard_kernel(Faulting("kernel declined: shared memory", error=ValueError)).forward_pattern(
-            q, k, v, _plan(), packed=False, causal=True, scale=0.3)
+            q, k, v, _plan(), CallSpec(True, 0.3))
 
 
 # -- sanitizer wrapper -------------------------------------------------------------------------------

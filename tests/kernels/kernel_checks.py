@@ -26,6 +26,7 @@ if not CUDA:  # must precede the first kernel build; fused.py jits lazily at fir
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.kernels.chunk_loop import ChunkLoop  # noqa: E402
 from dilated_attention.kernels.fused import FusedConfig  # noqa: E402
+from dilated_attention.kernels.protocol import CallSpec  # noqa: E402
 from dilated_attention.kernels.reference import ReferenceKernel, _expand_kv  # noqa: E402
 from dilated_attention.merge import Part, merge_pattern_, sum_grads  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
@@ -147,11 +148,12 @@ def check_api_against_oracle(base, dout, segs, rates, dtype, layout, context, *,
 def check_fresh_backward(kern, q, k, v, plans, out, lse, dout, seed, **kw):
     """``backward_pattern(..., fresh=True)`` into NaN-filled accumulators gives bit for bit what adding into zeros
     gives, for each of ``plans``."""
+    spec = CallSpec(**kw)
     for p in plans:
-        want = [torch.zeros(x.shape, device=DEVICE) for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, p, out, lse, dout, *want, **kw)
-        got = [torch.full(x.shape, float("nan"), device=DEVICE) for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, p, out, lse, dout, *got, **kw, fresh=True)
+        want = tuple(torch.zeros(x.shape, device=DEVICE) for x in (q, k, v))
+        kern.backward_pattern(q, k, v, p, spec, (out, lse, dout), want)
+        got = tuple(torch.full(x.shape, float("nan"), device=DEVICE) for x in (q, k, v))
+        kern.backward_pattern(q, k, v, p, spec, (out, lse, dout), got, fresh=True)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
             assert torch.equal(g, w), f"fresh {name} differs on plan {p.index} (seed {seed})"
 
@@ -173,15 +175,15 @@ def backward_pattern_all(kern, q, k, v, p, out, lse, dout, packed, causal, scale
     """``kern.backward_pattern``, the fp64 oracle and the two low-precision baselines, each
     adding into copies of the same random fp32 accumulators ``init``."""
     init = [torch.randn(x.shape, device=DEVICE) for x in (q, k, v)]
-    kw = dict(packed=packed, causal=causal, scale=scale)
-    acc = [x.clone() for x in init]
-    kern.backward_pattern(q, k, v, p, out, lse, dout, *acc, **kw)
-    acc64 = [d64(x) for x in init]
-    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(out), d64(lse), d64(dout), *acc64, **kw)
+    spec = CallSpec(causal, scale, packed)
+    acc = tuple(x.clone() for x in init)
+    kern.backward_pattern(q, k, v, p, spec, (out, lse, dout), acc)
+    acc64 = tuple(d64(x) for x in init)
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, spec, (d64(out), d64(lse), d64(dout)), acc64)
     acclo = []
     for kk in (REF_P, LOWP_P):
-        acc_k = [x.clone() for x in init]
-        kk.backward_pattern(q, k, v, p, out, lse, dout, *acc_k, **kw)
+        acc_k = tuple(x.clone() for x in init)
+        kk.backward_pattern(q, k, v, p, spec, (out, lse, dout), acc_k)
         acclo.append(acc_k)
     return init, acc, acc64, list(zip(*acclo))
 
@@ -192,9 +194,10 @@ def chunk_rows(x, plan):
 
 
 def check_pattern_forward(kern, q, k, v, p, packed, causal, scale, seed, what):
-    o, s = kern.forward_pattern(q, k, v, p, packed=packed, causal=causal, scale=scale)
-    o64, s64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=packed, causal=causal, scale=scale)
-    lows = [kk.forward_pattern(q, k, v, p, packed=packed, causal=causal, scale=scale) for kk in (REF_P, LOWP_P)]
+    spec = CallSpec(causal, scale, packed)
+    o, s = kern.forward_pattern(q, k, v, p, spec)
+    o64, s64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, spec)
+    lows = [kk.forward_pattern(q, k, v, p, spec) for kk in (REF_P, LOWP_P)]
     judge(f"{what} out", chunk_rows(o, p), chunk_rows(o64, p), [chunk_rows(x[0], p) for x in lows], seed)
     judge(f"{what} lse", chunk_rows(s, p), chunk_rows(s64, p), [chunk_rows(x[1], p) for x in lows], seed)
     check_pattern_merge(kern, q, k, v, p, packed, causal, scale, seed, what)
@@ -210,7 +213,7 @@ def check_pattern_merge(kern, q, k, v, p, packed, causal, scale, seed, what):
     out0 = torch.randn((bsz, n, heads + 1, dim), generator=g)[:, :, 1:]
     lse0 = (3 * torch.randn((bsz, n, heads + 2), generator=g))[:, :, 2:]
     out0[:, ::5], lse0[:, ::5] = 0.0, float("-inf")
-    kw = dict(packed=packed, causal=causal, scale=scale)
+    spec = CallSpec(causal, scale, packed)
 
     def head_sliced(x):  # a fresh copy that is a head slice of a wider tensor, like out0/lse0
         wide = torch.empty((*x.shape[:2], x.shape[2] + 1, *x.shape[3:]), device=DEVICE)
@@ -219,12 +222,12 @@ def check_pattern_merge(kern, q, k, v, p, packed, causal, scale, seed, what):
 
     def merged(kernel):
         out, lse = head_sliced(out0), head_sliced(lse0)
-        kernel.forward_pattern_into(q, k, v, p, out, lse, **kw)
+        kernel.forward_pattern_into(q, k, v, p, spec, (out, lse))
         return out, lse
 
     got_o, got_l = merged(kern)
     want_o, want_l = d64(out0), d64(lse0)
-    merge_pattern_(want_o, want_l, p, *REF_P.forward_pattern(d64(q), d64(k), d64(v), p, **kw))
+    merge_pattern_(want_o, want_l, p, *REF_P.forward_pattern(d64(q), d64(k), d64(v), p, spec))
     lows = [merged(kk) for kk in (REF_P, LOWP_P)]
     fin = torch.isfinite(want_l)
     assert torch.equal(torch.isfinite(got_l.cpu()), fin), f"{what} merged lse: empty rows differ"
@@ -275,7 +278,7 @@ def check_pattern_parts(kern, q, k, v, p, out, lse, dout, causal, scale, seed, w
     """``backward_pattern_parts``: compact gradients in the inputs' dtype, placed in full layout (the slots a
     combine reads; ``merge.sum_grads``), against the fp64 oracle's and the plain-torch ones placed alike."""
     def placed(kernel, *xs):
-        grads = kernel.backward_pattern_parts(*xs[:3], p, *xs[3:], causal=causal, scale=scale)
+        grads = kernel.backward_pattern_parts(*xs[:3], p, CallSpec(causal, scale), xs[3:])
         for g, x in zip(grads, xs[:3]):
             assert g.dtype == x.dtype and g.shape == (x.shape[0], x.shape[1] // p.dilation, *x.shape[2:]), what
         return [sum_grads(None, [Part(p, g, kv=kv)], x) for g, x, kv in zip(grads, xs[:3], (False, True, True))]

@@ -31,6 +31,7 @@ from dilated_attention.kernels.auto import (
 )
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel
 from dilated_attention.kernels.fused import FusedKernel
+from dilated_attention.kernels.protocol import CallSpec
 from dilated_attention.patterns import plan_patterns
 from dilated_attention.testing.compare import assert_within_rule
 from dilated_attention.testing.oracle import dense_dilated_attention
@@ -50,17 +51,17 @@ class Recorder:
     def supports(self, q, k):
         return self.refuse
 
-    def forward_pattern(self, q, k, v, plan, *, packed, causal, scale):
-        self.seen.append(("fwd", plan.dilation, causal))
+    def forward_pattern(self, q, k, v, plan, spec):
+        self.seen.append(("fwd", plan.dilation, spec.causal))
         return None
 
-    def backward_pattern(self, q, k, v, plan, out, lse, dout, dq, dk, dv, *, packed, causal, scale, fresh=False):
-        self.seen.append(("bwd", plan.dilation, causal))
+    def backward_pattern(self, q, k, v, plan, spec, saved, grads, *, fresh=False):
+        self.seen.append(("bwd", plan.dilation, spec.causal))
 
     def parts(self, direction, plan, q, k, *, causal, masked):
         return False  # never asked for parts: nothing here runs a strategy
 
-    def backward_pattern_parts(self, q, k, v, plan, out, lse, dout, *, causal, scale):
+    def backward_pattern_parts(self, q, k, v, plan, spec, saved):
         raise ValueError("Recorder leaves no parts")
 
 
@@ -70,8 +71,8 @@ Q = torch.randn(1, 16, 4, 32, dtype=torch.bfloat16)
 
 def _run(kern: AutoKernel, causal: bool) -> None:
     for p in PLANS:
-        kern.forward_pattern(Q, Q, Q, p, packed=False, causal=causal, scale=0.1)
-        kern.backward_pattern(Q, Q, Q, p, Q, Q[..., 0], Q, Q, Q, Q, packed=False, causal=causal, scale=0.1)
+        kern.forward_pattern(Q, Q, Q, p, CallSpec(causal, 0.1))
+        kern.backward_pattern(Q, Q, Q, p, CallSpec(causal, 0.1), (Q, Q[..., 0], Q), (Q, Q, Q))
 
 
 def test_table_key():

@@ -42,7 +42,7 @@ class Recorder(KernelWrapper):
         self.calls: list[tuple] = []
 
     def call(self, op, args, kwargs):
-        self.calls.append((op, args[3].local_segment, kwargs["causal"], kwargs.get("packed"), args[0].shape[1]))
+        self.calls.append((op, args[3].local_segment, args[4].causal, args[4].packed, args[0].shape[1]))
         return super().call(op, args, kwargs)
 
     def counts(self, *ops: str) -> dict[tuple[int, bool], int]:

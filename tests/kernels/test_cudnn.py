@@ -38,6 +38,7 @@ from dilated_attention import clear_caches, dilated_attention
 from dilated_attention.memory import gathered_bytes
 from dilated_attention.ring import routes
 from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel, readable
+from dilated_attention.kernels.protocol import CallSpec
 from dilated_attention.kernels.auto import AutoKernel
 from dilated_attention.kernels.fused import FusedKernel
 from dilated_attention.kernels.view_kernel import AttentionOps
@@ -140,7 +141,7 @@ def test_supports_needs_cuda_and_half_precision():
         assert (fake.supports(x, x) is None) == ok, dim
     with pytest.raises(ValueError, match="head dim"):
         fake.forward_pattern(*(torch.randn(1, 16, 2, 20),) * 3, plans_for("longnet", 2, 2, 16, 16, [16], [1])[0],
-                             packed=False, causal=False, scale=0.1)
+                             CallSpec(False, 0.1))
 
 
 def test_readable():
@@ -230,18 +231,17 @@ def test_longnet_calls_are_grouped_and_zero_copy():
     for p in plans:
         ops.calls.clear()
         ops.outputs.clear()
-        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        out, lse = kern.forward_pattern(q, k, v, p, CallSpec(True, 0.25))
         assert len(ops.calls) == expect_calls[p.dilation], (p.dilation, ops.calls)
         assert all(set(c[3]) <= storages for c in ops.calls), "an input was copied"
         if expect_calls[p.dilation] == 1:
             assert out.untyped_storage().data_ptr() == ops.outputs[0].untyped_storage().data_ptr(), p.dilation
-        o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=True, scale=0.25)
+        o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, CallSpec(True, 0.25))
         assert_within_rule(f"r={p.dilation} out", out, o64, o64.float())
         ops.calls.clear()
         acc = [torch.zeros(x.shape) for x in (q, k, v)]
         fin, dout = torch.randn(1, n, heads, dim), torch.randn(1, n, heads, dim)
-        kern.backward_pattern(q, k, v, p, fin, lse.new_zeros(1, n, heads) + 4.0, dout, *acc,
-                              packed=False, causal=True, scale=0.25)
+        kern.backward_pattern(q, k, v, p, CallSpec(True, 0.25), (fin, lse.new_zeros(1, n, heads) + 4.0, dout), acc)
         assert len(ops.calls) == expect_calls[p.dilation]
         assert all(set(c[3]) <= storages for c in ops.calls), "an input was copied in the backward"
 
@@ -261,10 +261,9 @@ def test_backward_copies_q_out_dout_together(own_strides):
     out, dout = torch.randn(2, n, heads, dim), torch.randn(2, n, heads, dim)
     lse = torch.randn(2, n, heads) + 3.0
     acc = [torch.zeros(x.shape) for x in (q, k, v)]
-    kern.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False, causal=False, scale=0.25)
+    kern.backward_pattern(q, k, v, p, CallSpec(False, 0.25), (out, lse, dout), acc)
     want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(out), d64(lse), d64(dout), *want,
-                           packed=False, causal=False, scale=0.25)
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, CallSpec(False, 0.25), (d64(out), d64(lse), d64(dout)), want)
     for name, got, w in zip("qkv", acc, want):
         assert_within_rule(f"d{name}", got, w, w.float(), context=f"(seed {seed})")
     read_in_place = q.untyped_storage().data_ptr() in {c[3][0] for c in ops.calls}
@@ -281,9 +280,9 @@ def test_every_layout_forward(layout):
     q, k, v = rand((2, n, heads, DIM), dtype, layout), rand((2, n, 2, DIM), dtype, layout), rand((2, n, 2, DIM), dtype, layout)
     kern = kernel()
     for p in plans:
-        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.2)
-        o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=True, scale=0.2)
-        plains = [kk.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.2) for kk in (REF_P, LOWP_P)]
+        out, lse = kern.forward_pattern(q, k, v, p, CallSpec(True, 0.2))
+        o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, CallSpec(True, 0.2))
+        plains = [kk.forward_pattern(q, k, v, p, CallSpec(True, 0.2)) for kk in (REF_P, LOWP_P)]
         judge(f"{layout} r={p.dilation} lse", lse, l64, [x[1] for x in plains], seed)
         judge(f"{layout} r={p.dilation} out", out, o64, [x[0] for x in plains], seed)
 
@@ -294,8 +293,8 @@ def test_cudnn_forward_is_deterministic():
     kern = CudnnKernel()
     p = plans_for("longnet", 8, 8, 1024, 1024, [512, 1024], [1, 2])[0]
     q, k, v = (torch.randn(1, 1024, 8, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-    a = kern.forward_pattern(q, k, v, p, packed=False, causal=False, scale=0.1)
-    b = kern.forward_pattern(q, k, v, p, packed=False, causal=False, scale=0.1)
+    a = kern.forward_pattern(q, k, v, p, CallSpec(False, 0.1))
+    b = kern.forward_pattern(q, k, v, p, CallSpec(False, 0.1))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -356,30 +355,28 @@ def test_refused_stacking_runs_chunk_by_chunk():
     p = plans_for("longnet", heads, heads, n, n, [64], [8])[0]  # one segment, 8 offsets: one stacked group
     q, k, v, dout = (torch.randn(1, n, heads, dim) for _ in range(4))
     with pytest.warns(UserWarning, match="chunk by chunk"):
-        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        out, lse = kern.forward_pattern(q, k, v, p, CallSpec(True, 0.25))
     assert len(ops.calls) == heads
-    o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=True, scale=0.25)
+    o64, l64 = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, CallSpec(True, 0.25))
     assert_within_rule("out", out, o64, o64.float(), context=f"(seed {seed})")
     ops.calls.clear()
     fin = torch.randn(1, n, heads, dim)
     lse_full = torch.randn(1, n, heads) + 3.0
     acc = [torch.zeros(x.shape) for x in (q, k, v)]
-    kern.backward_pattern(q, k, v, p, fin, lse_full, dout, *acc, packed=False, causal=True, scale=0.25)
+    kern.backward_pattern(q, k, v, p, CallSpec(True, 0.25), (fin, lse_full, dout), acc)
     assert [c[0] for c in ops.calls] == ["bwd"] * heads  # remembered: no stacked attempt this time
     want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(fin), d64(lse_full), d64(dout), *want,
-                           packed=False, causal=True, scale=0.25)
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, CallSpec(True, 0.25), (d64(fin), d64(lse_full), d64(dout)), want)
     for name, got, w in zip("qkv", acc, want):
         assert_within_rule(f"d{name}", got, w, w.float(), context=f"(seed {seed})")
     # a backward that meets the refusal first adds nothing twice
     ops2 = PickyOps()
     acc2 = [torch.zeros(x.shape) for x in (q, k, v)]
     with pytest.warns(UserWarning, match="chunk by chunk"):
-        CudnnKernel(ops2).backward_pattern(q, k, v, p, fin, lse_full, dout, *acc2, packed=False, causal=False,
-                                           scale=0.25)
+        CudnnKernel(ops2).backward_pattern(q, k, v, p, CallSpec(False, 0.25), (fin, lse_full, dout), acc2)
     want2 = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(fin), d64(lse_full), d64(dout), *want2,
-                           packed=False, causal=False, scale=0.25)
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, CallSpec(False, 0.25), (d64(fin), d64(lse_full), d64(dout)),
+                           want2)
     for name, got, w in zip("qkv", acc2, want2):
         assert_within_rule(f"d{name} (refused in backward)", got, w, w.float(), context=f"(seed {seed})")
 
@@ -395,11 +392,9 @@ def test_refused_backward_falls_back_in_every_group():
     fin, lse = torch.randn(1, n, heads, dim), torch.randn(1, n, heads) + 3.0
     acc = [torch.zeros(x.shape) for x in (q, k, v)]
     with pytest.warns(UserWarning, match="chunk by chunk"):
-        CudnnKernel(PickyOps()).backward_pattern(q, k, v, p, fin, lse, dout, *acc, packed=False, causal=True,
-                                                 scale=0.25)
+        CudnnKernel(PickyOps()).backward_pattern(q, k, v, p, CallSpec(True, 0.25), (fin, lse, dout), acc)
     want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(fin), d64(lse), d64(dout), *want, packed=False,
-                           causal=True, scale=0.25)
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, CallSpec(True, 0.25), (d64(fin), d64(lse), d64(dout)), want)
     for name, got, w in zip("qkv", acc, want):
         assert_within_rule(f"d{name}", got, w, w.float(), context=f"(seed {seed})")
 
@@ -445,15 +440,14 @@ def test_proven_backward_frees_each_calls_gradients_before_the_next():
     for _ in range(2):
         ops.held.clear()
         acc = [torch.zeros(x.shape) for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, p, out, lse, dout, *acc, packed=False, causal=True, scale=0.25)
+        kern.backward_pattern(q, k, v, p, CallSpec(True, 0.25), (out, lse, dout), acc)
         runs.append((acc, list(ops.held)))
     (first, held_first), (second, held_second) = runs
     assert len(held_first) == len(held_second) > 1
     assert held_first[-1] == 3 * (len(held_first) - 1), held_first  # kept to the end of the group
     assert held_second == [0] * len(held_second), held_second  # each call's freed before the next
     want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, d64(out), d64(lse), d64(dout), *want, packed=False,
-                           causal=True, scale=0.25)
+    REF_P.backward_pattern(d64(q), d64(k), d64(v), p, CallSpec(True, 0.25), (d64(out), d64(lse), d64(dout)), want)
     for name, a, b, w in zip("qkv", first, second, want):
         assert torch.equal(a, b), f"d{name}: storing as each call returns changed bits"
         assert_within_rule(f"d{name}", b, w, w.float(), context=f"(seed {seed})")
@@ -466,15 +460,15 @@ def test_proven_backward_failing_mid_group_raises_instead_of_adding_twice():
     _, p, (q, k, v, out, lse, dout) = _held_grads_case("cudnn-held-grads-fail")
     ops = HeldGrads()
     kern = CudnnKernel(ops)
-    kern.backward_pattern(q, k, v, p, out, lse, dout, *(torch.zeros(x.shape) for x in (q, k, v)), packed=False,
-                          causal=True, scale=0.25)
+    kern.backward_pattern(q, k, v, p, CallSpec(True, 0.25), (out, lse, dout),
+                          tuple(torch.zeros(x.shape) for x in (q, k, v)))
     ops.held.clear()
     ops.fail_at = 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning either
         with pytest.raises(RuntimeError, match="out of engines"):
-            kern.backward_pattern(q, k, v, p, out, lse, dout, *(torch.zeros(x.shape) for x in (q, k, v)),
-                                  packed=False, causal=True, scale=0.25)
+            kern.backward_pattern(q, k, v, p, CallSpec(True, 0.25), (out, lse, dout),
+                                  tuple(torch.zeros(x.shape) for x in (q, k, v)))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -499,7 +493,7 @@ def test_fresh_backward_writes_what_adding_into_zeros_gives(which, causal):
         kern = CudnnKernel(CudnnFrontendOps())
     out, lse = torch.zeros(q.shape, device=DEVICE), torch.full(q.shape[:3], float("-inf"), device=DEVICE)
     for i, p in enumerate(plans):
-        kern.forward_pattern_into(q, k, v, p, out, lse, packed=False, causal=causal, scale=0.2, fresh=i == 0)
+        kern.forward_pattern_into(q, k, v, p, CallSpec(causal, 0.2), (out, lse), fresh=i == 0)
     fresh = plans[:2] if which == "cudnn" else plans[:1]  # the fused dQ refuses a fresh non-covering pattern
     check_fresh_backward(kern, q, k, v, fresh, out.to(dtype), lse, dout, seed, packed=False, causal=causal, scale=0.2)
 
@@ -521,11 +515,11 @@ def test_fresh_backward_adds_where_two_groups_share_a_kv_head():
     q, dout = torch.randn(1, n, heads, dim), torch.randn(1, n, heads, dim)
     k, v = torch.randn(1, n, 1, dim), torch.randn(1, n, 1, dim)
     out, lse = torch.randn(1, n, heads, dim), torch.randn(1, n, heads) + 3.0
-    kw = dict(packed=False, causal=True, scale=0.25)
+    spec = CallSpec(True, 0.25)
     want = [torch.zeros(x.shape) for x in (q, k, v)]
-    kern.backward_pattern(q, k, v, plan, out, lse, dout, *want, **kw)
+    kern.backward_pattern(q, k, v, plan, spec, (out, lse, dout), want)
     got = [torch.full(x.shape, float("nan")) for x in (q, k, v)]
-    kern.backward_pattern(q, k, v, plan, out, lse, dout, *got, **kw, fresh=True)
+    kern.backward_pattern(q, k, v, plan, spec, (out, lse, dout), got, fresh=True)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(g, w), f"fresh {name} differs (seed {seed})"
 
@@ -552,7 +546,7 @@ def test_backward_packs_lse_as_the_ops_read_it(neginf):
     lse = torch.randn(1, n, heads)
     lse[0, 3, :], lse[0, 5, 1], lse[0, 7, 2] = float("-inf"), float("nan"), float("inf")
     before = lse.clone()
-    kern.backward_pattern_parts(q, k, v, p, fin, lse, dout, causal=False, scale=0.25)
+    kern.backward_pattern_parts(q, k, v, p, CallSpec(False, 0.25), (fin, lse, dout))
     assert torch.equal(lse.nan_to_num(), before.nan_to_num()) and lse.isnan().sum() == 1
     want = lse if neginf is None else lse.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=neginf)
     got = torch.cat([x.flatten() for x in seen])
@@ -585,10 +579,9 @@ def test_call_plans_replay_per_geometry():
             cudnn_calls._FORWARD_CALLS.clear()
             cudnn_calls._BACKWARD_CALLS.clear()
         q, k, v, fin, dout = xs
-        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        out, lse = kern.forward_pattern(q, k, v, p, CallSpec(True, 0.25))
         acc = [torch.randn(x.shape, generator=torch.Generator().manual_seed(1)) for x in (q, k, v)]
-        kern.backward_pattern(q, k, v, p, fin, lse.new_zeros(1, n, heads) + 3.0, dout, *acc,
-                              packed=False, causal=True, scale=0.25)
+        kern.backward_pattern(q, k, v, p, CallSpec(True, 0.25), (fin, lse.new_zeros(1, n, heads) + 3.0, dout), acc)
         return [out, lse, *acc]
 
     first = inputs(0)

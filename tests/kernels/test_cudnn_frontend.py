@@ -49,11 +49,11 @@ class MathFrontendOps(CudnnFrontendOps):
     def forward(self, q, k, v, *, causal, scale, out=None):
         return self.math.forward(q, k, v, causal=causal, scale=scale, out=out)
 
-    def _run(self, dout, q, k, v, out, lse4, dq, dk, dv, causal, scale):
+    def _run(self, inputs, grads, causal, scale):
+        dout, q, k, v, out, lse4 = inputs
         assert lse4.is_contiguous() and lse4.shape == (*q.shape[:3], 1)
         self.runs.append((tuple(q.shape), tuple(k.shape)))
-        for target, grad in zip((dq, dk, dv), self.math.backward(dout, q, k, v, out, lse4, causal=causal,
-                                                                  scale=scale)):
+        for target, grad in zip(grads, self.math.backward(dout, q, k, v, out, lse4, causal=causal, scale=scale)):
             target.copy_(grad)
 
 

@@ -40,6 +40,7 @@ from dilated_attention import dilated_attention
 from dilated_attention.kernels import dispatch, flash4
 from dilated_attention.kernels.dispatch import select_kernel
 from dilated_attention.kernels.flash4 import Flash4Kernel, Flash4Ops
+from dilated_attention.kernels.protocol import CallSpec
 from dilated_attention.testing.compare import assert_within_rule
 
 
@@ -345,20 +346,20 @@ def test_one_call_per_head_offset_group_read_in_place(fake):
     expect_calls = {1: 1, 2: 2, 4: 4, 8: 2, 16: 1}  # r=8: 2 segments x 8 offsets -> 2 calls of 8 chunks
     for p in plans:
         fake.calls.clear()
-        out, lse = kern.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        out, lse = kern.forward_pattern(q, k, v, p, CallSpec(True, 0.25))
         assert len(fake.calls) == expect_calls[p.dilation], (p.dilation, [c["shapes"] for c in fake.calls])
         assert all(c["storages"] == storages for c in fake.calls), "an input was copied"
         if expect_calls[p.dilation] == 1:  # FA4's result is the part: no copy
             assert out.untyped_storage().data_ptr() == fake.calls[0]["written"][0]
         else:  # FA4 wrote into the part
             assert all(c["written"][0] == out.untyped_storage().data_ptr() for c in fake.calls)
-        o64, _ = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, packed=False, causal=True, scale=0.25)
-        plain, _ = LOWP_P.forward_pattern(q, k, v, p, packed=False, causal=True, scale=0.25)
+        o64, _ = REF_P.forward_pattern(d64(q), d64(k), d64(v), p, CallSpec(True, 0.25))
+        plain, _ = LOWP_P.forward_pattern(q, k, v, p, CallSpec(True, 0.25))
         assert_within_rule(f"r={p.dilation} out", out, o64, plain)
         fin, dout = torch.randn(1, n, heads, dim, dtype=torch.bfloat16), torch.randn(1, n, heads, dim, dtype=torch.bfloat16)
         fake.calls.clear()
-        grads = kern.backward_pattern_parts(q, k, v, p, fin, lse.new_zeros(1, n, heads) + 4.0, dout, causal=True,
-                                            scale=0.25)
+        grads = kern.backward_pattern_parts(q, k, v, p, CallSpec(True, 0.25),
+                                            (fin, lse.new_zeros(1, n, heads) + 4.0, dout))
         assert len(fake.calls) == expect_calls[p.dilation]
         assert all(c["storages"] == storages for c in fake.calls), "an input was copied in the backward"
         parts = tuple(g.untyped_storage().data_ptr() for g in grads)
@@ -404,12 +405,12 @@ def test_fresh_first_pattern_writes_what_merging_into_empty_gives(fake, causal):
     kern = Flash4Kernel()
     kw = dict(packed=False, causal=causal, scale=DIM**-0.5)
     out, lse = torch.zeros(q.shape, device=DEVICE), torch.full(q.shape[:3], float("-inf"), device=DEVICE)
-    kern.forward_pattern_into(q, k, v, plans[0], out, lse, **kw)
+    kern.forward_pattern_into(q, k, v, plans[0], CallSpec(**kw), (out, lse))
     out_f, lse_f = torch.full(q.shape, float("nan"), device=DEVICE), torch.full(q.shape[:3], float("nan"), device=DEVICE)
-    kern.forward_pattern_into(q, k, v, plans[0], out_f, lse_f, **kw, fresh=True)
+    kern.forward_pattern_into(q, k, v, plans[0], CallSpec(**kw), (out_f, lse_f), fresh=True)
     assert torch.equal(out_f, out) and torch.equal(lse_f, lse), f"fresh forward differs (seed {seed})"
     for p in plans[1:]:
-        kern.forward_pattern_into(q, k, v, p, out, lse, **kw)
+        kern.forward_pattern_into(q, k, v, p, CallSpec(**kw), (out, lse))
     check_fresh_backward(kern, q, k, v, plans[:2], out.to(dtype), lse, dout, seed, **kw)
 
 
@@ -417,12 +418,12 @@ def test_errors_are_named(fake):
     q = torch.randn(1, 32, 2, 64, device=DEVICE, dtype=torch.bfloat16)
     plan = plans_for("longnet", 2, 2, 32, 32, [16, 32], [1, 2])[1]
     with pytest.raises(ValueError, match="flash4 kernel cannot run.*fp16 or bf16"):
-        Flash4Kernel().forward_pattern(q.float(), q.float(), q.float(), plan, packed=False, causal=False, scale=0.1)
+        Flash4Kernel().forward_pattern(q.float(), q.float(), q.float(), plan, CallSpec(False, 0.1))
     with pytest.raises(ValueError, match="do not tile"):
-        Flash4Kernel().forward_pattern(q[:, :24], q[:, :24], q[:, :24], plan, packed=False, causal=False, scale=0.1)
+        Flash4Kernel().forward_pattern(q[:, :24], q[:, :24], q[:, :24], plan, CallSpec(False, 0.1))
     with pytest.raises(ValueError, match="lse has shape"):
-        Flash4Kernel().backward_pattern(q, q, q, plan, q, q[..., 0, 0], q, *(torch.zeros(q.shape),) * 3,
-                                        packed=False, causal=False, scale=0.1)
+        Flash4Kernel().backward_pattern(q, q, q, plan, CallSpec(False, 0.1), (q, q[..., 0, 0], q),
+                                        (torch.zeros(q.shape),) * 3)
 
 
 # ---------------------------------------------------------------------------
@@ -512,8 +513,7 @@ def test_key_padding_mask_is_refused_and_auto_keeps_masks_on_a_kernel_taking_any
     assert select_kernel("auto", q, q, masked=True, padding_only=True).key_masks
     with pytest.raises(ValueError, match="local patterns only"):
         plan = plans_for("longnet", 4, 4, 64, 64, [16, 64], [1, 2])[1]  # one segment of 64 rows, r = 2
-        Flash4Kernel().forward_pattern(q, q[:, :32], q[:, :32], plan, packed=True, causal=False, scale=0.25,
-                                       key_mask=mask)
+        Flash4Kernel().forward_pattern(q, q[:, :32], q[:, :32], plan, CallSpec(False, 0.25, packed=True, key_mask=mask))
 
 
 def test_cudnn_ops_take_no_mask():
@@ -563,11 +563,11 @@ def test_forward_allocates_only_the_part(rates):
     plan = plans_for("longnet", h, h, n, n, [4096], list(rates))[0]
     kern = Flash4Kernel()
     kw = dict(packed=False, causal=True, scale=d**-0.5)
-    kern.forward_pattern(*x, plan, **kw)  # compiles and warms up
+    kern.forward_pattern(*x, plan, CallSpec(**kw))  # compiles and warms up
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out, lse = kern.forward_pattern(*x, plan, **kw)
+    out, lse = kern.forward_pattern(*x, plan, CallSpec(**kw))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     expected = out.numel() * out.element_size() + lse.numel() * 4

@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 
 from dilated_attention.kernels.fused import FusedKernel, interpreting  # noqa: E402
 from dilated_attention.kernels.fused_config import FusedConfig, gpu_config, padded_dim, shared_memory_reason  # noqa: E402
+from dilated_attention.kernels.protocol import CallSpec  # noqa: E402
 from dilated_attention.testing.compare import as_layout, rel_err  # noqa: E402
 
 FUSED = FusedKernel(SMALL_TILES)
@@ -277,10 +278,10 @@ def test_pattern_fills_exactly_the_chunks():
     q = rand((1, n, heads, d), torch.float32)
     k = rand((1, n, kv_heads, d), torch.float32)
     p = plans[-1]
-    o, s = FUSED.forward_pattern(q, k, k, p, packed=False, causal=False, scale=0.1)
+    o, s = FUSED.forward_pattern(q, k, k, p, CallSpec(False, 0.1))
     rows = chunk_rows(s, p)
     assert torch.isfinite(rows).all(), f"unwritten lse rows (seed {seed})"
-    o64, s64 = REF_P.forward_pattern(d64(q), d64(k), d64(k), p, packed=False, causal=False, scale=0.1)
+    o64, s64 = REF_P.forward_pattern(d64(q), d64(k), d64(k), p, CallSpec(False, 0.1))
     assert rel_err(rows, chunk_rows(s64, p)) < 1e-5, f"seed {seed}"
 
 
@@ -306,24 +307,24 @@ def test_fresh_first_pattern_writes_what_merging_into_empty_gives(kern, causal):
         return torch.full(shape, float("nan"), device=DEVICE)
 
     out, lse = torch.zeros(q.shape, device=DEVICE), torch.full(q.shape[:3], float("-inf"), device=DEVICE)
-    kern.forward_pattern_into(q, k, v, p, out, lse, **kw)
+    kern.forward_pattern_into(q, k, v, p, CallSpec(**kw), (out, lse))
     out_f, lse_f = nan(q.shape), nan(q.shape[:3])
-    kern.forward_pattern_into(q, k, v, p, out_f, lse_f, **kw, fresh=True)
+    kern.forward_pattern_into(q, k, v, p, CallSpec(**kw), (out_f, lse_f), fresh=True)
     assert torch.equal(out_f, out) and torch.equal(lse_f, lse), f"fresh forward differs (seed {seed})"
     o = out.to(dtype)
     grads = [torch.zeros(x.shape, device=DEVICE) for x in (q, k, v)]
-    kern.backward_pattern(q, k, v, p, o, lse, dout, *grads, **kw)
+    kern.backward_pattern(q, k, v, p, CallSpec(**kw), (o, lse, dout), grads)
     fresh = [nan(x.shape) for x in (q, k, v)]
-    kern.backward_pattern(q, k, v, p, o, lse, dout, *fresh, **kw, fresh=True)
+    kern.backward_pattern(q, k, v, p, CallSpec(**kw), (o, lse, dout), fresh, fresh=True)
     for name, got, want in zip(("dq", "dk", "dv"), fresh, grads):
         assert torch.equal(got, want), f"fresh {name} differs (seed {seed})"
     if kern is FUSED:  # writing fresh where the pattern does not reach would leave garbage: refused
         with pytest.raises(ValueError, match="covers every row and head"):
-            kern.forward_pattern_into(q, k, v, plans[1], out_f, lse_f, **kw, fresh=True)
+            kern.forward_pattern_into(q, k, v, plans[1], CallSpec(**kw), (out_f, lse_f), fresh=True)
         some_heads = plans_for("grouped", heads, kv_heads, n, n)[0]  # r = 1, but only its head group
         assert some_heads.dilation == 1 and not some_heads.covers_all(heads, kv_heads)
         with pytest.raises(ValueError, match="covers every row and head"):
-            kern.backward_pattern(q, k, v, some_heads, o, lse, dout, *fresh, **kw, fresh=True)
+            kern.backward_pattern(q, k, v, some_heads, CallSpec(**kw), (o, lse, dout), fresh, fresh=True)
 
 
 # ---------------------------------------------------------------------------

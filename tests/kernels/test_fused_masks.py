@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from dilated_attention.kernels.fused import FusedKernel, _key_mask  # noqa: E402
+from dilated_attention.kernels.protocol import CallSpec  # noqa: E402
 from kernel_checks import SMALL_TILES  # noqa: E402
 from dilated_attention.patterns import plan_patterns  # noqa: E402
 from dilated_attention.testing.compare import assert_within_rule  # noqa: E402
@@ -268,7 +269,7 @@ def check_pattern(plan, q, k, v, mask, packed, causal, g, seed, tag):
     bsz, n, heads, dim = q.shape
     w, r = plan.local_segment, plan.dilation
     kk, vv = pack_kv(k, v, plan).unbind(0) if packed else (k, v)
-    out, lse = FUSED.forward_pattern(q, kk, vv, plan, packed=packed, causal=causal, scale=scale, key_mask=mask)
+    out, lse = FUSED.forward_pattern(q, kk, vv, plan, CallSpec(causal, scale, packed=packed, key_mask=mask))
     out, lse = out.unflatten(1, (n // w, w // r)), lse.unflatten(1, (n // w, w // r))
     m64 = mask.cpu()
     f64 = pattern_forward(d64(q), d64(k), d64(v), m64, plan, causal, scale)
@@ -292,8 +293,8 @@ def check_pattern(plan, q, k, v, mask, packed, causal, g, seed, tag):
     out_fin, dout = (randn(g, bsz, n, heads, dim, dtype=q.dtype) for _ in range(2))
     init = [randn(g, *x.shape) for x in (q, kk, vv)]
     acc = [x.clone() for x in init]
-    FUSED.backward_pattern(q, kk, vv, plan, out_fin, lse_fin, dout, *acc, packed=packed, causal=causal,
-                           scale=scale, key_mask=mask)
+    FUSED.backward_pattern(q, kk, vv, plan, CallSpec(causal, scale, packed=packed, key_mask=mask),
+                           (out_fin, lse_fin, dout), acc)
     acc64 = [d64(x) for x in init]
     pattern_backward(d64(q), d64(k), d64(v), m64, plan, d64(out_fin), d64(lse_fin), d64(dout), acc64, packed,
                      causal, scale)
@@ -345,27 +346,6 @@ def test_pattern_key_mask(case):
     k, v = (randn(g, b, N_PAT, kv_heads, dim, dtype=dtype) for _ in range(2))
     mask = make_mask(kind, g, (b, N_PAT), plan.local_segment, rate)
     check_pattern(plan, q, k, v, mask, packed, causal, g, seed, f"pattern {kind} w={seg} r={rate}")
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_pattern_none_is_unchanged(packed):
-    g, _ = generator("pattern-none", packed)
-    (plan,) = plan_patterns([2 * N_PAT if packed else N_PAT], [2], seq_len=2 * N_PAT if packed else N_PAT,
-                            local_len=N_PAT, num_heads=4, num_kv_heads=2)
-    q, out, dout = (randn(g, 1, N_PAT, 4, 40) for _ in range(3))
-    k, v = (randn(g, 1, N_PAT, 2, 40) for _ in range(2))
-    if packed:
-        k, v = pack_kv(k, v, plan).unbind(0)
-    lse = randn(g, 1, N_PAT, 4)
-    kw = dict(packed=packed, causal=True, scale=0.15)
-    plain = FUSED.forward_pattern(q, k, v, plan, **kw)
-    given = FUSED.forward_pattern(q, k, v, plan, key_mask=None, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(plain, given))
-    init = [randn(g, *x.shape) for x in (q, k, v)]
-    accs = [[x.clone() for x in init] for _ in range(2)]
-    FUSED.backward_pattern(q, k, v, plan, out, lse, dout, *accs[0], **kw)
-    FUSED.backward_pattern(q, k, v, plan, out, lse, dout, *accs[1], key_mask=None, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(*accs))
 
 
 # ---------------------------------------------------------------------------
@@ -423,8 +403,8 @@ def test_key_mask_validation():
     kp, vp = pack_kv(ql[:, :, :2], ql[:, :, :2], plan).unbind(0)
     short = torch.zeros(1, 16, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match=r"key_mask .*\(1, 32\).*got .*\(1, 16\)"):
-        FUSED.forward_pattern(ql, kp, vp, plan, packed=True, causal=False, scale=0.1, key_mask=short)
+        FUSED.forward_pattern(ql, kp, vp, plan, CallSpec(False, 0.1, packed=True, key_mask=short))
     acc = [torch.zeros(x.shape, device=DEVICE) for x in (ql, kp, vp)]
     with pytest.raises(ValueError, match=r"key_mask .*\(1, 32\).*got .*\(1, 16\)"):
-        FUSED.backward_pattern(ql, kp, vp, plan, ql, ql[..., 0], ql, *acc, packed=True, causal=False, scale=0.1,
-                               key_mask=short)
+        FUSED.backward_pattern(ql, kp, vp, plan, CallSpec(False, 0.1, packed=True, key_mask=short),
+                               (ql, ql[..., 0], ql), acc)

@@ -21,8 +21,8 @@ from dilated_attention.kernels.dispatch import select_kernel
 from dilated_attention.kernels.flash4 import Flash4Kernel, Flash4Ops
 from dilated_attention.kernels.fused import FusedKernel
 from dilated_attention.kernels.guard import guard_kernel
-from dilated_attention.kernels.protocol import (OPTIONAL_MEMBERS, REQUIRED_MEMBERS, Op, PatternKernel, causal_block,
-                                                run, stacks)
+from dilated_attention.kernels.protocol import (OPTIONAL_MEMBERS, REQUIRED_MEMBERS, CallSpec, Op, PatternKernel,
+                                                causal_block, run, stacks)
 from dilated_attention.kernels.reference import ReferenceKernel
 from dilated_attention.kernels.registry import KERNELS
 from dilated_attention.kernels.view_kernel import AttentionOps, ViewKernel
@@ -103,9 +103,8 @@ def test_a_kernel_with_only_the_required_members_gets_the_defaults():
         assert causal_block(kern, "bwd", DENSE, q, q) == 0
         assert not stacks(kern, "fwd", DENSE, True, q, q)
         assert kern.padding_masks and protocol.takes_padding_masks(kern)
-        out, lse = kern.forward_pattern(q, q, q, DILATED, packed=False, causal=False, scale=DIM ** -0.5)
-        want, want_lse = ChunkLoop(ReferenceKernel()).forward_pattern(q, q, q, DILATED, packed=False, causal=False,
-                                                                      scale=DIM ** -0.5)
+        out, lse = kern.forward_pattern(q, q, q, DILATED, CallSpec(False, DIM ** -0.5))
+        want, want_lse = ChunkLoop(ReferenceKernel()).forward_pattern(q, q, q, DILATED, CallSpec(False, DIM ** -0.5))
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
