@@ -117,7 +117,7 @@ def _units(spec: Schedule, key_padding_mask):
     function viewing the unit's document rows as the group's batch rows, and whether it runs with a key mask (a
     group planned unmasked: no pad rows, and the caller passed none)."""
     documents = spec.documents
-    chunks = spec.parts[0].heads or (None,)
+    chunks = documents.heads or (None,)  # (else a group's own head chunks run inside its call)
     for u, (g0, g1) in enumerate(documents.units):
         for i, heads in enumerate(chunks):
             groups = []

@@ -310,13 +310,15 @@ def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: C
     # chunks as bring the largest group's moved copies within ``memory.DOCUMENT_SHARE`` of its own bytes (the
     # hybrid's groups whole: its head swap splits the heads already); smaller calls move everything at once.
     shape = (q.shape[2], k.shape[2], q.shape[3], q.element_size())
-    own, ranges = own_bytes(q.shape[1], *shape), None
+    own = own_bytes(q.shape[1], *shape)
     if own >= memory.BOUND.floor:
-        documents = replace(documents, units=tuple((i, i + 1) for i in range(len(documents.groups))))
+        ranges = ()
         if team == 1:
             moved = max(own_bytes(g.rows, *shape) for g in documents.groups)
             ranges = head_ranges(moved, own, q.shape[2], k.shape[2], share=memory.DOCUMENT_SHARE)
-    return documents, plan_parts(ranges if ranges is not None and len(ranges) > 1 else None)
+        documents = replace(documents, units=tuple((i, i + 1) for i in range(len(documents.groups))),
+                            heads=ranges if len(ranges) > 1 else ())
+    return documents, plan_parts(documents.heads or None)
 
 
 def document_shard(segments: Sequence[int], rates: Sequence[int], pad: bool, world: int, team: int, heads: int,

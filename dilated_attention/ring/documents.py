@@ -85,7 +85,8 @@ class Documents:
     ``sends[p]``: this rank's caller rows that go to rank ``p``, ascending, and ``targets[p]`` the document rows
     (of ``p``) they land on; ``receives[p]``: this rank's document rows that arrive from ``p``, in the order ``p``
     sends them. The same lists read backwards move the results back (pad rows stay behind). ``units``: the groups
-    moved together, ``(first, end)`` group ranges (all at once, or a group at a time to bound the memory).
+    moved together, ``(first, end)`` group ranges (all at once, or a group at a time to bound the memory), each in
+    the head ranges ``heads``.
     """
 
     local: int  # the caller's rows per rank
@@ -95,6 +96,7 @@ class Documents:
     receives: tuple[torch.Tensor, ...]
     pad_rows: torch.Tensor  # bool ``(rows,)``: this rank's document rows that are padding
     units: tuple[tuple[int, int], ...] = ()
+    heads: tuple = ()  # the head ranges (``memory.HeadRange``) each unit moves in turn; () for all at once
     _on: dict = field(default_factory=dict, repr=False)  # ``Moves`` per unit and device
 
     @property

@@ -97,6 +97,8 @@ def _worker(rank: int, world: int) -> dict:
                           batch=1, local_len=6, docs=(0, 2, 8, 20, 20, 24)))
         cases.append(Case("hybrid-odd-shards", world, (8, 12), (1, 1), causal=True, masked=True, heads=8, kv_heads=4,
                           batch=1, local_len=11, docs=(0, 2, 2, 25, 31, 44), strategy="hybrid", dtype="float32"))
+        cases.append(Case("hybrid-head-chunks", world, *segments, causal=True, heads=8, kv_heads=4, batch=1,
+                          docs=mixed, strategy="hybrid", head_chunks=True))  # each group's own chunks
         cases.append(Case("hybrid", world, *segments, causal=True, masked=True, heads=8, kv_heads=4, batch=1,
                           docs=mixed, strategy="hybrid"))
     res: dict = {}
@@ -181,7 +183,8 @@ def _moved_share(rank: int, world: int) -> dict:
         spec, _ = prepare(q, k, k, get_backend("collective"), None, options)
     finally:
         memory.set_memory_bound(*rule)
-    documents, chunks = spec.documents, len(spec.parts[0].heads) or 1
+    documents = spec.documents
+    chunks = len(documents.heads) or 1
     units = [sum(g.rows for g in documents.groups[a:b]) for a, b in documents.units]
     own = own_bytes(local, heads, kv_heads, dim, 4)
     return {"share": max(own_bytes(rows, heads, kv_heads, dim, 4) for rows in units) / chunks / own,
