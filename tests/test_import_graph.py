@@ -35,9 +35,10 @@ LAZY = {
 
 
 # What plans a call, and the ring's modules that run one: the first never reach the second.
-PLANNERS = (f"{PACKAGE}.planning", f"{PACKAGE}.memory", f"{PACKAGE}.ring.routes", f"{PACKAGE}.ring.layout")
+PLANNERS = (f"{PACKAGE}.planning", f"{PACKAGE}.memory", f"{PACKAGE}.ring.routes", f"{PACKAGE}.ring.layout",
+            f"{PACKAGE}.ring.documents")
 RING_EXECUTORS = tuple(f"{PACKAGE}.ring.{m}" for m in ("block", "kv_ring", "cross_share", "square_split", "swapped",
-                                                       "stacking", "side_streams"))
+                                                       "stacking", "side_streams", "padding"))
 
 
 @dataclass(frozen=True)
