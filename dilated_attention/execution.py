@@ -119,10 +119,11 @@ def _units(spec: Schedule, key_padding_mask):
     documents = spec.documents
     chunks = documents.heads or (None,)  # (else a group's own head chunks run inside its call)
     for u, (g0, g1) in enumerate(documents.units):
+        mine = [(g, part) for g, part in zip(documents.groups, spec.parts) if g0 <= g.bucket < g1]
         for i, heads in enumerate(chunks):
             groups = []
-            for group, part in zip(documents.groups[g0:g1], spec.parts[g0:g1]):
-                def rows(x: torch.Tensor, g=group, first=documents.groups[g0].first) -> torch.Tensor:
+            for group, part in mine:
+                def rows(x: torch.Tensor, g=group, first=mine[0][0].first) -> torch.Tensor:
                     return x[:, g.first - first:g.first - first + g.rows].view(len(g.spans), g.shard, *x.shape[2:])
 
                 groups.append((part if heads is None else part.chunk(i), rows,

@@ -59,7 +59,8 @@ class Schedule:
     heads: tuple[HeadRange, ...] = ()  # the head chunks run one after another (``memory.py``); () = all at once
     padded: Padded | None = None  # rings over shards the segments do not tile: their padded shards
     documents: Documents | None = None  # packed documents on rings: where each document runs
-    parts: tuple[Schedule, ...] = ()  # with ``documents``: each group's ring call (batch rows: its documents)
+    parts: tuple[Schedule, ...] = ()  # with ``documents``: each group's call (batch rows: its documents)
+    alone: bool = False  # a group of whole documents, which this rank runs alone (no backend)
 
     def rings(self, call: int, batch: Batch | None = None) -> tuple[RingCall, ...]:
         """Per head range: the rank's block of rings across teams, or (a whole-sequence ``batch``) a block whose
@@ -70,7 +71,7 @@ class Schedule:
 
     def on(self, backend: CommBackend | None) -> Schedule:
         """This schedule with ``backend`` (a kept schedule holds none: no cycle keeps the process group alive)."""
-        return replace(self, backend=backend, parts=tuple(p.on(backend) for p in self.parts))
+        return replace(self, backend=None if self.alone else backend, parts=tuple(p.on(backend) for p in self.parts))
 
     def chunk(self, i: int) -> Schedule:
         """Head chunk ``i`` alone, on tensors holding only its heads (a head strategy's chunked swap)."""
@@ -265,8 +266,9 @@ def schedule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: CommBac
         if batches is not None:
             batches = tuple(replace(b, rings=(routed(b.plans[0], b),)) for b in batches)
             largest = max(batches, key=lambda b: b.length * b.count)  # documents of one length run as batch rows
-            ranges = head_chunks(q, split, largest.length * largest.count * bsz, causal,
-                                 lambda: estimated(largest.rings[0], largest.length, bsz * largest.count))
+            ranges = part.ranges if part is not None and part.ranges is not None else \
+                head_chunks(q, split, largest.length * largest.count * bsz, causal,
+                            lambda: estimated(largest.rings[0], largest.length, bsz * largest.count))
         else:
             blocks = (routed(plans[0], None),)
             ranges = part.ranges if part is not None and part.ranges is not None else \
@@ -292,7 +294,8 @@ def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: C
     world = backend.world_size
     shard = document_shard(options.segment_lengths, options.dilation_rates, options.pad_to_segments, world, team,
                            q.shape[2], k.shape[2], options.causal)
-    documents = plan_documents(docs, q.shape[1], backend.rank, world, options.layout == "zigzag", shard)
+    documents = plan_documents(docs, q.shape[1], backend.rank, world, options.layout == "zigzag", shard,
+                               document_alone(options.segment_lengths, options.dilation_rates, options.pad_to_segments))
 
     def plan_parts(ranges: tuple[HeadRange, ...] | None) -> tuple[Schedule, ...]:
         parts = []
@@ -302,8 +305,14 @@ def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: C
             mask = torch.empty(rows, dtype=torch.bool, device=q.device) if masked else None
             group = options._replace(key_padding_mask=mask, cu_seqlens=None, pad_to_segments=False,
                                      layout="zigzag" if g.zigzag else "contiguous")
-            parts.append(schedule(*(stand_in(x, (*rows, *x.shape[2:])) for x in (q, k, v)), backend, group,
-                                  record=record and i == 0, part=Part(team, ranges)))
+            try:
+                planned = schedule(*(stand_in(x, (*rows, *x.shape[2:])) for x in (q, k, v)),
+                                   None if g.alone else backend, group, record=record and i == 0,
+                                   part=Part(1 if g.alone else team, ranges))
+            except ValueError as exc:  # (named by the documents the caller passed)
+                raise ValueError(f"cu_seqlens: documents of {sorted({b - a for a, b in g.spans})} rows: {exc}"
+                                 ) from None
+            parts.append(replace(planned, alone=True) if g.alone else planned)
         return tuple(parts)
 
     # Memory: a call whose own bytes reach the head-chunk rule's floor moves a group at a time, in as many head
@@ -314,11 +323,31 @@ def document_rings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: C
     if own >= memory.BOUND.floor:
         ranges = ()
         if team == 1:
-            moved = max(own_bytes(g.rows, *shape) for g in documents.groups)
+            # (the same on every rank: their exchanges must match) a dealt group, or the most whole documents' rows
+            moved = own_bytes(max([g.rows for g in documents.groups if not g.alone] + [documents.widest]), *shape)
             ranges = head_ranges(moved, own, q.shape[2], k.shape[2], share=memory.DOCUMENT_SHARE)
-        documents = replace(documents, units=tuple((i, i + 1) for i in range(len(documents.groups))),
+        documents = replace(documents, units=tuple((i, i + 1) for i in range(documents.buckets_count)),
                             heads=ranges if len(ranges) > 1 else ())
     return documents, plan_parts(documents.heads or None)
+
+
+def document_alone(segments: Sequence[int], rates: Sequence[int], pad: bool
+                   ) -> tuple[Callable[[int], int], Callable[[int], float]]:
+    """How a document runs whole on one rank (``ring.documents.place_whole``): its rows there (padded as one device
+    pads), and the work of that many rows (per head, each pattern's queries times the keys each sees)."""
+    def padded(rows: int) -> int:  # (asked of every document on every rank: a refusal is every rank's)
+        if pad:
+            return padded_length(segments, rates, rows)
+        if padded_length(segments, rates, rows) != rows:
+            raise ValueError(f"cu_seqlens: a document of {rows} rows is not a length the patterns tile "
+                             f"(segment_lengths={list(segments)}, dilation_rates={list(rates)}), and "
+                             "pad_to_segments=False; pad_to_segments=True pads it")
+        return rows
+
+    def cost(rows: int) -> float:
+        return sum(rows * min(w, rows) / r ** 2 for w, r in zip(segments, rates))
+
+    return padded, cost
 
 
 def document_shard(segments: Sequence[int], rates: Sequence[int], pad: bool, world: int, team: int, heads: int,

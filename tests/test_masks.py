@@ -260,17 +260,21 @@ def _ring_rejects_untiled_docs(rank, world):
     from dilated_attention.comm import get_backend
 
     x = torch.randn(1, 8, 2, 8)
-    try:
-        dilated_attention(x, x, x, [4], [1], comm=get_backend("collective"), strategy="ring", pad_to_segments=False,
-                          cu_seqlens=torch.tensor([0, 5, 16], dtype=torch.int32))
-    except ValueError as exc:
-        return str(exc)
-    return None
+    messages = []
+    for docs in ([0, 5, 16], [0, 8, 13, 16]):  # (a 5-row document runs whole on one rank, the others dealt)
+        try:
+            dilated_attention(x, x, x, [4], [1], comm=get_backend("collective"), strategy="ring",
+                              pad_to_segments=False, cu_seqlens=torch.tensor(docs, dtype=torch.int32))
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
 
 
 def test_ring_refuses_untiled_documents_without_padding_on_every_rank():
-    for msg in spawn_ranks(_ring_rejects_untiled_docs, 2):
-        assert msg is not None and "a document of 5 rows" in msg and "pad_to_segments=True" in msg
+    for messages in spawn_ranks(_ring_rejects_untiled_docs, 2):
+        for message in messages:  # every rank names the document, whichever rank would run it
+            assert "cu_seqlens: a document of 5 rows" in message and "pad_to_segments=True" in message
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke of the benchmark script (Triton's interpreter "

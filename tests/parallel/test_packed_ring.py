@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dilated_attention.patterns import plan_patterns
-from dilated_attention.planning import document_shard
+from dilated_attention.planning import document_alone, document_shard
 from dilated_attention.ring.documents import plan_documents, undeal
 from dilated_attention.testing.spawn import spawn_ranks
 
@@ -42,7 +42,8 @@ def test_every_row_lands_once_where_its_document_runs(seed):
     if rng.random() < 0.5:
         docs.insert(1, docs[1])  # an empty document
     shard = functools.cache(_simple_shard(world, rng))  # (the same choices on every rank)
-    plans = [plan_documents(docs, local, r, world, caller_zigzag, shard) for r in range(world)]
+    alone = (lambda n: n + n % 2, lambda rows: rows * rows) if rng.random() < 0.5 else None  # whole documents too
+    plans = [plan_documents(docs, local, r, world, caller_zigzag, shard, alone) for r in range(world)]
     values = torch.arange(n) + 100
     shards = [values[undeal(r, torch.arange(local), local, world, caller_zigzag)] for r in range(world)]
     rows = [torch.full((p.rows,), -1) for p in plans]
@@ -50,15 +51,23 @@ def test_every_row_lands_once_where_its_document_runs(seed):
         for peer in range(world):  # what a rank sends a peer, the peer expects, in the same order
             assert len(plans[r].sends[peer]) == len(plans[peer].receives[r])
             rows[peer][plans[peer].receives[r]] = shards[r][plans[r].sends[peer]]
-    for g in plans[0].groups:
-        for j, (a, b) in enumerate(g.spans):
-            whole = torch.full((g.shard * world,), -1)
-            for r in range(world):
-                whole[undeal(r, torch.arange(g.shard), g.shard, world, g.zigzag)] = \
-                    rows[r][g.first + j * g.shard:g.first + (j + 1) * g.shard]
-            expected = torch.full((g.shard * world,), -1)
-            expected[:b - a] = values[a:b]  # the document from its first row, then pad rows
-            assert torch.equal(whole, expected), (docs, world, g, j)
+    placed = []
+    for rank, plan in enumerate(plans):
+        for g in plan.groups:
+            if not g.alone and rank:
+                continue  # (dealt groups: the same on every rank)
+            for j, (a, b) in enumerate(g.spans):
+                whole = torch.full((g.shard * (1 if g.alone else world),), -1)
+                if g.alone:
+                    whole[:] = rows[rank][g.first + j * g.shard:g.first + (j + 1) * g.shard]
+                for r in range(0 if g.alone else world):
+                    whole[undeal(r, torch.arange(g.shard), g.shard, world, g.zigzag)] = \
+                        rows[r][g.first + j * g.shard:g.first + (j + 1) * g.shard]
+                expected = torch.full(whole.shape, -1)
+                expected[:b - a] = values[a:b]  # the document from its first row, then pad rows
+                assert torch.equal(whole, expected), (docs, world, g, j)
+                placed.append((a, b))
+    assert sorted(placed) == [(a, b) for a, b in zip(docs, docs[1:]) if b > a]  # every document once
     for r in range(world):
         assert torch.equal(plans[r].pad_rows, rows[r] < 0)
         back = torch.full((local,), -1)  # and back: the same lists read the other way
@@ -75,6 +84,7 @@ def _worker(rank: int, world: int) -> dict:
     n = 16 * world
     mixed = (0, 1, 1, 3, 16, n - 3, n)  # one token, empty, shorter than a segment, ends on a shard boundary
     crossing = (0, 10, n - 4, n)  # a document longer than a shard, crossing shard (and zigzag chunk) boundaries
+    short = (*range(0, n - 9, 7), n - 4, n)  # short documents: most run whole on one rank each (balanced)
     segments = ((4, 8, 16), (1, 2, 4))
     cases = [Case("full-gqa", world, *segments, heads=4, kv_heads=2, batch=1, docs=mixed),
              Case("causal-masked", world, *segments, causal=True, masked=True, heads=4, kv_heads=2, batch=1,
@@ -85,6 +95,10 @@ def _worker(rank: int, world: int) -> dict:
                   shards="zigzag"),
              Case("spanning-grouped", world, (4, 8, n), (1, 2, 4), mode="grouped", causal=True, heads=6, kv_heads=3,
                   batch=1, docs=crossing),
+             Case("short-documents", world, *segments, causal=True, masked=True, heads=4, kv_heads=2, batch=1,
+                  docs=short, layout="transposed"),
+             Case("short-documents-full-bfloat16", world, *segments, heads=4, kv_heads=1, batch=1, docs=short,
+                  dtype="bfloat16", dim=16, shards="zigzag"),
              Case("torchscale-offsets", world, *segments, causal=True, heads=6, kv_heads=2, batch=1, docs=crossing,
                   head_offsets="torchscale"),
              Case("head-chunks-bfloat16", world, *segments, causal=True, heads=4, kv_heads=2, batch=1, docs=mixed,
@@ -125,22 +139,27 @@ def _log_uniform_documents(rng: random.Random, total: int, shortest: int) -> lis
 
 def rank_work(docs, world: int, segments, rates, zigzag: bool, heads: int = 16) -> tuple[list[int], list[int]]:
     """The causal (query, key) pairs each rank computes for the packed row ``docs``, pad rows included (the
-    kernels run them) and of the documents' own rows alone, from the documents' layout and each group's plans."""
+    kernels run them) and of the documents' own rows alone, from the documents' layout (dealt documents and each
+    rank's whole ones) and each group's plans."""
     shard = document_shard(segments, rates, True, world, 1, heads, heads, causal=zigzag)
+    alone = document_alone(segments, rates, True)
     work, useful = [0] * world, [0] * world
-    for g in plan_documents(docs, docs[-1] // world, 0, world, False, shard).groups:
-        rows = g.shard * world
-        plans = plan_patterns(segments, rates, seq_len=rows, local_len=g.shard, num_heads=heads, num_kv_heads=heads,
-                              layout="zigzag" if g.zigzag else "contiguous")
-        for rank in range(world):
-            held = undeal(rank, torch.arange(g.shard), g.shard, world, g.zigzag)
-            for plan in plans:
-                at = held % plan.segment
-                for offset in plan.head_offsets(heads):
-                    query = at % plan.dilation == offset
-                    pairs = (at - offset) // plan.dilation + 1
-                    work[rank] += len(g.spans) * int(pairs[query].sum())
-                    useful[rank] += sum(int(pairs[query & (held < b - a)].sum()) for a, b in g.spans)
+    for rank in range(world):
+        for g in plan_documents(docs, docs[-1] // world, rank, world, False, shard, alone).groups:
+            if not g.alone and rank:
+                continue  # (dealt groups: the same on every rank, counted once for all)
+            rows = g.shard * (1 if g.alone else world)
+            plans = plan_patterns(segments, rates, seq_len=rows, local_len=g.shard, num_heads=heads,
+                                  num_kv_heads=heads, layout="zigzag" if g.zigzag else "contiguous")
+            for r in ([rank] if g.alone else range(world)):
+                held = torch.arange(g.shard) if g.alone else undeal(r, torch.arange(g.shard), g.shard, world, g.zigzag)
+                for plan in plans:
+                    at = held % plan.segment
+                    for offset in plan.head_offsets(heads):
+                        query = at % plan.dilation == offset
+                        pairs = (at - offset) // plan.dilation + 1
+                        work[r] += len(g.spans) * int(pairs[query].sum())
+                        useful[r] += sum(int(pairs[query & (held < b - a)].sum()) for a, b in g.spans)
     return work, useful
 
 
@@ -185,11 +204,11 @@ def _moved_share(rank: int, world: int) -> dict:
         memory.set_memory_bound(*rule)
     documents = spec.documents
     chunks = len(documents.heads) or 1
-    units = [sum(g.rows for g in documents.groups[a:b]) for a, b in documents.units]
+    units = [documents.moves(u, torch.device("cpu")).rows for u in range(len(documents.units))]
     own = own_bytes(local, heads, kv_heads, dim, 4)
     return {"share": max(own_bytes(rows, heads, kv_heads, dim, 4) for rows in units) / chunks / own,
             "all": own_bytes(documents.rows, heads, kv_heads, dim, 4) / own, "chunks": chunks,
-            "units": len(units), "groups": len(documents.groups)}
+            "units": len(units), "buckets": documents.buckets_count}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -201,9 +220,9 @@ def test_large_packed_calls_hold_a_tenth_of_their_own_bytes_twice(world):
     from dilated_attention.memory import DOCUMENT_SHARE
 
     for rank, res in enumerate(spawn_ranks(_moved_share, world)):
-        print(f"K={world} rank {rank}: moved at once {res['share']:.3f} of own bytes ({res['units']} units of "
-              f"{res['groups']} groups, {res['chunks']} head chunks; all at once {res['all']:.2f})")
-        assert res["units"] == res["groups"] > 1
+        print(f"K={world} rank {rank}: moved at once {res['share']:.3f} of own bytes ({res['units']} units, "
+              f"{res['chunks']} head chunks; all at once {res['all']:.2f})")
+        assert res["units"] == res["buckets"] > 1
         assert res["share"] <= DOCUMENT_SHARE or res["chunks"] == 8
         assert res["share"] < res["all"] / 4
 
