@@ -1,7 +1,5 @@
 """Common mistakes get a hint: a warning or an error that says what to do."""
 
-import warnings
-
 import pytest
 import torch
 

@@ -50,7 +50,7 @@ from ..merge import Part, merge_pattern_, sum_grads
 from ..patterns import PatternPlan
 from ..testing.compare import rel_err
 from . import repro
-from .repro import call_extras, call_meta, describe_tensor
+from .repro import call_extras, call_meta
 
 ENV = "DILATED_ATTENTION_DEBUG"
 

@@ -16,7 +16,6 @@ import torch
 
 from .. import caches
 from ..patterns import PatternPlan
-from ..views import readable
 from .fused import FusedKernel
 from .protocol import CallSpec, Grads, PatternKernelBase, Result, Saved
 from .view_kernel import AttentionOps, ViewKernel

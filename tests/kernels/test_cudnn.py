@@ -37,7 +37,8 @@ from kernel_checks import (  # noqa: I001
 from dilated_attention import clear_caches, dilated_attention
 from dilated_attention.memory import gathered_bytes
 from dilated_attention.ring import routes
-from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel, readable
+from dilated_attention.kernels.cudnn import CudnnDkdvKernel, CudnnKernel
+from dilated_attention.views import readable
 from dilated_attention.kernels.protocol import CallSpec
 from dilated_attention.kernels.auto import AutoKernel
 from dilated_attention.kernels.fused import FusedKernel
