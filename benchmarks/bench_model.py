@@ -149,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--segment-factor", type=int, default=4)
     g.add_argument("--rate-factor", type=int, default=2)
     g.add_argument("--kernel", default="auto", help="dilated_attention's kernel= (default auto)")
+    g.add_argument("--strategy", choices=["auto", "ring", "head", "hybrid"], default="auto",
+                   help="dilated_attention's strategy= across GPUs (default auto)")
     g = p.add_argument_group("training")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     g.add_argument("--steps", type=int, default=3, help="timed steps (their median is the record)")
@@ -503,8 +505,10 @@ def attention_for(variant: str, args, shape, n: int, env, comm, state: dict) -> 
         from dilated_attention.integrations.huggingface import register_dilated_attention
 
         segs, rates = patterns(args, n)
-        name = register_dilated_attention(segs, rates, comm=comm, kernel=args.kernel, name=f"dilated_{n}")
-        return name, f"dilated attention w={segs} r={rates}, kernel={args.kernel}" + (", ring over K" if comm else "")
+        name = register_dilated_attention(segs, rates, comm=comm, kernel=args.kernel, strategy=args.strategy,
+                                          name=f"dilated_{n}")
+        return name, (f"dilated attention w={segs} r={rates}, kernel={args.kernel}"
+                      + (f", strategy={args.strategy} over K" if comm else ""))
     if variant in ONE_GPU_DENSE:
         if k > 1:
             raise Skip("dense attention on one process only: its sequence-parallel forms are ulysses and torch_cp")

@@ -66,16 +66,17 @@ def test_tiny_run_on_two_ranks(tmp_path):
 
 
 def test_packed_run_on_two_ranks(tmp_path):
-    """``--packed``: one packed row of documents on two ranks (ours as ``strategy="auto"`` picks); the peers that
-    take no packed documents are listed with the reason; FLOPs count pairs inside documents; the table says what
-    data ran."""
+    """``--packed``: one packed row of documents on two ranks, ours on the ring (``--strategy ring``: documents
+    whole on a rank or dealt over both); the peers that take no packed documents are listed with the reason; FLOPs
+    count pairs inside documents; the table says what data ran."""
     proc = run_torchrun([SCRIPT, "--tiny", "--device", "cpu", "--variants", "ours,ulysses", "--ulysses-impl", "plain",
-                         "--packed", "--packed-shortest", "16", "--out", str(tmp_path)], cwd=ROOT, done="wrote",
-                        nproc=2, timeout=300, env=UNINTERPRETED)
+                         "--packed", "--packed-shortest", "16", "--strategy", "ring", "--out", str(tmp_path)],
+                        cwd=ROOT, done="wrote", nproc=2, timeout=300, env=UNINTERPRETED)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((tmp_path / "model_cpu-packed.json").read_text())
     (record,) = data["records"]
     assert record["variant"] == "ours" and all(math.isfinite(x) for x in record["losses"])
+    assert "strategy=ring over K" in record["attention"]
     bench_model = load_script()
     args = bench_model.parse_args(["--tiny", "--packed", "--packed-shortest", "16"])
     whole = bench_model.parse_args(["--tiny"])
