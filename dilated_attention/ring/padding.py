@@ -50,8 +50,8 @@ def move_documents(xs: list[torch.Tensor], moves: Moves, comm: CommBackend, what
     sends, receives, sent, received = (moves.sends, moves.receives, moves.sent, moves.received) if into is None \
         else (moves.receives, moves.sends, moves.received, moves.sent)
     outgoing, incoming, landed = [], [], []
-    for x in xs:
-        out = x[0].index_select(0, sends).split(sent)
+    for x in xs:  # (a head chunk of the caller's rows is a strided view: gathered from a contiguous copy)
+        out = x[0].contiguous().index_select(0, sends).split(sent)
         got = x.new_empty((sum(received), *x.shape[2:]))
         for peer, (mine, theirs) in enumerate(zip(out, got.split(received))):
             if peer == comm.rank:
