@@ -936,7 +936,8 @@ def load(path: str) -> dict:
 def merge(old: dict | None, meta: dict, k: int, cases: list[tuple[int, str]], searched: list[str]) -> dict:
     """The results file with this run's meta under its GPU count. Of the old records, those this run measures
     again (same GPU count, length and variant; same GPU count and variant for ``--find-max``) are dropped, the
-    rest kept: several commands at one GPU count fill one file. ``meta["commands"]`` lists them all."""
+    rest kept: several commands at one GPU count fill one file. ``meta["commands"]`` lists those behind the kept
+    records (all, where an older record does not say which made it) and this run's."""
     data = {"runs": {}, "records": [], "skipped": [], "find_max": []}
     again = {(k, n, v) for n, v in cases}
     if old:
@@ -945,7 +946,11 @@ def merge(old: dict | None, meta: dict, k: int, cases: list[tuple[int, str]], se
             data[key] = [r for r in old.get(key, []) if (r.get("gpus"), r.get("seq_len"), r.get("variant")) not in again]
         data["find_max"] = [f for f in old.get("find_max", []) if not (f.get("gpus") == k and f["variant"] in searched)]
     before = data["runs"].get(str(k), {})
-    data["runs"][str(k)] = {**meta, "commands": before.get("commands", []) + [meta["command"]],
+    # the commands that remake what the file keeps: a command whose records were all measured again is dropped
+    kept = [r for r in data["records"] if r.get("gpus") == k]
+    made = {r.get("provenance", {}).get("command") for r in kept}
+    commands = [c for c in before.get("commands", []) if c in made or None in made] + [meta["command"]]
+    data["runs"][str(k)] = {**meta, "commands": list(dict.fromkeys(commands)),
                             "patterns": {**before.get("patterns", {}), **meta["patterns"]}}
     return data
 
@@ -963,7 +968,7 @@ def render_md(data: dict) -> str:
         data_line = f"; data: {meta['data']}" if meta.get("data") else ""
         lines += [f"- {k} x {meta['gpu']}: {meta['model']}{data_line}; {meta['training']}; timing: {meta['timing']}; "
                   f"MFU against {meta['peak_tflops']} TFLOP/s per GPU ({meta['flops']}); {versions}. Patterns of "
-                  f"ours: {meta['pattern_rule']}. Code: {meta.get('code', 'not recorded')}; last run "
+                  f"ours: {meta['pattern_rule']}. Code: {meta.get('code', 'not recorded')}; measured "
                   f"{meta['date']}. Commands: {commands}."]
     lines += ["", "| GPUs | tokens/seq | variant | step s | tokens/s | vs best dense | MFU | peak GiB/GPU | checkpointing "
               "| loss first -> last |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
