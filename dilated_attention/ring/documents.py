@@ -78,7 +78,6 @@ class Moves(NamedTuple):
     sent: list[int]
     received: list[int]
     pads: torch.Tensor  # bool ``(1, rows)``: the unit's document rows that are padding
-    first: int  # the unit's first row of this rank's document rows
     rows: int
 
 
@@ -86,17 +85,16 @@ class Moves(NamedTuple):
 class Documents:
     """How one rank's rows move between the caller's shards and the groups' rows.
 
-    ``sends[p]``: this rank's caller rows that go to rank ``p``, ascending, and ``targets[p]`` the document rows
-    (of ``p``) they land on; ``receives[p]``: this rank's document rows that arrive from ``p``, in the order ``p``
-    sends them, ``buckets[p]`` the bucket of each send's group (``Group.bucket``). The same lists read backwards move
-    the results back (pad rows stay behind). ``units``: the buckets moved together, ``(first, end)`` ranges (all
-    at once, or a bucket at a time to bound the memory), each in the head ranges ``heads``.
+    ``sends[p]``: this rank's caller rows that go to rank ``p``, ascending, ``buckets[p]`` the bucket of each one's
+    group (``Group.bucket``); ``receives[p]``: this rank's document rows that arrive from ``p``, in the order ``p``
+    sends them. The same lists read backwards move the results back (pad rows stay behind). ``units``: the buckets
+    moved together, ``(first, end)`` ranges (all at once, or a bucket at a time to bound the memory), each in the
+    head ranges ``heads``.
     """
 
     local: int  # the caller's rows per rank
     groups: tuple[Group, ...]
     sends: tuple[torch.Tensor, ...]
-    targets: tuple[torch.Tensor, ...]
     buckets: tuple[torch.Tensor, ...]
     receives: tuple[torch.Tensor, ...]
     pad_rows: torch.Tensor  # bool ``(rows,)``: this rank's document rows that are padding
@@ -121,7 +119,7 @@ class Documents:
             receives = [r[(r >= lo) & (r < hi)] - lo for r in self.receives]
             self._on[unit, device] = Moves(torch.cat(sends).to(device), torch.cat(receives).to(device),
                                            [len(x) for x in sends], [len(x) for x in receives],
-                                           self.pad_rows[lo:hi].to(device).unsqueeze(0), lo, hi - lo)
+                                           self.pad_rows[lo:hi].to(device).unsqueeze(0), hi - lo)
         return self._on[unit, device]
 
 
@@ -218,10 +216,9 @@ def plan_documents(docs: Sequence[int], local: int, rank: int, world: int, calle
     source = torch.where(offset < length[doc], sender * local + held, -1)
     receiver = target // widest  # (a stable sort keeps each peer's rows ascending, the order it expects them in)
     sends = torch.argsort(receiver, stable=True).split(torch.bincount(receiver, minlength=world).tolist())
-    targets = tuple(target[x] % widest for x in sends)
     buckets = tuple(bucket[of[x]] for x in sends)
     real = torch.nonzero(source >= 0).flatten()
     arriving = real[torch.argsort(source[real])]  # by sender, then by the sender's row: the order it sends in
     receives = arriving.split(torch.bincount(source[real] // local, minlength=world).tolist())
-    return Documents(local, tuple(groups), sends, targets, buckets, receives, source < 0, count + len(classes),
+    return Documents(local, tuple(groups), sends, buckets, receives, source < 0, count + len(classes),
                      most, ((0, count + len(classes)),))
