@@ -267,8 +267,8 @@ def step_flops(args, shape, variant: str, n: int) -> float:
     from dilated_attention.models.hf_training import attended_pairs, dense_causal_pairs, model_flops
 
     segs, rates = patterns(args, n)
-    pairs = 0
-    for a, b in zip(documents(args, n), documents(args, n)[1:]):
+    pairs, docs = 0, documents(args, n)
+    for a, b in zip(docs, docs[1:]):
         if variant == "ours":
             pairs += attended_pairs(b - a, shape.heads, segs, rates, causal=True)
         else:

@@ -25,6 +25,7 @@ from torch import nn
 
 from .comm import CommBackend, resolve_comm
 from .patterns import check_layout
+from .ring.documents import undeal
 
 
 def _backend(comm: str | CommBackend) -> CommBackend:
@@ -62,8 +63,10 @@ def shard_indices(seq_len: int, world: int, rank: int, layout: str = "contiguous
             raise ValueError(f"{name} must be a {'non-negative' if name == 'rank' else 'positive'} int, got {value!r}")
     if rank >= world:
         raise ValueError(f"rank must be below world={world}, got {rank}")
-    size = _chunk_length(seq_len, world, layout, "seq_len")
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in _chunks(world, rank, layout)])
+    check_layout(layout)
+    _chunk_length(seq_len, world, layout, "seq_len")  # (raises where the layout does not cut it evenly)
+    local = seq_len // world
+    return undeal(rank, torch.arange(local), local, world, layout == "zigzag")
 
 
 def shard_sequence(x: torch.Tensor, comm: str | CommBackend, dim: int = 1, layout: str = "contiguous"
